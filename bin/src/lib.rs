@@ -1,0 +1,1 @@
+//! Shared code of the `train` and `oobleck` binaries.

@@ -1,0 +1,1 @@
+//! Communicators for Oobleck-rs.

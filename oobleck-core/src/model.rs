@@ -1,0 +1,1 @@
+//! Model-facing traits (in progress).

@@ -1,0 +1,1 @@
+//! AdamW with exportable state (in progress).

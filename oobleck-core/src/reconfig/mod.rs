@@ -1,0 +1,1 @@
+//! reconfig (in progress).

@@ -1,0 +1,1 @@
+//! schedule (in progress).

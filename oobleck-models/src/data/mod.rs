@@ -1,0 +1,1 @@
+//! Corpus, tokenizer and batches (in progress).

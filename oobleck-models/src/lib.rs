@@ -1,0 +1,3 @@
+//! GPT/OPT models for Oobleck-rs.
+
+pub mod data;

@@ -1,0 +1,1 @@
+//! Helpers shared by the cross-crate and multi-process tests.
