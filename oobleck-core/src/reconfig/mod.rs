@@ -1,1 +1,447 @@
-//! reconfig (in progress).
+//! Reconfiguration decisions: given the current [`Plan`] and the nodes that were lost and/or
+//! joined, what the cluster becomes. Pure; see `README.md` beside this file for the rules.
+//!
+//! The result is a [`ReconfigPlan`]: the next-generation plan (same `B`), the layer copies the
+//! runtime must perform, the layers nobody holds any more (the runtime then restores them from
+//! a checkpoint), and the fault tolerance left.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::planning::instantiate::{assemble, choose_counts, Ctx};
+use crate::planning::{Pipeline, Plan, PlanError, TemplateSet};
+
+/// Copy one layer's training state (parameters + optimizer state) between two devices.
+/// Ranks are of the **new** generation; the source still holds the layer from its old role
+/// and must keep it until the copy is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerCopy {
+    pub layer: usize,
+    pub from_rank: u32,
+    pub to_rank: u32,
+    pub from_node: u32,
+    pub to_node: u32,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// What happened to a pipeline, for logs and reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Action {
+    /// Lost nodes; still fits a (smaller) template.
+    Shrink {
+        pipeline: u32,
+        from_nodes: u32,
+        to_nodes: u32,
+    },
+    /// Took `node` from the largest pipeline that could spare it.
+    Borrow {
+        pipeline: u32,
+        donor: u32,
+        node: u32,
+    },
+    /// `absorbed` joined `into` because no donor could spare a node.
+    Merge { into: u32, absorbed: u32 },
+    /// Gone entirely (all its nodes were lost).
+    Vanish { pipeline: u32 },
+    /// A fresh instantiation over all nodes (joins, or when shrink/borrow/merge cannot keep
+    /// `min(f + 1, possible)` pipelines on valid templates).
+    Reinstantiate { nodes: u32 },
+}
+
+/// The decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconfigPlan {
+    /// The next-generation plan.
+    pub plan: Plan,
+    /// Layer copies, sorted by (to_rank, layer).
+    pub copies: Vec<LayerCopy>,
+    /// Layers without any surviving holder: restore from a checkpoint.
+    pub missing_layers: Vec<usize>,
+    /// Simultaneous node losses the new plan survives (`pipelines - 1`).
+    pub fault_tolerance: u32,
+    pub actions: Vec<Action>,
+    pub lost: Vec<u32>,
+    pub joined: Vec<u32>,
+}
+
+impl ReconfigPlan {
+    /// Total bytes the copies move.
+    pub fn copy_bytes(&self) -> u64 {
+        self.copies.iter().map(|c| c.bytes).sum()
+    }
+}
+
+/// Which layers each `(node, device)` held in a plan.
+struct Holdings {
+    g: u32,
+    /// (node, device) -> layer range held.
+    by_device: BTreeMap<(u32, u32), (usize, usize)>,
+}
+
+impl Holdings {
+    fn of(plan: &Plan) -> Self {
+        let mut by_device = BTreeMap::new();
+        for p in &plan.pipelines {
+            let t = plan.template_of(p);
+            for s in &t.stages {
+                let node = p.nodes[s.node as usize];
+                for d in s.first_device..s.first_device + s.devices {
+                    by_device.insert((node, d), (s.layer_start, s.layer_end));
+                }
+            }
+        }
+        Holdings {
+            g: plan.devices_per_node,
+            by_device,
+        }
+    }
+
+    fn first_layer(&self, node: u32) -> usize {
+        (0..self.g)
+            .filter_map(|d| self.by_device.get(&(node, d)).map(|r| r.0))
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
+    fn holds(&self, node: u32, device: u32, layer: usize) -> bool {
+        self.by_device
+            .get(&(node, device))
+            .is_some_and(|&(a, b)| (a..b).contains(&layer))
+    }
+}
+
+/// Bytes a pipeline of template `tpl_nodes` on `nodes` would have to receive.
+fn moved_bytes(set: &TemplateSet, old: &Holdings, tpl_nodes: u32, nodes: &[u32]) -> u64 {
+    let Some(t) = set.get(tpl_nodes) else {
+        return u64::MAX;
+    };
+    let mut total = 0u64;
+    for s in &t.stages {
+        let node = nodes[s.node as usize];
+        for d in s.first_device..s.first_device + s.devices {
+            for l in s.layers() {
+                if !old.holds(node, d, l) {
+                    total += set.layer_state_bytes.get(l).copied().unwrap_or(0);
+                }
+            }
+        }
+    }
+    total
+}
+
+/// Orders a pipeline's nodes so nodes holding earlier layers run earlier stages (keeps state in
+/// place); fresh nodes go last; ties by id.
+fn order_nodes(old: &Holdings, nodes: &mut [u32]) {
+    nodes.sort_by_key(|&n| (old.first_layer(n), n));
+}
+
+/// Decides the reconfiguration after losing `lost` and gaining `joined` nodes.
+pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan, PlanError> {
+    let current: BTreeSet<u32> = plan.nodes().into_iter().collect();
+    let lost: BTreeSet<u32> = lost.iter().copied().collect();
+    let joined: BTreeSet<u32> = joined.iter().copied().collect();
+    if let Some(&node) = lost.iter().find(|n| !current.contains(n)) {
+        return Err(PlanError::UnknownNode { node });
+    }
+    if let Some(&node) = joined
+        .iter()
+        .find(|n| current.contains(n) || lost.contains(n))
+    {
+        return Err(PlanError::DuplicateNode { node });
+    }
+    let set = plan.template_set();
+    let old = Holdings::of(plan);
+    let ctx = Ctx::of(plan);
+    let n_min = set.templates.first().map_or(1, |t| t.nodes) as usize;
+    let mut actions = Vec::new();
+
+    // Survivors of each pipeline, identities kept.
+    let mut groups: Vec<(u32, Vec<u32>)> = Vec::new();
+    for p in &plan.pipelines {
+        let nodes: Vec<u32> = p
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| !lost.contains(n))
+            .collect();
+        if nodes.is_empty() {
+            actions.push(Action::Vanish { pipeline: p.id });
+        } else {
+            if nodes.len() < p.nodes.len() {
+                actions.push(Action::Shrink {
+                    pipeline: p.id,
+                    from_nodes: p.nodes.len() as u32,
+                    to_nodes: nodes.len() as u32,
+                });
+            }
+            groups.push((p.id, nodes));
+        }
+    }
+    let survivors: usize = groups.iter().map(|g| g.1.len()).sum();
+    let total = survivors + joined.len();
+    let want = (plan.fault_threshold as usize + 1)
+        .min(total / n_min.max(1))
+        .max(1);
+
+    let incremental = if joined.is_empty() {
+        shrink_borrow_merge(&set, &old, groups.clone(), n_min, &mut actions)
+    } else {
+        None
+    };
+    let groups = match incremental {
+        Some(g) if g.len() >= want => g,
+        _ => {
+            actions.push(Action::Reinstantiate {
+                nodes: total as u32,
+            });
+            reinstantiate(&set, &ctx, &old, groups, &joined, plan)?
+        }
+    };
+    let mut groups = groups;
+    groups.sort_by_key(|g| g.0);
+    let ids: Vec<u32> = groups.iter().map(|g| g.0).collect();
+    let with_tpl: Vec<(usize, Vec<u32>)> = groups
+        .into_iter()
+        .map(|(_, nodes)| {
+            let t = set
+                .templates
+                .iter()
+                .position(|t| t.nodes as usize == nodes.len())
+                .expect("every group was sized to an existing template");
+            (t, nodes)
+        })
+        .collect();
+    let new_plan = assemble(&set, &ctx, with_tpl, &ids, plan.generation + 1)?;
+    let (copies, missing_layers) = plan_copies(plan, &new_plan, &old, &lost);
+    Ok(ReconfigPlan {
+        fault_tolerance: new_plan.pipelines.len() as u32 - 1,
+        plan: new_plan,
+        copies,
+        missing_layers,
+        actions,
+        lost: lost.into_iter().collect(),
+        joined: joined.into_iter().collect(),
+    })
+}
+
+/// Shrink, borrow, merge. `None` when some group ends without a template.
+fn shrink_borrow_merge(
+    set: &TemplateSet,
+    old: &Holdings,
+    mut groups: Vec<(u32, Vec<u32>)>,
+    n_min: usize,
+    actions: &mut Vec<Action>,
+) -> Option<Vec<(u32, Vec<u32>)>> {
+    // Borrow: each short pipeline (in id order) takes the last node of the largest pipeline
+    // that stays at or above n0 after giving it (ties: the later pipeline).
+    for i in 0..groups.len() {
+        while groups[i].1.len() < n_min {
+            let donor = match (0..groups.len())
+                .filter(|&j| j != i && groups[j].1.len() > n_min)
+                .max_by_key(|&j| (groups[j].1.len(), j))
+            {
+                Some(d) => d,
+                None => break,
+            };
+            let node = groups[donor].1.pop().expect("donor has > n0 nodes");
+            actions.push(Action::Borrow {
+                pipeline: groups[i].0,
+                donor: groups[donor].0,
+                node,
+            });
+            groups[i].1.push(node);
+        }
+    }
+    // Merge: the smallest short group joins the partner (another short group first, else a
+    // full one) whose merged pipeline moves the least state; ties: the smaller, then lower id.
+    loop {
+        let Some(i) = (0..groups.len())
+            .filter(|&j| groups[j].1.len() < n_min)
+            .min_by_key(|&j| (groups[j].1.len(), groups[j].0))
+        else {
+            break;
+        };
+        let short_exists = (0..groups.len()).any(|j| j != i && groups[j].1.len() < n_min);
+        let partner = (0..groups.len())
+            .filter(|&j| j != i && (!short_exists || groups[j].1.len() < n_min))
+            .filter(|&j| {
+                set.get((groups[i].1.len() + groups[j].1.len()) as u32)
+                    .is_some()
+            })
+            .min_by_key(|&j| {
+                let mut nodes: Vec<u32> = groups[j].1.iter().chain(&groups[i].1).copied().collect();
+                order_nodes(old, &mut nodes);
+                (
+                    moved_bytes(set, old, nodes.len() as u32, &nodes),
+                    groups[j].1.len(),
+                    groups[j].0,
+                )
+            })?;
+        let absorbed = groups.remove(i);
+        let j = if partner > i { partner - 1 } else { partner };
+        actions.push(Action::Merge {
+            into: groups[j].0,
+            absorbed: absorbed.0,
+        });
+        groups[j].1.extend(absorbed.1);
+    }
+    for g in &mut groups {
+        order_nodes(old, &mut g.1);
+        set.get(g.1.len() as u32)?;
+    }
+    Some(groups)
+}
+
+/// Fresh template counts over survivors + joined nodes; existing pipelines are kept whole where
+/// a pipeline of their size is wanted, then extended, then broken up for the rest.
+fn reinstantiate(
+    set: &TemplateSet,
+    ctx: &Ctx,
+    old: &Holdings,
+    groups: Vec<(u32, Vec<u32>)>,
+    joined: &BTreeSet<u32>,
+    plan: &Plan,
+) -> Result<Vec<(u32, Vec<u32>)>, PlanError> {
+    let total = groups.iter().map(|g| g.1.len()).sum::<usize>() + joined.len();
+    let counts = choose_counts(
+        set,
+        ctx.global_microbatches,
+        ctx.fault_threshold,
+        total as u32,
+        ctx.sync_ns,
+    )?;
+    let mut slots: Vec<usize> = Vec::new();
+    for (t, &c) in counts.iter().enumerate() {
+        slots.extend(std::iter::repeat_n(
+            set.templates[t].nodes as usize,
+            c as usize,
+        ));
+    }
+    slots.sort_unstable_by(|a, b| b.cmp(a));
+    let mut left: Vec<(u32, Vec<u32>)> = groups;
+    left.sort_by_key(|g| (std::cmp::Reverse(g.1.len()), g.0));
+    let mut free: Vec<u32> = joined.iter().copied().collect();
+    let mut out: Vec<(u32, Vec<u32>)> = Vec::new();
+    let mut open: Vec<usize> = Vec::new();
+    // Exact matches keep a pipeline untouched.
+    for s in slots {
+        if let Some(k) = left.iter().position(|g| g.1.len() == s) {
+            out.push(left.remove(k));
+        } else {
+            open.push(s);
+        }
+    }
+    let mut next_id = plan
+        .pipelines
+        .iter()
+        .map(|p| p.id)
+        .max()
+        .map_or(0, |m| m + 1);
+    for s in open {
+        // The largest remaining group that fits, padded; else the prefix of the largest.
+        let group = if let Some(k) = left.iter().position(|g| g.1.len() <= s) {
+            Some(left.remove(k))
+        } else if !left.is_empty() {
+            let mut g = left.remove(0);
+            free.extend(g.1.split_off(s));
+            Some(g)
+        } else {
+            None
+        };
+        let (id, mut nodes) = group.unwrap_or_else(|| {
+            let id = next_id;
+            next_id += 1;
+            (id, Vec::new())
+        });
+        while nodes.len() < s {
+            if free.is_empty() {
+                // Break the smallest remaining group into free nodes.
+                let g = left.pop().expect("slot sizes sum to the node count");
+                free.extend(g.1);
+            }
+            nodes.push(free.remove(0));
+        }
+        out.push((id, nodes));
+    }
+    for g in &mut out {
+        order_nodes(old, &mut g.1);
+    }
+    Ok(out)
+}
+
+/// Copies each new holder needs, sources spread over surviving old holders by bytes assigned.
+fn plan_copies(
+    old_plan: &Plan,
+    new_plan: &Plan,
+    old: &Holdings,
+    lost: &BTreeSet<u32>,
+) -> (Vec<LayerCopy>, Vec<usize>) {
+    let g = new_plan.devices_per_node;
+    let num_layers = new_plan.layer_state_bytes.len();
+    // New rank of each (node, device).
+    let mut new_rank: BTreeMap<(u32, u32), u32> = BTreeMap::new();
+    for p in &new_plan.pipelines {
+        for (j, &n) in p.nodes.iter().enumerate() {
+            for d in 0..g {
+                new_rank.insert((n, d), p.first_rank + j as u32 * g + d);
+            }
+        }
+    }
+    // Surviving old holders per layer.
+    let mut holders: Vec<Vec<(u32, u32)>> = vec![Vec::new(); num_layers];
+    for (&(node, d), &(a, b)) in &old.by_device {
+        if lost.contains(&node) {
+            continue;
+        }
+        for h in holders.iter_mut().take(b).skip(a) {
+            h.push((node, d));
+        }
+    }
+    let unchanged = |p: &Pipeline| {
+        old_plan
+            .pipelines
+            .iter()
+            .any(|q| q.nodes == p.nodes && q.template_nodes == p.template_nodes)
+    };
+    let mut load: BTreeMap<(u32, u32), u64> = BTreeMap::new();
+    let mut copies = Vec::new();
+    let mut missing = BTreeSet::new();
+    for p in &new_plan.pipelines {
+        if unchanged(p) {
+            continue;
+        }
+        let t = new_plan.template_of(p);
+        for s in &t.stages {
+            let node = p.nodes[s.node as usize];
+            for d in s.first_device..s.first_device + s.devices {
+                for l in s.layers() {
+                    if old.holds(node, d, l) {
+                        continue;
+                    }
+                    let bytes = new_plan.layer_state_bytes[l];
+                    let Some(&src) = holders[l]
+                        .iter()
+                        .min_by_key(|h| (load.get(h).copied().unwrap_or(0), new_rank[h]))
+                    else {
+                        missing.insert(l);
+                        continue;
+                    };
+                    *load.entry(src).or_insert(0) += bytes;
+                    copies.push(LayerCopy {
+                        layer: l,
+                        from_rank: new_rank[&src],
+                        to_rank: new_rank[&(node, d)],
+                        from_node: src.0,
+                        to_node: node,
+                        bytes,
+                    });
+                }
+            }
+        }
+    }
+    copies.sort_by_key(|c| (c.to_rank, c.layer));
+    (copies, missing.into_iter().collect())
+}
