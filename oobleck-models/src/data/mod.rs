@@ -1,1 +1,127 @@
-//! Corpus, tokenizer and batches (in progress).
+//! Corpus, GPT-2 tokenizer, on-disk token cache and deterministic batches.
+//!
+//! ```text
+//!  datasets/shakespeare.txt ──┐
+//!                             ├─ tokenize once ─> <corpus>.tokens (u16 LE, header with the
+//!  datasets/gpt2-tokenizer/ ──┘   (corpus.rs)      corpus + tokenizer hashes; mmap'd)
+//!                                                          │
+//!                                split: last 5% of tokens = validation, rest = train
+//!                                                          │
+//!  (seed, epoch) ─> ChaCha20 permutation of the split's windows of seq_len + 1 tokens
+//!  iteration t  ─> samples [t*B*b, (t+1)*B*b) of that permutation
+//!  microbatch k ─> samples [k*b, (k+1)*b) of the iteration          (batches.rs)
+//! ```
+//!
+//! Data order depends only on `(seed, epoch, iteration, microbatch)` and the corpus/tokenizer
+//! bytes, never on which process asks (DESIGN.md section 4): every pipeline can compute its own
+//! microbatches, and a replayed iteration after a failure sees exactly the same samples.
+
+mod batches;
+mod corpus;
+mod tokenizer;
+
+pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
+pub use corpus::{default_cache_dirs, TokenCache, CACHE_FORMAT_VERSION};
+pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
+
+use std::path::{Path, PathBuf};
+
+/// File name of the shipped corpus inside `datasets/`.
+pub const DEFAULT_CORPUS_FILE: &str = "shakespeare.txt";
+/// Folder of the shipped GPT-2 tokenizer inside `datasets/`.
+pub const DEFAULT_TOKENIZER_DIR: &str = "gpt2-tokenizer";
+
+/// Errors of the data pipeline. Each names the file (or split) and the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{what} {path} does not exist")]
+    NotFound { what: &'static str, path: PathBuf },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not UTF-8 text (invalid byte sequence at byte {offset})")]
+    NotUtf8 { path: PathBuf, offset: usize },
+    #[error("{path}: expected a UTF-8 text file, found a folder")]
+    NotAFile { path: PathBuf },
+    #[error("{path}: corpus is empty")]
+    EmptyCorpus { path: PathBuf },
+    #[error("{path}: bad tokenizer file: {problem}")]
+    BadTokenizer { path: PathBuf, problem: String },
+    #[error("tokenizer failed on {what}: {message}")]
+    Tokenize { what: String, message: String },
+    #[error(
+        "tokenizer {path} has a vocabulary of {tokenizer_vocab} tokens but the model expects \
+         {model_vocab}; use the model's own tokenizer or a model with vocab_size {tokenizer_vocab}"
+    )]
+    VocabMismatch {
+        path: PathBuf,
+        tokenizer_vocab: usize,
+        model_vocab: usize,
+    },
+    #[error("token id {id} does not fit the u16 token cache (vocabulary of {vocab} tokens)")]
+    VocabTooLarge { id: u32, vocab: usize },
+    #[error(
+        "no writable cache location for the tokens of {corpus}; tried: {tried}. \
+         Pass a writable cache directory (or set OOBLECK_CACHE_DIR)"
+    )]
+    NoWritableCache { corpus: PathBuf, tried: String },
+    #[error(
+        "{split} split of {corpus} is too small: {tokens} tokens give {samples} samples of \
+         seq_len {seq_len} + 1, but one global batch needs {needed} samples"
+    )]
+    TooSmall {
+        corpus: PathBuf,
+        split: Split,
+        tokens: usize,
+        samples: usize,
+        seq_len: usize,
+        needed: usize,
+    },
+    #[error("invalid batch request: {0}")]
+    InvalidRequest(String),
+}
+
+/// Result of the data pipeline.
+pub type Result<T> = std::result::Result<T, DataError>;
+
+/// `datasets/` of this workspace: the compile-time location when it still exists (so
+/// `cargo run` from anywhere finds it), else `./datasets` relative to the working directory.
+pub fn default_datasets_dir() -> PathBuf {
+    let compiled = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("datasets");
+    if compiled.is_dir() {
+        compiled
+    } else {
+        PathBuf::from("datasets")
+    }
+}
+
+/// The shipped corpus, `datasets/shakespeare.txt` (see `datasets/README.md`).
+pub fn default_corpus_path() -> PathBuf {
+    default_datasets_dir().join(DEFAULT_CORPUS_FILE)
+}
+
+/// The shipped GPT-2 tokenizer folder, `datasets/gpt2-tokenizer/`.
+pub fn default_tokenizer_dir() -> PathBuf {
+    default_datasets_dir().join(DEFAULT_TOKENIZER_DIR)
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
+    move |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Reads a file the user named, turning "missing" into [`DataError::NotFound`].
+fn read_input(path: &Path, what: &'static str) -> Result<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(DataError::NotFound {
+            what,
+            path: path.to_path_buf(),
+        }),
+        Err(e) => Err(io_err(path)(e)),
+    }
+}

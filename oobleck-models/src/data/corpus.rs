@@ -1,0 +1,378 @@
+//! The on-disk token cache: a corpus is tokenized once, its ids stored as u16 little-endian
+//! (every GPT-2 id is below 65,536) and memory-mapped afterwards.
+//!
+//! File layout (one file, so it is replaced atomically as a whole):
+//!
+//! ```text
+//! 0        8          12          16                     D = 16 + H rounded up to 64
+//! | magic  | version  | H (u32 LE) | header JSON (H bytes) | zero pad | tokens: n x u16 LE |
+//! "OOBTOKS\0"  u32 LE
+//! ```
+//!
+//! The header records the SHA-256 of the corpus bytes, of the tokenizer files and of the token
+//! data. A cache whose corpus or tokenizer hash differs is stale and rebuilt; one whose data
+//! hash or length is wrong is corrupt and rebuilt (with a warning). Writes go to a temporary
+//! name in the same folder, are fsynced and renamed into place, so readers never see half a
+//! file and concurrent builders (several workers starting at once) each publish a complete,
+//! identical file.
+//!
+//! Where the cache lives: an explicit folder if the caller gives one; otherwise the first of
+//! [`default_cache_dirs`] that already holds a valid cache, else the first that is writable:
+//! `$OOBLECK_CACHE_DIR` (alone, if set), next to the corpus (`<corpus>.tokens`),
+//! `$XDG_CACHE_HOME/oobleck-rs` (or `~/.cache/oobleck-rs`), then the system temp folder. So a
+//! read-only checkout still works.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::tokenizer::Gpt2Tokenizer;
+use super::{io_err, read_input, DataError, Result};
+
+const MAGIC: &[u8; 8] = b"OOBTOKS\0";
+/// Version of the cache file layout; a different version is rebuilt.
+pub const CACHE_FORMAT_VERSION: u32 = 1;
+const DATA_ALIGN: usize = 64;
+/// Largest header accepted when reading (a corrupt length must not allocate gigabytes).
+const MAX_HEADER: usize = 1 << 16;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Header {
+    /// SHA-256 of the corpus file's bytes.
+    corpus_sha256: String,
+    /// Size of the corpus in bytes (for humans reading the header).
+    corpus_bytes: u64,
+    /// [`Gpt2Tokenizer::hash`] of the tokenizer that produced the ids.
+    tokenizer_sha256: String,
+    /// Vocabulary size of that tokenizer; every id is below it.
+    vocab_size: u64,
+    /// Number of u16 ids after the header.
+    num_tokens: u64,
+    /// SHA-256 of the token bytes, checked on every open.
+    tokens_sha256: String,
+}
+
+/// Token ids of one corpus, memory-mapped from the cache file.
+pub struct TokenCache {
+    path: PathBuf,
+    map: Mmap,
+    offset: usize,
+    num_tokens: usize,
+}
+
+impl std::fmt::Debug for TokenCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenCache")
+            .field("path", &self.path)
+            .field("num_tokens", &self.num_tokens)
+            .finish()
+    }
+}
+
+/// Cache folders tried, in order, when the caller names none (see the module docs). Each comes
+/// with whether the file name must carry the corpus hash (shared folders may hold caches of
+/// several corpora with the same file name).
+pub fn default_cache_dirs(corpus: &Path) -> Vec<(PathBuf, bool)> {
+    if let Some(dir) = std::env::var_os("OOBLECK_CACHE_DIR").filter(|d| !d.is_empty()) {
+        return vec![(PathBuf::from(dir), true)];
+    }
+    let mut dirs = Vec::new();
+    let parent = corpus.parent().filter(|p| !p.as_os_str().is_empty());
+    dirs.push((parent.unwrap_or(Path::new(".")).to_path_buf(), false));
+    let xdg = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
+    if let Some(xdg) = xdg {
+        dirs.push((xdg.join("oobleck-rs"), true));
+    }
+    dirs.push((std::env::temp_dir().join("oobleck-rs-cache"), true));
+    dirs
+}
+
+impl TokenCache {
+    /// Opens the token cache of `corpus` under `tokenizer`, building it if missing, stale or
+    /// corrupt. `cache_dir`: an explicit folder (created if needed), or `None` for the defaults.
+    pub fn open(corpus: &Path, tokenizer: &Gpt2Tokenizer, cache_dir: Option<&Path>) -> Result<Self> {
+        if corpus.is_dir() {
+            return Err(DataError::NotAFile {
+                path: corpus.to_path_buf(),
+            });
+        }
+        let bytes = read_input(corpus, "corpus")?;
+        let corpus_sha256 = hex::encode(Sha256::digest(&bytes));
+        let name = corpus
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "corpus".into());
+        let candidates: Vec<PathBuf> = match cache_dir {
+            Some(dir) => vec![dir.join(format!("{name}.tokens"))],
+            None => default_cache_dirs(corpus)
+                .into_iter()
+                .map(|(dir, hashed)| {
+                    if hashed {
+                        dir.join(format!("{name}-{}.tokens", &corpus_sha256[..16]))
+                    } else {
+                        dir.join(format!("{name}.tokens"))
+                    }
+                })
+                .collect(),
+        };
+        let want = |h: &Header| {
+            h.corpus_sha256 == corpus_sha256
+                && h.tokenizer_sha256 == tokenizer.hash()
+                && h.vocab_size == tokenizer.vocab_size() as u64
+        };
+        for path in &candidates {
+            if let Some(cache) = Self::load_if_valid(path, &want) {
+                tracing::debug!(path = %path.display(), tokens = cache.num_tokens, "token cache hit");
+                return Ok(cache);
+            }
+        }
+
+        let ids = tokenize_corpus(corpus, &bytes, tokenizer)?;
+        let tokens: Vec<u8> = ids.iter().flat_map(|&id| (id as u16).to_le_bytes()).collect();
+        let header = Header {
+            corpus_sha256: corpus_sha256.clone(),
+            corpus_bytes: bytes.len() as u64,
+            tokenizer_sha256: tokenizer.hash().to_owned(),
+            vocab_size: tokenizer.vocab_size() as u64,
+            num_tokens: ids.len() as u64,
+            tokens_sha256: hex::encode(Sha256::digest(&tokens)),
+        };
+        let file = encode_file(&header, &tokens);
+        let mut tried = Vec::new();
+        for path in &candidates {
+            match write_atomic(path, &file) {
+                Ok(()) => {
+                    tracing::info!(path = %path.display(), tokens = ids.len(), "wrote token cache");
+                    return Self::load_if_valid(path, &want).ok_or_else(|| DataError::Io {
+                        path: path.clone(),
+                        source: std::io::Error::other("token cache unreadable right after writing"),
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(path = %path.display(), error = %e, "cache location not usable");
+                    tried.push(format!("{} ({e})", path.display()));
+                }
+            }
+        }
+        Err(DataError::NoWritableCache {
+            corpus: corpus.to_path_buf(),
+            tried: tried.join(", "),
+        })
+    }
+
+    /// Maps `path` if it is a complete cache whose header satisfies `want`; `None` otherwise
+    /// (missing, stale or corrupt: the caller rebuilds).
+    fn load_if_valid(path: &Path, want: &dyn Fn(&Header) -> bool) -> Option<Self> {
+        let file = File::open(path).ok()?;
+        // SAFETY: cache files are never modified in place: writers create a new file and
+        // rename it over the old one, which leaves this mapping on the old inode intact. Only
+        // an outside process truncating the file could invalidate it.
+        let map = unsafe { Mmap::map(&file) }.ok()?;
+        match parse(&map) {
+            Ok((header, offset)) if want(&header) => {
+                let num_tokens = header.num_tokens as usize;
+                let data = &map[offset..];
+                let mut max = 0u16;
+                for pair in data.chunks_exact(2) {
+                    max = max.max(u16::from_le_bytes([pair[0], pair[1]]));
+                }
+                if hex::encode(Sha256::digest(data)) != header.tokens_sha256
+                    || (num_tokens > 0 && max as u64 >= header.vocab_size)
+                {
+                    tracing::warn!(path = %path.display(), "token cache is corrupt; rebuilding");
+                    return None;
+                }
+                Some(Self {
+                    path: path.to_path_buf(),
+                    map,
+                    offset,
+                    num_tokens,
+                })
+            }
+            Ok(_) => {
+                tracing::info!(path = %path.display(), "token cache is stale; rebuilding");
+                None
+            }
+            Err(problem) => {
+                tracing::warn!(path = %path.display(), problem, "token cache unreadable; rebuilding");
+                None
+            }
+        }
+    }
+
+    /// The cache file in use.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of tokens of the whole corpus.
+    pub fn len(&self) -> usize {
+        self.num_tokens
+    }
+
+    /// Whether the corpus has no tokens (never true for an opened cache: empty corpora fail).
+    pub fn is_empty(&self) -> bool {
+        self.num_tokens == 0
+    }
+
+    /// Token `i`. Panics if `i >= len()`: callers index within checked ranges.
+    pub fn get(&self, i: usize) -> u32 {
+        let at = self.offset + 2 * i;
+        u16::from_le_bytes([self.map[at], self.map[at + 1]]) as u32
+    }
+
+    /// Appends tokens `[start, start + n)` to `out`. Panics if the range is out of bounds.
+    pub fn extend_into(&self, start: usize, n: usize, out: &mut Vec<u32>) {
+        let bytes = &self.map[self.offset + 2 * start..self.offset + 2 * (start + n)];
+        out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|p| u16::from_le_bytes([p[0], p[1]]) as u32),
+        );
+    }
+}
+
+fn tokenize_corpus(path: &Path, bytes: &[u8], tokenizer: &Gpt2Tokenizer) -> Result<Vec<u32>> {
+    let text = std::str::from_utf8(bytes).map_err(|e| DataError::NotUtf8 {
+        path: path.to_path_buf(),
+        offset: e.valid_up_to(),
+    })?;
+    let started = Instant::now();
+    let ids = tokenizer.encode(text)?;
+    if ids.is_empty() {
+        return Err(DataError::EmptyCorpus {
+            path: path.to_path_buf(),
+        });
+    }
+    if let Some(&id) = ids.iter().find(|&&id| id > u16::MAX as u32) {
+        return Err(DataError::VocabTooLarge {
+            id,
+            vocab: tokenizer.vocab_size(),
+        });
+    }
+    tracing::info!(
+        corpus = %path.display(),
+        bytes = bytes.len(),
+        tokens = ids.len(),
+        seconds = started.elapsed().as_secs_f64(),
+        "tokenized corpus"
+    );
+    Ok(ids)
+}
+
+fn encode_file(header: &Header, tokens: &[u8]) -> Vec<u8> {
+    let json = serde_json::to_vec(header).expect("a struct of strings and integers serializes");
+    let data_at = (16 + json.len()).div_ceil(DATA_ALIGN) * DATA_ALIGN;
+    let mut out = Vec::with_capacity(data_at + tokens.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&CACHE_FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    out.resize(data_at, 0);
+    out.extend_from_slice(tokens);
+    out
+}
+
+/// Header and data offset of a cache file, or why it is not one.
+fn parse(bytes: &[u8]) -> std::result::Result<(Header, usize), String> {
+    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+        return Err("not a token cache (bad magic)".into());
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if version != CACHE_FORMAT_VERSION {
+        return Err(format!("format version {version}, expected {CACHE_FORMAT_VERSION}"));
+    }
+    let h = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
+    if h > MAX_HEADER || 16 + h > bytes.len() {
+        return Err(format!("header length {h} out of range"));
+    }
+    let header: Header =
+        serde_json::from_slice(&bytes[16..16 + h]).map_err(|e| format!("bad header: {e}"))?;
+    let data_at = (16 + h).div_ceil(DATA_ALIGN) * DATA_ALIGN;
+    let expected = (data_at as u64).checked_add(header.num_tokens.saturating_mul(2));
+    if expected != Some(bytes.len() as u64) {
+        return Err(format!(
+            "file is {} bytes, header promises {} tokens after byte {data_at}",
+            bytes.len(),
+            header.num_tokens
+        ));
+    }
+    Ok((header, data_at))
+}
+
+/// Writes `bytes` to `path` via a temporary file in the same folder: write, fsync, rename,
+/// fsync the folder. Creates the folder if needed.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let file_name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{file_name}.tmp-{}-{nanos}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+        f.write_all(bytes).map_err(io_err(&tmp))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(io_err(path))?;
+        // The rename is durable only once the folder entry is on disk; not every platform
+        // lets a folder be opened, so a failure here is not an error.
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(n: u64) -> Header {
+        Header {
+            corpus_sha256: "c".into(),
+            corpus_bytes: 3,
+            tokenizer_sha256: "t".into(),
+            vocab_size: 50257,
+            num_tokens: n,
+            tokens_sha256: "d".into(),
+        }
+    }
+
+    #[test]
+    fn file_layout_round_trips_and_aligns_the_data() {
+        let file = encode_file(&header(3), &[1, 0, 2, 0, 3, 0]);
+        let (h, at) = parse(&file).unwrap();
+        assert_eq!(h, header(3));
+        assert_eq!(at % DATA_ALIGN, 0);
+        assert_eq!(&file[at..], &[1, 0, 2, 0, 3, 0]);
+    }
+
+    #[test]
+    fn truncated_or_foreign_files_are_rejected() {
+        let file = encode_file(&header(3), &[1, 0, 2, 0, 3, 0]);
+        assert!(parse(&file[..file.len() - 1]).unwrap_err().contains("promises 3"));
+        assert!(parse(b"hello world, not a cache").unwrap_err().contains("magic"));
+        let mut bad_version = file.clone();
+        bad_version[8] = 9;
+        assert!(parse(&bad_version).unwrap_err().contains("version 9"));
+        let mut huge_header = file;
+        huge_header[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(parse(&huge_header).unwrap_err().contains("out of range"));
+    }
+}
