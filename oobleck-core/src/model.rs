@@ -1,1 +1,373 @@
-//! Model-facing traits (in progress).
+//! The model-facing contract: a model is an ordered list of layers.
+//!
+//! The engine never looks inside a layer. It asks a [`LayeredModel`] to build the layers
+//! `[a, b)` of one stage on one device, runs them forward, and runs them backward from the
+//! gradient that the next stage sends back. Parameters are named (for GPT/OPT: the names of the
+//! Hugging Face reference layout), which is how gradients are grouped for synchronisation, how
+//! optimizer state is keyed, and how layers are copied between replicas.
+//!
+//! ```text
+//!  token ids [b, t] ──► layer 0 ──► hidden [b, t, d] ──► layer 1 ... ──► layer L-1 ──► loss []
+//!                       (stage 0: layers [0, k))          (stage 1: layers [k, L))
+//!  backward:  loss.backward()  ◄── grad of hidden [b, t, d] ◄── (sum(output · upstream)).backward()
+//! ```
+//!
+//! # Contract for implementors
+//! - `build_layers(range, ..)` must give every parameter the same value whatever `range` is
+//!   (initialise from `(seed, parameter name)`, see [`seeded_normal`]), so a replica built from
+//!   scratch on another process equals the one it replaces.
+//! - A parameter used by several layers (a tied embedding) has one name. When both layers are
+//!   built in one call they must share one `Var`, so its gradient is summed by autograd. When
+//!   they live in different stages each stage holds its own copy under the same name, and the
+//!   engine sums the two gradients (see [`LayeredModel::tied_params`]) before the optimizer
+//!   step, which keeps the copies identical.
+//! - The last layer returns the loss (a scalar, already multiplied by `ctx.loss_scale`) when
+//!   `ctx.targets` is set, and the logits otherwise.
+//! - Randomness inside a layer (dropout) is keyed by [`ForwardCtx::dropout_key`] and the layer
+//!   index, never by the device or process that runs it.
+//!
+//! # Thread safety
+//! Layers are `Send` (a stage may be moved to its worker thread) but not `Sync`: one stage is
+//! driven by one thread. `LayeredModel` is `Send + Sync`: it only describes the model.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::{Error, Result};
+
+/// Where parameter values come from when layers are built.
+#[derive(Clone, Copy)]
+pub enum ParamSource<'a> {
+    /// Fresh initialisation, deterministic in `(seed, parameter name)`.
+    Init { seed: u64 },
+    /// Existing tensors by parameter name (a checkpoint, or HF weights).
+    Tensors(&'a HashMap<String, Tensor>),
+}
+
+/// Keys all randomness of one forward pass: `(seed, iteration, microbatch)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DropoutKey {
+    pub seed: u64,
+    pub iteration: u64,
+    pub microbatch: u64,
+}
+
+/// What a layer needs to know about the pass it is part of.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardCtx<'a> {
+    /// Next-token targets `[b, t]` (u32). The last layer returns the loss when set.
+    pub targets: Option<&'a Tensor>,
+    /// Factor applied to the loss: `microbatch samples / global batch samples`, so summed
+    /// gradients are those of the mean loss over the global batch.
+    pub loss_scale: f64,
+    /// Training mode (dropout active) or evaluation.
+    pub train: bool,
+    pub dropout_key: DropoutKey,
+}
+
+impl ForwardCtx<'_> {
+    /// Evaluation pass without targets: the last layer returns logits.
+    pub fn inference() -> ForwardCtx<'static> {
+        ForwardCtx {
+            targets: None,
+            loss_scale: 1.0,
+            train: false,
+            dropout_key: DropoutKey::default(),
+        }
+    }
+}
+
+/// One layer of a model: a piece that is never split across stages.
+pub trait Layer: Send {
+    /// Position of this layer in the model, `0..num_layers`.
+    fn index(&self) -> usize;
+    /// The trainable parameters, sorted by name.
+    fn params(&self) -> Vec<(String, Var)>;
+    /// Runs the layer. Layer 0 takes token ids `[b, t]` (u32); the others take hidden states.
+    fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor>;
+}
+
+/// A parameter that more than one layer uses under the same name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TiedParam {
+    pub name: String,
+    pub layers: Vec<usize>,
+}
+
+/// A model the engine can train: an ordered list of `num_layers()` layers.
+pub trait LayeredModel: Send + Sync {
+    /// `L`: for GPT, blocks + 2 (embedding, each block, final norm + head + loss).
+    fn num_layers(&self) -> usize;
+    /// A short human-readable name of layer `i` (`"embedding"`, `"block 3"`, `"head"`).
+    fn layer_name(&self, i: usize) -> String;
+    /// Builds layers `range` on `device`. See the module docs for the contract.
+    fn build_layers(
+        &self,
+        range: Range<usize>,
+        device: &Device,
+        source: ParamSource<'_>,
+    ) -> Result<Vec<Box<dyn Layer>>>;
+    /// Parameters shared by several layers; empty if none.
+    fn tied_params(&self) -> Vec<TiedParam> {
+        Vec::new()
+    }
+}
+
+/// Normal(0, std) values for parameter `name`, identical on every process for the same seed.
+pub fn seeded_normal(
+    seed: u64,
+    name: &str,
+    shape: &[usize],
+    std: f64,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, name));
+    let n: usize = shape.iter().product();
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        // Box-Muller: two normals per pair of uniforms in (0, 1].
+        let u1: f64 = 1.0 - rng.random::<f64>();
+        let u2: f64 = rng.random::<f64>();
+        let r = (-2.0 * u1.ln()).sqrt() * std;
+        let th = std::f64::consts::TAU * u2;
+        v.push((r * th.cos()) as f32);
+        if v.len() < n {
+            v.push((r * th.sin()) as f32);
+        }
+    }
+    Ok(Tensor::from_vec(v, shape, device)?)
+}
+
+/// A dropout mask keyed by `(key, layer, site)`: which elements survive, scaled by `1/(1-p)`.
+pub fn dropout(x: &Tensor, p: f64, ctx: &ForwardCtx, layer: usize, site: u64) -> Result<Tensor> {
+    if !ctx.train || p <= 0.0 {
+        return Ok(x.clone());
+    }
+    if p >= 1.0 {
+        return Err(Error::Msg(format!("dropout probability {p} must be below 1")));
+    }
+    let k = ctx.dropout_key;
+    let label = format!("dropout/{}/{}/{layer}/{site}", k.iteration, k.microbatch);
+    let mut rng = ChaCha8Rng::seed_from_u64(mix(k.seed, &label));
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let mask: Vec<f32> = (0..x.elem_count())
+        .map(|_| if rng.random::<f64>() < p { 0.0 } else { scale })
+        .collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    Ok(x.mul(&mask)?)
+}
+
+/// FNV-1a of the name folded into the seed: a stable, platform-independent key.
+fn mix(seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for b in name.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The layers of one stage, run forward and backward as a unit.
+pub struct Stage {
+    layers: Vec<Box<dyn Layer>>,
+}
+
+/// What a forward pass keeps for its backward pass.
+pub struct StageForward {
+    /// The stage input as a `Var` (None for the first stage, whose input is token ids).
+    input: Option<Var>,
+    /// The stage output: hidden states, or the (scaled) loss for the last stage.
+    pub output: Tensor,
+}
+
+/// Gradients produced by one backward pass of a stage.
+pub struct StageGrads {
+    /// Gradient of each parameter by name (a tied parameter held twice here appears once).
+    pub params: HashMap<String, Tensor>,
+    /// Gradient of the stage input, to send to the previous stage (None for the first stage).
+    pub input: Option<Tensor>,
+}
+
+impl Stage {
+    pub fn new(layers: Vec<Box<dyn Layer>>) -> Result<Self> {
+        for w in layers.windows(2) {
+            if w[1].index() != w[0].index() + 1 {
+                return Err(Error::Msg(format!(
+                    "stage layers must be consecutive, got {} then {}",
+                    w[0].index(),
+                    w[1].index()
+                )));
+            }
+        }
+        if layers.is_empty() {
+            return Err(Error::Msg("a stage needs at least one layer".into()));
+        }
+        Ok(Self { layers })
+    }
+
+    /// Layer indices held by this stage.
+    pub fn range(&self) -> Range<usize> {
+        self.layers[0].index()..self.layers[self.layers.len() - 1].index() + 1
+    }
+
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
+        &self.layers
+    }
+
+    /// All parameters of the stage, deduplicated by name (a tied `Var` is listed once), sorted.
+    pub fn params(&self) -> Vec<(String, Var)> {
+        let mut seen = std::collections::BTreeMap::new();
+        for l in &self.layers {
+            for (name, var) in l.params() {
+                seen.entry(name).or_insert(var);
+            }
+        }
+        seen.into_iter().collect()
+    }
+
+    /// Forward through every layer. Keeps the graph for [`Stage::backward`].
+    pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<StageForward> {
+        // A plain tensor as the stage input gives a wrong input gradient in Candle: use a Var.
+        let (input, mut h) = if self.layers[0].index() == 0 {
+            (None, x.clone())
+        } else {
+            let v = Var::from_tensor(&x.detach())?;
+            let t = v.as_tensor().clone();
+            (Some(v), t)
+        };
+        for l in &self.layers {
+            h = l.forward(&h, ctx)?;
+        }
+        Ok(StageForward { input, output: h })
+    }
+
+    /// Backward from `upstream` (the gradient of this stage's output; None for the last stage,
+    /// whose output is the loss).
+    pub fn backward(&self, fwd: StageForward, upstream: Option<&Tensor>) -> Result<StageGrads> {
+        let root = match upstream {
+            None => {
+                if fwd.output.rank() != 0 {
+                    return Err(Error::Msg(format!(
+                        "the last stage must output a scalar loss, got shape {:?}",
+                        fwd.output.dims()
+                    )));
+                }
+                fwd.output.clone()
+            }
+            Some(g) => {
+                if g.dims() != fwd.output.dims() {
+                    return Err(Error::Msg(format!(
+                        "upstream gradient shape {:?} does not match stage output {:?}",
+                        g.dims(),
+                        fwd.output.dims()
+                    )));
+                }
+                // d/dθ sum(out ⊙ g) = (∂out/∂θ)ᵀ g: the chain rule with the received gradient.
+                fwd.output.mul(&g.detach())?.sum_all()?
+            }
+        };
+        let store = root.backward()?;
+        let mut params = HashMap::new();
+        for (name, var) in self.params() {
+            let g = match store.get(var.as_tensor()) {
+                Some(g) => g.clone(),
+                // A parameter the loss does not reach (possible for unused positions) gets zeros.
+                None => var.as_tensor().zeros_like()?,
+            };
+            params.insert(name, g);
+        }
+        let input = match &fwd.input {
+            Some(v) => Some(match store.get(v.as_tensor()) {
+                Some(g) => g.clone(),
+                None => v.as_tensor().zeros_like()?,
+            }),
+            None => None,
+        };
+        Ok(StageGrads { params, input })
+    }
+}
+
+/// Adds `src` into `acc` by name (gradient accumulation over microbatches).
+pub fn accumulate(acc: &mut HashMap<String, Tensor>, src: HashMap<String, Tensor>) -> Result<()> {
+    for (name, g) in src {
+        match acc.get_mut(&name) {
+            Some(a) => *a = a.add(&g)?,
+            None => {
+                acc.insert(name, g);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that a tensor given for parameter `name` has the expected shape, and casts it.
+pub fn checked_param(
+    tensors: &HashMap<String, Tensor>,
+    name: &str,
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    let t = tensors
+        .get(name)
+        .ok_or_else(|| Error::Msg(format!("missing parameter `{name}` (expected shape {shape:?})")))?;
+    if t.dims() != shape {
+        return Err(Error::Msg(format!(
+            "parameter `{name}` has shape {:?}, the model config expects {shape:?}",
+            t.dims()
+        )));
+    }
+    Ok(t.to_dtype(DType::F32)?.to_device(device)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_normal_depends_only_on_seed_and_name() {
+        let d = Device::Cpu;
+        let a = seeded_normal(7, "w", &[3, 5], 0.02, &d).unwrap();
+        let b = seeded_normal(7, "w", &[3, 5], 0.02, &d).unwrap();
+        let c = seeded_normal(7, "v", &[3, 5], 0.02, &d).unwrap();
+        let diff = |x: &Tensor, y: &Tensor| {
+            x.sub(y)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert_eq!(diff(&a, &b), 0.0);
+        assert!(diff(&a, &c) > 0.0);
+    }
+
+    #[test]
+    fn dropout_is_keyed_not_random() {
+        let d = Device::Cpu;
+        let x = Tensor::ones((4, 64), DType::F32, &d).unwrap();
+        let key = DropoutKey {
+            seed: 1,
+            iteration: 2,
+            microbatch: 3,
+        };
+        let ctx = ForwardCtx {
+            targets: None,
+            loss_scale: 1.0,
+            train: true,
+            dropout_key: key,
+        };
+        let a = dropout(&x, 0.5, &ctx, 1, 0).unwrap().to_vec2::<f32>().unwrap();
+        let b = dropout(&x, 0.5, &ctx, 1, 0).unwrap().to_vec2::<f32>().unwrap();
+        let c = dropout(&x, 0.5, &ctx, 2, 0).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let zeros = a.iter().flatten().filter(|v| **v == 0.0).count();
+        assert!((64..192).contains(&zeros), "{zeros} of 256 dropped");
+    }
+}

@@ -1,1 +1,0 @@
-//! AdamW with exportable state (in progress).

@@ -1,0 +1,121 @@
+//! Differentiable building blocks shared by the model families.
+//!
+//! Candle 0.11's fused LayerNorm, softmax and sdpa kernels have no backward pass (gradients are
+//! silently missing), so everything here is written with primitive ops that autograd covers.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use oobleck_core::model::{checked_param, seeded_normal, ParamSource};
+
+use crate::Result;
+
+/// How a fresh parameter is initialised.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Init {
+    Normal(f64),
+    Zeros,
+    Ones,
+}
+
+/// Creates the `Var`s of one `build_layers` call. A name asked for twice returns the same `Var`
+/// (this is how a tied embedding is shared when both its layers are built together).
+pub(crate) struct Params<'a> {
+    source: ParamSource<'a>,
+    device: Device,
+    made: HashMap<String, Var>,
+}
+
+impl<'a> Params<'a> {
+    pub fn new(source: ParamSource<'a>, device: &Device) -> Self {
+        Self {
+            source,
+            device: device.clone(),
+            made: HashMap::new(),
+        }
+    }
+
+    pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Var> {
+        if let Some(v) = self.made.get(name) {
+            return Ok(v.clone());
+        }
+        let t = match self.source {
+            ParamSource::Tensors(map) => checked_param(map, name, shape, &self.device)?,
+            ParamSource::Init { seed } => match init {
+                Init::Normal(std) => seeded_normal(seed, name, shape, std, &self.device)?,
+                Init::Zeros => Tensor::zeros(shape, DType::F32, &self.device)?,
+                Init::Ones => Tensor::ones(shape, DType::F32, &self.device)?,
+            },
+        };
+        let v = Var::from_tensor(&t)?;
+        self.made.insert(name.to_string(), v.clone());
+        Ok(v)
+    }
+}
+
+/// LayerNorm over the last dimension, from primitives (differentiable).
+pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?; // [.., 1]
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // [.., 1]
+    let xn = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
+}
+
+/// `x @ w + b` with `w` stored `[in, out]` (GPT-2's Conv1D layout); `x` is `[.., in]`.
+pub(crate) fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (inp, out) = w.dims2()?;
+    let rows = x.elem_count() / inp;
+    let y = x.reshape((rows, inp))?.matmul(w)?.broadcast_add(b)?; // [rows, out]
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("x has at least one dimension") = out;
+    Ok(y.reshape(out_dims)?)
+}
+
+/// `x @ wᵀ (+ b)` with `w` stored `[out, in]` (torch.nn.Linear layout); `x` is `[.., in]`.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (out, inp) = w.dims2()?;
+    let rows = x.elem_count() / inp;
+    let mut y = x.reshape((rows, inp))?.matmul(&w.t()?)?; // [rows, out]
+    if let Some(b) = b {
+        y = y.broadcast_add(b)?;
+    }
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("x has at least one dimension") = out;
+    Ok(y.reshape(out_dims)?)
+}
+
+/// Causal multi-head attention of already-projected `q`, `k`, `v`, each `[b, t, d]`.
+/// `q` is scaled by `1/sqrt(d_head)` here.
+pub(crate) fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (b, t, d) = q.dims3()?;
+    let hd = d / n_head;
+    let heads = |x: &Tensor| -> Result<Tensor> {
+        Ok(x.reshape((b, t, n_head, hd))?.transpose(1, 2)?.contiguous()?) // [b, h, t, hd]
+    };
+    let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let att = (q.matmul(&k.t()?)? * scale)?; // [b, h, t, t]
+    let att = att.broadcast_add(&causal_mask(t, q.device())?)?;
+    let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+    let y = att.matmul(&v)?; // [b, h, t, hd]
+    Ok(y.transpose(1, 2)?.reshape((b, t, d))?)
+}
+
+/// `[t, t]` with 0 on and below the diagonal and -inf above it.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(m, (t, t), device)?)
+}
+
+/// Mean next-token cross-entropy of `logits [b, t, v]` against `targets [b, t]`.
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    let logits = logits.reshape((b * t, v))?;
+    let targets = targets.reshape(b * t)?;
+    Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
+}
