@@ -206,6 +206,38 @@ pub fn instantiate_with_sizes(
     assemble(set, &ctx, groups, &ids, generation)
 }
 
+/// A plan with the given pipelines (node ids in stage order), e.g. pinned by the user
+/// (`--pipeline-nodes`) or in tests. Each pipeline needs a template of its size.
+pub fn plan_with_pipelines(
+    set: &TemplateSet,
+    job: &JobSpec,
+    devices_per_node: u32,
+    sync_ns: Nanos,
+    pipelines: Vec<Vec<u32>>,
+) -> Result<Plan, PlanError> {
+    let sizes: Vec<u32> = set.templates.iter().map(|t| t.nodes).collect();
+    let mut groups = Vec::with_capacity(pipelines.len());
+    for nodes in pipelines {
+        let t = sizes
+            .iter()
+            .position(|&s| s as usize == nodes.len())
+            .ok_or_else(|| PlanError::NoComposition {
+                nodes: nodes.len() as u32,
+                min_pipelines: 1,
+                sizes: sizes.clone(),
+            })?;
+        groups.push((t, nodes));
+    }
+    let ids: Vec<u32> = (0..groups.len() as u32).collect();
+    let ctx = Ctx {
+        global_microbatches: job.global_microbatches,
+        fault_threshold: job.fault_threshold,
+        devices_per_node,
+        sync_ns,
+    };
+    assemble(set, &ctx, groups, &ids, 0)
+}
+
 /// What [`assemble`] needs besides the groups.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ctx {

@@ -24,7 +24,10 @@ pub mod profile;
 pub mod template;
 
 pub use analytical::{analytical_profile, DeviceSpec, Dtype, TransformerShape};
-pub use instantiate::{instantiate, instantiate_with_sizes, split_batch, Pipeline, Plan};
+pub use instantiate::{
+    gradient_sync_ns, instantiate, instantiate_with_sizes, plan_with_pipelines, split_batch,
+    Pipeline, Plan,
+};
 pub use profile::{
     ClusterSpec, Fingerprint, JobSpec, LayerProfile, LinkModel, ModelProfile, Nanos,
     TemplateMicrobatches,
