@@ -235,7 +235,11 @@ impl LayeredModel for Gpt {
                 layers.push(Box::new(Embedding {
                     cfg: c.clone(),
                     wte: p.get(WTE, &[v, d], Init::Normal(0.02))?,
-                    wpe: p.get("transformer.wpe.weight", &[c.n_positions, d], Init::Normal(0.01))?,
+                    wpe: p.get(
+                        "transformer.wpe.weight",
+                        &[c.n_positions, d],
+                        Init::Normal(0.01),
+                    )?,
                 }));
             } else if idx == c.n_layer + 1 {
                 layers.push(Box::new(Head {
@@ -308,7 +312,11 @@ impl Layer for Embedding {
             )));
         }
         let d = self.cfg.n_embd;
-        let tok = self.wte.as_tensor().embedding(&ids.flatten_all()?)?.reshape((b, t, d))?;
+        let tok = self
+            .wte
+            .as_tensor()
+            .embedding(&ids.flatten_all()?)?
+            .reshape((b, t, d))?;
         let pos = self.wpe.as_tensor().narrow(0, 0, t)?; // [t, d]
         let h = tok.broadcast_add(&pos)?; // [b, t, d]
         dropout(&h, self.cfg.embd_pdrop, ctx, 0, 0)

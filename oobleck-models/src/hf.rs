@@ -31,7 +31,12 @@ pub struct Pretrained {
 /// Whether `HF_HUB_OFFLINE` asks for no network (`1`, `true`, `yes`, `on`).
 pub fn hub_offline() -> bool {
     std::env::var("HF_HUB_OFFLINE")
-        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        .map(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
         .unwrap_or(false)
 }
 
@@ -153,12 +158,11 @@ fn download(id: &str, revision: &str, cache: &Path) -> Result<PathBuf> {
 pub fn load_weights(dir: &Path, config: &ModelConfig) -> Result<HashMap<String, Tensor>> {
     let mut raw = HashMap::new();
     for file in weight_files(dir)? {
-        let tensors = candle_core::safetensors::load(&file, &Device::Cpu).map_err(|e| {
-            Error::BadWeights {
+        let tensors =
+            candle_core::safetensors::load(&file, &Device::Cpu).map_err(|e| Error::BadWeights {
                 path: file.clone(),
                 reason: format!("not a readable safetensors file (truncated or corrupt?): {e}"),
-            }
-        })?;
+            })?;
         raw.extend(tensors);
     }
     normalise(raw, config, dir)
@@ -192,7 +196,11 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         .ok_or_else(|| bad("no `weight_map` object".into()))?;
     let mut files: Vec<String> = map
         .values()
-        .map(|f| f.as_str().map(str::to_string).ok_or_else(|| bad("non-string file".into())))
+        .map(|f| {
+            f.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| bad("non-string file".into()))
+        })
         .collect::<Result<_>>()?;
     files.sort();
     files.dedup();

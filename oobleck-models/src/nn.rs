@@ -89,11 +89,18 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 
 /// Causal multi-head attention of already-projected `q`, `k`, `v`, each `[b, t, d]`.
 /// `q` is scaled by `1/sqrt(d_head)` here.
-pub(crate) fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize) -> Result<Tensor> {
+pub(crate) fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    n_head: usize,
+) -> Result<Tensor> {
     let (b, t, d) = q.dims3()?;
     let hd = d / n_head;
     let heads = |x: &Tensor| -> Result<Tensor> {
-        Ok(x.reshape((b, t, n_head, hd))?.transpose(1, 2)?.contiguous()?) // [b, h, t, hd]
+        Ok(x.reshape((b, t, n_head, hd))?
+            .transpose(1, 2)?
+            .contiguous()?) // [b, h, t, hd]
     };
     let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
     let scale = 1.0 / (hd as f64).sqrt();

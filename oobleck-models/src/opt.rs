@@ -230,7 +230,11 @@ impl LayeredModel for Opt {
         for idx in range {
             if idx == 0 {
                 let project_in = if c.projected() {
-                    Some(p.get("model.decoder.project_in.weight", &[d, w], Init::Normal(0.02))?)
+                    Some(p.get(
+                        "model.decoder.project_in.weight",
+                        &[d, w],
+                        Init::Normal(0.02),
+                    )?)
                 } else {
                     None
                 };
@@ -254,7 +258,11 @@ impl LayeredModel for Opt {
                     None
                 };
                 let project_out = if c.projected() {
-                    Some(p.get("model.decoder.project_out.weight", &[w, d], Init::Normal(0.02))?)
+                    Some(p.get(
+                        "model.decoder.project_out.weight",
+                        &[w, d],
+                        Init::Normal(0.02),
+                    )?)
                 } else {
                     None
                 };
@@ -276,22 +284,38 @@ impl LayeredModel for Opt {
                 let block = DecoderLayer {
                     idx,
                     cfg: c.clone(),
-                    q: (get("self_attn.q_proj.weight", &[d, d], Init::Normal(std))?,
-                        get("self_attn.q_proj.bias", &[d], Init::Zeros)?),
-                    k: (get("self_attn.k_proj.weight", &[d, d], Init::Normal(std))?,
-                        get("self_attn.k_proj.bias", &[d], Init::Zeros)?),
-                    v: (get("self_attn.v_proj.weight", &[d, d], Init::Normal(std))?,
-                        get("self_attn.v_proj.bias", &[d], Init::Zeros)?),
-                    out: (get("self_attn.out_proj.weight", &[d, d], Init::Normal(std))?,
-                        get("self_attn.out_proj.bias", &[d], Init::Zeros)?),
-                    attn_ln: (get("self_attn_layer_norm.weight", &[d], Init::Ones)?,
-                        get("self_attn_layer_norm.bias", &[d], Init::Zeros)?),
-                    fc1: (get("fc1.weight", &[f, d], Init::Normal(std))?,
-                        get("fc1.bias", &[f], Init::Zeros)?),
-                    fc2: (get("fc2.weight", &[d, f], Init::Normal(std))?,
-                        get("fc2.bias", &[d], Init::Zeros)?),
-                    ffn_ln: (get("final_layer_norm.weight", &[d], Init::Ones)?,
-                        get("final_layer_norm.bias", &[d], Init::Zeros)?),
+                    q: (
+                        get("self_attn.q_proj.weight", &[d, d], Init::Normal(std))?,
+                        get("self_attn.q_proj.bias", &[d], Init::Zeros)?,
+                    ),
+                    k: (
+                        get("self_attn.k_proj.weight", &[d, d], Init::Normal(std))?,
+                        get("self_attn.k_proj.bias", &[d], Init::Zeros)?,
+                    ),
+                    v: (
+                        get("self_attn.v_proj.weight", &[d, d], Init::Normal(std))?,
+                        get("self_attn.v_proj.bias", &[d], Init::Zeros)?,
+                    ),
+                    out: (
+                        get("self_attn.out_proj.weight", &[d, d], Init::Normal(std))?,
+                        get("self_attn.out_proj.bias", &[d], Init::Zeros)?,
+                    ),
+                    attn_ln: (
+                        get("self_attn_layer_norm.weight", &[d], Init::Ones)?,
+                        get("self_attn_layer_norm.bias", &[d], Init::Zeros)?,
+                    ),
+                    fc1: (
+                        get("fc1.weight", &[f, d], Init::Normal(std))?,
+                        get("fc1.bias", &[f], Init::Zeros)?,
+                    ),
+                    fc2: (
+                        get("fc2.weight", &[d, f], Init::Normal(std))?,
+                        get("fc2.bias", &[d], Init::Zeros)?,
+                    ),
+                    ffn_ln: (
+                        get("final_layer_norm.weight", &[d], Init::Ones)?,
+                        get("final_layer_norm.bias", &[d], Init::Zeros)?,
+                    ),
                     params: Vec::new(),
                 };
                 let mut block = block;
@@ -347,7 +371,11 @@ impl Layer for Embedding {
             )));
         }
         let w = self.cfg.embed_dim();
-        let mut h = self.embed.as_tensor().embedding(&ids.flatten_all()?)?.reshape((b, t, w))?;
+        let mut h = self
+            .embed
+            .as_tensor()
+            .embedding(&ids.flatten_all()?)?
+            .reshape((b, t, w))?;
         if let Some(p) = &self.project_in {
             h = linear(&h, p, None)?; // [b, t, d]
         }
@@ -391,7 +419,12 @@ impl Layer for DecoderLayer {
         } else {
             x.clone()
         };
-        let a = causal_attention(&lin(&h, &self.q)?, &lin(&h, &self.k)?, &lin(&h, &self.v)?, c.num_attention_heads)?;
+        let a = causal_attention(
+            &lin(&h, &self.q)?,
+            &lin(&h, &self.k)?,
+            &lin(&h, &self.v)?,
+            c.num_attention_heads,
+        )?;
         let a = lin(&a, &self.out)?;
         let mut x = (x + dropout(&a, c.dropout, ctx, self.idx, 0)?)?;
         if !pre {
