@@ -1,0 +1,118 @@
+//! The one error type of this crate.
+
+use std::time::Duration;
+
+use crate::Rank;
+
+/// Which operation an error happened in (for `Timeout` and logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    Connect,
+    Send,
+    Recv,
+    AllReduce,
+    Broadcast,
+    Barrier,
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            Op::Connect => "connect",
+            Op::Send => "send",
+            Op::Recv => "recv",
+            Op::AllReduce => "all_reduce",
+            Op::Broadcast => "broadcast",
+            Op::Barrier => "barrier",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Why a frame was rejected by the decoder.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad magic {found:#010x} (expected {expected:#010x}): not an oobleck-comm peer")]
+    BadMagic { found: u32, expected: u32 },
+    #[error("unsupported protocol version {found} (this build speaks {supported})")]
+    BadVersion { found: u16, supported: u16 },
+    #[error("unknown frame kind {0}")]
+    BadKind(u16),
+    #[error("frame of {len} bytes exceeds the cap of {cap} bytes")]
+    TooLong { len: u64, cap: u64 },
+    #[error("connection closed mid-frame after {got} of {want} bytes")]
+    Truncated { got: usize, want: usize },
+    #[error("frame from generation {found}, this communicator is generation {expected}")]
+    StaleGeneration { found: u64, expected: u64 },
+    #[error("malformed payload: {0}")]
+    Malformed(String),
+}
+
+/// Errors of every communicator operation.
+///
+/// Every variant carries the ids a reader needs to act on it (ranks, generation, the op).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    /// A peer died, closed its connection, or sent something this side cannot accept.
+    #[error("rank {rank} lost (generation {generation}): {reason}")]
+    PeerLost {
+        rank: Rank,
+        generation: u64,
+        reason: String,
+    },
+    /// The operation did not complete before its deadline (e.g. a stalled peer).
+    #[error("{op} on rank {rank} timed out after {after:?} (generation {generation}, waiting on {waiting_on:?})")]
+    Timeout {
+        op: Op,
+        after: Duration,
+        rank: Rank,
+        generation: u64,
+        waiting_on: Option<Rank>,
+    },
+    /// `abort` was called (here, or implicitly after an earlier failure).
+    #[error("communicator of rank {rank} aborted (generation {generation})")]
+    Aborted { rank: Rank, generation: u64 },
+    /// A peer spoke for a different generation of the cluster plan.
+    #[error("rank {peer} is at generation {theirs}, this communicator is generation {ours}")]
+    StaleGeneration { peer: Rank, ours: u64, theirs: u64 },
+    /// The backend was not compiled in (cargo feature off).
+    #[error("backend {backend} not compiled in: rebuild with `--features {feature}`")]
+    NotCompiled {
+        backend: &'static str,
+        feature: &'static str,
+    },
+    /// A runtime dependency (driver, shared library, device) is missing.
+    #[error("{what} unavailable: {reason}")]
+    Unavailable { what: String, reason: String },
+    /// A caller-side mistake: bad rank, bad group, mismatched shapes.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A bad frame on the wire.
+    #[error("bad frame from rank {peer:?}: {source}")]
+    Frame {
+        peer: Option<Rank>,
+        #[source]
+        source: FrameError,
+    },
+    /// An I/O error outside of a peer's connection (bind, listen).
+    #[error("{context}: {message}")]
+    Io { context: String, message: String },
+}
+
+impl CommError {
+    /// True for errors caused by the caller's arguments; they leave the communicator usable.
+    /// Every other error poisons it (see the failure contract on [`crate::Communicator`]).
+    pub fn is_invalid_argument(&self) -> bool {
+        matches!(self, CommError::Invalid(_))
+    }
+
+    pub(crate) fn io(context: impl Into<String>, err: &std::io::Error) -> Self {
+        CommError::Io {
+            context: context.into(),
+            message: err.to_string(),
+        }
+    }
+}
+
+/// `Result` with [`CommError`].
+pub type Result<T, E = CommError> = std::result::Result<T, E>;

@@ -1,0 +1,50 @@
+//! The conformance suite on the TCP backend, all ranks as threads of this process on
+//! 127.0.0.1 (multi-process tests with real signals are in `tcp_processes.rs`).
+
+mod common;
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use common::{Cluster, Comm, Factory};
+use oobleck_comm::{TcpCommunicator, TcpConfig, Tuning};
+
+struct Tcp;
+
+/// Connects `world` ranks over loopback, each on its own port.
+pub fn tcp_group(world: usize, generation: u64, tuning: Tuning) -> Vec<TcpCommunicator> {
+    let listeners: Vec<TcpListener> = (0..world)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let hs: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let mut cfg = TcpConfig::new(rank, generation, addrs.clone());
+            cfg.tuning = tuning;
+            cfg.connect_timeout = Duration::from_secs(10);
+            thread::spawn(move || TcpCommunicator::connect(cfg, Some(l)))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+}
+
+impl Factory for Tcp {
+    fn cluster(&self, world: usize, tuning: Tuning) -> Cluster {
+        let comms: Vec<Comm> = tcp_group(world, 7, tuning)
+            .into_iter()
+            .map(|c| Arc::new(c) as Comm)
+            .collect();
+        let handles = comms.clone();
+        Cluster {
+            comms,
+            // Aborting closes every socket of that rank: what its peers see when it dies.
+            kill: Box::new(move |r| handles[r].abort()),
+        }
+    }
+}
+
+conformance_suite!(Tcp);
