@@ -34,7 +34,12 @@ fn encodes_like_openai_gpt2_and_round_trips() {
     for case in &reference.cases {
         let ids = tok.encode(&case.text).unwrap();
         assert_eq!(ids, case.ids, "ids of {:?}", &case.text);
-        assert_eq!(tok.decode(&ids).unwrap(), case.text, "round trip of {:?}", &case.text);
+        assert_eq!(
+            tok.decode(&ids).unwrap(),
+            case.text,
+            "round trip of {:?}",
+            &case.text
+        );
     }
 }
 
@@ -43,7 +48,10 @@ fn end_of_text_is_one_special_token() {
     let tok = shipped();
     let ids = tok.encode(&format!("The end.{END_OF_TEXT}Once")).unwrap();
     assert_eq!(ids, vec![464, 886, 13, END_OF_TEXT_ID, 7454]);
-    assert_eq!(tok.decode(&ids).unwrap(), format!("The end.{END_OF_TEXT}Once"));
+    assert_eq!(
+        tok.decode(&ids).unwrap(),
+        format!("The end.{END_OF_TEXT}Once")
+    );
 }
 
 #[test]
@@ -85,14 +93,25 @@ fn missing_or_malformed_tokenizer_files_are_named() {
     std::fs::copy(&merges, dir.path().join("vocab.bpe")).unwrap();
     let err = Gpt2Tokenizer::from_path(dir.path()).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("encoder.json") && msg.contains("used twice"), "{msg}");
+    assert!(
+        msg.contains("encoder.json") && msg.contains("used twice"),
+        "{msg}"
+    );
 
     std::fs::write(dir.path().join("encoder.json"), b"[1, 2").unwrap();
     let err = Gpt2Tokenizer::from_path(dir.path()).unwrap_err();
     assert!(err.to_string().contains("not a JSON object"), "{err}");
 
-    std::fs::write(dir.path().join("encoder.json"), br#"{"a": 0, "b": 1, "ab": 2}"#).unwrap();
-    std::fs::write(dir.path().join("vocab.bpe"), "#version: 0.2\na b\nthree symbols here\n").unwrap();
+    std::fs::write(
+        dir.path().join("encoder.json"),
+        br#"{"a": 0, "b": 1, "ab": 2}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("vocab.bpe"),
+        "#version: 0.2\na b\nthree symbols here\n",
+    )
+    .unwrap();
     let err = Gpt2Tokenizer::from_path(dir.path()).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("vocab.bpe") && msg.contains("line 3"), "{msg}");

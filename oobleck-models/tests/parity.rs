@@ -103,7 +103,11 @@ fn check_parity(name: &str) {
     let grads = stage.backward(fwd, None).unwrap();
     let mut names: Vec<_> = grads.params.keys().cloned().collect();
     names.sort();
-    assert_eq!(names.len(), f.weights.len(), "{name}: every weight gets a gradient");
+    assert_eq!(
+        names.len(),
+        f.weights.len(),
+        "{name}: every weight gets a gradient"
+    );
     let mut worst = 0f32;
     for n in &names {
         let want = &e[&format!("ntgrad.{n}")];
@@ -111,11 +115,17 @@ fn check_parity(name: &str) {
         let tol = 1e-5 + 1e-4 * max_abs(want);
         worst = worst.max(d);
         eprintln!("{name}: grad {n:<55} max |diff| = {d:.3e} (tol {tol:.1e})");
-        assert!(d <= tol, "{name}: gradient of {n} differs by {d} (tolerance {tol})");
+        assert!(
+            d <= tol,
+            "{name}: gradient of {n} differs by {d} (tolerance {tol})"
+        );
         // Key biases get an exactly-zero gradient (softmax ignores a constant shift); every
         // other parameter must be reached by backward (fused Candle ops silently drop grads).
         if !n.contains("k_proj.bias") {
-            assert!(max_abs(&grads.params[n]) > 0.0, "{name}: {n} got a zero gradient");
+            assert!(
+                max_abs(&grads.params[n]) > 0.0,
+                "{name}: {n} got a zero gradient"
+            );
         }
     }
     eprintln!("{name}: worst gradient max |diff| = {worst:.3e}");
@@ -184,14 +194,20 @@ fn stage_split_backward_equals_whole_model_backward() {
         let (loss, whole) = split_run(&f, &[]);
         for cuts in [vec![2], vec![1, 3], vec![1, 2]] {
             let (l, split) = split_run(&f, &cuts);
-            assert!((l - loss).abs() <= 1e-6, "{name} {cuts:?}: loss {l} vs {loss}");
+            assert!(
+                (l - loss).abs() <= 1e-6,
+                "{name} {cuts:?}: loss {l} vs {loss}"
+            );
             assert_eq!(split.len(), whole.len());
             let worst = whole
                 .iter()
                 .map(|(n, g)| max_abs_diff(g, &split[n]))
                 .fold(0f32, f32::max);
             eprintln!("{name}: split at {cuts:?}: worst gradient max |diff| = {worst:.3e}");
-            assert!(worst <= 1e-6, "{name} {cuts:?}: gradients differ by {worst}");
+            assert!(
+                worst <= 1e-6,
+                "{name} {cuts:?}: gradients differ by {worst}"
+            );
         }
     }
 }

@@ -311,7 +311,12 @@ impl SplitData<'_> {
 
     /// Samples `[index * batch_size, (index + 1) * batch_size)` in corpus order, for
     /// evaluation (no shuffling, so validation loss is comparable across steps and runs).
-    pub fn sequential_batch(&self, seq_len: usize, batch_size: usize, index: usize) -> Result<Batch> {
+    pub fn sequential_batch(
+        &self,
+        seq_len: usize,
+        batch_size: usize,
+        index: usize,
+    ) -> Result<Batch> {
         let batches = self.num_sequential_batches(seq_len, batch_size);
         if seq_len == 0 || batch_size == 0 || index >= batches {
             return Err(DataError::InvalidRequest(format!(
@@ -418,13 +423,36 @@ mod tests {
     #[test]
     fn cursor_wraps_to_the_next_epoch() {
         let c = DataCursor::default();
-        assert_eq!(c.next(3), DataCursor { epoch: 0, iteration: 1 });
         assert_eq!(
-            DataCursor { epoch: 0, iteration: 2 }.next(3),
-            DataCursor { epoch: 1, iteration: 0 }
+            c.next(3),
+            DataCursor {
+                epoch: 0,
+                iteration: 1
+            }
         );
-        assert_eq!(DataCursor::at_step(7, 3), DataCursor { epoch: 2, iteration: 1 });
-        let json = serde_json::to_string(&DataCursor { epoch: 4, iteration: 9 }).unwrap();
+        assert_eq!(
+            DataCursor {
+                epoch: 0,
+                iteration: 2
+            }
+            .next(3),
+            DataCursor {
+                epoch: 1,
+                iteration: 0
+            }
+        );
+        assert_eq!(
+            DataCursor::at_step(7, 3),
+            DataCursor {
+                epoch: 2,
+                iteration: 1
+            }
+        );
+        let json = serde_json::to_string(&DataCursor {
+            epoch: 4,
+            iteration: 9,
+        })
+        .unwrap();
         assert_eq!(json, r#"{"epoch":4,"iteration":9}"#);
     }
 

@@ -99,7 +99,11 @@ pub fn default_cache_dirs(corpus: &Path) -> Vec<(PathBuf, bool)> {
 impl TokenCache {
     /// Opens the token cache of `corpus` under `tokenizer`, building it if missing, stale or
     /// corrupt. `cache_dir`: an explicit folder (created if needed), or `None` for the defaults.
-    pub fn open(corpus: &Path, tokenizer: &Gpt2Tokenizer, cache_dir: Option<&Path>) -> Result<Self> {
+    pub fn open(
+        corpus: &Path,
+        tokenizer: &Gpt2Tokenizer,
+        cache_dir: Option<&Path>,
+    ) -> Result<Self> {
         if corpus.is_dir() {
             return Err(DataError::NotAFile {
                 path: corpus.to_path_buf(),
@@ -137,7 +141,10 @@ impl TokenCache {
         }
 
         let ids = tokenize_corpus(corpus, &bytes, tokenizer)?;
-        let tokens: Vec<u8> = ids.iter().flat_map(|&id| (id as u16).to_le_bytes()).collect();
+        let tokens: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| (id as u16).to_le_bytes())
+            .collect();
         let header = Header {
             corpus_sha256: corpus_sha256.clone(),
             corpus_bytes: bytes.len() as u64,
@@ -289,7 +296,9 @@ fn parse(bytes: &[u8]) -> std::result::Result<(Header, usize), String> {
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     if version != CACHE_FORMAT_VERSION {
-        return Err(format!("format version {version}, expected {CACHE_FORMAT_VERSION}"));
+        return Err(format!(
+            "format version {version}, expected {CACHE_FORMAT_VERSION}"
+        ));
     }
     let h = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
     if h > MAX_HEADER || 16 + h > bytes.len() {
@@ -366,8 +375,12 @@ mod tests {
     #[test]
     fn truncated_or_foreign_files_are_rejected() {
         let file = encode_file(&header(3), &[1, 0, 2, 0, 3, 0]);
-        assert!(parse(&file[..file.len() - 1]).unwrap_err().contains("promises 3"));
-        assert!(parse(b"hello world, not a cache").unwrap_err().contains("magic"));
+        assert!(parse(&file[..file.len() - 1])
+            .unwrap_err()
+            .contains("promises 3"));
+        assert!(parse(b"hello world, not a cache")
+            .unwrap_err()
+            .contains("magic"));
         let mut bad_version = file.clone();
         bad_version[8] = 9;
         assert!(parse(&bad_version).unwrap_err().contains("version 9"));

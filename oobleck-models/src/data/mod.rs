@@ -89,7 +89,9 @@ pub type Result<T> = std::result::Result<T, DataError>;
 /// `datasets/` of this workspace: the compile-time location when it still exists (so
 /// `cargo run` from anywhere finds it), else `./datasets` relative to the working directory.
 pub fn default_datasets_dir() -> PathBuf {
-    let compiled = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("datasets");
+    let compiled = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("datasets");
     if compiled.is_dir() {
         compiled
     } else {

@@ -94,10 +94,12 @@ impl Gpt2Tokenizer {
         validate_merges(merges_path, &merges_bytes)?;
 
         let utf8_path = |p: &Path| {
-            p.to_str().map(str::to_owned).ok_or(DataError::BadTokenizer {
-                path: p.to_path_buf(),
-                problem: "path is not valid UTF-8".into(),
-            })
+            p.to_str()
+                .map(str::to_owned)
+                .ok_or(DataError::BadTokenizer {
+                    path: p.to_path_buf(),
+                    problem: "path is not valid UTF-8".into(),
+                })
         };
         let bpe = BPE::from_file(&utf8_path(vocab_path)?, &utf8_path(merges_path)?)
             .build()
@@ -221,7 +223,12 @@ fn validate_vocab(path: &Path, bytes: &[u8]) -> Result<usize> {
         let id = id
             .as_u64()
             .filter(|&id| (id as usize) < map.len())
-            .ok_or_else(|| bad(format!("token {token:?} has id {id}, not in 0..{}", map.len())))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "token {token:?} has id {id}, not in 0..{}",
+                    map.len()
+                ))
+            })?;
         if std::mem::replace(&mut seen[id as usize], true) {
             return Err(bad(format!("id {id} is used twice")));
         }
@@ -266,7 +273,10 @@ fn cut_points(text: &str, chunk: usize) -> Vec<usize> {
     while next < b.len() {
         let found = (next.max(2)..b.len()).find(|&i| {
             b[i - 1] == b'\n'
-                && !text[..i - 1].chars().next_back().is_none_or(char::is_whitespace)
+                && !text[..i - 1]
+                    .chars()
+                    .next_back()
+                    .is_none_or(char::is_whitespace)
                 && !is_space_start(&text[i..])
         });
         match found {
@@ -314,7 +324,11 @@ mod tests {
     }
 
     fn whole(tok: &Gpt2Tokenizer, text: &str) -> Vec<u32> {
-        tok.inner.encode_fast(text, false).unwrap().get_ids().to_vec()
+        tok.inner
+            .encode_fast(text, false)
+            .unwrap()
+            .get_ids()
+            .to_vec()
     }
 
     #[test]
@@ -326,7 +340,11 @@ mod tests {
         let text = unit.repeat(40);
         for chunk in [1, 3, 7, 50] {
             assert!(!cut_points(&text, chunk).is_empty());
-            assert_eq!(tok.encode_in_chunks(&text, chunk).unwrap(), whole(&tok, &text), "chunk {chunk}");
+            assert_eq!(
+                tok.encode_in_chunks(&text, chunk).unwrap(),
+                whole(&tok, &text),
+                "chunk {chunk}"
+            );
         }
     }
 
