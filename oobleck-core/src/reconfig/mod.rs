@@ -132,10 +132,26 @@ fn moved_bytes(set: &TemplateSet, old: &Holdings, tpl_nodes: u32, nodes: &[u32])
     total
 }
 
-/// Orders a pipeline's nodes so nodes holding earlier layers run earlier stages (keeps state in
-/// place); fresh nodes go last; ties by id.
-fn order_nodes(old: &Holdings, nodes: &mut [u32]) {
-    nodes.sort_by_key(|&n| (old.first_layer(n), n));
+/// Orders a pipeline's nodes to keep the most state in place: of (the given order, nodes
+/// sorted by the first layer they hold, nodes sorted by id) the one that moves the fewest bytes
+/// (ties: that order). Returns the bytes moved.
+fn arrange(set: &TemplateSet, old: &Holdings, nodes: &mut Vec<u32>) -> u64 {
+    let mut by_layer = nodes.clone();
+    by_layer.sort_by_key(|&n| (old.first_layer(n), n));
+    let mut by_id = nodes.clone();
+    by_id.sort_unstable();
+    let mut best = (
+        moved_bytes(set, old, nodes.len() as u32, nodes),
+        nodes.clone(),
+    );
+    for cand in [by_layer, by_id] {
+        let m = moved_bytes(set, old, cand.len() as u32, &cand);
+        if m < best.0 {
+            best = (m, cand);
+        }
+    }
+    *nodes = best.1;
+    best.0
 }
 
 /// Decides the reconfiguration after losing `lost` and gaining `joined` nodes.
@@ -256,7 +272,8 @@ fn shrink_borrow_merge(
         }
     }
     // Merge: the smallest short group joins the partner (another short group first, else a
-    // full one) whose merged pipeline moves the least state; ties: the smaller, then lower id.
+    // full one) for which merging adds the least state to move (bytes of the merged pipeline
+    // minus what the partner would move on its own); ties: the smaller, then lower id.
     loop {
         let Some(i) = (0..groups.len())
             .filter(|&j| groups[j].1.len() < n_min)
@@ -273,9 +290,15 @@ fn shrink_borrow_merge(
             })
             .min_by_key(|&j| {
                 let mut nodes: Vec<u32> = groups[j].1.iter().chain(&groups[i].1).copied().collect();
-                order_nodes(old, &mut nodes);
+                let merged = arrange(set, old, &mut nodes);
+                let mut alone = groups[j].1.clone();
+                let alone = if groups[j].1.len() >= n_min {
+                    arrange(set, old, &mut alone)
+                } else {
+                    0
+                };
                 (
-                    moved_bytes(set, old, nodes.len() as u32, &nodes),
+                    merged as i128 - alone as i128,
                     groups[j].1.len(),
                     groups[j].0,
                 )
@@ -289,8 +312,8 @@ fn shrink_borrow_merge(
         groups[j].1.extend(absorbed.1);
     }
     for g in &mut groups {
-        order_nodes(old, &mut g.1);
         set.get(g.1.len() as u32)?;
+        arrange(set, old, &mut g.1);
     }
     Some(groups)
 }
@@ -367,7 +390,7 @@ fn reinstantiate(
         out.push((id, nodes));
     }
     for g in &mut out {
-        order_nodes(old, &mut g.1);
+        arrange(set, old, &mut g.1);
     }
     Ok(out)
 }
