@@ -183,6 +183,11 @@ impl Dataset {
         self.tokens.path()
     }
 
+    /// SHA-256 (hex) of the corpus's token ids as u16 LE: identifies the exact training data.
+    pub fn tokens_sha256(&self) -> &str {
+        self.tokens.tokens_sha256()
+    }
+
     /// Tokens of the whole corpus.
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()

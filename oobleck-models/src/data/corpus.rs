@@ -64,6 +64,7 @@ pub struct TokenCache {
     map: Mmap,
     offset: usize,
     num_tokens: usize,
+    tokens_sha256: String,
 }
 
 impl std::fmt::Debug for TokenCache {
@@ -203,6 +204,7 @@ impl TokenCache {
                     map,
                     offset,
                     num_tokens,
+                    tokens_sha256: header.tokens_sha256,
                 })
             }
             Ok(_) => {
@@ -219,6 +221,11 @@ impl TokenCache {
     /// The cache file in use.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// SHA-256 (hex) of the token data (`num_tokens` u16 LE ids), as checked on open.
+    pub fn tokens_sha256(&self) -> &str {
+        &self.tokens_sha256
     }
 
     /// Number of tokens of the whole corpus.
