@@ -1,0 +1,300 @@
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::*;
+use crate::optim::{AdamW, AdamWConfig};
+
+/// Parameters in f32 and bf16 (a seeded pattern, not constants) and the AdamW state (f32
+/// moments, i64 steps) after two real steps.
+fn sample_state() -> (BTreeMap<String, Tensor>, Vec<(String, Tensor)>) {
+    let dev = Device::Cpu;
+    let data: Vec<f32> = (0..24)
+        .map(|i| ((i * 37 % 11) as f32 - 5.0) / 7.0)
+        .collect();
+    let w = Var::from_tensor(&Tensor::from_vec(data, (4, 6), &dev).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::new(&[0.25f32, -1.5, 3.0e-7], &dev).unwrap()).unwrap();
+    let vars = vec![
+        ("h.0.mlp.c_fc.weight".to_string(), w.clone()),
+        ("h.0.mlp.c_fc.bias".to_string(), b.clone()),
+    ];
+    let mut opt = AdamW::new(AdamWConfig::default()).unwrap();
+    for step in 0..2 {
+        let grads: HashMap<String, Tensor> = vars
+            .iter()
+            .map(|(n, v)| {
+                let g = (v.as_tensor() * (0.5 + step as f64)).unwrap();
+                (n.clone(), g)
+            })
+            .collect();
+        opt.step(&vars, &grads, 1e-2).unwrap();
+    }
+    let mut params: BTreeMap<String, Tensor> = vars
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+        .collect();
+    let wte = Tensor::new(&[[1.0f32, -2.5], [0.007, 65504.0]], &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    params.insert("wte.weight".to_string(), wte);
+    (params, opt.export_state().unwrap())
+}
+
+fn trainer(step: u64) -> TrainerState {
+    TrainerState {
+        step,
+        seed: 1234,
+        data_cursor: serde_json::json!({"epoch": 1, "iteration": step}),
+        config: Some(serde_json::json!({"model": "gpt-tiny"})),
+    }
+}
+
+/// Dtype, shape and value bits of a tensor, for bit-exact comparison. bf16 is widened to f32,
+/// which is exact and injective for non-NaN values (candle offers no bit cast).
+fn raw(t: &Tensor) -> (DType, Vec<usize>, Vec<u8>) {
+    let flat = t.flatten_all().unwrap();
+    let bytes: Vec<u8> = match t.dtype() {
+        DType::F32 | DType::BF16 => flat
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::I64 => flat
+            .to_vec1::<i64>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        other => panic!("test does not compare {other:?}"),
+    };
+    (t.dtype(), t.dims().to_vec(), bytes)
+}
+
+fn flip_last_byte(path: &Path) {
+    let mut bytes = fs::read(path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn round_trip_is_bit_exact_for_f32_bf16_and_i64() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(7)).unwrap();
+    assert_eq!(path, dir.path().join("checkpoints").join("step-000007"));
+
+    let ck = load_checkpoint(&path, &Device::Cpu).unwrap();
+    assert_eq!(ck.trainer, trainer(7));
+    assert_eq!(ck.params.len(), params.len());
+    for (name, t) in &params {
+        assert_eq!(raw(&ck.params[name]), raw(t), "{name}");
+    }
+    assert_eq!(ck.params["wte.weight"].dtype(), DType::BF16);
+    let names: Vec<&String> = ck.optimizer.iter().map(|(n, _)| n).collect();
+    let want: Vec<&String> = opt.iter().map(|(n, _)| n).collect();
+    assert_eq!(names, want, "optimizer state comes back sorted by name");
+    for ((_, got), (name, t)) in ck.optimizer.iter().zip(&opt) {
+        assert_eq!(raw(got), raw(t), "{name}");
+    }
+    // The loaded state drives an optimizer like the original.
+    let mut fresh = AdamW::new(AdamWConfig::default()).unwrap();
+    fresh.import_state(&ck.optimizer).unwrap();
+    assert_eq!(fresh.step_count("h.0.mlp.c_fc.weight"), Some(2));
+    assert_eq!(verify_checkpoint(&path).unwrap(), trainer(7));
+
+    // Same state, same bytes: checksums are reproducible.
+    let again = save_checkpoint(dir.path(), &params, &opt, &trainer(8)).unwrap();
+    for file in [MODEL_FILE, OPTIMIZER_FILE] {
+        assert_eq!(
+            sha256_file(&path.join(file)).unwrap(),
+            sha256_file(&again.join(file)).unwrap()
+        );
+    }
+}
+
+#[test]
+fn flipped_byte_is_a_checksum_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(3)).unwrap();
+    let before = sha256_file(&path.join(OPTIMIZER_FILE)).unwrap();
+    flip_last_byte(&path.join(OPTIMIZER_FILE));
+    for result in [
+        load_checkpoint(&path, &Device::Cpu).map(|_| ()),
+        verify_checkpoint(&path).map(|_| ()),
+    ] {
+        match result {
+            Err(Error::Checksum {
+                path: p,
+                expected,
+                actual,
+            }) => {
+                assert!(p.ends_with(OPTIMIZER_FILE), "{}", p.display());
+                assert_eq!(expected, before);
+                assert_ne!(actual, expected);
+            }
+            other => panic!("expected a checksum error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn truncated_or_missing_file_is_reported_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(4)).unwrap();
+    let model = path.join(MODEL_FILE);
+    let len = fs::metadata(&model).unwrap().len();
+    let bytes = fs::read(&model).unwrap();
+    fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load_checkpoint(&path, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(MODEL_FILE) && err.contains("truncated") && err.contains(&len.to_string()),
+        "{err}"
+    );
+
+    fs::remove_file(&model).unwrap();
+    let err = load_checkpoint(&path, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(MODEL_FILE) && err.contains("missing"), "{err}");
+
+    fs::remove_file(path.join(TRAINER_FILE)).unwrap();
+    let err = verify_checkpoint(&path).unwrap_err().to_string();
+    assert!(
+        err.contains(TRAINER_FILE) && err.contains("missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_format_version_or_garbled_trainer_json_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(5)).unwrap();
+    let json_path = path.join(TRAINER_FILE);
+    let text = fs::read_to_string(&json_path).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    doc["format_version"] = serde_json::json!(99);
+    fs::write(&json_path, serde_json::to_vec(&doc).unwrap()).unwrap();
+    let err = load_checkpoint(&path, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("format version 99"), "{err}");
+
+    fs::write(&json_path, &text[..text.len() / 2]).unwrap();
+    let err = load_checkpoint(&path, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(TRAINER_FILE) && err.contains("JSON"), "{err}");
+}
+
+#[test]
+fn existing_checkpoint_is_never_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(9)).unwrap();
+    let digest = sha256_file(&path.join(MODEL_FILE)).unwrap();
+
+    let mut other = params.clone();
+    other.insert(
+        "extra".to_string(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    );
+    match save_checkpoint(dir.path(), &other, &opt, &trainer(9)) {
+        Err(Error::CheckpointExists { path: p }) => assert_eq!(p, path),
+        other => panic!("expected CheckpointExists, got {other:?}"),
+    }
+    assert_eq!(sha256_file(&path.join(MODEL_FILE)).unwrap(), digest);
+    assert!(load_checkpoint(&path, &Device::Cpu).is_ok());
+    // Nothing half-written is left beside it.
+    let names: Vec<String> = fs::read_dir(dir.path().join(CHECKPOINTS_DIR))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["step-000009".to_string()]);
+}
+
+#[test]
+fn bad_tensor_names_fail_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, mut opt) = sample_state();
+    opt.push(opt[0].clone());
+    let err = save_checkpoint(dir.path(), &params, &opt, &trainer(1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(OPTIMIZER_FILE) && err.contains("twice"),
+        "{err}"
+    );
+    assert_eq!(latest_checkpoint(dir.path()).unwrap(), None);
+}
+
+#[test]
+fn latest_checkpoint_ignores_temporaries_and_sorts_by_number() {
+    let dir = tempfile::tempdir().unwrap();
+    assert_eq!(latest_checkpoint(dir.path()).unwrap(), None);
+    let (params, opt) = sample_state();
+    save_checkpoint(dir.path(), &params, &opt, &trainer(999_999)).unwrap();
+    let newest = save_checkpoint(dir.path(), &params, &opt, &trainer(1_000_000)).unwrap();
+    save_checkpoint(dir.path(), &params, &opt, &trainer(12)).unwrap();
+    let root = dir.path().join(CHECKPOINTS_DIR);
+    // A crashed save of a later step, an empty directory under a final-looking name, and a file.
+    let crashed = root.join(".tmp-step-2000000-77-0");
+    fs::create_dir(&crashed).unwrap();
+    fs::write(crashed.join(MODEL_FILE), b"partial").unwrap();
+    fs::create_dir(root.join("step-3000000")).unwrap();
+    fs::write(root.join("step-4000000"), b"not a directory").unwrap();
+    fs::create_dir(root.join("step-12x")).unwrap();
+
+    assert_eq!(latest_checkpoint(dir.path()).unwrap(), Some(newest.clone()));
+    let steps: Vec<u64> = list_checkpoints(dir.path())
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, vec![12, 999_999, 1_000_000]);
+
+    assert_eq!(remove_stale_temp_dirs(dir.path()).unwrap(), 1);
+    assert!(!crashed.exists());
+    assert_eq!(latest_checkpoint(dir.path()).unwrap(), Some(newest));
+}
+
+#[test]
+fn prune_keeps_the_newest_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    for step in [10, 20, 30, 40] {
+        save_checkpoint(dir.path(), &params, &opt, &trainer(step)).unwrap();
+    }
+    assert!(prune(dir.path(), 0).is_err());
+    let removed = prune(dir.path(), 2).unwrap();
+    assert_eq!(
+        removed,
+        vec![
+            checkpoint_path(dir.path(), 10),
+            checkpoint_path(dir.path(), 20)
+        ]
+    );
+    let left: Vec<u64> = list_checkpoints(dir.path())
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(left, vec![30, 40]);
+    assert_eq!(
+        fs::read_dir(dir.path().join(CHECKPOINTS_DIR))
+            .unwrap()
+            .count(),
+        2
+    );
+}
