@@ -44,6 +44,7 @@ impl NcclCommunicator {
         _generation: u64,
         _device: usize,
         _id: &NcclId,
+        _groups: &[Vec<Rank>],
         _timeout: Duration,
     ) -> Result<Self> {
         Err(not_compiled())
@@ -92,7 +93,7 @@ mod tests {
         assert!(matches!(probe(), Err(CommError::NotCompiled { .. })));
         assert!(matches!(NcclId::new(), Err(CommError::NotCompiled { .. })));
         let id = NcclId([0; 128]);
-        let r = NcclCommunicator::new(0, 1, 0, 0, &id, Duration::from_secs(1));
+        let r = NcclCommunicator::new(0, 1, 0, 0, &id, &[], Duration::from_secs(1));
         assert!(matches!(
             r,
             Err(CommError::NotCompiled {

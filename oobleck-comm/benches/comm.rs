@@ -1,0 +1,352 @@
+//! Side-by-side data-plane benchmark (not a test; nothing is asserted):
+//! all-reduce bus bandwidth and latency of the TCP backend for 2 and 4 processes on
+//! loopback, p2p bandwidth, `memcpy` bandwidth as the physical bound, and PyTorch Gloo
+//! (`torch.distributed`, CPU) on the same sizes when `python3 -c 'import torch'` works.
+//!
+//! ```text
+//! cargo bench -p oobleck-comm --bench comm                 # 4 KiB .. 256 MiB
+//! OOBLECK_BENCH_MAX_BYTES=16777216 cargo bench -p oobleck-comm --bench comm   # quicker
+//! ```
+//!
+//! The benchmark re-executes itself as the peer processes (env `OOBLECK_BENCH_PEER`); the
+//! coordinator hands out the rendezvous list over the peers' stdin and reads rank 0's
+//! results from its stdout. Bus bandwidth = bytes * 2(n-1)/n / time (the NCCL convention).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig, TensorBuf};
+
+const PEER_ENV: &str = "OOBLECK_BENCH_PEER";
+const OP_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn iters_for(bytes: usize) -> usize {
+    ((512usize << 20) / bytes.max(1)).clamp(3, 200)
+}
+
+fn sizes() -> Vec<usize> {
+    let max: usize = std::env::var("OOBLECK_BENCH_MAX_BYTES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(256 << 20);
+    [
+        4usize << 10,
+        64 << 10,
+        1 << 20,
+        4 << 20,
+        16 << 20,
+        64 << 20,
+        256 << 20,
+    ]
+    .into_iter()
+    .filter(|&s| s <= max)
+    .collect()
+}
+
+fn p2p_sizes() -> Vec<usize> {
+    let s = sizes();
+    s.into_iter().filter(|&b| b >= 1 << 20).collect()
+}
+
+fn peer(spec: &str) {
+    let mut it = spec.split(',');
+    let rank: usize = it
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("rank in spec");
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    println!("PORT {}", l.local_addr().expect("local addr").port());
+    std::io::stdout().flush().expect("stdout");
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .expect("rendezvous list on stdin");
+    let addrs: Vec<SocketAddr> = line
+        .trim()
+        .split(',')
+        .map(|a| a.parse().expect("address"))
+        .collect();
+    let world = addrs.len();
+    let comm = TcpCommunicator::connect(TcpConfig::new(rank, 1, addrs), Some(l)).expect("connect");
+    let all: Vec<usize> = (0..world).collect();
+    for bytes in sizes() {
+        let n = bytes / 4;
+        let mut t = TensorBuf::from_f32(vec![n], &vec![1.0; n]).expect("tensor");
+        comm.all_reduce(&all, &mut t, OP_TIMEOUT).expect("warm-up");
+        let iters = iters_for(bytes);
+        comm.barrier(&all, OP_TIMEOUT).expect("barrier");
+        let start = Instant::now();
+        for _ in 0..iters {
+            comm.all_reduce(&all, &mut t, OP_TIMEOUT)
+                .expect("all_reduce");
+        }
+        let secs = start.elapsed().as_secs_f64() / iters as f64;
+        if rank == 0 {
+            println!("RESULT allreduce {bytes} {secs}");
+        }
+    }
+    if world == 2 {
+        for bytes in p2p_sizes() {
+            let n = bytes / 4;
+            let t = TensorBuf::from_f32(vec![n], &vec![1.0; n]).expect("tensor");
+            let ack = TensorBuf::zeros(oobleck_comm::DType::F32, vec![1]).expect("tensor");
+            let iters = iters_for(bytes);
+            comm.barrier(&all, OP_TIMEOUT).expect("barrier");
+            let start = Instant::now();
+            for _ in 0..iters {
+                if rank == 0 {
+                    comm.send(1, 1, &t, OP_TIMEOUT).expect("send");
+                } else {
+                    comm.recv(0, 1, OP_TIMEOUT).expect("recv");
+                }
+            }
+            if rank == 0 {
+                comm.recv(1, 2, OP_TIMEOUT).expect("ack");
+                let secs = start.elapsed().as_secs_f64() / iters as f64;
+                println!("RESULT p2p {bytes} {secs}");
+            } else {
+                comm.send(0, 2, &ack, OP_TIMEOUT).expect("ack");
+            }
+        }
+    }
+    comm.barrier(&all, OP_TIMEOUT).expect("final barrier");
+    println!("DONE");
+}
+
+/// Kills and reaps the peers on every exit path.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+type Results = HashMap<(&'static str, usize), f64>;
+
+fn run_tcp(world: usize) -> Results {
+    let exe = std::env::current_exe().expect("own executable");
+    let mut kids = Children(Vec::new());
+    let mut outs = Vec::new();
+    for rank in 0..world {
+        let mut c = Command::new(&exe)
+            .env(PEER_ENV, format!("{rank}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn peer");
+        outs.push(BufReader::new(c.stdout.take().expect("stdout")));
+        kids.0.push(c);
+    }
+    let mut addrs = Vec::new();
+    for o in &mut outs {
+        let mut line = String::new();
+        o.read_line(&mut line).expect("peer port");
+        let port = line
+            .trim()
+            .strip_prefix("PORT ")
+            .and_then(|p| p.parse::<u16>().ok())
+            .expect("PORT line");
+        addrs.push(format!("127.0.0.1:{port}"));
+    }
+    for c in &mut kids.0 {
+        writeln!(c.stdin.as_mut().expect("stdin"), "{}", addrs.join(",")).expect("send list");
+    }
+    let mut res = Results::new();
+    for line in outs.swap_remove(0).lines().map_while(Result::ok) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.as_slice() {
+            ["RESULT", kind, bytes, secs] => {
+                let kind = if *kind == "p2p" { "p2p" } else { "allreduce" };
+                res.insert(
+                    (kind, bytes.parse().expect("bytes")),
+                    secs.parse().expect("secs"),
+                );
+            }
+            ["DONE"] => break,
+            _ => {}
+        }
+    }
+    for c in &mut kids.0 {
+        let _ = c.wait();
+    }
+    res
+}
+
+fn run_gloo(world: usize) -> Result<Results, String> {
+    let ok = Command::new("python3")
+        .args(["-c", "import torch"])
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        return Err("n/a (torch not installed)".into());
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/gloo_bench.py");
+    let join = |v: Vec<usize>| {
+        v.iter()
+            .map(|s| s.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let out = Command::new("python3")
+        .args([
+            script,
+            "--world",
+            &world.to_string(),
+            "--sizes",
+            &join(sizes()),
+            "--p2p-sizes",
+            &join(p2p_sizes()),
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("n/a (python3: {e})"))?;
+    if !out.status.success() {
+        return Err(format!("n/a (gloo script failed: {})", out.status));
+    }
+    let mut res = Results::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let kind = if v["kind"] == "p2p" {
+            "p2p"
+        } else {
+            "allreduce"
+        };
+        if let (Some(b), Some(s)) = (v["bytes"].as_u64(), v["secs"].as_f64()) {
+            res.insert((kind, b as usize), s);
+        }
+    }
+    Ok(res)
+}
+
+/// Single-threaded `memcpy` bandwidth (GB/s) of a 256 MiB buffer: what one copy costs.
+fn memcpy_gbps() -> f64 {
+    let n = 256 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src);
+    let iters = 5;
+    let start = Instant::now();
+    for _ in 0..iters {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    (n * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+fn main() {
+    if let Ok(spec) = std::env::var(PEER_ENV) {
+        peer(&spec);
+        return;
+    }
+    // `cargo bench` passes `--bench`; a filter argument other than "comm" skips us.
+    if std::env::args()
+        .skip(1)
+        .any(|a| !a.starts_with("--") && a != "comm")
+    {
+        return;
+    }
+    let memcpy = memcpy_gbps();
+    let mut tcp = HashMap::new();
+    let mut gloo = HashMap::new();
+    for world in [2usize, 4] {
+        eprintln!("comm bench: TCP, {world} processes ...");
+        tcp.insert(world, run_tcp(world));
+        eprintln!("comm bench: Gloo, {world} processes ...");
+        gloo.insert(world, run_gloo(world));
+    }
+    let busbw = |world: usize, bytes: usize, secs: f64| {
+        bytes as f64 * 2.0 * (world as f64 - 1.0) / world as f64 / secs / 1e9
+    };
+    let cell = |r: Option<&f64>, world: usize, bytes: usize| match r {
+        Some(&s) => format!("{:>7.2} {:>9.0}", busbw(world, bytes, s), s * 1e6),
+        None => format!("{:>17}", "-"),
+    };
+    let gcell = |world: usize, bytes: usize| match &gloo[&world] {
+        Ok(r) => cell(r.get(&("allreduce", bytes)), world, bytes),
+        Err(_) => format!("{:>17}", "n/a"),
+    };
+    println!();
+    println!("all-reduce (sum, f32), loopback; busbw in GB/s, latency in us per op");
+    println!(
+        "{:>8} | {:>17} | {:>17} | {:>17} | {:>17}",
+        "size", "oobleck 2p bw lat", "gloo 2p bw lat", "oobleck 4p bw lat", "gloo 4p bw lat"
+    );
+    for bytes in sizes() {
+        println!(
+            "{:>8} | {} | {} | {} | {}",
+            human(bytes),
+            cell(tcp[&2].get(&("allreduce", bytes)), 2, bytes),
+            gcell(2, bytes),
+            cell(tcp[&4].get(&("allreduce", bytes)), 4, bytes),
+            gcell(4, bytes),
+        );
+    }
+    println!();
+    println!("p2p send/recv, 2 processes; GB/s (memcpy bound: {memcpy:.2} GB/s)");
+    println!(
+        "{:>8} | {:>8} | {:>8} | {:>10}",
+        "size", "oobleck", "gloo", "oobleck/memcpy"
+    );
+    for bytes in p2p_sizes() {
+        let gbps = |s: f64| bytes as f64 / s / 1e9;
+        let ours = tcp[&2].get(&("p2p", bytes)).map(|&s| gbps(s));
+        let theirs = gloo[&2]
+            .as_ref()
+            .ok()
+            .and_then(|r| r.get(&("p2p", bytes)))
+            .map(|&s| gbps(s));
+        let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        println!(
+            "{:>8} | {:>8} | {:>8} | {:>10}",
+            human(bytes),
+            f(ours),
+            f(theirs),
+            ours.map_or("-".into(), |o| format!("{:.2}", o / memcpy))
+        );
+    }
+    for world in [2, 4] {
+        if let Err(why) = &gloo[&world] {
+            println!("gloo {world}p: {why}");
+        }
+    }
+    println!();
+    let target = 64 << 20;
+    for world in [2, 4] {
+        let ours = tcp[&world].get(&("allreduce", target));
+        let theirs = gloo[&world]
+            .as_ref()
+            .ok()
+            .and_then(|r| r.get(&("allreduce", target)));
+        if let (Some(o), Some(t)) = (ours, theirs) {
+            println!(
+                "target: all-reduce busbw at 64 MiB, {world}p: oobleck/gloo = {:.2} (want >= 1)",
+                t / o
+            );
+        }
+    }
+    if let Some(&s) = tcp[&2].get(&("p2p", 64 << 20)) {
+        println!(
+            "target: p2p at 64 MiB / memcpy = {:.2} (want >= 0.5)",
+            (64 << 20) as f64 / s / 1e9 / memcpy
+        );
+    }
+}
