@@ -1,1 +1,11 @@
 //! Shared code of the `train` and `oobleck` binaries.
+//!
+//! ```text
+//!  train:   TrainArgs ─► TrainConfig (defaults < job.toml < flags) ─► Trainer ─► run dir
+//!  oobleck: models | plan | generate | bench ...
+//! ```
+
+pub mod config;
+pub mod generate;
+pub mod progress;
+pub mod trainer;

@@ -1,0 +1,388 @@
+//! The job configuration of `train`: defaults, then a TOML job file, then flags.
+//!
+//! The resolved [`TrainConfig`] is written to `<out>/config.json`, so every run records exactly
+//! what it did; `--resume` reads it back and refuses changes that would alter the training.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Everything a training job is. Units and the reason for each default are given per field.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Model preset name, or a directory / hub id holding an HF `config.json` (`--init-from`
+    /// loads its weights). Default `gpt-mini`: 4 blocks of width 128, trains on a laptop CPU.
+    pub model: String,
+    /// Start from pretrained HF weights (directory or `org/name`) instead of a fresh init.
+    pub init_from: Option<String>,
+    /// Nodes of the local cluster. 1 = one process (the single-process trainer).
+    pub nodes: usize,
+    /// Devices (worker processes) per node.
+    pub devices_per_node: usize,
+    /// `f`: node failures the job must survive without a checkpoint.
+    pub fault_threshold: usize,
+    /// `b`, samples per microbatch. 4 keeps a gpt-mini step near a second on 2 cores.
+    pub microbatch_size: usize,
+    /// Samples per step (a multiple of `b`). 16 = 4 microbatches, enough for a pipeline to fill.
+    pub global_batch_size: usize,
+    /// Tokens per sample. 64 for the default: long enough for sentences, cheap on CPU.
+    pub seq_len: usize,
+    /// Optimizer steps to run in total (a resumed run continues up to this count).
+    pub steps: u64,
+    /// Seeds initialisation, data order and dropout.
+    pub seed: u64,
+    /// Peak learning rate (after warmup). 2e-3 suits models of width 128; big presets use less.
+    pub lr: f64,
+    /// Floor of the cosine decay; default lr/10 (nanoGPT's choice).
+    pub min_lr: Option<f64>,
+    /// Linear warmup steps; default 10% of the steps.
+    pub warmup_steps: Option<u64>,
+    /// AdamW decoupled weight decay on matrices (0.1 as in GPT-3).
+    pub weight_decay: f64,
+    /// AdamW betas (0.9, 0.95 as in GPT-3).
+    pub beta1: f64,
+    pub beta2: f64,
+    /// Clip the global gradient norm to this (1.0 as in GPT-3); 0 disables clipping.
+    pub grad_clip: f64,
+    /// Run directory. Default `runs/<model>-<unix seconds>`, never an existing run.
+    pub out: Option<PathBuf>,
+    /// Write a checkpoint every K steps (and at the end). 0 = only at the end.
+    pub checkpoint_every: u64,
+    /// Validation loss every K steps (and at the end). 0 = only at the end.
+    pub eval_every: u64,
+    /// Validation microbatches per evaluation (fixed, in corpus order, comparable across runs).
+    pub eval_batches: usize,
+    /// Text corpus (UTF-8). Default: the shipped corpus in `datasets/`.
+    pub dataset: Option<PathBuf>,
+    /// GPT-2 tokenizer (`tokenizer.json`, or a directory with `encoder.json` + `vocab.bpe`).
+    pub tokenizer: Option<PathBuf>,
+    /// Pin the pipeline sizes in nodes (e.g. `[2, 3]`) instead of letting the planner choose.
+    pub pipeline_nodes: Option<Vec<usize>>,
+    /// `NODE@STEP`: SIGKILL that node's processes when the job reaches that step.
+    pub inject_failure: Vec<String>,
+    /// Print this many sampled continuations of the validation text at the end (0 = none).
+    pub sample: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            model: "gpt-mini".into(),
+            init_from: None,
+            nodes: 1,
+            devices_per_node: 1,
+            fault_threshold: 0,
+            microbatch_size: 4,
+            global_batch_size: 16,
+            seq_len: 64,
+            steps: 60,
+            seed: 1234,
+            lr: 2e-3,
+            min_lr: None,
+            warmup_steps: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            grad_clip: 1.0,
+            out: None,
+            checkpoint_every: 20,
+            eval_every: 20,
+            eval_batches: 4,
+            dataset: None,
+            tokenizer: None,
+            pipeline_nodes: None,
+            inject_failure: Vec::new(),
+            sample: 2,
+        }
+    }
+}
+
+/// Train a GPT/OPT model with Oobleck-rs.
+///
+/// With no flags: trains the small `gpt-mini` GPT on the shipped corpus and writes the run to
+/// `runs/`. Flags override a `--config job.toml`, which overrides the defaults.
+#[derive(Clone, Debug, Default, clap::Parser)]
+#[command(name = "train", version)]
+pub struct TrainArgs {
+    /// TOML job file with any of the fields below (snake_case); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model preset (see `oobleck models`) [default: gpt-mini].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Start from HF weights: a directory with config.json + model.safetensors, or `org/name`
+    /// found in the local Hugging Face cache.
+    #[arg(long)]
+    pub init_from: Option<String>,
+    /// Nodes of the local cluster [default: 1].
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// Devices (worker processes) per node [default: 1].
+    #[arg(long)]
+    pub devices_per_node: Option<usize>,
+    /// Fault threshold f: survive f node failures without a checkpoint [default: 0].
+    #[arg(long)]
+    pub fault_threshold: Option<usize>,
+    /// Samples per microbatch [default: 4].
+    #[arg(long)]
+    pub microbatch_size: Option<usize>,
+    /// Samples per step, a multiple of the microbatch size [default: 16].
+    #[arg(long)]
+    pub global_batch_size: Option<usize>,
+    /// Tokens per sample [default: 64].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Total optimizer steps [default: 60].
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of initialisation, data order and dropout [default: 1234].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Peak learning rate [default: 2e-3].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine decay [default: lr/10].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Linear warmup steps [default: 10% of steps].
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// AdamW weight decay on weight matrices [default: 0.1].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm (0 = off) [default: 1.0].
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    /// Run directory [default: runs/<model>-<unix seconds>].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Checkpoint every K steps, and at the end (0 = only at the end) [default: 20].
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Validation loss every K steps, and at the end [default: 20].
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Validation microbatches per evaluation [default: 4].
+    #[arg(long)]
+    pub eval_batches: Option<usize>,
+    /// Continue a run: its directory (newest checkpoint) or one checkpoint directory.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Text corpus [default: the shipped corpus in datasets/].
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    /// GPT-2 tokenizer: tokenizer.json, or a directory with encoder.json + vocab.bpe.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Pin pipeline sizes in nodes, e.g. `2,3`.
+    #[arg(long, value_delimiter = ',')]
+    pub pipeline_nodes: Option<Vec<usize>>,
+    /// Kill node NODE's processes with SIGKILL at step STEP (repeatable), e.g. `1@20`.
+    #[arg(long)]
+    pub inject_failure: Vec<String>,
+    /// Sampled continuations to print at the end [default: 2].
+    #[arg(long)]
+    pub sample: Option<usize>,
+    /// Print a machine-readable summary as JSON on stdout at the end.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl TrainArgs {
+    /// Defaults, then the job file, then the flags.
+    pub fn resolve(&self) -> Result<TrainConfig> {
+        let mut c = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading job file {}", path.display()))?;
+                toml::from_str::<TrainConfig>(&text)
+                    .with_context(|| format!("job file {} is not a valid job", path.display()))?
+            }
+            None => TrainConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone(); } )* };
+        }
+        set!(
+            model,
+            nodes,
+            devices_per_node,
+            fault_threshold,
+            microbatch_size,
+            global_batch_size,
+            seq_len,
+            steps,
+            seed,
+            lr,
+            weight_decay,
+            grad_clip,
+            checkpoint_every,
+            eval_every,
+            eval_batches,
+            sample
+        );
+        macro_rules! set_opt {
+            ($($f:ident),*) => { $( if self.$f.is_some() { c.$f = self.$f.clone(); } )* };
+        }
+        set_opt!(
+            init_from,
+            min_lr,
+            warmup_steps,
+            out,
+            dataset,
+            tokenizer,
+            pipeline_nodes
+        );
+        if !self.inject_failure.is_empty() {
+            c.inject_failure = self.inject_failure.clone();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+impl TrainConfig {
+    /// Rejects configurations that cannot run, saying what to change.
+    pub fn validate(&self) -> Result<()> {
+        if self.microbatch_size == 0 {
+            bail!("--microbatch-size must be at least 1");
+        }
+        if self.global_batch_size == 0 || self.global_batch_size % self.microbatch_size != 0 {
+            bail!(
+                "--global-batch-size ({}) must be a positive multiple of --microbatch-size ({})",
+                self.global_batch_size,
+                self.microbatch_size
+            );
+        }
+        if self.seq_len == 0 {
+            bail!("--seq-len must be at least 1");
+        }
+        if self.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bail!("--lr must be a positive number, got {}", self.lr);
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            bail!("--grad-clip must be >= 0, got {}", self.grad_clip);
+        }
+        if self.nodes == 0 || self.devices_per_node == 0 {
+            bail!("--nodes and --devices-per-node must be at least 1");
+        }
+        if self.eval_batches == 0 {
+            bail!("--eval-batches must be at least 1");
+        }
+        for spec in &self.inject_failure {
+            parse_failure(spec)?;
+        }
+        Ok(())
+    }
+
+    /// `B`: microbatches per step.
+    pub fn num_microbatches(&self) -> usize {
+        self.global_batch_size / self.microbatch_size
+    }
+
+    pub fn warmup(&self) -> u64 {
+        self.warmup_steps.unwrap_or(self.steps / 10)
+    }
+
+    pub fn final_lr(&self) -> f64 {
+        self.min_lr.unwrap_or(self.lr / 10.0)
+    }
+
+    /// Fields that change the training trajectory: a resumed run must keep them.
+    pub fn trajectory_mismatch(&self, saved: &TrainConfig) -> Option<String> {
+        let pairs = [
+            ("model", self.model != saved.model),
+            ("seed", self.seed != saved.seed),
+            (
+                "microbatch_size",
+                self.microbatch_size != saved.microbatch_size,
+            ),
+            (
+                "global_batch_size",
+                self.global_batch_size != saved.global_batch_size,
+            ),
+            ("seq_len", self.seq_len != saved.seq_len),
+            ("lr", self.lr != saved.lr),
+            ("min_lr", self.final_lr() != saved.final_lr()),
+            ("warmup_steps", self.warmup() != saved.warmup()),
+            ("weight_decay", self.weight_decay != saved.weight_decay),
+            ("grad_clip", self.grad_clip != saved.grad_clip),
+            ("dataset", self.dataset != saved.dataset),
+        ];
+        let changed: Vec<&str> = pairs.iter().filter(|p| p.1).map(|p| p.0).collect();
+        (!changed.is_empty()).then(|| changed.join(", "))
+    }
+}
+
+/// Parses `NODE@STEP`.
+pub fn parse_failure(spec: &str) -> Result<(usize, u64)> {
+    let (node, step) = spec
+        .split_once('@')
+        .with_context(|| format!("--inject-failure `{spec}`: expected NODE@STEP, e.g. 1@20"))?;
+    let node = node
+        .trim()
+        .parse()
+        .with_context(|| format!("--inject-failure `{spec}`: NODE must be a node index"))?;
+    let step = step
+        .trim()
+        .parse()
+        .with_context(|| format!("--inject-failure `{spec}`: STEP must be a step number"))?;
+    Ok((node, step))
+}
+
+/// Writes `config.json` into the run directory.
+pub fn save_resolved(cfg: &TrainConfig, out: &Path) -> Result<()> {
+    let path = out.join("config.json");
+    let text = serde_json::to_string_pretty(cfg)?;
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads a run's `config.json`.
+pub fn load_resolved(run: &Path) -> Result<TrainConfig> {
+    let path = run.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not a run config", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn flags_override_the_job_file_which_overrides_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let job = dir.path().join("job.toml");
+        std::fs::write(&job, "steps = 7\nlr = 0.01\nseq_len = 32\n").unwrap();
+        let args =
+            TrainArgs::parse_from(["train", "--config", job.to_str().unwrap(), "--steps", "9"]);
+        let c = args.resolve().unwrap();
+        assert_eq!((c.steps, c.lr, c.seq_len), (9, 0.01, 32));
+        assert_eq!(c.model, "gpt-mini");
+    }
+
+    #[test]
+    fn unknown_job_fields_and_bad_batches_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let job = dir.path().join("job.toml");
+        std::fs::write(&job, "stepz = 7\n").unwrap();
+        let e = TrainArgs::parse_from(["train", "--config", job.to_str().unwrap()])
+            .resolve()
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("stepz"), "{e:#}");
+        let e = TrainArgs::parse_from(["train", "--global-batch-size", "10"])
+            .resolve()
+            .unwrap_err();
+        assert!(e.to_string().contains("multiple"), "{e}");
+        let e = TrainArgs::parse_from(["train", "--inject-failure", "x@y"])
+            .resolve()
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("NODE"), "{e:#}");
+    }
+}
