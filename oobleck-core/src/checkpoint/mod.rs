@@ -382,6 +382,19 @@ fn read_trainer_file(dir: &Path) -> Result<TrainerFile> {
             return Err(corrupt(format!("`files` has no entry for {name}")));
         }
     }
+    // A checkpoint under a `step-N` name must hold step N (catches a renamed or misplaced one).
+    if let Some(named) = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(parse_step_dir)
+    {
+        if named != doc.step {
+            return Err(corrupt(format!(
+                "records step {} but its directory says step {named}",
+                doc.step
+            )));
+        }
+    }
     if let Some(extra) = doc
         .files
         .keys()

@@ -191,6 +191,16 @@ fn unknown_format_version_or_garbled_trainer_json_is_rejected() {
         .to_string();
     assert!(err.contains("format version 99"), "{err}");
 
+    let renamed = checkpoint_path(dir.path(), 6);
+    fs::write(&json_path, &text).unwrap();
+    fs::rename(&path, &renamed).unwrap();
+    let err = load_checkpoint(&renamed, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("records step 5"), "{err}");
+    fs::rename(&renamed, &path).unwrap();
+    assert!(load_checkpoint(&path, &Device::Cpu).is_ok());
+
     fs::write(&json_path, &text[..text.len() / 2]).unwrap();
     let err = load_checkpoint(&path, &Device::Cpu)
         .unwrap_err()
