@@ -462,6 +462,12 @@ mod tests {
     }
 
     #[test]
+    fn datasets_can_be_shared_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Dataset>();
+    }
+
+    #[test]
     fn below_stays_in_range() {
         let mut rng = ChaCha20Rng::from_seed([3; 32]);
         for n in [1u64, 2, 3, 7, 1 << 40, u64::MAX] {
