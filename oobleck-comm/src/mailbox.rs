@@ -59,18 +59,23 @@ impl Mailbox {
         if g.aborted {
             return;
         }
-        if g.msgs.contains_key(&key) {
-            let err = CommError::PeerLost {
-                rank: key.peer,
-                generation: self.generation,
-                reason: format!(
-                    "duplicate message channel {} seq {} part {}",
-                    key.channel, key.seq, key.part
-                ),
-            };
-            g.failed[key.peer].get_or_insert(err);
-        } else {
-            g.msgs.insert(key, (ready_at, data));
+        let generation = self.generation;
+        let inner = &mut *g;
+        match inner.msgs.entry(key) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                let err = CommError::PeerLost {
+                    rank: key.peer,
+                    generation,
+                    reason: format!(
+                        "duplicate message channel {} seq {} part {}",
+                        key.channel, key.seq, key.part
+                    ),
+                };
+                inner.failed[key.peer].get_or_insert(err);
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((ready_at, data));
+            }
         }
         drop(g);
         self.cv.notify_all();

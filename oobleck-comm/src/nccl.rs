@@ -847,3 +847,42 @@ impl Owner {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_driver_or_nccl_is_an_error_not_a_panic() {
+        match probe() {
+            Ok(()) | Err(CommError::Unavailable { .. }) => {}
+            Err(e) => panic!("probe must report Unavailable, got {e}"),
+        }
+        let id = NcclId([0; 128]);
+        let r = NcclCommunicator::new(3, 2, 0, 0, &id, &[], Duration::from_secs(1));
+        assert!(matches!(r, Err(CommError::Invalid(_))));
+    }
+
+    /// Exercises the FFI path end to end where a GPU and NCCL exist (the device checks);
+    /// elsewhere `probe` fails first and there is nothing to run.
+    #[test]
+    fn single_rank_clique_reduces_broadcasts_and_aborts_where_a_gpu_exists() {
+        if probe().is_err() {
+            return;
+        }
+        let id = NcclId::new().unwrap();
+        let c =
+            NcclCommunicator::new(0, 1, 9, 0, &id, &[vec![0]], Duration::from_secs(60)).unwrap();
+        let mut t = TensorBuf::from_f32(vec![3], &[1.0, 2.0, 3.0]).unwrap();
+        c.all_reduce(&[0], &mut t, Duration::from_secs(10)).unwrap();
+        assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 2.0, 3.0]);
+        c.broadcast(&[0], 0, &mut t, Duration::from_secs(10))
+            .unwrap();
+        c.barrier(&[0], Duration::from_secs(10)).unwrap();
+        c.abort();
+        assert!(matches!(
+            c.barrier(&[0], Duration::from_secs(1)),
+            Err(CommError::Aborted { .. })
+        ));
+    }
+}

@@ -115,9 +115,9 @@ impl TcpCommunicator {
         };
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let mut first_err = None;
-        for j in 0..rank {
+        for (j, slot) in streams.iter_mut().enumerate().take(rank) {
             match connect_one(&cfg, j, deadline) {
-                Ok(s) => streams[j] = Some(s),
+                Ok(s) => *slot = Some(s),
                 Err(e) => {
                     first_err = Some(e);
                     break;
