@@ -167,7 +167,8 @@ pub struct TrainArgs {
     /// Validation microbatches per evaluation [default: 4].
     #[arg(long)]
     pub eval_batches: Option<usize>,
-    /// Continue a run: its directory (newest checkpoint) or one checkpoint directory.
+    /// Continue a run: its directory (newest checkpoint) or one checkpoint directory. The run's
+    /// saved config is the starting point; flags that would change the training are refused.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Text corpus [default: the shipped corpus in datasets/].
@@ -191,8 +192,16 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// Defaults, then the job file, then the flags.
+    /// Defaults (or, with `--resume`, the resumed run's own `config.json`), then the job
+    /// file, then the flags.
     pub fn resolve(&self) -> Result<TrainConfig> {
+        let base = match &self.resume {
+            Some(path) => {
+                let (run, _) = crate::trainer::find_checkpoint(path)?;
+                load_resolved(&run)?
+            }
+            None => TrainConfig::default(),
+        };
         let mut c = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -200,7 +209,7 @@ impl TrainArgs {
                 toml::from_str::<TrainConfig>(&text)
                     .with_context(|| format!("job file {} is not a valid job", path.display()))?
             }
-            None => TrainConfig::default(),
+            None => base,
         };
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone(); } )* };

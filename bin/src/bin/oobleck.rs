@@ -1,1 +1,171 @@
-fn main() {}
+//! `oobleck`: tools around training jobs. See `oobleck --help`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use oobleck_cli::generate::{sample, whole_model, Sampling};
+use oobleck_core::checkpoint;
+use oobleck_models::data::{default_tokenizer_dir, Gpt2Tokenizer};
+use oobleck_models::{preset_names, ModelConfig};
+
+/// Tools for Oobleck-rs training jobs.
+#[derive(Parser)]
+#[command(name = "oobleck", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// List the model presets with their shapes and parameter counts.
+    Models {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print sampled continuations of a prompt from a checkpoint.
+    Generate(GenerateArgs),
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A checkpoint directory (`<run>/checkpoints/step-NNNNNN`) or a run directory (newest).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "ROMEO:")]
+    prompt: String,
+    /// How many continuations.
+    #[arg(long, default_value_t = 3)]
+    samples: usize,
+    /// Tokens to generate per continuation.
+    #[arg(long, default_value_t = 40)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// GPT-2 tokenizer [default: the shipped one].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Models { json } => models(json),
+        Cmd::Generate(a) => generate(&a),
+    }
+}
+
+fn models(json: bool) -> Result<()> {
+    let mut rows = Vec::new();
+    for name in preset_names() {
+        let c = ModelConfig::preset(name)?;
+        let (blocks, d, heads, ffn) = c.dims();
+        rows.push(serde_json::json!({
+            "name": name,
+            "family": match c { ModelConfig::Gpt(_) => "gpt", ModelConfig::Opt(_) => "opt" },
+            "params": c.num_params(),
+            "blocks": blocks,
+            "layers": c.num_layers(),
+            "d_model": d,
+            "heads": heads,
+            "ffn": ffn,
+            "context": c.max_seq_len(),
+            "vocab": c.vocab_size(),
+        }));
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "{:<16} {:>6} {:>10} {:>7} {:>7} {:>6} {:>6} {:>8} {:>7}",
+        "preset", "family", "params", "blocks", "layers", "d", "heads", "context", "vocab"
+    );
+    for r in rows {
+        let p = r["params"].as_u64().unwrap_or(0) as f64;
+        let params = if p >= 1e9 {
+            format!("{:.2}B", p / 1e9)
+        } else {
+            format!("{:.1}M", p / 1e6)
+        };
+        println!(
+            "{:<16} {:>6} {:>10} {:>7} {:>7} {:>6} {:>6} {:>8} {:>7}",
+            r["name"].as_str().unwrap_or(""),
+            r["family"].as_str().unwrap_or(""),
+            params,
+            r["blocks"],
+            r["layers"],
+            r["d_model"],
+            r["heads"],
+            r["context"],
+            r["vocab"]
+        );
+    }
+    Ok(())
+}
+
+fn generate(a: &GenerateArgs) -> Result<()> {
+    let ckpt = if a.checkpoint.join(checkpoint::TRAINER_FILE).is_file() {
+        a.checkpoint.clone()
+    } else {
+        checkpoint::latest_checkpoint(&a.checkpoint)?
+            .with_context(|| format!("{} holds no checkpoint", a.checkpoint.display()))?
+    };
+    let ck = checkpoint::load_checkpoint(&ckpt, &candle_core::Device::Cpu)?;
+    let cfg_json = ck
+        .trainer
+        .config
+        .clone()
+        .with_context(|| format!("{}: trainer.json has no run config", ckpt.display()))?;
+    let cfg: oobleck_cli::config::TrainConfig =
+        serde_json::from_value(cfg_json).with_context(|| {
+            format!(
+                "{}: trainer.json holds an unreadable run config",
+                ckpt.display()
+            )
+        })?;
+    let (model_cfg, _) = oobleck_cli::trainer::model_config(&cfg)?;
+    let model = model_cfg.build()?;
+    let params: HashMap<_, _> = ck.params.into_iter().collect();
+    let stage = whole_model(model.as_ref(), &params)?;
+    let tok_path = a
+        .tokenizer
+        .clone()
+        .or(cfg.tokenizer.clone())
+        .unwrap_or_else(default_tokenizer_dir);
+    let tok = Gpt2Tokenizer::from_path(&tok_path)?;
+    tok.check_vocab(model_cfg.vocab_size())?;
+    println!("checkpoint {} (step {})", ckpt.display(), ck.trainer.step);
+    for i in 0..a.samples {
+        let text = sample(
+            &stage,
+            &tok,
+            &a.prompt,
+            model_cfg.max_seq_len(),
+            Sampling {
+                max_new_tokens: a.max_new_tokens,
+                temperature: a.temperature,
+                top_k: a.top_k,
+                seed: a.seed + i as u64,
+            },
+        )?;
+        println!("--- sample {} ---\n{}{}", i + 1, a.prompt, text);
+    }
+    Ok(())
+}

@@ -1,0 +1,222 @@
+//! The single-process trainer end to end: it learns on the shipped corpus, resume is exact,
+//! and bad input is refused without touching what is on disk.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{Device, Tensor};
+use oobleck_cli::config::TrainConfig;
+use oobleck_cli::progress::Progress;
+use oobleck_cli::trainer::Trainer;
+use oobleck_core::checkpoint::{checkpoint_path, load_checkpoint};
+
+/// A small, fast job: gpt-tiny, 8 samples of 32 tokens per step.
+fn tiny(out: &Path, steps: u64) -> TrainConfig {
+    TrainConfig {
+        model: "gpt-tiny".into(),
+        microbatch_size: 2,
+        global_batch_size: 8,
+        seq_len: 32,
+        steps,
+        lr: 3e-3,
+        warmup_steps: Some(2),
+        checkpoint_every: 3,
+        eval_every: 0,
+        eval_batches: 2,
+        out: Some(out.to_path_buf()),
+        sample: 0,
+        ..TrainConfig::default()
+    }
+}
+
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn params(ckpt: &Path) -> BTreeMap<String, Tensor> {
+    load_checkpoint(ckpt, &Device::Cpu).unwrap().params
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
+
+#[test]
+fn training_lowers_validation_loss_on_the_shipped_corpus() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut t = Trainer::start(tiny(tmp.path(), 24), None).unwrap();
+    let before = t.validation_loss().unwrap();
+    let summary = t.run(&mut Progress::new(24, 0)).unwrap();
+    let after = summary.final_val_loss.unwrap();
+    eprintln!("validation loss {before:.4} -> {after:.4}");
+    assert!(after < before - 1.0, "validation loss {before} -> {after}");
+    let l = losses(tmp.path());
+    assert_eq!(l.len(), 24);
+    assert!(l[23].1 < l[0].1, "training loss {} -> {}", l[0].1, l[23].1);
+}
+
+#[test]
+fn resume_continues_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    let mut t = Trainer::start(tiny(&a, 6), None).unwrap();
+    t.run(&mut Progress::new(6, 0)).unwrap();
+
+    // Run b is run a stopped after its step-3 checkpoint (it had logged steps 4-5 too).
+    let b = tmp.path().join("b");
+    copy_dir(&a, &b);
+    std::fs::remove_dir_all(checkpoint_path(&b, 6)).unwrap();
+    let mut cfg = tiny(&b, 6);
+    cfg.out = None;
+    let mut t = Trainer::start(cfg, Some(&checkpoint_path(&b, 3))).unwrap();
+    assert_eq!(t.step, 3);
+    t.run(&mut Progress::new(6, 3)).unwrap();
+
+    assert_eq!(
+        losses(&a),
+        losses(&b),
+        "per-step losses differ after resume"
+    );
+    let (pa, pb) = (
+        params(&checkpoint_path(&a, 6)),
+        params(&checkpoint_path(&b, 6)),
+    );
+    assert_eq!(pa.len(), pb.len());
+    for (name, ta) in &pa {
+        let d = ta
+            .sub(&pb[name])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(d, 0.0, "{name} differs by {d} after resume");
+    }
+}
+
+#[test]
+fn resume_refuses_a_changed_trajectory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut t = Trainer::start(tiny(tmp.path(), 3), None).unwrap();
+    t.run(&mut Progress::new(3, 0)).unwrap();
+    let mut cfg = tiny(tmp.path(), 6);
+    cfg.lr = 1e-2;
+    let e = Trainer::start(cfg, Some(tmp.path()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("lr"), "{e}");
+}
+
+fn train_bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_train"))
+}
+
+fn run_train(args: &[&str]) -> (bool, String, String) {
+    let out = train_bin().args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn the_train_binary_runs_and_prints_a_json_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let (ok, stdout, stderr) = run_train(&[
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "2",
+        "--seq-len",
+        "16",
+        "--microbatch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--sample",
+        "1",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).expect("stdout is the JSON summary");
+    assert_eq!(v["steps"], 2);
+    assert!(stderr.contains("sample 1"), "{stderr}");
+    for f in [
+        "config.json",
+        "metrics.jsonl",
+        "events.jsonl",
+        "checkpoints/step-000002/trainer.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    // Starting again into the same directory is refused and loses nothing.
+    let before = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let (ok, _, stderr) = run_train(&["--model", "gpt-tiny", "--out", out.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("--resume"), "{stderr}");
+    assert_eq!(before, std::fs::read(out.join("metrics.jsonl")).unwrap());
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = |n: &str| -> PathBuf { tmp.path().join(n) };
+    let cases: [(&[&str], &str); 4] = [
+        (&["--model", "gpt-9000"], "gpt3-2.7b"),
+        (
+            &["--dataset", "/nonexistent/corpus.txt"],
+            "/nonexistent/corpus.txt",
+        ),
+        (
+            &["--global-batch-size", "6", "--microbatch-size", "4"],
+            "multiple",
+        ),
+        (&["--model", "gpt-tiny", "--seq-len", "5000"], "context"),
+    ];
+    for (i, (args, needle)) in cases.iter().enumerate() {
+        let o = out(&format!("r{i}"));
+        let mut all = args.to_vec();
+        all.extend(["--out", o.to_str().unwrap()]);
+        let (ok, _, stderr) = run_train(&all);
+        assert!(!ok, "{args:?} should fail");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    // A corrupted checkpoint is detected on resume, naming the file.
+    let o = out("c");
+    let mut t = Trainer::start(tiny(&o, 3), None).unwrap();
+    t.run(&mut Progress::new(3, 0)).unwrap();
+    let f = checkpoint_path(&o, 3).join("model.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x55;
+    std::fs::write(&f, bytes).unwrap();
+    let (ok, _, stderr) = run_train(&["--model", "gpt-tiny", "--resume", o.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("model.safetensors"), "{stderr}");
+}
