@@ -9,6 +9,8 @@ pub enum Error {
     Core(#[from] oobleck_core::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
     #[error("unknown model `{name}`; presets: {known}")]
     UnknownModel { name: String, known: String },
     #[error("{path}: {reason}")]
