@@ -276,6 +276,7 @@ fn every_surviving_node_is_used_once_and_has_a_template() {
                 return Ok(());
             };
             let mut used: Vec<u32> = r.plan.nodes();
+            used.extend(&r.spare_nodes);
             used.sort_unstable();
             let mut want: Vec<u32> = (0..16)
                 .filter(|n| !lost.contains(n))

@@ -21,6 +21,7 @@
 pub mod analytical;
 pub mod instantiate;
 pub mod profile;
+pub mod report;
 pub mod template;
 
 pub use analytical::{analytical_profile, DeviceSpec, Dtype, TransformerShape};

@@ -62,6 +62,9 @@ pub struct ReconfigPlan {
     pub missing_layers: Vec<usize>,
     /// Simultaneous node losses the new plan survives (`pipelines - 1`).
     pub fault_tolerance: u32,
+    /// Surviving nodes left idle because no combination of templates covers them all (only
+    /// below `(f + 1) * n0` nodes); they can be re-admitted by a later join.
+    pub spare_nodes: Vec<u32>,
     pub actions: Vec<Action>,
     pub lost: Vec<u32>,
     pub joined: Vec<u32>,
@@ -207,8 +210,8 @@ pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan,
     } else {
         None
     };
-    let groups = match incremental {
-        Some(g) if g.len() >= want => g,
+    let (groups, spare_nodes) = match incremental {
+        Some(g) if g.len() >= want => (g, Vec::new()),
         _ => {
             actions.push(Action::Reinstantiate {
                 nodes: total as u32,
@@ -234,6 +237,7 @@ pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan,
     let (copies, missing_layers) = plan_copies(plan, &new_plan, &old, &lost);
     Ok(ReconfigPlan {
         fault_tolerance: new_plan.pipelines.len() as u32 - 1,
+        spare_nodes,
         plan: new_plan,
         copies,
         missing_layers,
@@ -318,8 +322,30 @@ fn shrink_borrow_merge(
     Some(groups)
 }
 
+/// Template counts for `total` nodes: with `f + 1` pipelines if possible, else with as many
+/// pipelines as the nodes allow, and only then with fewer nodes (the rest spare).
+fn degrade_counts(set: &TemplateSet, ctx: &Ctx, total: u32) -> Result<Vec<u32>, PlanError> {
+    let n_min = set.templates.first().map_or(1, |t| t.nodes);
+    let mut first_err = None;
+    for f in (0..=ctx.fault_threshold).rev() {
+        for used in (n_min..=total).rev() {
+            match choose_counts(set, ctx.global_microbatches, f, used, ctx.sync_ns) {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+    }
+    Err(first_err.unwrap_or(PlanError::Infeasible {
+        nodes: total,
+        min_nodes: n_min,
+    }))
+}
+
 /// Fresh template counts over survivors + joined nodes; existing pipelines are kept whole where
-/// a pipeline of their size is wanted, then extended, then broken up for the rest.
+/// a pipeline of their size is wanted, then extended, then broken up for the rest. Returns the
+/// groups and the spare nodes.
 fn reinstantiate(
     set: &TemplateSet,
     ctx: &Ctx,
@@ -327,15 +353,9 @@ fn reinstantiate(
     groups: Vec<(u32, Vec<u32>)>,
     joined: &BTreeSet<u32>,
     plan: &Plan,
-) -> Result<Vec<(u32, Vec<u32>)>, PlanError> {
+) -> Result<(Vec<(u32, Vec<u32>)>, Vec<u32>), PlanError> {
     let total = groups.iter().map(|g| g.1.len()).sum::<usize>() + joined.len();
-    let counts = choose_counts(
-        set,
-        ctx.global_microbatches,
-        ctx.fault_threshold,
-        total as u32,
-        ctx.sync_ns,
-    )?;
+    let counts = degrade_counts(set, ctx, total as u32)?;
     let mut slots: Vec<usize> = Vec::new();
     for (t, &c) in counts.iter().enumerate() {
         slots.extend(std::iter::repeat_n(
@@ -382,7 +402,9 @@ fn reinstantiate(
         while nodes.len() < s {
             if free.is_empty() {
                 // Break the smallest remaining group into free nodes.
-                let g = left.pop().expect("slot sizes sum to the node count");
+                let g = left
+                    .pop()
+                    .expect("slot sizes sum to at most the node count");
                 free.extend(g.1);
             }
             nodes.push(free.remove(0));
@@ -392,7 +414,12 @@ fn reinstantiate(
     for g in &mut out {
         arrange(set, old, &mut g.1);
     }
-    Ok(out)
+    let mut spare: Vec<u32> = free
+        .into_iter()
+        .chain(left.into_iter().flat_map(|g| g.1))
+        .collect();
+    spare.sort_unstable();
+    Ok((out, spare))
 }
 
 /// Copies each new holder needs, sources spread over surviving old holders by bytes assigned.

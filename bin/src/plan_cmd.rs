@@ -1,0 +1,254 @@
+//! `oobleck plan`: templates and the chosen plan for a model preset (or a profile file) on a
+//! cluster shape, and the reconfiguration that would follow losing or gaining nodes.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use oobleck_core::planning::report::{plan_table, reconfig_table, templates_table};
+use oobleck_core::planning::{
+    analytical_profile, gradient_sync_ns, instantiate_with_sizes, template::generate_templates,
+    DeviceSpec, Dtype, JobSpec, ModelProfile, TemplateMicrobatches, TransformerShape,
+};
+use oobleck_core::reconfig::decide;
+
+/// Model presets the planner knows (shapes from `reference/models.md`).
+pub const PRESETS: &[(&str, TransformerShape)] = &[
+    ("gpt-tiny", TransformerShape::gpt(2, 64, 4, 50257, 64)),
+    ("gpt-mini", TransformerShape::gpt(4, 128, 4, 50257, 128)),
+    ("gpt2", TransformerShape::gpt(12, 768, 12, 50257, 1024)),
+    ("gpt2-medium", TransformerShape::gpt(24, 1024, 16, 50257, 1024)),
+    ("gpt2-large", TransformerShape::gpt(36, 1280, 20, 50257, 1024)),
+    ("gpt2-xl", TransformerShape::gpt(48, 1600, 25, 50257, 1024)),
+    ("gpt3-125m", TransformerShape::gpt(12, 768, 12, 50257, 2048)),
+    ("gpt3-350m", TransformerShape::gpt(24, 1024, 16, 50257, 2048)),
+    ("gpt3-760m", TransformerShape::gpt(24, 1536, 16, 50257, 2048)),
+    // The paper lists 24 heads of 128 (inconsistent with d = 2048); 16 x 128 as usual.
+    ("gpt3-1.3b", TransformerShape::gpt(24, 2048, 16, 50257, 2048)),
+    ("gpt3-2.7b", TransformerShape::gpt(32, 2560, 32, 50257, 2048)),
+    ("gpt3-6.7b", TransformerShape::gpt(32, 4096, 32, 50257, 2048)),
+    // The paper lists d = 5140 (inconsistent with 40 x 128); 5120 as usual.
+    ("gpt3-13b", TransformerShape::gpt(40, 5120, 40, 50257, 2048)),
+    ("gpt3-175b", TransformerShape::gpt(96, 12288, 96, 50257, 2048)),
+    ("opt-125m", TransformerShape::gpt(12, 768, 12, 50272, 2048)),
+    // OPT-350m projects 512-wide embeddings into 1024-wide blocks; modelled at width 1024.
+    ("opt-350m", TransformerShape::gpt(24, 1024, 16, 50272, 2048)),
+    ("opt-1.3b", TransformerShape::gpt(24, 2048, 32, 50272, 2048)),
+    ("opt-2.7b", TransformerShape::gpt(32, 2560, 32, 50272, 2048)),
+    ("opt-6.7b", TransformerShape::gpt(32, 4096, 32, 50272, 2048)),
+    ("opt-13b", TransformerShape::gpt(40, 5120, 40, 50272, 2048)),
+    ("opt-30b", TransformerShape::gpt(48, 7168, 56, 50272, 2048)),
+    ("opt-66b", TransformerShape::gpt(64, 9216, 72, 50272, 2048)),
+    ("opt-175b", TransformerShape::gpt(96, 12288, 96, 50272, 2048)),
+];
+
+/// Looks a preset up by name.
+pub fn preset(name: &str) -> Option<TransformerShape> {
+    PRESETS.iter().find(|p| p.0 == name).map(|p| p.1)
+}
+
+/// Plan a job: print the pipeline templates and the chosen plan.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlanArgs {
+    /// Model preset (gpt2, gpt3-2.7b, opt-1.3b, gpt-tiny, ...); ignored with --profile.
+    #[arg(long, default_value = "gpt3-2.7b")]
+    pub model: String,
+    /// A profile JSON (per-layer times and sizes) instead of an analytical one.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Microbatches the templates are optimised for: N, Ns (N per stage, e.g. 4s) or auto
+    /// (each pipeline's share of the global batch).
+    #[arg(long, default_value = "auto")]
+    pub template_microbatches: TemplateMicrobatches,
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = 8)]
+    pub nodes: u32,
+    /// Devices per node (G).
+    #[arg(long, default_value_t = 1)]
+    pub devices_per_node: u32,
+    /// Device kind: a100-40gb, a100-80gb, h100-80gb, h200-141gb, v100-32gb, cpu.
+    #[arg(long, default_value = "a100-80gb")]
+    pub device: String,
+    /// Fault threshold f: at least f + 1 pipelines.
+    #[arg(long, default_value_t = 1)]
+    pub fault_threshold: u32,
+    /// Samples per microbatch.
+    #[arg(long, default_value_t = 1)]
+    pub microbatch_size: u32,
+    /// Global batch in samples (a multiple of --microbatch-size).
+    #[arg(long, default_value_t = 512)]
+    pub global_batch_size: u32,
+    /// Training dtype of the analytical profile (f32 or bf16 with fp32 master state).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Node ids to lose, e.g. 3,7: print the reconfiguration that follows.
+    #[arg(long, value_delimiter = ',')]
+    pub lose: Vec<u32>,
+    /// Number of nodes joining (ids continue after the existing ones).
+    #[arg(long, default_value_t = 0)]
+    pub join: u32,
+}
+
+/// Everything `oobleck plan` computes; the JSON output.
+#[derive(Debug, serde::Serialize)]
+pub struct PlanOutput {
+    pub profile_fingerprint: oobleck_core::planning::Fingerprint,
+    pub templates: oobleck_core::planning::TemplateSet,
+    pub plan: oobleck_core::planning::Plan,
+    pub reconfiguration: Option<oobleck_core::reconfig::ReconfigPlan>,
+}
+
+/// Computes the plan (no printing).
+pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
+    let Some(device) = DeviceSpec::named(&args.device) else {
+        bail!(
+            "unknown device `{}`; known: {}",
+            args.device,
+            DeviceSpec::names().join(", ")
+        );
+    };
+    if args.microbatch_size == 0 || args.global_batch_size % args.microbatch_size != 0 {
+        bail!(
+            "--global-batch-size {} must be a positive multiple of --microbatch-size {}",
+            args.global_batch_size,
+            args.microbatch_size
+        );
+    }
+    let dtype = match args.dtype.as_str() {
+        "f32" => Dtype::F32,
+        "bf16" => Dtype::Bf16,
+        other => bail!("unknown --dtype `{other}` (f32 or bf16)"),
+    };
+    let profile = match &args.profile {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading profile {}", path.display()))?;
+            ModelProfile::from_json(&text)
+                .with_context(|| format!("validating profile {}", path.display()))?
+        }
+        None => {
+            let Some(shape) = preset(&args.model) else {
+                let names: Vec<&str> = PRESETS.iter().map(|p| p.0).collect();
+                bail!("unknown model `{}`; known: {}", args.model, names.join(", "));
+            };
+            analytical_profile(&args.model, &shape, device, args.microbatch_size, dtype)
+        }
+    };
+    if profile.fingerprint.device_kind != device.name {
+        bail!(
+            "the profile was made for device `{}`, not `{}`: re-profile or pass --device {}",
+            profile.fingerprint.device_kind,
+            device.name,
+            profile.fingerprint.device_kind
+        );
+    }
+    let cluster = device.cluster(args.devices_per_node);
+    let job = JobSpec {
+        fault_threshold: args.fault_threshold,
+        microbatch_size: args.microbatch_size,
+        global_microbatches: args.global_batch_size / args.microbatch_size,
+        // fp32: weights, grads, Adam m and v. bf16: 2+2 bytes plus fp32 master, m, v.
+        state_bytes_per_param_byte: if profile.fingerprint.dtype == "bf16" { 8 } else { 4 },
+        template_microbatches: args.template_microbatches,
+    };
+    let set = generate_templates(&profile, &cluster, &job, args.nodes)?;
+    let nodes: Vec<u32> = (0..args.nodes).collect();
+    let sync = gradient_sync_ns(&profile, &cluster);
+    let plan = instantiate_with_sizes(&set, &job, args.devices_per_node, sync, &nodes, 0)?;
+    let reconfiguration = if args.lose.is_empty() && args.join == 0 {
+        None
+    } else {
+        let joined: Vec<u32> = (args.nodes..args.nodes + args.join).collect();
+        Some(decide(&plan, &args.lose, &joined)?)
+    };
+    Ok(PlanOutput {
+        profile_fingerprint: profile.fingerprint,
+        templates: set,
+        plan,
+        reconfiguration,
+    })
+}
+
+/// Renders the output as tables.
+pub fn render(out: &PlanOutput) -> String {
+    let mut s = String::new();
+    s.push_str(&format!("profile: {:?}\n\n", out.profile_fingerprint));
+    s.push_str(&templates_table(&out.templates));
+    s.push('\n');
+    s.push_str(&plan_table(&out.plan));
+    if let Some(r) = &out.reconfiguration {
+        s.push('\n');
+        s.push_str(&reconfig_table(r));
+    }
+    s
+}
+
+/// Runs `oobleck plan`.
+pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
+    let out = compute(args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", render(&out));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        plan: PlanArgs,
+    }
+
+    fn args(v: &[&str]) -> PlanArgs {
+        Cli::parse_from(std::iter::once("plan").chain(v.iter().copied())).plan
+    }
+
+    #[test]
+    fn plans_a_preset_and_a_loss() {
+        let a = args(&["--model", "gpt3-2.7b", "--nodes", "8", "--lose", "3"]);
+        let out = compute(&a).expect("plan");
+        assert_eq!(out.plan.num_nodes(), 8);
+        let r = out.reconfiguration.as_ref().expect("loss");
+        assert_eq!(r.plan.num_nodes(), 7);
+        let text = render(&out);
+        assert!(text.contains("predicted iteration"));
+        assert!(text.contains("lost [3]"));
+    }
+
+    #[test]
+    fn every_preset_parses_and_tiny_plans_on_cpu() {
+        for (name, shape) in PRESETS {
+            assert!(shape.num_params() > 0, "{name}");
+        }
+        let a = args(&[
+            "--model", "gpt-tiny", "--device", "cpu", "--nodes", "4", "--devices-per-node", "2",
+            "--template-microbatches", "4s", "--json", "--join", "1",
+        ]);
+        let out = compute(&a).expect("plan");
+        assert_eq!(out.reconfiguration.expect("join").plan.num_nodes(), 5);
+    }
+
+    #[test]
+    fn bad_flags_are_clear_errors() {
+        let e = compute(&args(&["--device", "tpu"])).unwrap_err().to_string();
+        assert!(e.contains("unknown device"), "{e}");
+        let e = compute(&args(&["--model", "gpt5"])).unwrap_err().to_string();
+        assert!(e.contains("unknown model"), "{e}");
+        let e = compute(&args(&["--nodes", "1", "--fault-threshold", "3"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nodes are too few"), "{e}");
+        let e = compute(&args(&["--global-batch-size", "7", "--microbatch-size", "2"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("multiple"), "{e}");
+    }
+}
