@@ -379,11 +379,16 @@ impl<T: Transport> Communicator for Engine<T> {
             let (dtype, shape, len) = decode_meta(&meta).map_err(bad)?;
             let max = self.tuning.max_message_bytes.max(1);
             let nparts = len.div_ceil(max);
-            let data = if nparts == 1 {
+            let data = if nparts == 0 {
+                Vec::new()
+            } else if nparts == 1 {
                 self.recv_part(&cx, src, 1)?
             } else {
-                let mut out = Vec::with_capacity(len);
-                for p in 0..nparts {
+                // Grow the first part in place (a large allocation is remapped, not copied)
+                // and append the others.
+                let mut out = self.recv_part(&cx, src, 1)?;
+                out.reserve_exact(len.saturating_sub(out.len()));
+                for p in 1..nparts {
                     let part = u32::try_from(p + 1).map_err(|_| bad("too many parts".into()))?;
                     out.extend_from_slice(&self.recv_part(&cx, src, part)?);
                 }

@@ -141,8 +141,8 @@ pub enum ReadOutcome {
     Bad(FrameError),
 }
 
-/// Reads one frame. The payload buffer grows as bytes arrive (never more than 16 MiB ahead of
-/// them), so a lying length cannot make us allocate the cap up front.
+/// Reads one frame: the header is validated (magic, version, kind, cap, generation) before
+/// any payload is read or allocated.
 pub fn read_frame(r: &mut impl Read, generation: u64, cap: u32) -> std::io::Result<ReadOutcome> {
     let mut hb = [0u8; HEADER_LEN];
     match read_full(r, &mut hb)? {
@@ -155,20 +155,16 @@ pub fn read_frame(r: &mut impl Read, generation: u64, cap: u32) -> std::io::Resu
         Err(e) => return Ok(ReadOutcome::Bad(e)),
     };
     let len = header.len as usize;
-    const STEP: usize = 16 << 20;
-    let mut payload = Vec::new();
-    while payload.len() < len {
-        let start = payload.len();
-        let step = (len - start).min(STEP);
-        payload.reserve_exact(step);
-        // `read_to_end` fills spare capacity without zeroing it first.
-        let got = r.by_ref().take(step as u64).read_to_end(&mut payload)?;
-        if got < step {
-            return Ok(ReadOutcome::Bad(FrameError::Truncated {
-                got: HEADER_LEN + start + got,
-                want: HEADER_LEN + len,
-            }));
-        }
+    // One allocation of the validated length: growing in steps would reallocate and copy
+    // large payloads several times. The cap bounds what a lying header can make us reserve.
+    let mut payload = Vec::with_capacity(len);
+    // `read_to_end` fills spare capacity without zeroing it first.
+    let got = r.by_ref().take(len as u64).read_to_end(&mut payload)?;
+    if got < len {
+        return Ok(ReadOutcome::Bad(FrameError::Truncated {
+            got: HEADER_LEN + got,
+            want: HEADER_LEN + len,
+        }));
     }
     Ok(ReadOutcome::Frame(header, payload))
 }

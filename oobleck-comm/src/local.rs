@@ -172,6 +172,8 @@ impl Transport for LocalTransport {
         _timeout: Duration,
     ) -> Result<()> {
         let net = &self.net;
+        // Copy before taking the fault lock: large messages must not serialise the network.
+        let data = parts.concat();
         let mut f = net.faults();
         if f.dropped.contains(&self.rank) {
             return Err(net.mailboxes[self.rank].aborted_error());
@@ -190,7 +192,6 @@ impl Transport for LocalTransport {
             part,
         };
         let ready = f.delay.get(&(self.rank, peer)).map(|d| Instant::now() + *d);
-        let data = parts.concat();
         if f.stalled.contains(&self.rank) || f.stalled.contains(&peer) {
             f.held.push((peer, key, ready, data));
         } else {

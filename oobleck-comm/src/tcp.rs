@@ -136,9 +136,12 @@ impl TcpCommunicator {
         }
 
         let cap = cfg.max_frame_bytes;
+        // No message may exceed the receivers' frame cap.
+        let cap_bytes = cap as usize;
         let tuning = Tuning {
-            max_message_bytes: cfg.tuning.max_message_bytes.min(cap as usize),
-            ..cfg.tuning
+            max_message_bytes: cfg.tuning.max_message_bytes.min(cap_bytes),
+            chunk_bytes: cfg.tuning.chunk_bytes.min(cap_bytes),
+            direct_max_bytes: cfg.tuning.direct_max_bytes.min(cap_bytes),
         };
         let mailbox = Arc::new(Mailbox::new(rank, world, generation));
         let mut conns = Vec::with_capacity(world);
