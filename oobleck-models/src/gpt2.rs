@@ -25,7 +25,7 @@ use candle_core::{Device, Tensor, Var};
 use oobleck_core::model::{dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam};
 use serde::{Deserialize, Serialize};
 
-use crate::nn::{causal_attention, conv1d, cross_entropy, layer_norm, Init, Params};
+use crate::nn::{causal_attention, conv1d, gelu_tanh, layer_norm, lm_head_loss, Init, Params};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face GPT-2 `config.json` that shape the model.
@@ -385,7 +385,7 @@ impl Layer for Block {
         let h = conv1d(&h, &self.fc_w, &self.fc_b)?; // [b, t, f]
         let h = match c.activation_function.as_str() {
             "gelu" => h.gelu_erf()?,
-            _ => h.gelu()?, // tanh approximation = HF gelu_new
+            _ => gelu_tanh(&h)?, // tanh approximation = HF gelu_new
         };
         let h = conv1d(&h, &self.mlp_proj_w, &self.mlp_proj_b)?; // [b, t, d]
         Ok((x + dropout(&h, c.resid_pdrop, ctx, self.idx, 1)?)?)
@@ -417,11 +417,11 @@ impl Layer for Head {
         let h = layer_norm(x, &self.ln_w, &self.ln_b, self.eps)?;
         let (b, t, d) = h.dims3()?;
         let v = self.wte.dims()[0];
-        let logits = h.reshape((b * t, d))?.matmul(&self.wte.as_tensor().t()?)?; // [b*t, v]
-        let logits = logits.reshape((b, t, v))?;
-        match ctx.targets {
-            None => Ok(logits),
-            Some(targets) => Ok((cross_entropy(&logits, targets)? * ctx.loss_scale)?),
+        if let Some(targets) = ctx.targets {
+            // Fused: the [b*t, v] logits are not kept for backward.
+            return Ok((lm_head_loss(&h, &self.wte, targets)? * ctx.loss_scale)?);
         }
+        let logits = h.reshape((b * t, d))?.matmul(&self.wte.as_tensor().t()?)?; // [b*t, v]
+        Ok(logits.reshape((b, t, v))?)
     }
 }

@@ -12,6 +12,7 @@
 pub mod config;
 pub mod data;
 pub mod error;
+mod fused;
 pub mod gpt2;
 pub mod hf;
 mod nn;

@@ -1,14 +1,22 @@
 //! Differentiable building blocks shared by the model families.
 //!
 //! Candle 0.11's fused LayerNorm, softmax and sdpa kernels have no backward pass (gradients are
-//! silently missing), so everything here is written with primitive ops that autograd covers.
+//! silently missing). On the CPU with f32 the hot ones (LayerNorm, causal softmax, GELU, and the
+//! LM head with its cross-entropy) are our own fused kernels with hand-written backward passes
+//! (`fused.rs`); elsewhere they are written with primitive ops that autograd covers.
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use oobleck_core::model::{checked_param, seeded_normal, ParamSource};
 
+use crate::fused;
 use crate::Result;
+
+/// Whether the fused CPU kernels apply to `x`.
+fn fusable(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
 
 /// How a fresh parameter is initialised.
 #[derive(Clone, Copy, Debug)]
@@ -55,6 +63,10 @@ impl<'a> Params<'a> {
 
 /// LayerNorm over the last dimension, from primitives (differentiable).
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    if fusable(x) {
+        let op = fused::LayerNorm { eps: eps as f32 };
+        return Ok(x.contiguous()?.apply_op3(w, b, op)?);
+    }
     let mean = x.mean_keepdim(D::Minus1)?; // [.., 1]
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // [.., 1]
@@ -104,9 +116,15 @@ pub(crate) fn causal_attention(
     };
     let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
     let scale = 1.0 / (hd as f64).sqrt();
-    let att = (q.matmul(&k.t()?)? * scale)?; // [b, h, t, t]
-    let att = att.broadcast_add(&causal_mask(t, q.device())?)?;
-    let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+    let scores = q.matmul(&k.t()?)?; // [b, h, t, t]
+    let att = if fusable(&scores) {
+        scores.apply_op1(fused::CausalSoftmax {
+            scale: scale as f32,
+        })?
+    } else {
+        let att = (scores * scale)?.broadcast_add(&causal_mask(t, q.device())?)?;
+        candle_nn::ops::softmax(&att, D::Minus1)?
+    };
     let y = att.matmul(&v)?; // [b, h, t, hd]
     Ok(y.transpose(1, 2)?.reshape((b, t, d))?)
 }
@@ -119,10 +137,34 @@ fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(m, (t, t), device)?)
 }
 
-/// Mean next-token cross-entropy of `logits [b, t, v]` against `targets [b, t]`.
-pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let (b, t, v) = logits.dims3()?;
-    let logits = logits.reshape((b * t, v))?;
-    let targets = targets.reshape(b * t)?;
+/// GELU with the tanh approximation (HF `gelu_new`).
+pub(crate) fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    if fusable(x) {
+        return Ok(x.contiguous()?.apply_op1(fused::GeluTanh)?);
+    }
+    Ok(x.gelu()?)
+}
+
+/// Mean next-token cross-entropy of the logits `h @ wᵀ` against `targets [b, t]`, for `h` of
+/// shape `[b, t, d]` and an LM head `w [v, d]`. On the CPU the `[b*t, v]` logits exist only
+/// inside the forward pass (turned into their own gradient in place); elsewhere this is a
+/// matmul and candle's cross-entropy.
+pub(crate) fn lm_head_loss(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (v, d) = w.dims2()?;
+    let rows = h.elem_count() / d;
+    let h = h.reshape((rows, d))?;
+    let targets = targets.flatten_all()?;
+    if targets.dim(0)? != rows {
+        return Err(crate::Error::Invalid(format!(
+            "{} targets for {rows} positions",
+            targets.dim(0)?
+        )));
+    }
+    if fusable(&h) {
+        let ids = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+        return Ok(fused::lm_head_loss(&h, w, &ids)?);
+    }
+    let logits = h.matmul(&w.t()?)?; // [rows, v]
+    debug_assert_eq!(logits.dim(1)?, v);
     Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
 }

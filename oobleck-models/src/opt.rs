@@ -22,7 +22,7 @@ use candle_core::{Device, Tensor, Var};
 use oobleck_core::model::{dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam};
 use serde::{Deserialize, Serialize};
 
-use crate::nn::{causal_attention, cross_entropy, layer_norm, linear, Init, Params};
+use crate::nn::{causal_attention, layer_norm, linear, lm_head_loss, Init, Params};
 use crate::{Error, Result};
 
 /// HF's learned positional embedding reserves two rows in front.
@@ -478,10 +478,10 @@ impl Layer for Head {
         if let Some(p) = &self.project_out {
             h = linear(&h, p, None)?; // [b, t, w]
         }
-        let logits = linear(&h, &self.embed, None)?; // [b, t, v]
         match ctx.targets {
-            None => Ok(logits),
-            Some(targets) => Ok((cross_entropy(&logits, targets)? * ctx.loss_scale)?),
+            // Fused: the [b*t, v] logits are not kept for backward.
+            Some(targets) => Ok((lm_head_loss(&h, &self.embed, targets)? * ctx.loss_scale)?),
+            None => Ok(linear(&h, &self.embed, None)?), // [b, t, v]
         }
     }
 }
