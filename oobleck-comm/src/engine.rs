@@ -59,7 +59,9 @@ impl Default for Tuning {
         Tuning {
             direct_max_bytes: 64 << 10,
             chunk_bytes: 1 << 20,
-            max_message_bytes: crate::frame::DEFAULT_MAX_FRAME as usize,
+            // Below glibc's largest mmap threshold (32 MiB), so receive buffers are recycled
+            // by malloc instead of being mapped and faulted in afresh for every message.
+            max_message_bytes: 8 << 20,
         }
     }
 }
@@ -384,11 +386,8 @@ impl<T: Transport> Communicator for Engine<T> {
             } else if nparts == 1 {
                 self.recv_part(&cx, src, 1)?
             } else {
-                // Grow the first part in place (a large allocation is remapped, not copied)
-                // and append the others.
-                let mut out = self.recv_part(&cx, src, 1)?;
-                out.reserve_exact(len.saturating_sub(out.len()));
-                for p in 1..nparts {
+                let mut out = Vec::with_capacity(len);
+                for p in 0..nparts {
                     let part = u32::try_from(p + 1).map_err(|_| bad("too many parts".into()))?;
                     out.extend_from_slice(&self.recv_part(&cx, src, part)?);
                 }
