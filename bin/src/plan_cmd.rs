@@ -16,19 +16,43 @@ pub const PRESETS: &[(&str, TransformerShape)] = &[
     ("gpt-tiny", TransformerShape::gpt(2, 64, 4, 50257, 64)),
     ("gpt-mini", TransformerShape::gpt(4, 128, 4, 50257, 128)),
     ("gpt2", TransformerShape::gpt(12, 768, 12, 50257, 1024)),
-    ("gpt2-medium", TransformerShape::gpt(24, 1024, 16, 50257, 1024)),
-    ("gpt2-large", TransformerShape::gpt(36, 1280, 20, 50257, 1024)),
+    (
+        "gpt2-medium",
+        TransformerShape::gpt(24, 1024, 16, 50257, 1024),
+    ),
+    (
+        "gpt2-large",
+        TransformerShape::gpt(36, 1280, 20, 50257, 1024),
+    ),
     ("gpt2-xl", TransformerShape::gpt(48, 1600, 25, 50257, 1024)),
     ("gpt3-125m", TransformerShape::gpt(12, 768, 12, 50257, 2048)),
-    ("gpt3-350m", TransformerShape::gpt(24, 1024, 16, 50257, 2048)),
-    ("gpt3-760m", TransformerShape::gpt(24, 1536, 16, 50257, 2048)),
+    (
+        "gpt3-350m",
+        TransformerShape::gpt(24, 1024, 16, 50257, 2048),
+    ),
+    (
+        "gpt3-760m",
+        TransformerShape::gpt(24, 1536, 16, 50257, 2048),
+    ),
     // The paper lists 24 heads of 128 (inconsistent with d = 2048); 16 x 128 as usual.
-    ("gpt3-1.3b", TransformerShape::gpt(24, 2048, 16, 50257, 2048)),
-    ("gpt3-2.7b", TransformerShape::gpt(32, 2560, 32, 50257, 2048)),
-    ("gpt3-6.7b", TransformerShape::gpt(32, 4096, 32, 50257, 2048)),
+    (
+        "gpt3-1.3b",
+        TransformerShape::gpt(24, 2048, 16, 50257, 2048),
+    ),
+    (
+        "gpt3-2.7b",
+        TransformerShape::gpt(32, 2560, 32, 50257, 2048),
+    ),
+    (
+        "gpt3-6.7b",
+        TransformerShape::gpt(32, 4096, 32, 50257, 2048),
+    ),
     // The paper lists d = 5140 (inconsistent with 40 x 128); 5120 as usual.
     ("gpt3-13b", TransformerShape::gpt(40, 5120, 40, 50257, 2048)),
-    ("gpt3-175b", TransformerShape::gpt(96, 12288, 96, 50257, 2048)),
+    (
+        "gpt3-175b",
+        TransformerShape::gpt(96, 12288, 96, 50257, 2048),
+    ),
     ("opt-125m", TransformerShape::gpt(12, 768, 12, 50272, 2048)),
     // OPT-350m projects 512-wide embeddings into 1024-wide blocks; modelled at width 1024.
     ("opt-350m", TransformerShape::gpt(24, 1024, 16, 50272, 2048)),
@@ -38,7 +62,10 @@ pub const PRESETS: &[(&str, TransformerShape)] = &[
     ("opt-13b", TransformerShape::gpt(40, 5120, 40, 50272, 2048)),
     ("opt-30b", TransformerShape::gpt(48, 7168, 56, 50272, 2048)),
     ("opt-66b", TransformerShape::gpt(64, 9216, 72, 50272, 2048)),
-    ("opt-175b", TransformerShape::gpt(96, 12288, 96, 50272, 2048)),
+    (
+        "opt-175b",
+        TransformerShape::gpt(96, 12288, 96, 50272, 2048),
+    ),
 ];
 
 /// Looks a preset up by name.
@@ -109,7 +136,9 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
             DeviceSpec::names().join(", ")
         );
     };
-    if args.microbatch_size == 0 || args.global_batch_size % args.microbatch_size != 0 {
+    if args.global_batch_size.checked_rem(args.microbatch_size) != Some(0)
+        || args.global_batch_size == 0
+    {
         bail!(
             "--global-batch-size {} must be a positive multiple of --microbatch-size {}",
             args.global_batch_size,
@@ -131,7 +160,11 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
         None => {
             let Some(shape) = preset(&args.model) else {
                 let names: Vec<&str> = PRESETS.iter().map(|p| p.0).collect();
-                bail!("unknown model `{}`; known: {}", args.model, names.join(", "));
+                bail!(
+                    "unknown model `{}`; known: {}",
+                    args.model,
+                    names.join(", ")
+                );
             };
             analytical_profile(&args.model, &shape, device, args.microbatch_size, dtype)
         }
@@ -150,7 +183,11 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
         microbatch_size: args.microbatch_size,
         global_microbatches: args.global_batch_size / args.microbatch_size,
         // fp32: weights, grads, Adam m and v. bf16: 2+2 bytes plus fp32 master, m, v.
-        state_bytes_per_param_byte: if profile.fingerprint.dtype == "bf16" { 8 } else { 4 },
+        state_bytes_per_param_byte: if profile.fingerprint.dtype == "bf16" {
+            8
+        } else {
+            4
+        },
         template_microbatches: args.template_microbatches,
     };
     let set = generate_templates(&profile, &cluster, &job, args.nodes)?;
@@ -229,8 +266,19 @@ mod tests {
             assert!(shape.num_params() > 0, "{name}");
         }
         let a = args(&[
-            "--model", "gpt-tiny", "--device", "cpu", "--nodes", "4", "--devices-per-node", "2",
-            "--template-microbatches", "4s", "--json", "--join", "1",
+            "--model",
+            "gpt-tiny",
+            "--device",
+            "cpu",
+            "--nodes",
+            "4",
+            "--devices-per-node",
+            "2",
+            "--template-microbatches",
+            "4s",
+            "--json",
+            "--join",
+            "1",
         ]);
         let out = compute(&a).expect("plan");
         assert_eq!(out.reconfiguration.expect("join").plan.num_nodes(), 5);
@@ -238,17 +286,26 @@ mod tests {
 
     #[test]
     fn bad_flags_are_clear_errors() {
-        let e = compute(&args(&["--device", "tpu"])).unwrap_err().to_string();
+        let e = compute(&args(&["--device", "tpu"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown device"), "{e}");
-        let e = compute(&args(&["--model", "gpt5"])).unwrap_err().to_string();
+        let e = compute(&args(&["--model", "gpt5"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown model"), "{e}");
         let e = compute(&args(&["--nodes", "1", "--fault-threshold", "3"]))
             .unwrap_err()
             .to_string();
         assert!(e.contains("nodes are too few"), "{e}");
-        let e = compute(&args(&["--global-batch-size", "7", "--microbatch-size", "2"]))
-            .unwrap_err()
-            .to_string();
+        let e = compute(&args(&[
+            "--global-batch-size",
+            "7",
+            "--microbatch-size",
+            "2",
+        ]))
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("multiple"), "{e}");
     }
 }

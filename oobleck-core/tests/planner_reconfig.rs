@@ -92,7 +92,8 @@ fn sets(v: &[&[u32]]) -> BTreeSet<Vec<u32>> {
 fn golden_cases_of_the_original() {
     let plan = golden_plan();
     // (lost, the original's result, ours). Ours equals the original's except where noted.
-    let cases: Vec<(Vec<u32>, Vec<&[u32]>, Vec<&[u32]>)> = vec![
+    type Golden<'a> = (Vec<u32>, Vec<&'a [u32]>, Vec<&'a [u32]>);
+    let cases: Vec<Golden> = vec![
         (
             vec![2],
             vec![&[0, 1], &[3, 4], &[5, 6, 7, 8], &[9, 10, 11, 12, 13]],

@@ -92,7 +92,10 @@ fn brute_force(p: &ModelProfile, c: &ClusterSpec, j: &JobSpec, total: u32, n: u3
     best
 }
 
-fn arb_case() -> impl Strategy<Value = (Vec<(f64, f64)>, Vec<u64>, Vec<u64>, u32, u64, u32, u32)> {
+/// (fwd/bwd ms per layer, param bytes, activation bytes, G, device memory, n, microbatch mode).
+type Case = (Vec<(f64, f64)>, Vec<u64>, Vec<u64>, u32, u64, u32, u32);
+
+fn arb_case() -> impl Strategy<Value = Case> {
     (2usize..=7).prop_flat_map(|l| {
         (
             prop::collection::vec((0u32..40, 0u32..80), l).prop_map(|v| {

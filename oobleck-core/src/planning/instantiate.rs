@@ -367,6 +367,9 @@ impl Knap {
     }
 }
 
+/// Which pipeline counts a search class accepts.
+type CountClass = Box<dyn Fn(usize) -> bool>;
+
 /// Template counts (indexed like `set.templates`) of the best composition for `n` nodes.
 pub(crate) fn choose_counts(
     set: &TemplateSet,
@@ -391,8 +394,8 @@ pub(crate) fn choose_counts(
     };
     // Classes of pipeline counts with their own sync: P == 1 (if allowed) and P >= max(f+1, 2).
     let accept_single = need <= 1;
-    let classes: Vec<(Box<dyn Fn(usize) -> bool>, Nanos)> = {
-        let mut v: Vec<(Box<dyn Fn(usize) -> bool>, Nanos)> = Vec::new();
+    let classes: Vec<(CountClass, Nanos)> = {
+        let mut v: Vec<(CountClass, Nanos)> = Vec::new();
         if accept_single {
             v.push((Box::new(|c| c == 1), 0));
         }

@@ -374,8 +374,7 @@ fn search(
                 continue;
             }
             let c_pre = (c.fwd[a] + c.bwd[a]) * q + comm_prefix[k];
-            for b in (a + 1)..=(l - s_a) {
-                let sb = suf_row[b];
+            for (b, &sb) in suf_row.iter().enumerate().take(l - s_a + 1).skip(a + 1) {
                 if sb == INF {
                     continue;
                 }
@@ -472,7 +471,7 @@ impl SufTable {
             // Stage j-from-end; index relative to a multiple of per_node.
             let i_mod = (per_node - j % per_node) % per_node;
             let p2p = if i_mod == 0 { c.p2p_inter } else { c.p2p_intra };
-            for b in 0..=(l - j) {
+            for (b, slot) in row.iter_mut().enumerate().take(l - j + 1) {
                 let mut best = INF;
                 for e in (b + 1)..=(l - (j - 1)) {
                     let next = self.rows[(j - 1) * self.width + e];
@@ -488,7 +487,7 @@ impl SufTable {
                         best = v;
                     }
                 }
-                row[b] = best;
+                *slot = best;
             }
             self.rows.extend_from_slice(&row);
             self.built = j;
@@ -584,14 +583,35 @@ fn best_for_n(
     sufs: &mut [(u32, SufTable)],
 ) -> Option<(Template, u128)> {
     let mut best: Option<Best> = None;
-    // Widest stages first, so on a tie the template with fewer stages wins.
-    for (g, suf) in sufs.iter_mut() {
+    let work = c.fwd[c.l] + c.bwd[c.l];
+    let max_layer = (0..c.l)
+        .map(|i| c.fwd[i + 1] - c.fwd[i] + c.bwd[i + 1] - c.bwd[i])
+        .max()
+        .unwrap_or(0);
+    // Narrow stages first (usually the best under memory pressure), then skip any width whose
+    // lower bound `T >= m * W >= m * max(work * q / S, max layer * q)` cannot beat the best.
+    // Ties go to the wider stages (fewer stages).
+    for (g, suf) in sufs.iter_mut().rev() {
         let m_of = |s: u32| {
             job.template_microbatches
                 .resolve(n, s, total_nodes, job.global_microbatches)
         };
+        let s = u64::from(n) * u64::from(c.big_g / *g);
+        if s as usize > c.l {
+            continue;
+        }
+        if let Some(b) = &best {
+            let q = c.q(*g);
+            let w_lb = (work * q).div_ceil(s).max(max_layer * q);
+            let lb = u128::from(m_of(s as u32)) * u128::from(w_lb);
+            if lb > b.objective {
+                continue;
+            }
+        }
         if let Some(b) = search(c, n, *g, m_of, suf) {
-            if best.as_ref().is_none_or(|x| b.objective < x.objective) {
+            if best.as_ref().is_none_or(|x| {
+                b.objective < x.objective || (b.objective == x.objective && b.g > x.g)
+            }) {
                 best = Some(b);
             }
         }

@@ -278,13 +278,10 @@ fn shrink_borrow_merge(
     // Merge: the smallest short group joins the partner (another short group first, else a
     // full one) for which merging adds the least state to move (bytes of the merged pipeline
     // minus what the partner would move on its own); ties: the smaller, then lower id.
-    loop {
-        let Some(i) = (0..groups.len())
-            .filter(|&j| groups[j].1.len() < n_min)
-            .min_by_key(|&j| (groups[j].1.len(), groups[j].0))
-        else {
-            break;
-        };
+    while let Some(i) = (0..groups.len())
+        .filter(|&j| groups[j].1.len() < n_min)
+        .min_by_key(|&j| (groups[j].1.len(), groups[j].0))
+    {
         let short_exists = (0..groups.len()).any(|j| j != i && groups[j].1.len() < n_min);
         let partner = (0..groups.len())
             .filter(|&j| j != i && (!short_exists || groups[j].1.len() < n_min))
@@ -346,6 +343,9 @@ fn degrade_counts(set: &TemplateSet, ctx: &Ctx, total: u32) -> Result<Vec<u32>, 
 /// Fresh template counts over survivors + joined nodes; existing pipelines are kept whole where
 /// a pipeline of their size is wanted, then extended, then broken up for the rest. Returns the
 /// groups and the spare nodes.
+/// Pipelines as `(id, nodes)`.
+type Groups = Vec<(u32, Vec<u32>)>;
+
 fn reinstantiate(
     set: &TemplateSet,
     ctx: &Ctx,
@@ -353,7 +353,7 @@ fn reinstantiate(
     groups: Vec<(u32, Vec<u32>)>,
     joined: &BTreeSet<u32>,
     plan: &Plan,
-) -> Result<(Vec<(u32, Vec<u32>)>, Vec<u32>), PlanError> {
+) -> Result<(Groups, Vec<u32>), PlanError> {
     let total = groups.iter().map(|g| g.1.len()).sum::<usize>() + joined.len();
     let counts = degrade_counts(set, ctx, total as u32)?;
     let mut slots: Vec<usize> = Vec::new();
