@@ -7,5 +7,6 @@
 
 pub mod config;
 pub mod generate;
+pub mod plan_cmd;
 pub mod progress;
 pub mod trainer;

@@ -5,6 +5,8 @@
 pub enum Error {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Plan(#[from] crate::planning::PlanError),
     #[error("{path}: {source}")]
     Io {
         path: std::path::PathBuf,

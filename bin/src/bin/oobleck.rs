@@ -28,6 +28,9 @@ enum Cmd {
     },
     /// Print sampled continuations of a prompt from a checkpoint.
     Generate(GenerateArgs),
+    /// Plan pipeline templates and their instantiation for a model and cluster; show what a
+    /// failure (`--lose`) or a join (`--join`) would change.
+    Plan(oobleck_cli::plan_cmd::PlanArgs),
 }
 
 #[derive(clap::Args)]
@@ -68,6 +71,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Models { json } => models(json),
         Cmd::Generate(a) => generate(&a),
+        Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
     }
 }
 
