@@ -93,6 +93,7 @@ fn peer(spec: &str) {
             let n = bytes / 4;
             let t = TensorBuf::from_f32(vec![n], &vec![1.0; n]).expect("tensor");
             let ack = TensorBuf::zeros(oobleck_comm::DType::F32, vec![1]).expect("tensor");
+            let mut dst = t.clone();
             let iters = iters_for(bytes);
             comm.barrier(&all, OP_TIMEOUT).expect("barrier");
             let start = Instant::now();
@@ -100,7 +101,8 @@ fn peer(spec: &str) {
                 if rank == 0 {
                     comm.send(1, 1, &t, OP_TIMEOUT).expect("send");
                 } else {
-                    comm.recv(0, 1, OP_TIMEOUT).expect("recv");
+                    // Into a reused buffer, as Gloo's recv does.
+                    comm.recv_into(0, 1, &mut dst, OP_TIMEOUT).expect("recv");
                 }
             }
             if rank == 0 {

@@ -49,6 +49,25 @@ pub trait Communicator: Send + Sync {
     /// Receives the next tensor that `src` sent with `tag`.
     fn recv(&self, src: Rank, tag: u64, timeout: Duration) -> Result<TensorBuf>;
 
+    /// Receives the next tensor that `src` sent with `tag` into `dst`, reusing its
+    /// allocation (no fresh pages per message for large tensors received repeatedly). The
+    /// message must have `dst`'s dtype and byte length; `dst` takes the sender's shape.
+    fn recv_into(&self, src: Rank, tag: u64, dst: &mut TensorBuf, timeout: Duration) -> Result<()> {
+        let t = self.recv(src, tag, timeout)?;
+        if t.dtype() != dst.dtype() || t.as_bytes().len() != dst.as_bytes().len() {
+            // The whole message was consumed, so the communicator stays consistent.
+            return Err(CommError::Invalid(format!(
+                "recv_into a {:?} buffer of {} bytes, got {:?} of {} bytes",
+                dst.dtype(),
+                dst.as_bytes().len(),
+                t.dtype(),
+                t.as_bytes().len()
+            )));
+        }
+        *dst = t;
+        Ok(())
+    }
+
     /// Sums `tensor` elementwise over `group`, in place.
     fn all_reduce(&self, group: &[Rank], tensor: &mut TensorBuf, timeout: Duration) -> Result<()>;
 

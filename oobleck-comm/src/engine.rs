@@ -403,6 +403,48 @@ impl<T: Transport> Communicator for Engine<T> {
         })
     }
 
+    fn recv_into(&self, src: Rank, tag: u64, dst: &mut TensorBuf, timeout: Duration) -> Result<()> {
+        if src >= self.world || src == self.rank || tag & COLLECTIVE != 0 {
+            return Err(CommError::Invalid(format!(
+                "recv on rank {} from rank {src} with tag {tag} (world {}, tags < 2^63, no self-receives)",
+                self.rank, self.world
+            )));
+        }
+        self.guarded(Op::Recv, || {
+            let cx = Ctx {
+                op: Op::Recv,
+                deadline: Instant::now() + timeout,
+                timeout,
+                channel: tag,
+                seq: next(&self.recv_seq, (src, tag)),
+            };
+            let bad = |msg: String| CommError::Frame {
+                peer: Some(src),
+                source: FrameError::Malformed(msg),
+            };
+            let meta = self.recv_part(&cx, src, 0)?;
+            let (dtype, shape, len) = decode_meta(&meta).map_err(bad)?;
+            if dtype != dst.dtype() || len != dst.as_bytes().len() {
+                return Err(bad(format!(
+                    "got {dtype:?} {shape:?} for a {:?} buffer of {} bytes",
+                    dst.dtype(),
+                    dst.as_bytes().len()
+                )));
+            }
+            let max = self.tuning.max_message_bytes.max(1);
+            for (p, piece) in dst.as_bytes_mut().chunks_mut(max).enumerate() {
+                let part = u32::try_from(p + 1).map_err(|_| bad("too many parts".into()))?;
+                let data = self.recv_part(&cx, src, part)?;
+                if data.len() != piece.len() {
+                    return Err(self.length_mismatch(src, data.len(), piece.len()));
+                }
+                piece.copy_from_slice(&data);
+            }
+            *dst = TensorBuf::from_bytes(dtype, shape, std::mem::take(dst.bytes_vec_mut()))?;
+            Ok(())
+        })
+    }
+
     fn all_reduce(&self, group: &[Rank], tensor: &mut TensorBuf, timeout: Duration) -> Result<()> {
         let bytes = tensor.as_bytes().len();
         let _span = debug_span!(
@@ -495,6 +537,9 @@ macro_rules! delegate_communicator {
             }
             fn recv(&self, src: $crate::comm::Rank, tag: u64, timeout: std::time::Duration) -> $crate::error::Result<$crate::tensor::TensorBuf> {
                 self.$($field)+.recv(src, tag, timeout)
+            }
+            fn recv_into(&self, src: $crate::comm::Rank, tag: u64, dst: &mut $crate::tensor::TensorBuf, timeout: std::time::Duration) -> $crate::error::Result<()> {
+                self.$($field)+.recv_into(src, tag, dst, timeout)
             }
             fn all_reduce(&self, group: &[$crate::comm::Rank], tensor: &mut $crate::tensor::TensorBuf, timeout: std::time::Duration) -> $crate::error::Result<()> {
                 self.$($field)+.all_reduce(group, tensor, timeout)

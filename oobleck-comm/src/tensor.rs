@@ -110,6 +110,11 @@ impl TensorBuf {
         &mut self.data
     }
 
+    /// The byte vector itself (crate-internal: callers must keep the length consistent).
+    pub(crate) fn bytes_vec_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.data
+    }
+
     pub fn into_bytes(self) -> Vec<u8> {
         self.data
     }

@@ -135,9 +135,14 @@ pub fn p2p_round_trips_every_dtype_and_matches_tags(f: &dyn Factory) {
                 comm.send(1, i as u64, t, T)?;
             }
             comm.send(1, 99, &tensors[0], T)?;
+            comm.send(1, 100, &tensors[4], T)?;
             Ok::<_, CommError>(vec![])
         } else {
             // Receive out of send order: tags are independent queues.
+            // recv_into reuses a buffer of the right dtype and size and takes the shape.
+            let mut into = TensorBuf::zeros(DType::I64, vec![2, 5000]).unwrap();
+            comm.recv_into(0, 100, &mut into, T)?;
+            assert_eq!(into, tensors[4]);
             let late = comm.recv(0, 99, T)?;
             let mut got: Vec<TensorBuf> = (0..tensors.len())
                 .rev()
