@@ -14,6 +14,9 @@ pub enum Error {
     },
     #[error("{0}")]
     Msg(String),
+    /// A data-plane operation failed (timeout, lost peer, abort): the step cannot commit.
+    #[error(transparent)]
+    Comm(#[from] oobleck_comm::CommError),
     /// A parameter's gradient, optimizer state or configuration is unusable.
     #[error("optimizer: parameter `{name}`: {reason}")]
     Optimizer { name: String, reason: String },

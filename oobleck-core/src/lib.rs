@@ -22,6 +22,7 @@
 
 pub mod checkpoint;
 pub mod error;
+pub mod execution;
 pub mod model;
 pub mod optim;
 pub mod planning;

@@ -1,0 +1,62 @@
+//! Stage runtime: one rank runs its stage of a 1F1B pipeline, then joins the per-layer
+//! gradient sync, global-norm clipping and the AdamW step.
+//!
+//! ```text
+//!  Layout (pipelines of StageSpec{layers, rank}, microbatch runs)
+//!     │
+//!  StageWorker::run_iteration ── schedule::stage_stream ──► Forward/Backward + p2p over a
+//!     │                                                     &dyn Communicator (TensorBuf f32)
+//!     ▼  local gradients (sum over this pipeline's microbatches, each loss scaled by 1/B)
+//!  sync::sync_gradients ── all-reduce per bucket of layers (holders across pipelines)
+//!     │                  ── all-reduce of tied parameters (holders of any of their layers)
+//!     │                  ── all-reduce of per-rank (sum of squares, loss) slots
+//!     ▼
+//!  clip by the global norm ──► AdamW::step on the rank's own parameters
+//! ```
+//!
+//! See `README.md` beside this file for why the result equals a single-process run.
+
+mod layout;
+mod sync;
+mod worker;
+
+pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
+pub use sync::{sync_gradients, SyncReport};
+pub use worker::{IterationOutput, StageWorker, WorkerConfig};
+
+use candle_core::{Device, Tensor};
+use oobleck_comm::{DType, TensorBuf};
+
+use crate::{Error, Result};
+
+/// Copies a tensor to a host f32 buffer (contiguous, little-endian), keeping its shape.
+pub fn tensor_to_buf(t: &Tensor) -> Result<TensorBuf> {
+    let v: Vec<f32> = t
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    Ok(TensorBuf::from_f32(t.dims().to_vec(), &v)?)
+}
+
+/// Reads an f32 buffer back into a tensor on `device`.
+pub fn buf_to_tensor(b: &TensorBuf, device: &Device) -> Result<Tensor> {
+    let v = buf_f32(b)?;
+    Ok(Tensor::from_vec(v, b.shape(), device)?)
+}
+
+/// The values of an f32 buffer.
+pub(crate) fn buf_f32(b: &TensorBuf) -> Result<Vec<f32>> {
+    if b.dtype() != DType::F32 {
+        return Err(Error::Msg(format!(
+            "expected an f32 tensor from the data plane, got {:?}",
+            b.dtype()
+        )));
+    }
+    Ok(b.as_bytes()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests;
