@@ -21,6 +21,7 @@
 //! - [`checkpoint`] writes and verifies checkpoints.
 
 pub mod checkpoint;
+pub mod elastic;
 pub mod error;
 pub mod execution;
 pub mod model;

@@ -1,0 +1,524 @@
+//! The control-plane wire format: one versioned [`Message`] enum in length-prefixed frames.
+//!
+//! ```text
+//!  byte 0         4         6         8                 12
+//!       +---------+---------+---------+-----------------+------------------------------+
+//!       |  magic  | version | reserved|   body length   |   body: `length` bytes of    |
+//!       | "OOBK"  | u16 BE  | u16 = 0 |   u32 BE        |   JSON, one `Message`        |
+//!       +---------+---------+---------+-----------------+------------------------------+
+//!                                       length <= MAX_FRAME_BYTES (16 MiB)
+//! ```
+//!
+//! - The **magic** rejects a stray client (an HTTP probe, a port scanner, a data-plane peer
+//!   dialled by mistake) at its first four bytes, before any length is trusted.
+//! - The **version** is checked before the body is parsed, so a peer built from another
+//!   protocol gets [`ElasticError::UnsupportedVersion`] with both numbers, not a JSON error.
+//! - The **length** is checked against [`MAX_FRAME_BYTES`] before anything is allocated.
+//!
+//! The body is `serde_json`. Control messages are few (a handshake, a heartbeat every few
+//! hundred ms, one message per committed step and one plan per generation) and small (a plan for
+//! a 96-layer model is tens of KiB), so a compact binary encoding would save microseconds per
+//! step on a path that is nowhere near the step's critical path, and would cost a dependency and
+//! readability. JSON keeps the traffic readable in a packet dump and in logs, and it is already
+//! how plans are written to disk (`plan.json`). Messages are internally tagged (`"type"`), so an
+//! unknown kind from a newer peer is a clean [`ElasticError::Malformed`].
+//!
+//! Reads take a timeout. A clean close between frames is `Ok(None)`; a close inside a frame is
+//! [`ElasticError::Truncated`].
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::error::{ElasticError, ElasticResult};
+use crate::planning::Plan;
+
+/// First four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"OOBK";
+/// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Header size in bytes.
+pub const HEADER_BYTES: usize = 12;
+/// Largest body accepted: far above any plan, small enough that a corrupt length cannot make
+/// the master allocate gigabytes.
+pub const MAX_FRAME_BYTES: u32 = 16 << 20;
+
+/// What a connecting peer is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum PeerRole {
+    /// A node agent offering `devices` devices; it gets a node id.
+    Agent { devices: u32 },
+    /// A tool (`oobleck status`, `oobleck kill-node`): authenticated, but not a member.
+    Client,
+}
+
+/// One data-plane endpoint: where global rank `rank` listens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rendezvous {
+    pub rank: u32,
+    /// `host:port`.
+    pub addr: String,
+}
+
+/// How a worker process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExitStatus {
+    /// Exit code, when it exited.
+    pub code: Option<i32>,
+    /// Signal number, when a signal killed it.
+    pub signal: Option<i32>,
+}
+
+/// One registered node, as the master sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeStatus {
+    pub node: u32,
+    /// The agent's address as the master saw it.
+    pub addr: String,
+    pub devices: u32,
+    /// Time since the last message from this agent, ms.
+    pub last_seen_ms: u64,
+}
+
+/// One pipeline in a status report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineStatus {
+    pub id: u32,
+    pub template_nodes: u32,
+    pub nodes: Vec<u32>,
+    pub microbatches: u32,
+}
+
+/// The master's view of the job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterStatus {
+    /// Registered, live nodes, ascending id.
+    pub nodes: Vec<NodeStatus>,
+    /// Nodes the job waits for before planning.
+    pub expected_nodes: u32,
+    /// Pipelines of the current plan (empty before the first plan).
+    pub pipelines: Vec<PipelineStatus>,
+    /// Current plan generation (0 before the first plan).
+    pub generation: u64,
+    /// Last committed step, if any.
+    pub committed_step: Option<u64>,
+    /// Throughput of the last committed step, samples/s.
+    pub samples_per_s: f64,
+}
+
+/// Every message of the control protocol.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Message {
+    /// Peer -> master, first message. `binary_version` is the crate version: mixing binaries is
+    /// refused even when the wire format matches, since plans and layers must agree.
+    Hello {
+        protocol: u16,
+        binary_version: String,
+        role: PeerRole,
+    },
+    /// Master -> peer: prove you know the token. `node` is the id the agent will get (`None`
+    /// for a client); it is bound into the answer so a response cannot be replayed for another.
+    Challenge { node: Option<u32>, nonce: Vec<u8> },
+    /// Peer -> master: `HMAC-SHA256(token, nonce || node || protocol)`.
+    AuthResponse { mac: Vec<u8> },
+    /// Master -> peer: accepted. Agents must send something at least every `heartbeat_ms`; the
+    /// master declares them lost after `lease_ms` of silence.
+    Welcome {
+        node: Option<u32>,
+        heartbeat_ms: u64,
+        lease_ms: u64,
+    },
+    /// Master -> peer, then close.
+    Refused { reason: String },
+    /// Agent -> master, every `heartbeat_ms`.
+    Heartbeat { node: u32, seq: u64 },
+    /// Master -> agent: the plan of a generation and where every rank's data plane listens.
+    PlanAssignment {
+        generation: u64,
+        plan: Box<Plan>,
+        rendezvous: Vec<Rendezvous>,
+        /// The NCCL unique id of this generation (feature `nccl`), 128 bytes.
+        nccl_unique_id: Option<Vec<u8>>,
+    },
+    /// Agent -> master: a worker of this node ended.
+    WorkerExited {
+        node: u32,
+        rank: u32,
+        status: ExitStatus,
+    },
+    /// Master -> agents: every holder has its reduced gradient for `step`; apply it.
+    StepCommitted { step: u64, generation: u64 },
+    /// Client -> master.
+    StatusRequest,
+    /// Master -> client.
+    StatusResponse { status: ClusterStatus },
+    /// Client -> master: kill the processes of `node` (fault injection, demos).
+    KillNode { node: u32 },
+    /// Master -> agent: kill your workers and exit.
+    Shutdown { reason: String },
+}
+
+impl Message {
+    /// The message's tag, for logs and errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "hello",
+            Message::Challenge { .. } => "challenge",
+            Message::AuthResponse { .. } => "auth_response",
+            Message::Welcome { .. } => "welcome",
+            Message::Refused { .. } => "refused",
+            Message::Heartbeat { .. } => "heartbeat",
+            Message::PlanAssignment { .. } => "plan_assignment",
+            Message::WorkerExited { .. } => "worker_exited",
+            Message::StepCommitted { .. } => "step_committed",
+            Message::StatusRequest => "status_request",
+            Message::StatusResponse { .. } => "status_response",
+            Message::KillNode { .. } => "kill_node",
+            Message::Shutdown { .. } => "shutdown",
+        }
+    }
+}
+
+/// Checks a header and returns the body length it announces.
+pub fn decode_header(header: &[u8; HEADER_BYTES]) -> ElasticResult<usize> {
+    let mut magic = [0u8; 4];
+    magic.copy_from_slice(&header[0..4]);
+    if magic != MAGIC {
+        return Err(ElasticError::BadMagic {
+            found: magic,
+            expected: MAGIC,
+        });
+    }
+    let version = u16::from_be_bytes([header[4], header[5]]);
+    if version != PROTOCOL_VERSION {
+        return Err(ElasticError::UnsupportedVersion {
+            found: version,
+            supported: PROTOCOL_VERSION,
+        });
+    }
+    let reserved = u16::from_be_bytes([header[6], header[7]]);
+    if reserved != 0 {
+        return Err(ElasticError::ReservedBits { found: reserved });
+    }
+    let len = u32::from_be_bytes([header[8], header[9], header[10], header[11]]);
+    if len > MAX_FRAME_BYTES {
+        return Err(ElasticError::FrameTooLarge {
+            len: u64::from(len),
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    // u32 always fits usize on the 32/64-bit targets this crate builds for.
+    Ok(len as usize)
+}
+
+/// Parses a frame body.
+pub fn decode_body(body: &[u8]) -> ElasticResult<Message> {
+    serde_json::from_slice(body).map_err(|e| ElasticError::Malformed {
+        len: body.len(),
+        reason: e.to_string(),
+    })
+}
+
+/// Encodes `msg` as one complete frame (header + body).
+pub fn encode_frame(msg: &Message) -> ElasticResult<Vec<u8>> {
+    encode_frame_with_version(msg, PROTOCOL_VERSION)
+}
+
+/// Like [`encode_frame`] with another version in the header: for talking to (and testing)
+/// peers of other versions.
+pub fn encode_frame_with_version(msg: &Message, version: u16) -> ElasticResult<Vec<u8>> {
+    let body = serde_json::to_vec(msg).map_err(|e| ElasticError::Encode {
+        kind: msg.kind(),
+        reason: e.to_string(),
+    })?;
+    let len = u32::try_from(body.len())
+        .ok()
+        .filter(|&l| l <= MAX_FRAME_BYTES)
+        .ok_or(ElasticError::FrameTooLarge {
+            len: body.len() as u64,
+            max: MAX_FRAME_BYTES,
+        })?;
+    let mut frame = Vec::with_capacity(HEADER_BYTES + body.len());
+    frame.extend_from_slice(&MAGIC);
+    frame.extend_from_slice(&version.to_be_bytes());
+    frame.extend_from_slice(&0u16.to_be_bytes());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
+}
+
+/// Reads exactly `buf.len()` bytes; returns how many arrived before EOF.
+async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> ElasticResult<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = r
+            .read(&mut buf[got..])
+            .await
+            .map_err(|source| ElasticError::Io {
+                op: "read frame",
+                source,
+            })?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    Ok(got)
+}
+
+async fn read_frame_inner<R: AsyncRead + Unpin>(r: &mut R) -> ElasticResult<Option<Message>> {
+    let mut header = [0u8; HEADER_BYTES];
+    let got = read_full(r, &mut header).await?;
+    if got == 0 {
+        return Ok(None);
+    }
+    if got < HEADER_BYTES {
+        return Err(ElasticError::Truncated {
+            part: "header",
+            expected: HEADER_BYTES,
+            got,
+        });
+    }
+    let len = decode_header(&header)?;
+    let mut body = vec![0u8; len];
+    let got = read_full(r, &mut body).await?;
+    if got < len {
+        return Err(ElasticError::Truncated {
+            part: "body",
+            expected: len,
+            got,
+        });
+    }
+    decode_body(&body).map(Some)
+}
+
+/// Reads one message. `Ok(None)` when the peer closed cleanly between frames.
+///
+/// Not cancel-safe: a frame interrupted by the timeout (or by dropping the future) leaves the
+/// stream mid-frame, so after an `Err` the connection must be dropped.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    timeout: Duration,
+) -> ElasticResult<Option<Message>> {
+    match tokio::time::timeout(timeout, read_frame_inner(r)).await {
+        Ok(res) => res,
+        Err(_) => Err(ElasticError::Timeout {
+            op: "read frame",
+            ms: timeout.as_millis() as u64,
+        }),
+    }
+}
+
+/// Writes raw frame bytes and flushes, within `timeout`.
+pub async fn write_raw<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    bytes: &[u8],
+    timeout: Duration,
+) -> ElasticResult<()> {
+    let io = async {
+        w.write_all(bytes).await?;
+        w.flush().await
+    };
+    match tokio::time::timeout(timeout, io).await {
+        Ok(res) => res.map_err(|source| ElasticError::Io {
+            op: "write frame",
+            source,
+        }),
+        Err(_) => Err(ElasticError::Timeout {
+            op: "write frame",
+            ms: timeout.as_millis() as u64,
+        }),
+    }
+}
+
+/// Writes one message as a frame, within `timeout`.
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    msg: &Message,
+    timeout: Duration,
+) -> ElasticResult<()> {
+    let frame = encode_frame(msg)?;
+    write_raw(w, &frame, timeout).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const T: Duration = Duration::from_secs(2);
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a current-thread runtime always builds")
+    }
+
+    fn decode_all(bytes: &[u8]) -> ElasticResult<Option<Message>> {
+        rt().block_on(async {
+            let mut r = bytes;
+            read_frame(&mut r, T).await
+        })
+    }
+
+    fn samples() -> Vec<Message> {
+        vec![
+            Message::Hello {
+                protocol: PROTOCOL_VERSION,
+                binary_version: "0.1.0".into(),
+                role: PeerRole::Agent { devices: 2 },
+            },
+            Message::Challenge {
+                node: Some(3),
+                nonce: vec![7; 32],
+            },
+            Message::Heartbeat { node: 3, seq: 9 },
+            Message::WorkerExited {
+                node: 1,
+                rank: 4,
+                status: ExitStatus {
+                    code: None,
+                    signal: Some(9),
+                },
+            },
+            Message::StatusRequest,
+            Message::Refused {
+                reason: "bad token".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_sample_message_round_trips_through_a_frame() {
+        for msg in samples() {
+            let frame = encode_frame(&msg).unwrap();
+            assert_eq!(decode_all(&frame).unwrap(), Some(msg));
+        }
+    }
+
+    #[test]
+    fn an_empty_stream_is_a_clean_close() {
+        assert!(decode_all(&[]).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_close_inside_the_header_or_body_is_truncated() {
+        let frame = encode_frame(&Message::StatusRequest).unwrap();
+        let err = decode_all(&frame[..5]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ElasticError::Truncated {
+                    part: "header",
+                    got: 5,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = decode_all(&frame[..frame.len() - 1]).unwrap_err();
+        assert!(
+            matches!(err, ElasticError::Truncated { part: "body", .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn header_faults_have_their_own_errors() {
+        let good = encode_frame(&Message::StatusRequest).unwrap();
+        let mut bad = good.clone();
+        bad[0] = b'X';
+        assert!(matches!(
+            decode_all(&bad),
+            Err(ElasticError::BadMagic { .. })
+        ));
+        let old = encode_frame_with_version(&Message::StatusRequest, 7).unwrap();
+        assert!(matches!(
+            decode_all(&old),
+            Err(ElasticError::UnsupportedVersion {
+                found: 7,
+                supported: PROTOCOL_VERSION
+            })
+        ));
+        let mut bad = good.clone();
+        bad[7] = 1;
+        assert!(matches!(
+            decode_all(&bad),
+            Err(ElasticError::ReservedBits { found: 1 })
+        ));
+        let mut bad = good.clone();
+        bad[8..12].copy_from_slice(&(MAX_FRAME_BYTES + 1).to_be_bytes());
+        assert!(matches!(
+            decode_all(&bad),
+            Err(ElasticError::FrameTooLarge { .. })
+        ));
+        let mut bad = good[..HEADER_BYTES].to_vec();
+        bad[8..12].copy_from_slice(&3u32.to_be_bytes());
+        bad.extend_from_slice(b"{x}");
+        assert!(matches!(
+            decode_all(&bad),
+            Err(ElasticError::Malformed { len: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn an_unknown_message_type_is_malformed() {
+        let err = decode_body(br#"{"type":"launch_missiles"}"#).unwrap_err();
+        assert!(matches!(err, ElasticError::Malformed { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_silent_peer_times_out() {
+        rt().block_on(async {
+            let (mut a, _b) = tokio::io::duplex(64);
+            let err = read_frame(&mut a, Duration::from_millis(20))
+                .await
+                .unwrap_err();
+            assert!(matches!(err, ElasticError::Timeout { ms: 20, .. }), "{err}");
+        });
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(0x00b1_ec4b), ..ProptestConfig::default() })]
+
+        /// Random bytes never panic the decoder: it returns a message, a clean close or an error.
+        #[test]
+        fn random_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_all(&bytes);
+        }
+
+        /// A valid header followed by random bytes (the likelier corruption) is Ok or a clean Err.
+        #[test]
+        fn random_bodies_behind_a_valid_header_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256), extra in 0u32..64) {
+            let mut frame = Vec::new();
+            frame.extend_from_slice(&MAGIC);
+            frame.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+            frame.extend_from_slice(&0u16.to_be_bytes());
+            frame.extend_from_slice(&(body.len() as u32 + extra).to_be_bytes());
+            frame.extend_from_slice(&body);
+            let res = decode_all(&frame);
+            if extra > 0 {
+                let is_truncated = matches!(res, Err(ElasticError::Truncated { part: "body", .. }));
+                prop_assert!(is_truncated);
+            }
+        }
+
+        /// Flipping one byte of a valid frame is Ok or a clean Err.
+        #[test]
+        fn single_byte_corruptions_never_panic(which in 0usize..6, pos in any::<prop::sample::Index>(), val in any::<u8>()) {
+            let mut frame = encode_frame(&samples()[which]).unwrap();
+            let i = pos.index(frame.len());
+            frame[i] = val;
+            let _ = decode_all(&frame);
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Control-plane admission: who the master lets in, and that refusing a peer never hurts it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use oobleck_core::elastic::protocol::{self, Message, PeerRole, PROTOCOL_VERSION};
+use oobleck_core::elastic::{Agent, ElasticError, Master, Token};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+const T: Duration = Duration::from_secs(5);
+
+fn localhost() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("a literal address parses")
+}
+
+/// Sends raw bytes as a stranger would and returns what the master answers (None: it closed).
+async fn poke(master: SocketAddr, bytes: &[u8]) -> Option<Message> {
+    let mut s = TcpStream::connect(master).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    protocol::read_frame(&mut s, T).await.unwrap()
+}
+
+fn refusal(msg: Option<Message>) -> String {
+    match msg {
+        Some(Message::Refused { reason }) => reason,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn hello(protocol: u16, binary_version: &str) -> Message {
+    Message::Hello {
+        protocol,
+        binary_version: binary_version.into(),
+        role: PeerRole::Agent { devices: 1 },
+    }
+}
+
+#[tokio::test]
+async fn agents_with_the_token_register_with_consecutive_node_ids() {
+    let token = Token::random();
+    let master = Master::bind(localhost(), token.clone(), 2).await.unwrap();
+    let a = Agent::connect(master.local_addr(), &token, T)
+        .await
+        .unwrap();
+    let b = Agent::connect_with_devices(master.local_addr(), &token, 4, T)
+        .await
+        .unwrap();
+    assert_eq!((a.node(), b.node()), (0, 1));
+    let nodes = master.wait_for_nodes(T).await.unwrap();
+    let summary: Vec<(u32, u32)> = nodes.iter().map(|n| (n.node, n.devices)).collect();
+    assert_eq!(summary, vec![(0, 1), (1, 4)]);
+    assert_eq!(master.refused_count(), 0);
+}
+
+#[tokio::test]
+async fn a_wrong_token_is_refused_with_a_reason_and_the_next_agent_still_gets_in() {
+    let token = Token::new("the-real-one").unwrap();
+    let master = Master::bind(localhost(), token.clone(), 1).await.unwrap();
+    let wrong = Token::new("a-guess").unwrap();
+    let err = Agent::connect(master.local_addr(), &wrong, T)
+        .await
+        .err()
+        .unwrap();
+    match err {
+        ElasticError::Refused { reason } => assert!(reason.contains("wrong token"), "{reason}"),
+        other => panic!("expected a refusal, got {other}"),
+    }
+    let ok = Agent::connect(master.local_addr(), &token, T)
+        .await
+        .unwrap();
+    assert_eq!(master.wait_for_nodes(T).await.unwrap().len(), 1);
+    // Ids are never reused, so the refused agent's reserved id is skipped.
+    assert_eq!(ok.node(), 1);
+    assert_eq!(master.refused_count(), 1);
+}
+
+#[tokio::test]
+async fn other_protocol_or_binary_versions_are_refused_with_both_numbers() {
+    let token = Token::random();
+    let master = Master::bind(localhost(), token.clone(), 1).await.unwrap();
+    let addr = master.local_addr();
+
+    let future = protocol::encode_frame_with_version(&hello(99, "0.1.0"), 99).unwrap();
+    let reason = refusal(poke(addr, &future).await);
+    assert!(
+        reason.contains("99") && reason.contains(&PROTOCOL_VERSION.to_string()),
+        "{reason}"
+    );
+
+    let skewed = protocol::encode_frame(&hello(PROTOCOL_VERSION + 1, "0.1.0")).unwrap();
+    let reason = refusal(poke(addr, &skewed).await);
+    assert!(reason.contains("protocol version"), "{reason}");
+
+    let other_binary = protocol::encode_frame(&hello(PROTOCOL_VERSION, "0.0.0-other")).unwrap();
+    let reason = refusal(poke(addr, &other_binary).await);
+    assert!(reason.contains("0.0.0-other"), "{reason}");
+
+    assert_eq!(master.refused_count(), 3);
+    Agent::connect(addr, &token, T).await.unwrap();
+    assert_eq!(master.wait_for_nodes(T).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn garbage_oversize_and_out_of_order_frames_are_refused_and_the_master_lives_on() {
+    let token = Token::random();
+    let master = Master::bind(localhost(), token.clone(), 1).await.unwrap();
+    let addr = master.local_addr();
+
+    let reason = refusal(poke(addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await);
+    assert!(reason.contains("magic"), "{reason}");
+
+    let mut oversize = protocol::MAGIC.to_vec();
+    oversize.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+    oversize.extend_from_slice(&0u16.to_be_bytes());
+    oversize.extend_from_slice(&u32::MAX.to_be_bytes());
+    let reason = refusal(poke(addr, &oversize).await);
+    assert!(reason.contains("exceeds"), "{reason}");
+
+    let mut malformed = oversize[..8].to_vec();
+    malformed.extend_from_slice(&4u32.to_be_bytes());
+    malformed.extend_from_slice(b"{{{{");
+    let reason = refusal(poke(addr, &malformed).await);
+    assert!(reason.contains("malformed"), "{reason}");
+
+    // Skipping the handshake: a heartbeat before hello.
+    let early = protocol::encode_frame(&Message::Heartbeat { node: 0, seq: 1 }).unwrap();
+    let reason = refusal(poke(addr, &early).await);
+    assert!(reason.contains("expected hello"), "{reason}");
+
+    // A peer that connects and leaves without a word is not a refusal.
+    drop(TcpStream::connect(addr).await.unwrap());
+
+    assert_eq!(master.refused_count(), 4);
+    let agent = Agent::connect(addr, &token, T).await.unwrap();
+    assert_eq!(
+        master.wait_for_nodes(T).await.unwrap()[0].node,
+        agent.node()
+    );
+}
