@@ -1,1 +1,3 @@
 //! Helpers shared by the cross-crate and multi-process tests.
+
+pub mod execution;
