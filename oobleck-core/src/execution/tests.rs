@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor, Var};
-use oobleck_comm::{LocalNetwork, Tuning};
+use oobleck_comm::{Communicator, LocalNetwork, Tuning};
 
 use super::*;
 use crate::model::{
@@ -301,6 +301,71 @@ fn a_single_stage_pipeline_holds_the_tied_parameter_once() {
         for (name, v) in &params {
             let d = max_diff(v, &want[name]);
             assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn a_lost_stage_fails_every_rank_instead_of_hanging() {
+    let model = Toy { layers: 6, seed: 3 };
+    let st = |layers, rank| StageSpec { layers, rank };
+    let layout = Layout::new(
+        6,
+        B,
+        vec![
+            PipelineSpec {
+                stages: vec![st(0..3, 0), st(3..6, 1)],
+                microbatches: 0..2,
+            },
+            PipelineSpec {
+                stages: vec![st(0..2, 2), st(2..3, 3), st(3..6, 4)],
+                microbatches: 2..5,
+            },
+        ],
+    )
+    .unwrap();
+    let net = LocalNetwork::new(5, 0);
+    let comms = net.communicators(Tuning::default());
+    // The middle stage of pipeline 1 dies before the step: its neighbours lose it at once,
+    // and pipeline 0 learns of it through the gradient all-reduce with pipeline 1.
+    net.drop_rank(3);
+    let results: Vec<crate::Result<SyncReport>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .filter(|(rank, _)| *rank != 3)
+            .map(|(rank, comm)| {
+                let layout = layout.clone();
+                let model = &model;
+                s.spawn(move || {
+                    let cfg = WorkerConfig {
+                        seed: 0,
+                        timeout: Duration::from_secs(10),
+                    };
+                    let w = StageWorker::new(
+                        model,
+                        &layout,
+                        rank,
+                        &Device::Cpu,
+                        ParamSource::Init { seed: 0 },
+                        cfg,
+                    )?;
+                    let mut opt = AdamW::new(AdamWConfig::default())?;
+                    let r = w.train_step(&comm, 0, &mut data, &mut opt, LR, Some(CLIP));
+                    if r.is_err() {
+                        comm.abort();
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(results.len(), 4);
+    for r in results {
+        match r {
+            Err(crate::Error::Comm(_)) => {}
+            other => panic!("expected a comm error, got {other:?}"),
         }
     }
 }
