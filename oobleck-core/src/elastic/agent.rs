@@ -291,15 +291,33 @@ pub async fn request_status(
     let run = async {
         let (mut r, mut w, _) = open(master, token, PeerRole::Client, timeout).await?;
         protocol::write_frame(&mut w, &Message::StatusRequest, timeout).await?;
-        loop {
-            match expect(&mut r, timeout, "status").await? {
-                Message::StatusResponse { status } => return Ok(status),
-                Message::Heartbeat { .. } => continue,
-                other => return Err(unexpected("status_response", &other)),
-            }
+        match expect(&mut r, timeout, "status").await? {
+            Message::StatusResponse { status } => Ok(status),
+            other => Err(unexpected("status_response", &other)),
         }
     };
     tokio::time::timeout(timeout, run)
         .await
         .map_err(|_| timeout_err("request status", timeout))?
+}
+
+/// Asks the master to kill `node`'s processes (what `oobleck kill-node` does). The master
+/// answers with its status; an unknown node comes back as [`ElasticError::Refused`].
+pub async fn request_kill(
+    master: SocketAddr,
+    token: &Token,
+    node: u32,
+    timeout: Duration,
+) -> ElasticResult<ClusterStatus> {
+    let run = async {
+        let (mut r, mut w, _) = open(master, token, PeerRole::Client, timeout).await?;
+        protocol::write_frame(&mut w, &Message::KillNode { node }, timeout).await?;
+        match expect(&mut r, timeout, "kill acknowledgement").await? {
+            Message::StatusResponse { status } => Ok(status),
+            other => Err(unexpected("status_response", &other)),
+        }
+    };
+    tokio::time::timeout(timeout, run)
+        .await
+        .map_err(|_| timeout_err("request a kill", timeout))?
 }

@@ -15,12 +15,16 @@
 //! - [`auth`]: the shared token and the challenge-response.
 //! - [`master`]: accepts and authenticates peers, assigns node ids, tracks leases, serves status,
 //!   reports joins and losses as [`master::MasterEvent`]s.
-//! - [`agent`]: registers with the master and heartbeats.
+//!   Its connection tasks (handshake, lease-bounded reader, heartbeating writer) live in the
+//!   private `conn` module.
+//! - [`agent`]: registers with the master and heartbeats; [`agent::request_status`] and
+//!   [`agent::request_kill`] are the tool side.
 //!
 //! Failure behaviour is written down in `README.md` beside this file.
 
 pub mod agent;
 pub mod auth;
+mod conn;
 pub mod error;
 pub mod master;
 pub mod protocol;

@@ -1,0 +1,415 @@
+//! The master's connections: the shared membership state, the accept loop, the handshake and
+//! the per-peer reader/writer tasks. [`super::master::Master`] is the handle over all of this.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::{JoinHandle, JoinSet};
+use tracing::{debug, info, warn};
+
+use super::auth;
+use super::error::{ElasticError, ElasticResult};
+use super::master::{LossReason, MasterConfig, MasterEvent, BINARY_VERSION};
+use super::protocol::{
+    self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, PROTOCOL_VERSION,
+};
+
+/// Messages queued per connection before [`super::master::Master::send_to`] waits.
+const OUTBOX: usize = 64;
+pub(super) struct NodeEntry {
+    pub(super) addr: SocketAddr,
+    pub(super) devices: u32,
+    pub(super) last_seen: Instant,
+    pub(super) outbox: mpsc::Sender<Message>,
+}
+
+#[derive(Default)]
+pub(super) struct JobState {
+    pub(super) generation: u64,
+    pub(super) pipelines: Vec<PipelineStatus>,
+    pub(super) committed_step: Option<u64>,
+    pub(super) samples_per_s: f64,
+}
+
+pub(super) struct Shared {
+    pub(super) config: MasterConfig,
+    pub(super) nodes: Mutex<BTreeMap<u32, NodeEntry>>,
+    pub(super) job: Mutex<JobState>,
+    pub(super) next_node: AtomicU32,
+    pub(super) refused: AtomicU64,
+    pub(super) live: watch::Sender<usize>,
+    pub(super) events: mpsc::UnboundedSender<MasterEvent>,
+}
+
+impl Shared {
+    pub(super) fn new(config: MasterConfig, events: mpsc::UnboundedSender<MasterEvent>) -> Shared {
+        Shared {
+            config,
+            nodes: Mutex::new(BTreeMap::new()),
+            job: Mutex::new(JobState::default()),
+            next_node: AtomicU32::new(0),
+            refused: AtomicU64::new(0),
+            live: watch::Sender::new(0),
+            events,
+        }
+    }
+
+    pub(super) fn nodes(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, NodeEntry>> {
+        // A panic while holding this lock is a bug elsewhere; the map itself stays consistent
+        // (every mutation is a single insert/remove), so keep serving.
+        self.nodes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn job(&self) -> std::sync::MutexGuard<'_, JobState> {
+        self.job.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn emit(&self, event: MasterEvent) {
+        // The receiver lives in `Master`; once it is dropped nobody is listening.
+        let _ = self.events.send(event);
+    }
+
+    pub(super) fn status(&self) -> ClusterStatus {
+        let now = Instant::now();
+        let nodes = self
+            .nodes()
+            .iter()
+            .map(|(&node, e)| NodeStatus {
+                node,
+                addr: e.addr.to_string(),
+                devices: e.devices,
+                last_seen_ms: now.duration_since(e.last_seen).as_millis() as u64,
+            })
+            .collect();
+        let job = self.job();
+        ClusterStatus {
+            nodes,
+            expected_nodes: self.config.expected_nodes,
+            pipelines: job.pipelines.clone(),
+            generation: job.generation,
+            committed_step: job.committed_step,
+            samples_per_s: job.samples_per_s,
+        }
+    }
+
+    pub(super) fn touch(&self, node: u32) {
+        if let Some(e) = self.nodes().get_mut(&node) {
+            e.last_seen = Instant::now();
+        }
+    }
+
+    pub(super) fn remove(&self, node: u32, reason: LossReason) {
+        let removed = {
+            let mut nodes = self.nodes();
+            let removed = nodes.remove(&node).is_some();
+            self.live.send_replace(nodes.len());
+            removed
+        };
+        if removed {
+            warn!(node, reason = ?reason, "node lost");
+            self.emit(MasterEvent::Lost { node, reason });
+        }
+    }
+}
+
+pub(super) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut conns = JoinSet::new();
+    loop {
+        // Reap finished connection tasks so the set does not grow with every refused probe.
+        while conns.try_join_next().is_some() {}
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                conns.spawn(serve(stream, peer, Arc::clone(&shared)));
+            }
+            Err(e) => {
+                // EMFILE and friends: keep serving the peers we have, retry shortly.
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Sends `Refused{reason}` (best effort) and logs why.
+async fn refuse(w: &mut OwnedWriteHalf, peer: SocketAddr, shared: &Shared, reason: String) {
+    warn!(%peer, %reason, "refusing peer");
+    shared.refused.fetch_add(1, Ordering::Relaxed);
+    let msg = Message::Refused { reason };
+    if let Err(e) = protocol::write_frame(w, &msg, shared.config.write_timeout).await {
+        debug!(%peer, error = %e, "could not deliver the refusal");
+    }
+}
+
+struct Admitted {
+    node: Option<u32>,
+    devices: u32,
+}
+
+/// Runs the handshake. `Err(reason)` means refuse with that reason; `Ok(None)` means the peer
+/// left before saying anything.
+async fn handshake(
+    r: &mut OwnedReadHalf,
+    w: &mut OwnedWriteHalf,
+    shared: &Shared,
+) -> Result<Option<Admitted>, String> {
+    let t = shared.config.handshake_timeout;
+    let (protocol, binary_version, role) = match protocol::read_frame(r, t).await {
+        Ok(None) => return Ok(None),
+        Ok(Some(Message::Hello {
+            protocol,
+            binary_version,
+            role,
+        })) => (protocol, binary_version, role),
+        Ok(Some(other)) => return Err(format!("expected hello, got {}", other.kind())),
+        Err(e) => return Err(e.to_string()),
+    };
+    if protocol != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {protocol} is not supported (master speaks {PROTOCOL_VERSION})"
+        ));
+    }
+    if binary_version != BINARY_VERSION {
+        return Err(format!(
+            "binary version {binary_version} differs from the master's {BINARY_VERSION}"
+        ));
+    }
+    let (node, devices) = match role {
+        PeerRole::Agent { devices: 0 } => {
+            return Err("an agent must offer at least one device".into())
+        }
+        PeerRole::Agent { devices } => (
+            Some(shared.next_node.fetch_add(1, Ordering::Relaxed)),
+            devices,
+        ),
+        PeerRole::Client => (None, 0),
+    };
+    let nonce = auth::nonce();
+    let challenge = Message::Challenge {
+        node,
+        nonce: nonce.clone(),
+    };
+    protocol::write_frame(w, &challenge, shared.config.write_timeout)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mac = match protocol::read_frame(r, t).await {
+        Ok(Some(Message::AuthResponse { mac })) => mac,
+        Ok(Some(other)) => return Err(format!("expected auth_response, got {}", other.kind())),
+        Ok(None) => return Err("closed during authentication".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    if !shared
+        .config
+        .token
+        .verify(&nonce, node, PROTOCOL_VERSION, &mac)
+    {
+        return Err("authentication failed: wrong token".into());
+    }
+    Ok(Some(Admitted { node, devices }))
+}
+
+async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+    // Control messages are small and latency-bound.
+    let _ = stream.set_nodelay(true);
+    let (mut r, mut w) = stream.into_split();
+    let admitted = match handshake(&mut r, &mut w, &shared).await {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            debug!(%peer, "peer closed before hello");
+            return;
+        }
+        Err(reason) => {
+            refuse(&mut w, peer, &shared, reason).await;
+            return;
+        }
+    };
+    let welcome = Message::Welcome {
+        node: admitted.node,
+        heartbeat_ms: shared.config.heartbeat_interval.as_millis() as u64,
+        lease_ms: shared.config.lease.as_millis() as u64,
+    };
+    if let Err(e) = protocol::write_frame(&mut w, &welcome, shared.config.write_timeout).await {
+        warn!(%peer, error = %e, "could not welcome peer");
+        return;
+    }
+    match admitted.node {
+        Some(node) => serve_agent(r, w, peer, node, admitted.devices, shared).await,
+        None => serve_client(r, w, peer, shared).await,
+    }
+}
+
+async fn serve_agent(
+    mut r: OwnedReadHalf,
+    w: OwnedWriteHalf,
+    peer: SocketAddr,
+    node: u32,
+    devices: u32,
+    shared: Arc<Shared>,
+) {
+    let (tx, rx) = mpsc::channel(OUTBOX);
+    {
+        let mut nodes = shared.nodes();
+        nodes.insert(
+            node,
+            NodeEntry {
+                addr: peer,
+                devices,
+                last_seen: Instant::now(),
+                outbox: tx,
+            },
+        );
+        shared.live.send_replace(nodes.len());
+    }
+    info!(node, %peer, devices, "node joined");
+    shared.emit(MasterEvent::Joined {
+        node,
+        addr: peer,
+        devices,
+    });
+    let writer = tokio::spawn(write_loop(
+        w,
+        rx,
+        node,
+        shared.config.heartbeat_interval,
+        shared.config.write_timeout,
+    ));
+    // When this task is aborted (the master dropped), the writer must go too, or it would keep
+    // the socket open and heartbeating for a master that no longer exists.
+    let mut writer = AbortOnDrop(writer);
+    let lease = shared.config.lease;
+    let reason = loop {
+        let msg = tokio::select! {
+            res = protocol::read_frame(&mut r, lease) => res,
+            res = &mut writer.0 => break LossReason::Protocol(match res {
+                Ok(Err(e)) => e.to_string(),
+                _ => "writer stopped".into(),
+            }),
+        };
+        let msg = match msg {
+            Ok(Some(m)) => m,
+            Ok(None) => break LossReason::Closed,
+            Err(ElasticError::Timeout { ms, .. }) => {
+                break LossReason::LeaseExpired { lease_ms: ms }
+            }
+            Err(e) => break LossReason::Protocol(e.to_string()),
+        };
+        shared.touch(node);
+        match msg {
+            Message::Heartbeat { node: n, .. } if n == node => {}
+            Message::WorkerExited {
+                node: n,
+                rank,
+                status,
+            } if n == node => {
+                warn!(node, rank, ?status, "worker exited");
+                shared.emit(MasterEvent::WorkerExited { node, rank, status });
+            }
+            Message::StatusRequest => {
+                let status = Message::StatusResponse {
+                    status: shared.status(),
+                };
+                let outbox = shared.nodes().get(&node).map(|e| e.outbox.clone());
+                if let Some(outbox) = outbox {
+                    // Bounded by the outbox; a full outbox means the writer is stuck and the
+                    // write timeout will end this connection.
+                    let _ = outbox.try_send(status);
+                }
+            }
+            other => {
+                break LossReason::Protocol(format!("unexpected {} from node {node}", other.kind()))
+            }
+        }
+    };
+    drop(writer);
+    shared.remove(node, reason);
+}
+
+async fn serve_client(
+    mut r: OwnedReadHalf,
+    mut w: OwnedWriteHalf,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+) {
+    let t = shared.config.handshake_timeout;
+    loop {
+        let reply = match protocol::read_frame(&mut r, t).await {
+            Ok(Some(Message::StatusRequest)) => Message::StatusResponse {
+                status: shared.status(),
+            },
+            Ok(Some(Message::KillNode { node })) => {
+                if shared.nodes().contains_key(&node) {
+                    warn!(node, %peer, "kill requested");
+                    shared.emit(MasterEvent::KillRequested { node });
+                    Message::StatusResponse {
+                        status: shared.status(),
+                    }
+                } else {
+                    Message::Refused {
+                        reason: ElasticError::UnknownNode { node }.to_string(),
+                    }
+                }
+            }
+            Ok(Some(other)) => {
+                refuse(
+                    &mut w,
+                    peer,
+                    &shared,
+                    format!("unexpected {} from a client", other.kind()),
+                )
+                .await;
+                return;
+            }
+            Ok(None) => return,
+            Err(e) => {
+                debug!(%peer, error = %e, "client connection ended");
+                return;
+            }
+        };
+        if let Err(e) = protocol::write_frame(&mut w, &reply, shared.config.write_timeout).await {
+            debug!(%peer, error = %e, "could not answer client");
+            return;
+        }
+    }
+}
+
+/// Sends queued messages, and a heartbeat whenever the interval passes, so the agent can tell a
+/// dead master from a quiet one.
+async fn write_loop(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Message>,
+    node: u32,
+    interval: Duration,
+    write_timeout: Duration,
+) -> ElasticResult<()> {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    loop {
+        let msg = tokio::select! {
+            m = rx.recv() => match m {
+                Some(m) => m,
+                None => return Ok(()),
+            },
+            _ = tick.tick() => {
+                seq += 1;
+                Message::Heartbeat { node, seq }
+            }
+        };
+        protocol::write_frame(&mut w, &msg, write_timeout).await?;
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
