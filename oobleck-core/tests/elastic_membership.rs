@@ -309,3 +309,29 @@ async fn kill_node_requests_reach_the_driver_and_unknown_nodes_are_refused() {
         other => panic!("expected a refusal, got {other}"),
     }
 }
+
+#[tokio::test]
+async fn shutdown_reaches_every_agent_before_the_connections_close() {
+    let token = Token::random();
+    let master = fast_master(&token, 2).await;
+    let mut agents = Vec::new();
+    for _ in 0..2 {
+        agents.push(
+            Agent::connect(master.local_addr(), &token, T)
+                .await
+                .unwrap(),
+        );
+    }
+    master.wait_for_nodes(T).await.unwrap();
+    assert!(master.shutdown("job finished", T).await.is_empty());
+    for agent in &mut agents {
+        assert_eq!(
+            agent.recv(T).await.unwrap(),
+            Message::Shutdown {
+                reason: "job finished".into()
+            }
+        );
+        let err = agent.recv(T).await.unwrap_err();
+        assert!(matches!(err, ElasticError::Closed { .. }), "{err}");
+    }
+}

@@ -23,11 +23,18 @@ use super::protocol::{
 
 /// Messages queued per connection before [`super::master::Master::send_to`] waits.
 const OUTBOX: usize = 64;
+
+/// A message queued for one peer, with an optional notice once it is on the wire (so shutdown
+/// can wait for its last words to leave before closing the sockets).
+pub(super) struct Outgoing {
+    pub(super) msg: Message,
+    pub(super) written: Option<tokio::sync::oneshot::Sender<()>>,
+}
 pub(super) struct NodeEntry {
     pub(super) addr: SocketAddr,
     pub(super) devices: u32,
     pub(super) last_seen: Instant,
-    pub(super) outbox: mpsc::Sender<Message>,
+    pub(super) outbox: mpsc::Sender<Outgoing>,
 }
 
 #[derive(Default)]
@@ -218,7 +225,19 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     // Control messages are small and latency-bound.
     let _ = stream.set_nodelay(true);
     let (mut r, mut w) = stream.into_split();
-    let admitted = match handshake(&mut r, &mut w, &shared).await {
+    // Each read of the handshake has its own timeout; this bounds the whole exchange too, so a
+    // peer trickling bytes cannot hold a connection open for long.
+    let t = shared.config.handshake_timeout;
+    let outcome = tokio::time::timeout(t, handshake(&mut r, &mut w, &shared))
+        .await
+        .unwrap_or_else(|_| {
+            Err(ElasticError::Timeout {
+                op: "handshake",
+                ms: t.as_millis() as u64,
+            }
+            .to_string())
+        });
+    let admitted = match outcome {
         Ok(Some(a)) => a,
         Ok(None) => {
             debug!(%peer, "peer closed before hello");
@@ -318,7 +337,10 @@ async fn serve_agent(
                 if let Some(outbox) = outbox {
                     // Bounded by the outbox; a full outbox means the writer is stuck and the
                     // write timeout will end this connection.
-                    let _ = outbox.try_send(status);
+                    let _ = outbox.try_send(Outgoing {
+                        msg: status,
+                        written: None,
+                    });
                 }
             }
             other => {
@@ -382,7 +404,7 @@ async fn serve_client(
 /// dead master from a quiet one.
 async fn write_loop(
     mut w: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Message>,
+    mut rx: mpsc::Receiver<Outgoing>,
     node: u32,
     interval: Duration,
     write_timeout: Duration,
@@ -391,17 +413,21 @@ async fn write_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
     loop {
-        let msg = tokio::select! {
+        let out = tokio::select! {
             m = rx.recv() => match m {
                 Some(m) => m,
                 None => return Ok(()),
             },
             _ = tick.tick() => {
                 seq += 1;
-                Message::Heartbeat { node, seq }
+                Outgoing { msg: Message::Heartbeat { node, seq }, written: None }
             }
         };
-        protocol::write_frame(&mut w, &msg, write_timeout).await?;
+        protocol::write_frame(&mut w, &out.msg, write_timeout).await?;
+        if let Some(done) = out.written {
+            // The waiter may have given up; nothing to do then.
+            let _ = done.send(());
+        }
     }
 }
 

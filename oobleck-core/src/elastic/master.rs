@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 use super::auth::Token;
-use super::conn::{accept_loop, Shared};
+use super::conn::{accept_loop, Outgoing, Shared};
 use super::error::{ElasticError, ElasticResult};
 use super::protocol::{ClusterStatus, ExitStatus, Message, NodeStatus, PipelineStatus, Rendezvous};
 use crate::planning::Plan;
@@ -228,7 +228,8 @@ impl Master {
             .map(|e| e.outbox.clone())
             .ok_or(ElasticError::UnknownNode { node })?;
         let timeout = self.shared.config.write_timeout;
-        match tokio::time::timeout(timeout, outbox.send(msg)).await {
+        let out = Outgoing { msg, written: None };
+        match tokio::time::timeout(timeout, outbox.send(out)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(ElasticError::UnknownNode { node }),
             Err(_) => Err(ElasticError::Timeout {
@@ -279,6 +280,63 @@ impl Master {
             nccl_unique_id,
         };
         Ok(self.broadcast(&msg).await)
+    }
+
+    /// Ends the job's control plane: sends every live node `Shutdown{reason}`, waits (at most
+    /// `timeout` in all) until each has been written to its socket, then closes everything.
+    /// Returns the nodes that may not have heard it.
+    pub async fn shutdown(self, reason: &str, timeout: Duration) -> Vec<(u32, ElasticError)> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let ms = timeout.as_millis() as u64;
+        let targets: Vec<(u32, mpsc::Sender<Outgoing>)> = self
+            .shared
+            .nodes()
+            .iter()
+            .map(|(&n, e)| (n, e.outbox.clone()))
+            .collect();
+        info!(nodes = targets.len(), reason, "master shutting down");
+        let mut failed = Vec::new();
+        let mut pending = Vec::new();
+        for (node, outbox) in targets {
+            let (done, written) = tokio::sync::oneshot::channel();
+            let out = Outgoing {
+                msg: Message::Shutdown {
+                    reason: reason.to_string(),
+                },
+                written: Some(done),
+            };
+            match tokio::time::timeout_at(deadline, outbox.send(out)).await {
+                Ok(Ok(())) => pending.push((node, written)),
+                Ok(Err(_)) => failed.push((node, ElasticError::UnknownNode { node })),
+                Err(_) => failed.push((
+                    node,
+                    ElasticError::Timeout {
+                        op: "queue shutdown",
+                        ms,
+                    },
+                )),
+            }
+        }
+        for (node, written) in pending {
+            match tokio::time::timeout_at(deadline, written).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => failed.push((
+                    node,
+                    ElasticError::Closed {
+                        peer: format!("node {node}"),
+                    },
+                )),
+                Err(_) => failed.push((
+                    node,
+                    ElasticError::Timeout {
+                        op: "send shutdown",
+                        ms,
+                    },
+                )),
+            }
+        }
+        // Dropping `self` aborts every task and closes every socket.
+        failed
     }
 
     /// Declares `step` committed in the current generation: records it for status and tells
