@@ -18,6 +18,8 @@ pub struct RunSpec {
     pub steps: u64,
     /// `B`: microbatches of the global batch.
     pub microbatches: u32,
+    /// `b`: samples per microbatch (rows split across a multi-device stage).
+    pub microbatch_size: u32,
     pub lr: f64,
     pub max_grad_norm: f64,
     /// Bound of every data-plane operation.
@@ -132,6 +134,7 @@ fn run_rank(
 ) -> Result<RunResult> {
     let cfg = WorkerConfig {
         seed: spec.seed,
+        microbatch_size: spec.microbatch_size,
         timeout: spec.timeout,
     };
     let w = StageWorker::new(

@@ -1,14 +1,16 @@
 //! The training contract (DESIGN.md section 4): a tiny GPT trained for K steps by (a) the
-//! single-process step, (b) one pipeline of 4 stages and (c) two heterogeneous pipelines
-//! (2 and 3 stages, different cut points, 5 microbatches split 2 + 3) ends with the same
-//! parameters and the same per-step losses, up to floating-point reassociation.
+//! single-process step, (b) one pipeline of 4 stages, (c) two heterogeneous pipelines
+//! (2 and 3 stages, different cut points, 5 microbatches split 2 + 3) and (d) stages of 2
+//! devices that split each microbatch by rows, ends with the same parameters and the same
+//! per-step losses, up to floating-point reassociation.
 //!
 //! Tolerance: max abs difference 1e-5 on every parameter and loss, and 1e-4 relative on the
 //! pre-clip gradient norm. The runs differ only in rounding: the order f32 gradients are
 //! summed (per pipeline, then across pipelines by the all-reduce) and the stage boundaries
 //! (a stage's backward starts from `sum(out * upstream)`). Measured (`cargo test -p
 //! oobleck-tests --test execution_contract -- --nocapture`): max |param diff| 2.4e-7 for one
-//! pipeline of 4 stages and 2.5e-7 for the 2 + 3 pipelines, max |loss diff| 0 and 1.2e-7.
+//! pipeline of 4 stages, 2.5e-7 for the 2 + 3 pipelines and 3.1e-7 with 2-device stages;
+//! max |loss diff| 0, 1.2e-7 and 1.2e-7.
 //! The worst parameter is always an attention *key* bias: its true gradient is zero (adding a
 //! constant to every key score leaves the softmax unchanged), so what it receives is rounding
 //! noise, which AdamW normalises to a full-size step. At lr 1e-2 that noise alone reaches
@@ -40,6 +42,7 @@ fn spec() -> RunSpec {
         seed: 11,
         steps: 3,
         microbatches: B,
+        microbatch_size: MICRO as u32,
         lr: 1e-3,
         // Below the gradient norm of this model at init (about 1.4), so clipping is exercised.
         max_grad_norm: 0.5,
@@ -73,11 +76,11 @@ fn data(iteration: u64, mb: u64) -> oobleck_core::Result<(Tensor, Tensor)> {
     ))
 }
 
-fn stages(cuts: &[(std::ops::Range<usize>, usize)]) -> Vec<StageSpec> {
+fn stages(cuts: &[(std::ops::Range<usize>, &[usize])]) -> Vec<StageSpec> {
     cuts.iter()
-        .map(|(layers, rank)| StageSpec {
+        .map(|(layers, ranks)| StageSpec {
             layers: layers.clone(),
-            rank: *rank,
+            ranks: ranks.to_vec(),
         })
         .collect()
 }
@@ -142,7 +145,7 @@ fn pipelines_of_any_shape_match_the_single_process_run() {
         6,
         B,
         vec![PipelineSpec {
-            stages: stages(&[(0..2, 0), (2..3, 1), (3..4, 2), (4..6, 3)]),
+            stages: stages(&[(0..2, &[0]), (2..3, &[1]), (3..4, &[2]), (4..6, &[3])]),
             microbatches: 0..B,
         }],
     )
@@ -156,11 +159,11 @@ fn pipelines_of_any_shape_match_the_single_process_run() {
         B,
         vec![
             PipelineSpec {
-                stages: stages(&[(0..3, 0), (3..6, 1)]),
+                stages: stages(&[(0..3, &[0]), (3..6, &[1])]),
                 microbatches: 0..2,
             },
             PipelineSpec {
-                stages: stages(&[(0..2, 2), (2..4, 3), (4..6, 4)]),
+                stages: stages(&[(0..2, &[2]), (2..4, &[3]), (4..6, &[4])]),
                 microbatches: 2..B,
             },
         ],
@@ -168,4 +171,24 @@ fn pipelines_of_any_shape_match_the_single_process_run() {
     .expect("valid layout");
     let got = pipelines(&m, &hetero, &spec, &data).expect("heterogeneous pipelines");
     compare("pipelines of 2 and 3 stages", &want, &got);
+
+    // (d) G = 2: stages on 2 devices each splitting every microbatch by rows, next to a
+    // pipeline whose stages have 1 and 2 devices (rows gathered and re-cut at the boundary).
+    let multi = Layout::new(
+        6,
+        B,
+        vec![
+            PipelineSpec {
+                stages: stages(&[(0..3, &[0, 1]), (3..6, &[2, 3])]),
+                microbatches: 0..3,
+            },
+            PipelineSpec {
+                stages: stages(&[(0..2, &[4]), (2..6, &[5, 6])]),
+                microbatches: 3..B,
+            },
+        ],
+    )
+    .expect("valid layout");
+    let got = pipelines(&m, &multi, &spec, &data).expect("multi-device stages");
+    compare("multi-device stages (G = 2)", &want, &got);
 }

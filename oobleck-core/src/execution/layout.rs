@@ -12,11 +12,23 @@ use oobleck_comm::Rank;
 
 use crate::{Error, Result};
 
-/// One stage of a pipeline: a contiguous range of layers on one rank.
+/// One stage of a pipeline: a contiguous range of layers on `g = ranks.len()` devices, which
+/// split every microbatch along the batch dimension (`schedule::rows`; device `d` is
+/// `ranks[d]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StageSpec {
     pub layers: Range<usize>,
-    pub rank: Rank,
+    pub ranks: Vec<Rank>,
+}
+
+impl StageSpec {
+    /// A stage on one device.
+    pub fn single(layers: Range<usize>, rank: Rank) -> Self {
+        Self {
+            layers,
+            ranks: vec![rank],
+        }
+    }
 }
 
 /// One pipeline: its stages in order and the global microbatch ids it runs each iteration.
@@ -39,8 +51,8 @@ pub struct Layout {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bucket {
     pub layers: Range<usize>,
-    /// Holders in pipeline order (one rank per pipeline). `holders[0]` counts these layers'
-    /// parameters in the global gradient norm.
+    /// Holders in pipeline order, then device order (every device of the holding stage of
+    /// each pipeline). `holders[0]` counts these layers' parameters in the global norm.
     pub holders: Vec<Rank>,
 }
 
@@ -49,6 +61,8 @@ pub struct Bucket {
 pub struct Position {
     pub pipeline: usize,
     pub stage: usize,
+    /// Device index inside the stage.
+    pub device: usize,
 }
 
 impl Layout {
@@ -82,8 +96,13 @@ impl Layout {
                     ));
                 }
                 next_layer = st.layers.end;
-                if !ranks.insert(st.rank) {
-                    return bad(format!("rank {} holds more than one stage", st.rank));
+                if st.ranks.is_empty() {
+                    return bad(format!("pipeline {p} stage {s} has no devices"));
+                }
+                for &r in &st.ranks {
+                    if !ranks.insert(r) {
+                        return bad(format!("rank {r} holds more than one stage"));
+                    }
                 }
             }
             if next_layer != num_layers {
@@ -129,7 +148,7 @@ impl Layout {
         let mut r: Vec<Rank> = self
             .pipelines
             .iter()
-            .flat_map(|p| p.stages.iter().map(|s| s.rank))
+            .flat_map(|p| p.stages.iter().flat_map(|s| s.ranks.iter().copied()))
             .collect();
         r.sort_unstable();
         r
@@ -138,10 +157,16 @@ impl Layout {
     /// The pipeline and stage of `rank`, if it has one.
     pub fn position(&self, rank: Rank) -> Option<Position> {
         self.pipelines.iter().enumerate().find_map(|(p, pipe)| {
-            pipe.stages
-                .iter()
-                .position(|s| s.rank == rank)
-                .map(|stage| Position { pipeline: p, stage })
+            pipe.stages.iter().enumerate().find_map(|(stage, s)| {
+                s.ranks
+                    .iter()
+                    .position(|&r| r == rank)
+                    .map(|device| Position {
+                        pipeline: p,
+                        stage,
+                        device,
+                    })
+            })
         })
     }
 
@@ -149,15 +174,15 @@ impl Layout {
         &self.pipelines[pos.pipeline].stages[pos.stage]
     }
 
-    /// The holders of `layer`, one per pipeline, in pipeline order.
+    /// The holders of `layer`: every device of its stage in each pipeline, in pipeline order.
     pub fn holders(&self, layer: usize) -> Vec<Rank> {
         self.pipelines
             .iter()
-            .map(|p| {
+            .flat_map(|p| {
                 p.stages
                     .iter()
                     .find(|s| s.layers.contains(&layer))
-                    .map(|s| s.rank)
+                    .map(|s| s.ranks.iter().copied())
                     .expect("Layout::new checked that every pipeline covers every layer")
             })
             .collect()
@@ -211,7 +236,7 @@ mod tests {
     use super::*;
 
     fn st(layers: Range<usize>, rank: Rank) -> StageSpec {
-        StageSpec { layers, rank }
+        StageSpec::single(layers, rank)
     }
 
     /// Pipelines of 2 and 3 stages over 6 layers, 5 microbatches split 2 + 3.
@@ -261,7 +286,8 @@ mod tests {
             l.position(3),
             Some(Position {
                 pipeline: 1,
-                stage: 1
+                stage: 1,
+                device: 0
             })
         );
         assert_eq!(l.ranks(), vec![0, 1, 2, 3, 4]);

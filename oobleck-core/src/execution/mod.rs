@@ -2,9 +2,9 @@
 //! gradient sync, global-norm clipping and the AdamW step.
 //!
 //! ```text
-//!  Layout (pipelines of StageSpec{layers, rank}, microbatch runs)
+//!  Layout (pipelines of StageSpec{layers, ranks}, microbatch runs)
 //!     │
-//!  StageWorker::run_iteration ── schedule::stage_stream ──► Forward/Backward + p2p over a
+//!  StageWorker::run_iteration ── schedule::device_stream ─► Forward/Backward + p2p over a
 //!     │                                                     &dyn Communicator (TensorBuf f32)
 //!     ▼  local gradients (sum over this pipeline's microbatches, each loss scaled by 1/B)
 //!  sync::sync_gradients ── all-reduce per bucket of layers (holders across pipelines)

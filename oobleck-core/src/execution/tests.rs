@@ -123,7 +123,7 @@ impl LayeredModel for Toy {
 }
 
 fn data(iteration: u64, mb: u64) -> crate::Result<(Tensor, Tensor)> {
-    let (b, t) = (2usize, 3usize);
+    let (b, t) = (MICRO, 3usize);
     let tok = |k: usize| ((iteration as usize * 5 + mb as usize * 3 + k * k) % V) as u32;
     let ids: Vec<u32> = (0..b * t).map(tok).collect();
     let tg: Vec<u32> = (1..=b * t).map(tok).collect();
@@ -134,6 +134,8 @@ fn data(iteration: u64, mb: u64) -> crate::Result<(Tensor, Tensor)> {
 }
 
 const B: u32 = 5;
+/// Samples per microbatch: 3 so that 2 devices split it unevenly (2 + 1 rows).
+const MICRO: usize = 3;
 const STEPS: u64 = 3;
 const CLIP: f64 = 0.1;
 const LR: f64 = 0.05;
@@ -195,6 +197,7 @@ fn distributed(model: &Toy, layout: Layout) -> Vec<(Vec<f64>, Params)> {
                 s.spawn(move || {
                     let cfg = WorkerConfig {
                         seed: 0,
+                        microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(20),
                     };
                     let w = StageWorker::new(
@@ -234,7 +237,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn heterogeneous_pipelines_match_the_single_process_step() {
     let model = Toy { layers: 6, seed: 3 };
     let (want_losses, want) = single(&model);
-    let st = |layers, rank| StageSpec { layers, rank };
+    let st = StageSpec::single;
     let layout = Layout::new(
         6,
         B,
@@ -278,7 +281,7 @@ fn heterogeneous_pipelines_match_the_single_process_step() {
 fn a_single_stage_pipeline_holds_the_tied_parameter_once() {
     let model = Toy { layers: 4, seed: 9 };
     let (want_losses, want) = single(&model);
-    let st = |layers, rank| StageSpec { layers, rank };
+    let st = StageSpec::single;
     let layout = Layout::new(
         4,
         B,
@@ -308,7 +311,7 @@ fn a_single_stage_pipeline_holds_the_tied_parameter_once() {
 #[test]
 fn a_lost_stage_fails_every_rank_instead_of_hanging() {
     let model = Toy { layers: 6, seed: 3 };
-    let st = |layers, rank| StageSpec { layers, rank };
+    let st = StageSpec::single;
     let layout = Layout::new(
         6,
         B,
@@ -340,6 +343,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                 s.spawn(move || {
                     let cfg = WorkerConfig {
                         seed: 0,
+                        microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(10),
                     };
                     let w = StageWorker::new(
@@ -368,4 +372,92 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
             other => panic!("expected a comm error, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn multi_device_stages_recut_rows_and_match_the_single_process_step() {
+    let model = Toy { layers: 6, seed: 5 };
+    let (want_losses, want) = single(&model);
+    let st = |layers, ranks: &[usize]| StageSpec {
+        layers,
+        ranks: ranks.to_vec(),
+    };
+    // g = 2 -> 1 (rows 2 + 1 gathered), and 1 -> 3 -> 2 (rows cut 1+1+1, re-cut 2+1).
+    let layout = Layout::new(
+        6,
+        B,
+        vec![
+            PipelineSpec {
+                stages: vec![st(0..3, &[0, 1]), st(3..6, &[2])],
+                microbatches: 0..2,
+            },
+            PipelineSpec {
+                stages: vec![st(0..2, &[3]), st(2..4, &[4, 5, 6]), st(4..6, &[7, 8])],
+                microbatches: 2..5,
+            },
+        ],
+    )
+    .unwrap();
+    assert_eq!(layout.holders(0), vec![0, 1, 3]);
+    for (rank, (losses, params)) in distributed(&model, layout).into_iter().enumerate() {
+        for (a, b) in losses.iter().zip(&want_losses) {
+            assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
+        }
+        for (name, v) in &params {
+            let d = max_diff(v, &want[name]);
+            assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
+    let model = Toy { layers: 4, seed: 1 };
+    let layout = Layout::new(
+        4,
+        1,
+        vec![PipelineSpec {
+            stages: vec![StageSpec {
+                layers: 0..4,
+                ranks: vec![0, 1],
+            }],
+            microbatches: 0..1,
+        }],
+    )
+    .unwrap();
+    let cfg = |b| WorkerConfig {
+        seed: 0,
+        microbatch_size: b,
+        timeout: Duration::from_secs(1),
+    };
+    let build = |b| {
+        StageWorker::new(
+            &model,
+            &layout,
+            1,
+            &Device::Cpu,
+            ParamSource::Init { seed: 0 },
+            cfg(b),
+        )
+    };
+    assert!(build(1).is_err());
+    assert!(build(0).is_err());
+    let w = build(2).unwrap();
+    assert_eq!(
+        w.position(),
+        Position {
+            pipeline: 0,
+            stage: 0,
+            device: 1
+        }
+    );
+    assert!(StageWorker::new(
+        &model,
+        &layout,
+        2,
+        &Device::Cpu,
+        ParamSource::Init { seed: 0 },
+        cfg(2)
+    )
+    .is_err());
 }

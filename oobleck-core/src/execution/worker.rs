@@ -12,7 +12,7 @@ use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
     accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage, StageForward, TiedParam,
 };
-use crate::schedule::{stage_stream, Instruction};
+use crate::schedule::{device_stream, rows, Instruction, PeerRows};
 use crate::{Error, Result};
 
 /// Settings a worker needs beyond the layout.
@@ -20,6 +20,8 @@ use crate::{Error, Result};
 pub struct WorkerConfig {
     /// Keys dropout: `(seed, iteration, global microbatch, layer)`.
     pub seed: u64,
+    /// `b`: samples per microbatch. A stage of `g` devices gives each `schedule::rows(b, g, d)`.
+    pub microbatch_size: u32,
     /// Bound of every send, receive and collective.
     pub timeout: Duration,
 }
@@ -28,7 +30,7 @@ pub struct WorkerConfig {
 pub struct IterationOutput {
     /// Parameter gradients summed over this pipeline's microbatches (not yet synchronised).
     pub grads: HashMap<String, Tensor>,
-    /// Sum of this pipeline's scaled losses (last stage only; 0 elsewhere).
+    /// Sum of this device's scaled losses (last stage only; 0 elsewhere).
     pub loss: f64,
 }
 
@@ -39,9 +41,10 @@ pub struct StageWorker {
     pub(super) pos: Position,
     pub(super) layout: Layout,
     pub(super) tied: Vec<TiedParam>,
-    num_stages: usize,
-    prev: Option<Rank>,
-    next: Option<Rank>,
+    /// Devices per stage of this pipeline, for `schedule::device_stream`.
+    devices: Vec<u32>,
+    prev: Vec<Rank>,
+    next: Vec<Rank>,
     first_mb: u32,
     num_mb: u32,
     total_mb: u32,
@@ -75,6 +78,13 @@ impl StageWorker {
             .position(rank)
             .ok_or_else(|| Error::Msg(format!("rank {rank} holds no stage in the layout")))?;
         let pipe = &layout.pipelines()[pos.pipeline];
+        let devices: Vec<u32> = pipe.stages.iter().map(|s| s.ranks.len() as u32).collect();
+        if let Some(&g) = devices.iter().find(|&&g| g > cfg.microbatch_size) {
+            return Err(Error::Msg(format!(
+                "pipeline {} has a stage of {g} devices; a microbatch of {} samples cannot give each a row",
+                pos.pipeline, cfg.microbatch_size
+            )));
+        }
         let spec = layout.stage(pos);
         let stage = Stage::new(model.build_layers(spec.layers.clone(), device, source)?)?;
         let num_stages = pipe.stages.len();
@@ -84,9 +94,17 @@ impl StageWorker {
             pos,
             layout: layout.clone(),
             tied: model.tied_params(),
-            num_stages,
-            prev: (pos.stage > 0).then(|| pipe.stages[pos.stage - 1].rank),
-            next: (pos.stage + 1 < num_stages).then(|| pipe.stages[pos.stage + 1].rank),
+            devices,
+            prev: if pos.stage > 0 {
+                pipe.stages[pos.stage - 1].ranks.clone()
+            } else {
+                Vec::new()
+            },
+            next: if pos.stage + 1 < num_stages {
+                pipe.stages[pos.stage + 1].ranks.clone()
+            } else {
+                Vec::new()
+            },
             first_mb: pipe.microbatches.start,
             num_mb: pipe.microbatches.end - pipe.microbatches.start,
             total_mb: layout.total_microbatches(),
@@ -125,13 +143,14 @@ impl StageWorker {
     }
 
     fn is_last(&self) -> bool {
-        self.pos.stage + 1 == self.num_stages
+        self.pos.stage + 1 == self.devices.len()
     }
 
     /// Runs iteration `iteration`: every microbatch of this pipeline forward and backward in
-    /// 1F1B order. `data(iteration, global_microbatch)` gives `(token ids, targets)`, both
-    /// `[b, t]` u32; it is called only on the first stage (for the inputs) and the last stage
-    /// (for the targets).
+    /// 1F1B order, on this device's rows of each microbatch. `data(iteration,
+    /// global_microbatch)` gives the whole microbatch `(token ids, targets)`, both `[b, t]`
+    /// u32; it is called only on the first stage (for the inputs) and the last stage (for the
+    /// targets).
     pub fn run_iteration(
         &self,
         comm: &dyn Communicator,
@@ -143,11 +162,14 @@ impl StageWorker {
             rank = self.rank,
             iteration,
             pipeline = self.pos.pipeline,
-            stage = self.pos.stage
+            stage = self.pos.stage,
+            device = self.pos.device
         )
         .entered();
-        let t = self.cfg.timeout;
-        let loss_scale = 1.0 / f64::from(self.total_mb);
+        let b = self.cfg.microbatch_size;
+        let (lo, hi) = rows(b, self.devices[self.pos.stage], self.pos.device as u32);
+        // This device's share of the global-batch mean: its rows of each microbatch, of B.
+        let loss_scale = f64::from(hi - lo) / (f64::from(b) * f64::from(self.total_mb));
         let mut inputs: HashMap<u32, Tensor> = HashMap::new();
         let mut stash: HashMap<u32, StageForward> = HashMap::new();
         let mut upstream: HashMap<u32, Tensor> = HashMap::new();
@@ -159,19 +181,28 @@ impl StageWorker {
                 "1F1B stream: {what} of microbatch {mb} missing (a broken schedule)"
             ))
         };
-        for ins in stage_stream(self.pos.stage, self.num_stages, self.num_mb) {
-            match ins {
+        let stream = device_stream(
+            self.pos.stage,
+            &self.devices,
+            self.pos.device as u32,
+            b,
+            self.num_mb,
+        );
+        for di in stream {
+            match di.instruction {
                 Instruction::RecvActivation { mb } => {
-                    let src = self.prev.ok_or_else(|| missing("previous stage", mb))?;
-                    let b = comm.recv(src, tag(iteration, mb, false), t)?;
-                    inputs.insert(mb, buf_to_tensor(&b, &self.device)?);
+                    let x =
+                        self.recv_rows(comm, &self.prev, &di.peers, tag(iteration, mb, false))?;
+                    inputs.insert(mb, x);
                 }
                 Instruction::Forward { mb } => {
                     let global = u64::from(self.first_mb + mb);
-                    let need_data = self.is_first() || self.is_last();
-                    let (ids, targets) = if need_data {
+                    let (ids, targets) = if self.is_first() || self.is_last() {
                         let (i, tg) = data(iteration, global)?;
-                        (Some(i), Some(tg))
+                        (
+                            Some(own_rows(&i, b, lo, hi)?),
+                            Some(own_rows(&tg, b, lo, hi)?),
+                        )
                     } else {
                         (None, None)
                     };
@@ -203,14 +234,20 @@ impl StageWorker {
                     stash.insert(mb, fwd);
                 }
                 Instruction::SendActivation { mb } => {
-                    let dst = self.next.ok_or_else(|| missing("next stage", mb))?;
                     let out = &stash.get(&mb).ok_or_else(|| missing("forward", mb))?.output;
-                    comm.send(dst, tag(iteration, mb, false), &tensor_to_buf(out)?, t)?;
+                    self.send_rows(
+                        comm,
+                        &self.next,
+                        &di.peers,
+                        lo,
+                        out,
+                        tag(iteration, mb, false),
+                    )?;
                 }
                 Instruction::RecvGradient { mb } => {
-                    let src = self.next.ok_or_else(|| missing("next stage", mb))?;
-                    let b = comm.recv(src, tag(iteration, mb, true), t)?;
-                    upstream.insert(mb, buf_to_tensor(&b, &self.device)?);
+                    let g =
+                        self.recv_rows(comm, &self.next, &di.peers, tag(iteration, mb, true))?;
+                    upstream.insert(mb, g);
                 }
                 Instruction::Backward { mb } => {
                     let fwd = stash.remove(&mb).ok_or_else(|| missing("forward", mb))?;
@@ -230,14 +267,93 @@ impl StageWorker {
                     }
                 }
                 Instruction::SendGradient { mb } => {
-                    let dst = self.prev.ok_or_else(|| missing("previous stage", mb))?;
                     let g = to_send
                         .remove(&mb)
                         .ok_or_else(|| missing("input gradient", mb))?;
-                    comm.send(dst, tag(iteration, mb, true), &tensor_to_buf(&g)?, t)?;
+                    self.send_rows(
+                        comm,
+                        &self.prev,
+                        &di.peers,
+                        lo,
+                        &g,
+                        tag(iteration, mb, true),
+                    )?;
                 }
             }
         }
         Ok(IterationOutput { grads, loss })
     }
+
+    /// Receives the overlapping rows from each neighbour device and stacks them in row order.
+    fn recv_rows(
+        &self,
+        comm: &dyn Communicator,
+        ranks: &[Rank],
+        peers: &[PeerRows],
+        tag: u64,
+    ) -> Result<Tensor> {
+        let mut parts = Vec::with_capacity(peers.len());
+        for p in peers {
+            let src = *ranks.get(p.device as usize).ok_or_else(|| {
+                Error::Msg(format!(
+                    "neighbour device {} is not in the layout",
+                    p.device
+                ))
+            })?;
+            let buf = comm.recv(src, tag, self.cfg.timeout)?;
+            let part = buf_to_tensor(&buf, &self.device)?;
+            if part.dims().first() != Some(&((p.end - p.start) as usize)) {
+                return Err(Error::Msg(format!(
+                    "rank {src} sent shape {:?}; expected {} rows",
+                    part.dims(),
+                    p.end - p.start
+                )));
+            }
+            parts.push(part);
+        }
+        match parts.len() {
+            0 => Err(Error::Msg(
+                "a receive with no peers (a broken schedule)".into(),
+            )),
+            1 => Ok(parts.pop().expect("one part")),
+            _ => Ok(Tensor::cat(&parts, 0)?),
+        }
+    }
+
+    /// Sends each neighbour device the rows it handles out of this device's rows `[lo, ..)`.
+    fn send_rows(
+        &self,
+        comm: &dyn Communicator,
+        ranks: &[Rank],
+        peers: &[PeerRows],
+        lo: u32,
+        t: &Tensor,
+        tag: u64,
+    ) -> Result<()> {
+        for p in peers {
+            let dst = *ranks.get(p.device as usize).ok_or_else(|| {
+                Error::Msg(format!(
+                    "neighbour device {} is not in the layout",
+                    p.device
+                ))
+            })?;
+            let part = t.narrow(0, (p.start - lo) as usize, (p.end - p.start) as usize)?;
+            comm.send(dst, tag, &tensor_to_buf(&part)?, self.cfg.timeout)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rows `[lo, hi)` of a whole microbatch, after checking it has `b` rows.
+fn own_rows(t: &Tensor, b: u32, lo: u32, hi: u32) -> Result<Tensor> {
+    if t.dims().first() != Some(&(b as usize)) {
+        return Err(Error::Msg(format!(
+            "the data source gave a microbatch of shape {:?}; expected {b} rows",
+            t.dims()
+        )));
+    }
+    if lo == 0 && hi == b {
+        return Ok(t.clone());
+    }
+    Ok(t.narrow(0, lo as usize, (hi - lo) as usize)?)
 }
