@@ -61,6 +61,9 @@ pub struct BenchTrainArgs {
     /// Timed steps.
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
+    /// Rounds of (Candle, PyTorch), alternated; the table shows the medians.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     /// Seed of the parameters and of the random tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -174,7 +177,30 @@ struct Report {
     estimate: MemoryEstimate,
     candle: FrameworkResult,
     torch: TorchOutcome,
+    /// Median over the rounds of the per-round ratio.
     ratio_candle_over_torch: Option<f64>,
+    rounds: Vec<Round>,
+}
+
+/// Tokens/s of one round (Candle, then PyTorch).
+#[derive(Clone, Debug, Serialize)]
+pub struct Round {
+    pub candle_tokens_per_s: f64,
+    pub torch_tokens_per_s: Option<f64>,
+    pub ratio: Option<f64>,
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The run with the median tokens/s (the upper median for an even count).
+fn median_by_tokens(mut runs: Vec<FrameworkResult>) -> FrameworkResult {
+    runs.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+    let mid = runs.len() / 2;
+    runs.swap_remove(mid)
 }
 
 pub fn run(args: &BenchTrainArgs) -> Result<()> {
@@ -186,8 +212,11 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         batch: args.microbatch_size,
         vocab: args.vocab,
     };
-    if args.steps == 0 {
-        bail!("--steps must be at least 1");
+    if args.steps == 0 || args.rounds == 0 {
+        bail!("--steps and --rounds must be at least 1");
+    }
+    if shape.vocab == 0 || shape.seq_len == 0 || shape.batch == 0 {
+        bail!("--vocab, --seq-len and --microbatch-size must be at least 1");
     }
     if let Some(t) = args.threads {
         if t == 0 {
@@ -198,20 +227,58 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
     }
     let threads = candle_core::utils::get_num_threads();
-    let candle = bench_candle(&shape, args.warmup, args.steps, args.seed)
-        .context("Candle side of the benchmark")?;
-    let torch = if args.no_torch {
-        TorchOutcome::Unavailable {
-            unavailable: "skipped (--no-torch)".into(),
-        }
-    } else {
-        bench_torch(args, &shape, threads)?
-    };
-    let ratio = match &torch {
-        TorchOutcome::Measured(t) if t.tokens_per_s > 0.0 => {
-            Some(candle.tokens_per_s / t.tokens_per_s)
-        }
-        _ => None,
+    // Alternate the frameworks round by round: on a shared machine the load drifts, and a
+    // per-round ratio compares two runs that saw about the same load.
+    let mut candles = Vec::with_capacity(args.rounds);
+    let mut torches = Vec::with_capacity(args.rounds);
+    for _ in 0..args.rounds {
+        candles.push(
+            bench_candle(&shape, args.warmup, args.steps, args.seed)
+                .context("Candle side of the benchmark")?,
+        );
+        torches.push(if args.no_torch {
+            TorchOutcome::Unavailable {
+                unavailable: "skipped (--no-torch)".into(),
+            }
+        } else {
+            bench_torch(args, &shape, threads)?
+        });
+    }
+    let rounds: Vec<Round> = candles
+        .iter()
+        .zip(&torches)
+        .map(|(c, t)| {
+            let torch_tokens_per_s = match t {
+                TorchOutcome::Measured(t) if t.tokens_per_s > 0.0 => Some(t.tokens_per_s),
+                _ => None,
+            };
+            Round {
+                candle_tokens_per_s: c.tokens_per_s,
+                torch_tokens_per_s,
+                ratio: torch_tokens_per_s.map(|t| c.tokens_per_s / t),
+            }
+        })
+        .collect();
+    let ratios: Vec<f64> = rounds.iter().filter_map(|r| r.ratio).collect();
+    let ratio = (!ratios.is_empty()).then(|| median(&ratios));
+    let candle = median_by_tokens(candles);
+    let torch = match torches
+        .iter()
+        .all(|t| matches!(t, TorchOutcome::Measured(_)))
+    {
+        true => TorchOutcome::Measured(median_by_tokens(
+            torches
+                .into_iter()
+                .filter_map(|t| match t {
+                    TorchOutcome::Measured(r) => Some(r),
+                    TorchOutcome::Unavailable { .. } => None,
+                })
+                .collect(),
+        )),
+        false => torches
+            .into_iter()
+            .find(|t| matches!(t, TorchOutcome::Unavailable { .. }))
+            .expect("not all rounds measured, so one is unavailable"),
     };
     let report = Report {
         shape,
@@ -219,6 +286,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         candle,
         torch,
         ratio_candle_over_torch: ratio,
+        rounds,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -262,7 +330,11 @@ pub fn bench_candle(
 ) -> Result<FrameworkResult> {
     let base_rss = proc_status_kib("VmRSS");
     let model = Gpt::new(shape.gpt_config())?;
-    let layers = model.build_layers(0..model.num_layers(), &Device::Cpu, ParamSource::Init { seed })?;
+    let layers = model.build_layers(
+        0..model.num_layers(),
+        &Device::Cpu,
+        ParamSource::Init { seed },
+    )?;
     let stage = Stage::new(layers)?;
     let params = stage.params();
     let mut opt = AdamW::new(adamw_config())?;
@@ -342,9 +414,9 @@ fn reset_peak_rss() -> bool {
 }
 
 fn torch_script(args: &BenchTrainArgs) -> PathBuf {
-    args.torch_script.clone().unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/torch_train.py")
-    })
+    args.torch_script
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/torch_train.py"))
 }
 
 /// Runs the PyTorch side in a child process. A missing interpreter or torch is `Unavailable`;
@@ -442,7 +514,9 @@ fn parse_torch_output(
 }
 
 fn mib(b: Option<u64>) -> String {
-    b.map_or("n/a".into(), |b| format!("{:.0} MiB", b as f64 / (1 << 20) as f64))
+    b.map_or("n/a".into(), |b| {
+        format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+    })
 }
 
 fn print_table(r: &Report, args: &BenchTrainArgs) {
@@ -489,6 +563,20 @@ fn print_table(r: &Report, args: &BenchTrainArgs) {
         Some(x) => println!("ratio candle/torch (tokens/s): {x:.2}"),
         None => println!("ratio candle/torch (tokens/s): n/a"),
     }
+    if r.rounds.len() > 1 {
+        println!("(medians of {} alternated rounds)", r.rounds.len());
+        for (i, x) in r.rounds.iter().enumerate() {
+            let t = x
+                .torch_tokens_per_s
+                .map_or("n/a".into(), |t| format!("{t:.1}"));
+            let q = x.ratio.map_or("n/a".into(), |q| format!("{q:.2}"));
+            println!(
+                "  round {}: candle {:.1} tokens/s, torch {t}, ratio {q}",
+                i + 1,
+                x.candle_tokens_per_s
+            );
+        }
+    }
     let e = &r.estimate;
     println!(
         "memory estimate: {} = params {} + grads {} + Adam {} + activations {}",
@@ -520,7 +608,11 @@ mod tests {
         let r = bench_candle(&tiny(), 0, 1, 3).unwrap();
         assert!(r.tokens_per_s > 0.0 && r.tokens_per_s.is_finite());
         // Random init: the loss starts near ln(vocab).
-        assert!((r.first_loss - (96f64).ln()).abs() < 0.5, "{}", r.first_loss);
+        assert!(
+            (r.first_loss - (96f64).ln()).abs() < 0.5,
+            "{}",
+            r.first_loss
+        );
         assert!(r.step_s >= r.forward_s);
     }
 

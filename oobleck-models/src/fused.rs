@@ -7,29 +7,30 @@
 //!
 //! | op | forward | backward |
 //! |---|---|---|
-//! | [`lm_head_loss`] | `logits = h wᵀ` (one matmul), then in place `P = (softmax - onehot) / n`, mean NLL | `dh = g·P w`, `dw = g·Pᵀ h` (two matmuls) |
+//! | [`lm_head_loss`] | `logits = h wᵀ` (one sgemm), then in place `P = (softmax - onehot) / n`, mean NLL | `dh = g·P w`, `dw = g·Pᵀ h` (two sgemms) |
 //! | [`CausalSoftmax`] | `softmax(scale·s + causal mask)`, masked half skipped | `ds = scale·y·(dy - Σ dy·y)` |
 //! | [`GeluTanh`] | `0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))` | closed form |
 //! | [`LayerNorm`] | per row mean/var, `(x - μ)/σ · w + b` | `dx`, `dw`, `db` in one pass |
 //!
 //! All are CPU-only; the wrappers in `nn.rs` use the primitive formulations on other devices.
+//! The linear layers are in `fused_linear.rs`.
 //! Rows are processed in parallel on rayon's global pool (the pool candle's CPU backend uses,
 //! sized by `RAYON_NUM_THREADS` or the core count).
 
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-type CResult<T> = candle_core::Result<T>;
+use crate::fused_linear::{gemm, Mat};
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
+pub(crate) type CResult<T> = candle_core::Result<T>;
+
+pub(crate) fn msg(s: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(s.into())
 }
 
 /// The contiguous f32 data of an op argument.
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> CResult<&'a [f32]> {
+pub(crate) fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> CResult<&'a [f32]> {
     let CpuStorage::F32(v) = s else {
         return Err(msg(format!("{what}: expected f32, got {:?}", s.dtype())));
     };
@@ -40,7 +41,11 @@ fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> CResult<&'a [f32]> {
 }
 
 /// Runs `f` on the contiguous f32 data of a CPU tensor, without copying it.
-fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> CResult<R>) -> CResult<R> {
+pub(crate) fn with_f32<R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&[f32]) -> CResult<R>,
+) -> CResult<R> {
     let (s, l) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*s else {
         return Err(msg(format!(
@@ -82,55 +87,33 @@ fn tanh_f32(x: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // LM head + cross-entropy
 
-/// Turns `[n, v]` logits in place into `(softmax - onehot(target)) / n` and records the mean
+/// Turns `[n, v]` logits in place into `(softmax - onehot(target)) / n` and returns the mean
 /// negative log-likelihood.
-struct XentInPlace<'a> {
-    targets: &'a [u32],
-    loss: Mutex<f64>,
-}
-
-impl InplaceOp1 for XentInPlace<'_> {
-    fn name(&self) -> &'static str {
-        "xent-in-place"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> CResult<()> {
-        let CpuStorage::F32(data) = storage else {
-            return Err(msg("xent: logits must be f32"));
-        };
-        let (a, b) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| msg("xent: logits must be contiguous"))?;
-        let n = self.targets.len();
-        let data = &mut data[a..b];
-        if n == 0 || data.len() % n != 0 {
-            return Err(msg(format!("xent: {} logits for {n} targets", data.len())));
-        }
-        let v = data.len() / n;
-        let inv_n = 1.0 / n as f32;
-        let total: f64 = data
-            .par_chunks_mut(v)
-            .zip(self.targets.par_iter())
-            .map(|(row, &t)| {
-                let t = t as usize;
-                let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                let x_t = row[t];
-                let mut s = 0.0f32;
-                for x in row.iter_mut() {
-                    *x = exp_f32(*x - m);
-                    s += *x;
-                }
-                let k = inv_n / s;
-                for x in row.iter_mut() {
-                    *x *= k;
-                }
-                row[t] -= inv_n;
-                f64::from(m + s.ln() - x_t)
-            })
-            .sum();
-        *self.loss.lock().expect("loss lock is never poisoned") = total / n as f64;
-        Ok(())
-    }
+fn xent_in_place(data: &mut [f32], targets: &[u32]) -> f64 {
+    let n = targets.len();
+    let v = data.len() / n;
+    let inv_n = 1.0 / n as f32;
+    let total: f64 = data
+        .par_chunks_mut(v)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            let t = t as usize;
+            let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let x_t = row[t];
+            let mut s = 0.0f32;
+            for x in row.iter_mut() {
+                *x = exp_f32(*x - m);
+                s += *x;
+            }
+            let k = inv_n / s;
+            for x in row.iter_mut() {
+                *x *= k;
+            }
+            row[t] -= inv_n;
+            f64::from(m + s.ln() - x_t)
+        })
+        .sum();
+    total / n as f64
 }
 
 /// Holds `P = (softmax - onehot) / n` from the forward pass; its backward is two matmuls.
@@ -163,9 +146,39 @@ impl candle_core::CustomOp2 for LmHeadLoss {
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         // The loss is a scalar, so its gradient scales the two (small) matmul results rather
         // than the [n, v] matrix.
-        let g = f64::from(grad.to_dtype(DType::F32)?.to_scalar::<f32>()?);
-        let dh = self.probs_grad.matmul(&w.detach())?.affine(g, 0.0)?; // [n, d]
-        let dw = self.probs_grad.t()?.matmul(&h.detach())?.affine(g, 0.0)?; // [v, d]
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let (n, v) = self.probs_grad.dims2()?;
+        let d = w.dim(1)?;
+        let (dh, dw) = with_f32(&self.probs_grad, "lm head P", |p| {
+            with_f32(w, "lm head w", |wv| {
+                with_f32(h, "lm head h", |hv| {
+                    let mut dh = vec![0f32; n * d]; // P · w
+                    gemm(
+                        n,
+                        v,
+                        d,
+                        Mat::row_major(p, v),
+                        Mat::row_major(wv, d),
+                        &mut dh,
+                        0.0,
+                    )?;
+                    let mut dw = vec![0f32; v * d]; // Pᵀ · h
+                    gemm(
+                        v,
+                        n,
+                        d,
+                        Mat::transposed(p, v),
+                        Mat::row_major(hv, d),
+                        &mut dw,
+                        0.0,
+                    )?;
+                    dh.iter_mut().chain(dw.iter_mut()).for_each(|x| *x *= g);
+                    Ok((dh, dw))
+                })
+            })
+        })?;
+        let dh = Tensor::from_vec(dh, (n, d), h.device())?;
+        let dw = Tensor::from_vec(dw, (v, d), w.device())?;
         Ok((Some(dh), Some(dw)))
     }
 }
@@ -189,20 +202,24 @@ pub(crate) fn lm_head_loss(h: &Tensor, w: &Tensor, targets: &[u32]) -> CResult<T
         )));
     }
     let h = h.contiguous()?;
-    let logits = h.detach().matmul(&w.detach().t()?)?; // [n, v], outside the graph
-    let op = XentInPlace {
-        targets,
-        loss: Mutex::new(0.0),
-    };
-    logits.inplace_op1(&op)?;
-    let loss = *op.loss.lock().expect("loss lock is never poisoned") as f32;
-    h.apply_op2(
-        w,
-        LmHeadLoss {
-            loss,
-            probs_grad: logits,
-        },
-    )
+    // logits [n, v] = h · wᵀ, outside the graph; then overwritten by their gradient.
+    let mut logits = vec![0f32; n * v];
+    with_f32(&h, "lm head h", |hv| {
+        with_f32(w, "lm head w", |wv| {
+            gemm(
+                n,
+                d,
+                v,
+                Mat::row_major(hv, d),
+                Mat::transposed(wv, d),
+                &mut logits,
+                0.0,
+            )
+        })
+    })?;
+    let loss = xent_in_place(&mut logits, targets) as f32;
+    let probs_grad = Tensor::from_vec(logits, (n, v), h.device())?;
+    h.apply_op2(w, LmHeadLoss { loss, probs_grad })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor, Var, D};
 use oobleck_core::model::{checked_param, seeded_normal, ParamSource};
 
-use crate::fused;
 use crate::Result;
+use crate::{fused, fused_linear};
 
 /// Whether the fused CPU kernels apply to `x`.
 fn fusable(x: &Tensor) -> bool {
@@ -76,6 +76,10 @@ pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result
 
 /// `x @ w + b` with `w` stored `[in, out]` (GPT-2's Conv1D layout); `x` is `[.., in]`.
 pub(crate) fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fusable(x) {
+        let op = fused_linear::Linear { out_in: false };
+        return Ok(x.contiguous()?.apply_op3(w, b, op)?);
+    }
     let dims = x.dims().to_vec();
     let (inp, out) = w.dims2()?;
     let rows = x.elem_count() / inp;
@@ -87,6 +91,10 @@ pub(crate) fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `x @ wᵀ (+ b)` with `w` stored `[out, in]` (torch.nn.Linear layout); `x` is `[.., in]`.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if let (Some(b), true) = (b, fusable(x)) {
+        let op = fused_linear::Linear { out_in: true };
+        return Ok(x.contiguous()?.apply_op3(w, b, op)?);
+    }
     let dims = x.dims().to_vec();
     let (out, inp) = w.dims2()?;
     let rows = x.elem_count() / inp;
