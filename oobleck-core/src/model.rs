@@ -148,7 +148,9 @@ pub fn dropout(x: &Tensor, p: f64, ctx: &ForwardCtx, layer: usize, site: u64) ->
         return Ok(x.clone());
     }
     if p >= 1.0 {
-        return Err(Error::Msg(format!("dropout probability {p} must be below 1")));
+        return Err(Error::Msg(format!(
+            "dropout probability {p} must be below 1"
+        )));
     }
     let k = ctx.dropout_key;
     let label = format!("dropout/{}/{}/{layer}/{site}", k.iteration, k.microbatch);
@@ -311,9 +313,11 @@ pub fn checked_param(
     shape: &[usize],
     device: &Device,
 ) -> Result<Tensor> {
-    let t = tensors
-        .get(name)
-        .ok_or_else(|| Error::Msg(format!("missing parameter `{name}` (expected shape {shape:?})")))?;
+    let t = tensors.get(name).ok_or_else(|| {
+        Error::Msg(format!(
+            "missing parameter `{name}` (expected shape {shape:?})"
+        ))
+    })?;
     if t.dims() != shape {
         return Err(Error::Msg(format!(
             "parameter `{name}` has shape {:?}, the model config expects {shape:?}",
@@ -362,9 +366,18 @@ mod tests {
             train: true,
             dropout_key: key,
         };
-        let a = dropout(&x, 0.5, &ctx, 1, 0).unwrap().to_vec2::<f32>().unwrap();
-        let b = dropout(&x, 0.5, &ctx, 1, 0).unwrap().to_vec2::<f32>().unwrap();
-        let c = dropout(&x, 0.5, &ctx, 2, 0).unwrap().to_vec2::<f32>().unwrap();
+        let a = dropout(&x, 0.5, &ctx, 1, 0)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let b = dropout(&x, 0.5, &ctx, 1, 0)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let c = dropout(&x, 0.5, &ctx, 2, 0)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         assert_eq!(a, b);
         assert_ne!(a, c);
         let zeros = a.iter().flatten().filter(|v| **v == 0.0).count();
