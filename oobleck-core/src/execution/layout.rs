@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use oobleck_comm::Rank;
 
+use crate::planning::Plan;
 use crate::{Error, Result};
 
 /// One stage of a pipeline: a contiguous range of layers on `g = ranks.len()` devices, which
@@ -128,6 +129,58 @@ impl Layout {
             total_microbatches,
             pipelines,
         })
+    }
+
+    /// The layout of a plan for a model of `num_layers` layers: pipeline `p` runs the stages
+    /// of its template, stage `i` on ranks `first_rank + node * G + first_device + d` for
+    /// `d < devices` (the rank numbering of `planning::Pipeline`), and takes the next
+    /// `microbatches` microbatches of the global batch.
+    pub fn from_plan(plan: &Plan, num_layers: usize) -> Result<Self> {
+        let g = plan.devices_per_node as usize;
+        let mut pipelines = Vec::with_capacity(plan.pipelines.len());
+        let mut next_mb = 0u32;
+        for p in &plan.pipelines {
+            let t = plan
+                .templates
+                .iter()
+                .find(|t| t.nodes == p.template_nodes)
+                .ok_or_else(|| {
+                    Error::Msg(format!(
+                        "plan: pipeline {} uses a template of {} nodes the plan does not have",
+                        p.id, p.template_nodes
+                    ))
+                })?;
+            let stages = t
+                .stages
+                .iter()
+                .map(|s| {
+                    let base =
+                        p.first_rank as usize + s.node as usize * g + s.first_device as usize;
+                    if s.first_device + s.devices > plan.devices_per_node {
+                        return Err(Error::Msg(format!(
+                            "plan: a stage of pipeline {} uses devices {}..{} of a {}-device node",
+                            p.id,
+                            s.first_device,
+                            s.first_device + s.devices,
+                            plan.devices_per_node
+                        )));
+                    }
+                    Ok(StageSpec {
+                        layers: s.layer_start..s.layer_end,
+                        ranks: (base..base + s.devices as usize).collect(),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let end = next_mb
+                .checked_add(p.microbatches)
+                .ok_or_else(|| Error::Msg("plan: microbatch counts overflow".into()))?;
+            pipelines.push(PipelineSpec {
+                stages,
+                microbatches: next_mb..end,
+            });
+            next_mb = end;
+        }
+        Self::new(num_layers, plan.global_microbatches, pipelines)
     }
 
     pub fn num_layers(&self) -> usize {

@@ -14,6 +14,7 @@ use crate::model::{
     TiedParam,
 };
 use crate::optim::{AdamW, AdamWConfig};
+use crate::planning;
 
 const V: usize = 7;
 const D: usize = 4;
@@ -460,4 +461,93 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         cfg(2)
     )
     .is_err());
+}
+
+/// A template of `nodes` nodes with 2 devices each from `(layers, node, first_device, g)`.
+fn template(nodes: u32, stages: &[(Range<usize>, u32, u32, u32)]) -> planning::Template {
+    let stages: Vec<planning::Stage> = stages
+        .iter()
+        .map(|(l, node, first_device, devices)| planning::Stage {
+            layer_start: l.start,
+            layer_end: l.end,
+            node: *node,
+            first_device: *first_device,
+            devices: *devices,
+            forward_ns: 1_000,
+            backward_ns: 2_000,
+            p2p_ns: 0,
+            memory_bytes: 0,
+        })
+        .collect();
+    let n = stages.len() as u64;
+    planning::Template {
+        nodes,
+        devices_per_node: 2,
+        stages,
+        microbatches: 4,
+        t1_ns: 3_000 * n,
+        t3_ns: 3_000,
+        bottleneck_stage: n as usize - 1,
+        bottleneck_ns: 3_000,
+        iteration_ns: 3_000 * (n + 3),
+        peak_memory_bytes: 0,
+    }
+}
+
+#[test]
+fn a_plan_of_heterogeneous_multi_device_pipelines_trains_like_one_process() {
+    let set = planning::TemplateSet {
+        min_nodes: 2,
+        templates: vec![
+            template(2, &[(0..3, 0, 0, 2), (3..6, 1, 0, 2)]),
+            template(
+                3,
+                &[
+                    (0..2, 0, 0, 1),
+                    (2..3, 0, 1, 1),
+                    (3..5, 1, 0, 2),
+                    (5..6, 2, 0, 2),
+                ],
+            ),
+        ],
+        layer_state_bytes: vec![0; 6],
+    };
+    let job = planning::JobSpec {
+        fault_threshold: 1,
+        microbatch_size: MICRO as u32,
+        global_microbatches: B,
+        state_bytes_per_param_byte: 4,
+        template_microbatches: planning::TemplateMicrobatches::Auto,
+    };
+    let plan =
+        planning::plan_with_pipelines(&set, &job, 2, 0, vec![vec![0, 1], vec![2, 3, 4]]).unwrap();
+    let layout = Layout::from_plan(&plan, 6).unwrap();
+    let ranks: Vec<Vec<Vec<usize>>> = layout
+        .pipelines()
+        .iter()
+        .map(|p| p.stages.iter().map(|s| s.ranks.clone()).collect())
+        .collect();
+    assert_eq!(
+        ranks,
+        vec![
+            vec![vec![0, 1], vec![2, 3]],
+            vec![vec![4], vec![5], vec![6, 7], vec![8, 9]]
+        ]
+    );
+    assert!(Layout::from_plan(&plan, 7).is_err());
+
+    let model = Toy {
+        layers: 6,
+        seed: 21,
+    };
+    let (want_losses, want) = single(&model);
+    for (rank, (losses, params)) in distributed(&model, layout).into_iter().enumerate() {
+        for (a, b) in losses.iter().zip(&want_losses) {
+            assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
+        }
+        for (name, v) in &params {
+            let d = max_diff(v, &want[name]);
+            assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
+        }
+    }
 }
