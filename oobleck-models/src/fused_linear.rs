@@ -64,6 +64,39 @@ pub(crate) fn gemm(
         return Ok(());
     }
     let threads = rayon::current_num_threads().max(1);
+    if n > m && n >= 128 {
+        // Wide outputs (the LM head: n = vocab): split the columns, so each task packs only
+        // its slice of B and all tasks share the small A.
+        let cols = n.div_ceil(threads).next_multiple_of(16).min(n);
+        let c_ptr = SharedMut(c.as_mut_ptr());
+        (0..n.div_ceil(cols)).into_par_iter().for_each(|t| {
+            let j0 = t * cols;
+            let nc = cols.min(n - j0);
+            let c_ptr = &c_ptr;
+            // SAFETY: as below for A and B (B's columns j0..j0+nc start at offset j0 * cs);
+            // task t writes only columns j0..j0+nc of C, disjoint from every other task's,
+            // and `c` stays mutably borrowed until all tasks have joined.
+            unsafe {
+                matrixmultiply::sgemm(
+                    m,
+                    k,
+                    nc,
+                    1.0,
+                    a.data.as_ptr(),
+                    a.rs as isize,
+                    a.cs as isize,
+                    b.data.as_ptr().add(j0 * b.cs),
+                    b.rs as isize,
+                    b.cs as isize,
+                    beta,
+                    c_ptr.0.add(j0),
+                    n as isize,
+                    1,
+                )
+            }
+        });
+        return Ok(());
+    }
     // Row blocks of a multiple of 16 (the AVX2 kernel's height), at least 64 rows each.
     let rows = m.div_ceil(threads).next_multiple_of(16).max(64).min(m);
     c.par_chunks_mut(rows * n).enumerate().for_each(|(i, cc)| {
@@ -94,6 +127,11 @@ pub(crate) fn gemm(
     });
     Ok(())
 }
+
+/// The output pointer shared by column-split tasks, each of which writes its own columns.
+struct SharedMut(*mut f32);
+// SAFETY: only used by `gemm`, whose tasks write disjoint columns of one live `&mut [f32]`.
+unsafe impl Sync for SharedMut {}
 
 /// `y = x · W + b` for `x [rows, in]`, bias `[out]`, and the weight stored `[in, out]`
 /// (GPT-2 Conv1D) or `[out, in]` (`torch.nn.Linear`, `out_in = true`).
@@ -250,9 +288,15 @@ mod tests {
 
     #[test]
     fn linear_matches_matmul_in_both_weight_layouts_with_gradients() {
+        // 130 rows: several row blocks, the last one partial; then 6 rows x 200 columns: the
+        // column split.
+        for (rows, inp, out) in [(130, 24, 40), (6, 24, 200)] {
+            check_linear(rows, inp, out);
+        }
+    }
+
+    fn check_linear(rows: usize, inp: usize, out: usize) {
         let dev = Device::Cpu;
-        // 130 rows: several row blocks, the last one partial.
-        let (rows, inp, out) = (130, 24, 40);
         let x =
             Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, rows / 2, inp), &dev).unwrap()).unwrap();
         let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, out, &dev).unwrap()).unwrap();
