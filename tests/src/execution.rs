@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Tensor, Var};
-use oobleck_comm::{Communicator, LocalNetwork, Tuning};
+use oobleck_comm::{Communicator, LocalNetwork, TcpCommunicator, TcpConfig, Tuning};
 use oobleck_core::execution::{Layout, StageWorker, WorkerConfig};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, AdamWConfig};
@@ -87,7 +87,16 @@ pub fn single_process(
     Ok(out)
 }
 
-/// Runs every rank of `layout` as a thread over one [`LocalNetwork`], `spec.steps` steps each.
+/// The data plane of a [`pipelines`] run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// In-process mailboxes ([`LocalNetwork`]).
+    Local,
+    /// Real sockets on 127.0.0.1 ([`TcpCommunicator`]), one listener per rank on port 0.
+    Tcp,
+}
+
+/// Runs every rank of `layout` as a thread, `spec.steps` steps each, over `transport`.
 /// Returns one result per rank (index = rank). A failing rank aborts its communicator so the
 /// others fail fast instead of waiting for their timeouts.
 pub fn pipelines(
@@ -95,13 +104,68 @@ pub fn pipelines(
     layout: &Layout,
     spec: &RunSpec,
     data: &DataFn,
+    transport: Transport,
 ) -> Result<Vec<RunResult>> {
     let ranks = layout.ranks();
     let world = ranks.len();
     if ranks != (0..world).collect::<Vec<_>>() {
         return Err(anyhow!("layout ranks {ranks:?} are not 0..{world}"));
     }
-    let comms = LocalNetwork::new(world, 0).communicators(Tuning::default());
+    match transport {
+        Transport::Local => {
+            let comms = LocalNetwork::new(world, 0).communicators(Tuning::default());
+            run_all(
+                comms.into_iter().map(Ok).collect(),
+                model,
+                layout,
+                spec,
+                data,
+            )
+        }
+        Transport::Tcp => {
+            let listeners = (0..world)
+                .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+                .collect::<std::io::Result<Vec<_>>>()
+                .context("binding 127.0.0.1:0")?;
+            let addrs = listeners
+                .iter()
+                .map(|l| l.local_addr())
+                .collect::<std::io::Result<Vec<_>>>()?;
+            // Every rank connects at once (each waits for the others), bounded by the timeout.
+            let comms: Vec<Result<TcpCommunicator>> = std::thread::scope(|s| {
+                let handles: Vec<_> = listeners
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, l)| {
+                        let mut cfg = TcpConfig::new(rank, 0, addrs.clone());
+                        cfg.connect_timeout = spec.timeout;
+                        s.spawn(move || {
+                            TcpCommunicator::connect(cfg, Some(l))
+                                .with_context(|| format!("rank {rank}: connecting"))
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(anyhow!("connect panicked")))
+                    })
+                    .collect()
+            });
+            run_all(comms, model, layout, spec, data)
+        }
+    }
+}
+
+fn run_all<C: Communicator>(
+    comms: Vec<Result<C>>,
+    model: &dyn LayeredModel,
+    layout: &Layout,
+    spec: &RunSpec,
+    data: &DataFn,
+) -> Result<Vec<RunResult>> {
+    let comms = comms.into_iter().collect::<Result<Vec<C>>>()?;
     let results: Vec<Result<RunResult>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()

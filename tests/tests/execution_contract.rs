@@ -22,7 +22,9 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use oobleck_core::execution::{Layout, PipelineSpec, StageSpec};
 use oobleck_models::gpt2::{Gpt, GptConfig};
-use oobleck_tests::execution::{max_param_diff, pipelines, single_process, RunResult, RunSpec};
+use oobleck_tests::execution::{
+    max_param_diff, pipelines, single_process, RunResult, RunSpec, Transport,
+};
 
 const VOCAB: usize = 96;
 const SEQ: usize = 8;
@@ -150,7 +152,7 @@ fn pipelines_of_any_shape_match_the_single_process_run() {
         }],
     )
     .expect("valid layout");
-    let got = pipelines(&m, &one, &spec, &data).expect("one pipeline");
+    let got = pipelines(&m, &one, &spec, &data, Transport::Local).expect("one pipeline");
     compare("one pipeline of 4 stages", &want, &got);
 
     // (c) pipelines of 2 and 3 stages with different cut points, B split 2 + 3.
@@ -169,7 +171,8 @@ fn pipelines_of_any_shape_match_the_single_process_run() {
         ],
     )
     .expect("valid layout");
-    let got = pipelines(&m, &hetero, &spec, &data).expect("heterogeneous pipelines");
+    let got =
+        pipelines(&m, &hetero, &spec, &data, Transport::Local).expect("heterogeneous pipelines");
     compare("pipelines of 2 and 3 stages", &want, &got);
 
     // (d) G = 2: stages on 2 devices each splitting every microbatch by rows, next to a
@@ -189,6 +192,32 @@ fn pipelines_of_any_shape_match_the_single_process_run() {
         ],
     )
     .expect("valid layout");
-    let got = pipelines(&m, &multi, &spec, &data).expect("multi-device stages");
+    let got = pipelines(&m, &multi, &spec, &data, Transport::Local).expect("multi-device stages");
     compare("multi-device stages (G = 2)", &want, &got);
+}
+
+/// The same contract over real sockets: heterogeneous pipelines with a 2-device stage, every
+/// rank a thread with its own `TcpCommunicator` on 127.0.0.1.
+#[test]
+fn heterogeneous_pipelines_over_tcp_match_the_single_process_run() {
+    let m = model();
+    let spec = spec();
+    let want = single_process(&m, &spec, &data).expect("single-process run");
+    let layout = Layout::new(
+        6,
+        B,
+        vec![
+            PipelineSpec {
+                stages: stages(&[(0..4, &[0]), (4..6, &[1, 2])]),
+                microbatches: 0..3,
+            },
+            PipelineSpec {
+                stages: stages(&[(0..1, &[3]), (1..3, &[4]), (3..6, &[5])]),
+                microbatches: 3..B,
+            },
+        ],
+    )
+    .expect("valid layout");
+    let got = pipelines(&m, &layout, &spec, &data, Transport::Tcp).expect("tcp run");
+    compare("tcp: pipelines of 2 and 3 stages", &want, &got);
 }
