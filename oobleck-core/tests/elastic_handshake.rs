@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use oobleck_core::elastic::protocol::{self, Message, PeerRole, PROTOCOL_VERSION};
-use oobleck_core::elastic::{Agent, ElasticError, Master, Token};
+use oobleck_core::elastic::{Agent, ElasticError, Master, MasterConfig, Token};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -137,4 +137,30 @@ async fn garbage_oversize_and_out_of_order_frames_are_refused_and_the_master_liv
         master.wait_for_nodes(T).await.unwrap()[0].node,
         agent.node()
     );
+}
+
+#[tokio::test]
+async fn a_flood_of_silent_connections_is_capped_and_agents_get_in_once_it_clears() {
+    let token = Token::random();
+    let mut config = MasterConfig::new(token.clone(), 1);
+    config.max_pending_handshakes = 2;
+    config.handshake_timeout = Duration::from_millis(500);
+    let master = Master::bind_with(localhost(), config).await.unwrap();
+    let addr = master.local_addr();
+    // Two silent peers hold both handshake slots...
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // ...so a third is refused at once, and says why.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let reason = refusal(poke(addr, b"").await);
+    assert!(reason.contains("too many connections"), "{reason}");
+    // Once the silent peers time out their slots free up.
+    for s in &mut silent {
+        let reason = refusal(protocol::read_frame(s, T).await.unwrap());
+        assert!(reason.contains("timed out"), "{reason}");
+    }
+    Agent::connect(addr, &token, T).await.unwrap();
+    assert_eq!(master.refused_count(), 3);
 }

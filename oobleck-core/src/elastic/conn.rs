@@ -53,10 +53,12 @@ pub(super) struct Shared {
     pub(super) refused: AtomicU64,
     pub(super) live: watch::Sender<usize>,
     pub(super) events: mpsc::UnboundedSender<MasterEvent>,
+    pub(super) handshakes: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
     pub(super) fn new(config: MasterConfig, events: mpsc::UnboundedSender<MasterEvent>) -> Shared {
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(config.max_pending_handshakes));
         Shared {
             config,
             nodes: Mutex::new(BTreeMap::new()),
@@ -64,6 +66,7 @@ impl Shared {
             next_node: AtomicU32::new(0),
             refused: AtomicU64::new(0),
             live: watch::Sender::new(0),
+            handshakes,
             events,
         }
     }
@@ -225,6 +228,14 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     // Control messages are small and latency-bound.
     let _ = stream.set_nodelay(true);
     let (mut r, mut w) = stream.into_split();
+    let Ok(permit) = Arc::clone(&shared.handshakes).try_acquire_owned() else {
+        let reason = format!(
+            "too many connections in the handshake (limit {})",
+            shared.config.max_pending_handshakes
+        );
+        refuse(&mut w, peer, &shared, reason).await;
+        return;
+    };
     // Each read of the handshake has its own timeout; this bounds the whole exchange too, so a
     // peer trickling bytes cannot hold a connection open for long.
     let t = shared.config.handshake_timeout;
@@ -248,6 +259,7 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
             return;
         }
     };
+    drop(permit);
     let welcome = Message::Welcome {
         node: admitted.node,
         heartbeat_ms: shared.config.heartbeat_interval.as_millis() as u64,

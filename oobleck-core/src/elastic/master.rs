@@ -41,6 +41,10 @@ pub struct MasterConfig {
     pub handshake_timeout: Duration,
     /// Bound on writing one frame. Default 5 s.
     pub write_timeout: Duration,
+    /// Connections allowed in the handshake at once; more are refused at once. Default 256:
+    /// far above any real burst of agents joining, low enough that a flood of silent
+    /// connections cannot pin a task and a socket each for a handshake timeout.
+    pub max_pending_handshakes: usize,
 }
 
 impl MasterConfig {
@@ -52,6 +56,7 @@ impl MasterConfig {
             lease: Duration::from_secs(3),
             handshake_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(5),
+            max_pending_handshakes: 256,
         }
     }
 }
@@ -124,6 +129,12 @@ impl Master {
                     "heartbeat {:?}, lease {:?}",
                     config.heartbeat_interval, config.lease
                 ),
+            });
+        }
+        if !(1..=tokio::sync::Semaphore::MAX_PERMITS).contains(&config.max_pending_handshakes) {
+            return Err(ElasticError::Unexpected {
+                expected: "1 <= max_pending_handshakes <= Semaphore::MAX_PERMITS",
+                got: config.max_pending_handshakes.to_string(),
             });
         }
         let listener = TcpListener::bind(addr)
