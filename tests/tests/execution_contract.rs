@@ -221,3 +221,39 @@ fn heterogeneous_pipelines_over_tcp_match_the_single_process_run() {
     let got = pipelines(&m, &layout, &spec, &data, Transport::Tcp).expect("tcp run");
     compare("tcp: pipelines of 2 and 3 stages", &want, &got);
 }
+
+/// Dropout is keyed by `(seed, iteration, microbatch, layer)`, never by the rank that runs
+/// it: with dropout on, single-device stages of any cut still reproduce the single process.
+#[test]
+fn dropout_masks_do_not_depend_on_the_layout() {
+    let mut cfg = GptConfig::new(4, 64, 4, SEQ);
+    cfg.vocab_size = VOCAB;
+    cfg.resid_pdrop = 0.1;
+    cfg.embd_pdrop = 0.1;
+    cfg.attn_pdrop = 0.1;
+    let m = Gpt::new(cfg).expect("a valid tiny config");
+    let spec = spec();
+    let want = single_process(&m, &spec, &data).expect("single-process run");
+    let without = single_process(&model(), &spec, &data).expect("single-process run");
+    assert!(
+        (want.losses[0] - without.losses[0]).abs() > 1e-4,
+        "dropout must change the loss"
+    );
+    let layout = Layout::new(
+        6,
+        B,
+        vec![
+            PipelineSpec {
+                stages: stages(&[(0..2, &[0]), (2..6, &[1])]),
+                microbatches: 0..4,
+            },
+            PipelineSpec {
+                stages: stages(&[(0..5, &[2]), (5..6, &[3])]),
+                microbatches: 4..B,
+            },
+        ],
+    )
+    .expect("valid layout");
+    let got = pipelines(&m, &layout, &spec, &data, Transport::Local).expect("dropout run");
+    compare("dropout 0.1, pipelines of 2 stages", &want, &got);
+}
