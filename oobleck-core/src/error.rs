@@ -7,6 +7,8 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Plan(#[from] crate::planning::PlanError),
+    #[error(transparent)]
+    Elastic(#[from] crate::elastic::ElasticError),
     #[error("{path}: {source}")]
     Io {
         path: std::path::PathBuf,
