@@ -5,6 +5,7 @@
 //!  oobleck: models | plan | generate | bench ...
 //! ```
 
+pub mod cluster;
 pub mod config;
 pub mod generate;
 pub mod plan_cmd;

@@ -31,6 +31,12 @@ enum Cmd {
     /// Plan pipeline templates and their instantiation for a model and cluster; show what a
     /// failure (`--lose`) or a join (`--join`) would change.
     Plan(oobleck_cli::plan_cmd::PlanArgs),
+    /// One node agent of a cluster job (started by `train --nodes N`).
+    #[command(hide = true)]
+    Agent(oobleck_cli::cluster::agent::AgentArgs),
+    /// One worker of a cluster job (started by `oobleck agent`).
+    #[command(hide = true)]
+    Worker(oobleck_cli::cluster::worker::WorkerArgs),
 }
 
 #[derive(clap::Args)]
@@ -72,6 +78,8 @@ fn main() -> Result<()> {
         Cmd::Models { json } => models(json),
         Cmd::Generate(a) => generate(&a),
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
+        Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
+        Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
     }
 }
 

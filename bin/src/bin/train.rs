@@ -18,10 +18,31 @@ fn main() -> Result<()> {
         .init();
     let args = TrainArgs::parse();
     let cfg = args.resolve()?;
-    if cfg.nodes > 1 || cfg.devices_per_node > 1 || cfg.pipeline_nodes.is_some() {
+    if cfg.nodes > 1 {
+        if args.resume.is_some() {
+            bail!("--resume of a multi-node run is not built yet");
+        }
+        let summary = oobleck_cli::cluster::master::run_local(cfg)?;
+        eprintln!(
+            "done: {} steps, loss {} -> {}, {:.0} tokens/s, {:.1}s",
+            summary.steps,
+            fmt(summary.first_loss),
+            fmt(summary.final_loss),
+            summary.tokens_per_s,
+            summary.wall_s
+        );
+        if let Some(c) = &summary.checkpoint {
+            eprintln!("checkpoint: {}", c.display());
+        }
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+        }
+        return Ok(());
+    }
+    if cfg.devices_per_node > 1 || cfg.pipeline_nodes.is_some() {
         bail!(
-            "this build trains in one process only (--nodes 1 --devices-per-node 1): the local \
-             cluster runtime (master, agents, workers) is not built yet"
+            "--devices-per-node > 1 and --pipeline-nodes need the local cluster: pass --nodes 2 \
+             or more"
         );
     }
     if !cfg.inject_failure.is_empty() {

@@ -1,0 +1,711 @@
+//! The master side of `train --nodes N`: validates the job, starts the agents, plans, hands out
+//! the plan and the data-plane rendezvous, records every committed step, assembles the final
+//! checkpoint and takes every process down at the end or at the first failure.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use oobleck_core::checkpoint::{self, TrainerState};
+use oobleck_core::elastic::master::MasterEvent;
+use oobleck_core::elastic::protocol::Rendezvous;
+use oobleck_core::elastic::{ElasticError, Master, Token};
+use oobleck_core::planning::{
+    analytical_profile, gradient_sync_ns, instantiate_with_sizes, plan_with_pipelines,
+    template::generate_templates, DeviceSpec, Dtype, JobSpec, Plan, TemplateMicrobatches,
+    TransformerShape,
+};
+use oobleck_models::data::{BatchSpec, DataCursor, Split};
+use oobleck_models::ModelConfig;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+use super::worker::{open_dataset, state_path};
+use super::{ranks_of_node, world_size, Report};
+use crate::config::{save_resolved, TrainConfig};
+use crate::progress::Progress;
+use crate::trainer::{model_config, StepMetrics, Summary};
+
+/// How long the agents get to start and register.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest the job may go without any report or event before it is declared stuck
+/// (covers model build and data-plane setup before step 1).
+const STALL_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long agents get to exit after `Shutdown` before they are killed.
+const EXIT_GRACE: Duration = Duration::from_secs(10);
+const POLL: Duration = Duration::from_millis(50);
+
+/// The `oobleck` binary the agents run: `$OOBLECK_BIN`, else the sibling of this executable.
+fn oobleck_exe() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("OOBLECK_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let me = std::env::current_exe().context("locating the train binary")?;
+    let p = me.with_file_name(format!("oobleck{}", std::env::consts::EXE_SUFFIX));
+    if !p.is_file() {
+        bail!(
+            "the agent binary {} is missing (build it with `cargo build --bin oobleck`, or set \
+             OOBLECK_BIN)",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// The pipelines `--pipeline-nodes` pins, as node ids in stage order, after checking they use
+/// exactly the nodes of the job.
+pub fn pinned_pipelines(sizes: &[usize], nodes: &[u32]) -> Result<Vec<Vec<u32>>> {
+    if sizes.contains(&0) {
+        bail!("--pipeline-nodes {sizes:?}: every pipeline needs at least one node");
+    }
+    let total: usize = sizes.iter().sum();
+    if total != nodes.len() {
+        bail!(
+            "--pipeline-nodes {} uses {total} nodes but the job has {} (--nodes {}): the \
+             pipeline sizes must add up to the node count",
+            sizes
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            nodes.len(),
+            nodes.len()
+        );
+    }
+    let mut it = nodes.iter().copied();
+    Ok(sizes
+        .iter()
+        .map(|&s| it.by_ref().take(s).collect())
+        .collect())
+}
+
+/// The plan for `nodes` (sorted ids): pinned pipeline sizes, or the planner's choice, from the
+/// model's analytical CPU profile.
+pub fn plan_for(cfg: &TrainConfig, model_cfg: &ModelConfig, nodes: &[u32]) -> Result<Plan> {
+    let (blocks, d, heads, _) = model_cfg.dims();
+    let u = |v: usize, what: &str| u32::try_from(v).with_context(|| format!("{what} {v}"));
+    let shape = TransformerShape::gpt(
+        u(blocks, "blocks")?,
+        u(d, "width")?,
+        u(heads, "heads")?,
+        u(model_cfg.vocab_size(), "vocabulary")?,
+        u(cfg.seq_len, "--seq-len")?,
+    );
+    let device = DeviceSpec::named("cpu").context("the planner knows no `cpu` device")?;
+    let b = u(cfg.microbatch_size, "--microbatch-size")?;
+    let profile = analytical_profile(&cfg.model, &shape, device, b, Dtype::F32);
+    if profile.layers.len() != model_cfg.num_layers() {
+        bail!(
+            "the analytical profile of {} has {} layers, the model {}",
+            cfg.model,
+            profile.layers.len(),
+            model_cfg.num_layers()
+        );
+    }
+    let g = u(cfg.devices_per_node, "--devices-per-node")?;
+    let cluster = device.cluster(g);
+    let job = JobSpec {
+        fault_threshold: u(cfg.fault_threshold, "--fault-threshold")?,
+        microbatch_size: b,
+        global_microbatches: u(cfg.num_microbatches(), "microbatches")?,
+        state_bytes_per_param_byte: 4,
+        template_microbatches: TemplateMicrobatches::Auto,
+    };
+    let n = u(nodes.len(), "--nodes")?;
+    let set = generate_templates(&profile, &cluster, &job, n)
+        .with_context(|| format!("planning pipeline templates for {n} nodes"))?;
+    let sync = gradient_sync_ns(&profile, &cluster);
+    let plan = match &cfg.pipeline_nodes {
+        Some(sizes) => {
+            let pipes = pinned_pipelines(sizes, nodes)?;
+            plan_with_pipelines(&set, &job, g, sync, pipes)
+                .with_context(|| format!("--pipeline-nodes {sizes:?}"))?
+        }
+        None => instantiate_with_sizes(&set, &job, g, sync, nodes, 0)
+            .with_context(|| format!("instantiating pipelines on {n} nodes"))?,
+    };
+    Ok(plan)
+}
+
+/// Everything checked before a process is started.
+struct Prepared {
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    iters_per_epoch: usize,
+    out: PathBuf,
+}
+
+fn prepare(cfg: TrainConfig) -> Result<Prepared> {
+    if cfg.nodes < 2 {
+        bail!(
+            "the local cluster needs --nodes 2 or more (got {})",
+            cfg.nodes
+        );
+    }
+    if !cfg.inject_failure.is_empty() {
+        bail!("--inject-failure: failure recovery is not built yet in the local cluster");
+    }
+    let (model_cfg, _) = model_config(&cfg)?;
+    if cfg.seq_len > model_cfg.max_seq_len() {
+        bail!(
+            "--seq-len {} exceeds the context of {} ({} positions)",
+            cfg.seq_len,
+            cfg.model,
+            model_cfg.max_seq_len()
+        );
+    }
+    let ids: Vec<u32> = (0..u32::try_from(cfg.nodes).context("--nodes")?).collect();
+    // Validate the plan (pinned sizes included) before anything is spawned.
+    plan_for(&cfg, &model_cfg, &ids)?;
+    let data = open_dataset(&cfg)?;
+    data.tokenizer().check_vocab(model_cfg.vocab_size())?;
+    let spec = BatchSpec {
+        seq_len: cfg.seq_len,
+        microbatch_size: cfg.microbatch_size,
+        num_microbatches: cfg.num_microbatches(),
+    };
+    let iters_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
+    let out = match &cfg.out {
+        Some(o) => o.clone(),
+        None => PathBuf::from("runs").join(format!(
+            "{}-{}",
+            cfg.model.replace('/', "_"),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0)
+        )),
+    };
+    if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
+        bail!(
+            "{} already holds a run; choose another --out (resuming a cluster run is not built \
+             yet)",
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("creating run directory {}", out.display()))?;
+    // Children get an absolute path whatever their working directory.
+    let out = out
+        .canonicalize()
+        .with_context(|| format!("resolving {}", out.display()))?;
+    save_resolved(&cfg, &out)?;
+    Ok(Prepared {
+        cfg,
+        model_cfg,
+        iters_per_epoch,
+        out,
+    })
+}
+
+/// Runs the job on a local cluster of `cfg.nodes` agent processes. Returns when every process
+/// has exited; on any failure every process is killed and the error says what failed.
+pub fn run_local(cfg: TrainConfig) -> Result<Summary> {
+    let p = prepare(cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the master's runtime")?;
+    rt.block_on(drive(p))
+}
+
+struct Files {
+    metrics: std::fs::File,
+    events: std::fs::File,
+}
+
+impl Files {
+    fn event(&mut self, v: serde_json::Value) -> Result<()> {
+        writeln!(self.events, "{v}").context("writing events.jsonl")
+    }
+}
+
+enum Input {
+    Line(usize, String),
+    Eof(usize),
+}
+
+struct AgentProc {
+    child: Child,
+    /// Held open: the agent exits when it closes.
+    stdin: Option<ChildStdin>,
+}
+
+async fn drive(p: Prepared) -> Result<Summary> {
+    let append = |name: &str| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p.out.join(name))
+            .with_context(|| format!("opening {}", p.out.join(name).display()))
+    };
+    let mut files = Files {
+        metrics: append("metrics.jsonl")?,
+        events: append("events.jsonl")?,
+    };
+    let n = p.cfg.nodes;
+    let token = Token::random();
+    let mut master = Master::bind(
+        "127.0.0.1:0".parse().context("master address")?,
+        token.clone(),
+        u32::try_from(n).context("--nodes")?,
+    )
+    .await
+    .context("starting the master")?;
+    files.event(serde_json::json!({
+        "event": "start",
+        "step": 0,
+        "model": p.cfg.model,
+        "params": p.model_cfg.num_params(),
+        "nodes": n,
+        "master": master.local_addr().to_string(),
+        "pid": std::process::id(),
+    }))?;
+    let exe = oobleck_exe()?;
+    let (tx, mut rx) = mpsc::channel::<Input>(1024);
+    let mut agents = Vec::with_capacity(n);
+    for i in 0..n {
+        let spawned = Command::new(&exe)
+            .arg("agent")
+            .arg("--master")
+            .arg(master.local_addr().to_string())
+            .arg("--run-dir")
+            .arg(&p.out)
+            .env("OOBLECK_TOKEN", token.expose())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting agent {i} ({})", exe.display()));
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut agents).await;
+                return Err(e);
+            }
+        };
+        files.event(serde_json::json!({
+            "event": "process", "role": "agent", "pid": child.id(),
+        }))?;
+        let stdout = child.stdout.take().context("agent stdout")?;
+        let stdin = child.stdin.take();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                if tx.send(Input::Line(i, l)).await.is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(Input::Eof(i)).await;
+        });
+        agents.push(AgentProc { child, stdin });
+    }
+    drop(tx);
+    let mut job = Job {
+        p: &p,
+        files: &mut files,
+        master: &mut master,
+        rx: &mut rx,
+        agents: &mut agents,
+        progress: Progress::new(p.cfg.steps, 0),
+    };
+    let result = job.run().await;
+    let progress = std::mem::replace(&mut job.progress, Progress::new(0, 0));
+    progress.finish();
+    match result {
+        Ok(mut summary) => {
+            let unheard = master.shutdown("training finished", EXIT_GRACE).await;
+            for (node, e) in unheard {
+                tracing::warn!(node, error = %e, "agent did not get the shutdown");
+            }
+            let clean = wait_all(&mut agents, EXIT_GRACE).await;
+            if !clean.is_empty() {
+                bail!(
+                    "agents did not exit cleanly after the job: {}",
+                    clean.join("; ")
+                );
+            }
+            summary.wall_s = summary.wall_s.max(1e-9);
+            files.event(serde_json::json!({
+                "event": "finish", "step": summary.steps, "wall_s": summary.wall_s,
+            }))?;
+            Ok(summary)
+        }
+        Err(e) => {
+            let reason = format!("{e:#}");
+            let _ = files.event(serde_json::json!({"event": "abort", "reason": reason}));
+            let _ = master
+                .shutdown(&format!("job failed: {reason}"), Duration::from_secs(2))
+                .await;
+            kill_all(&mut agents).await;
+            Err(e)
+        }
+    }
+}
+
+/// Closes the agents' stdin and waits up to `grace` for each; kills the ones still running.
+/// Returns what went wrong with each that did not exit with status 0.
+async fn wait_all(agents: &mut [AgentProc], grace: Duration) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + grace;
+    let mut bad = Vec::new();
+    for (i, a) in agents.iter_mut().enumerate() {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, a.child.wait()).await {
+            Ok(Ok(st)) if st.success() => {}
+            Ok(Ok(st)) => bad.push(format!("agent {i} exited with {st}")),
+            Ok(Err(e)) => bad.push(format!("agent {i}: {e}")),
+            Err(_) => {
+                let _ = a.child.start_kill();
+                let _ = tokio::time::timeout(grace, a.child.wait()).await;
+                bad.push(format!(
+                    "agent {i} still ran after {grace:?} and was killed"
+                ));
+            }
+        }
+        a.stdin = None;
+    }
+    bad
+}
+
+/// Kills every agent (their workers follow: their stdin closes) and reaps them.
+async fn kill_all(agents: &mut [AgentProc]) {
+    for a in agents.iter_mut() {
+        a.stdin = None;
+        let _ = a.child.start_kill();
+    }
+    for a in agents.iter_mut() {
+        let _ = tokio::time::timeout(EXIT_GRACE, a.child.wait()).await;
+    }
+}
+
+struct Job<'a> {
+    p: &'a Prepared,
+    files: &'a mut Files,
+    master: &'a mut Master,
+    rx: &'a mut mpsc::Receiver<Input>,
+    agents: &'a mut Vec<AgentProc>,
+    progress: Progress,
+}
+
+impl Job<'_> {
+    async fn run(&mut self) -> Result<Summary> {
+        let started = Instant::now();
+        let nodes = self.wait_for_nodes().await?;
+        let plan = plan_for(&self.p.cfg, &self.p.model_cfg, &nodes)?;
+        let world = world_size(&plan);
+        let rendezvous = reserve_ports(world)?;
+        std::fs::write(
+            self.p.out.join("plan.json"),
+            serde_json::to_string_pretty(&plan)?,
+        )
+        .context("writing plan.json")?;
+        let layout: Vec<serde_json::Value> = plan
+            .pipelines
+            .iter()
+            .map(|pl| {
+                serde_json::json!({
+                    "id": pl.id, "nodes": pl.nodes, "first_rank": pl.first_rank,
+                    "microbatches": pl.microbatches,
+                })
+            })
+            .collect();
+        self.files.event(serde_json::json!({
+            "event": "plan", "generation": plan.generation, "pipelines": layout,
+            "rendezvous": rendezvous.iter().map(|r| &r.addr).collect::<Vec<_>>(),
+        }))?;
+        let unreachable = self
+            .master
+            .assign_plan(&plan, rendezvous, None)
+            .await
+            .context("assigning the plan")?;
+        if let Some((node, e)) = unreachable.first() {
+            bail!("node {node} did not get the plan: {e}");
+        }
+        let node_of_rank: BTreeMap<u32, u32> = nodes
+            .iter()
+            .flat_map(|&nd| ranks_of_node(&plan, nd).into_iter().map(move |r| (r, nd)))
+            .collect();
+        let tokens_per_step = (self.p.cfg.global_batch_size * self.p.cfg.seq_len) as f64;
+        let mut done: BTreeSet<u32> = BTreeSet::new();
+        let mut saved: BTreeMap<u32, PathBuf> = BTreeMap::new();
+        let mut step = 0u64;
+        let mut first_loss = None;
+        let mut last_loss = None;
+        let mut last_progress = Instant::now();
+        let mut last_step_at = Instant::now();
+        while done.len() < world as usize {
+            if last_progress.elapsed() > STALL_TIMEOUT {
+                bail!(
+                    "no progress for {STALL_TIMEOUT:?} (committed step {step} of {}); the job \
+                     is stuck",
+                    self.p.cfg.steps
+                );
+            }
+            while let Ok(input) = self.rx.try_recv() {
+                last_progress = Instant::now();
+                let (agent, line) = match input {
+                    Input::Eof(i) => bail!("agent {i} closed its output: it has exited"),
+                    Input::Line(i, l) => (i, l),
+                };
+                let Some(report) = Report::parse(&line) else {
+                    eprintln!("[agent {agent}] {line}");
+                    continue;
+                };
+                match report? {
+                    Report::Agent { pid } => {
+                        self.files.event(serde_json::json!({
+                            "event": "agent_ready", "agent": agent, "pid": pid,
+                        }))?;
+                    }
+                    Report::WorkerStarted { node, rank, pid } => {
+                        self.files.event(serde_json::json!({
+                            "event": "process", "role": "worker", "node": node, "rank": rank,
+                            "pid": pid,
+                        }))?;
+                    }
+                    Report::Step {
+                        step: s,
+                        loss,
+                        grad_norm,
+                        lr,
+                    } => {
+                        if s != step + 1 {
+                            bail!("rank 0 reported step {s} after step {step}");
+                        }
+                        step = s;
+                        let dt = last_step_at.elapsed().as_secs_f64().max(1e-9);
+                        last_step_at = Instant::now();
+                        first_loss.get_or_insert(loss);
+                        last_loss = Some(loss);
+                        let m = StepMetrics {
+                            step,
+                            loss,
+                            lr,
+                            grad_norm,
+                            samples_per_s: self.p.cfg.global_batch_size as f64 / dt,
+                            tokens_per_s: tokens_per_step / dt,
+                            generation: plan.generation,
+                            pipelines: plan.pipelines.len(),
+                            nodes: nodes.len(),
+                            wall_s: started.elapsed().as_secs_f64(),
+                            val_loss: None,
+                        };
+                        writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
+                            .context("writing metrics.jsonl")?;
+                        self.progress.step(&m, self.p.cfg.steps);
+                        let missed = self.master.commit_step(step, m.samples_per_s).await;
+                        if let Some((node, e)) = missed.first() {
+                            bail!("node {node} did not get the commit of step {step}: {e}");
+                        }
+                    }
+                    Report::Saved { rank, path } => {
+                        saved.insert(rank, PathBuf::from(path));
+                    }
+                    Report::Done { rank } => {
+                        done.insert(rank);
+                    }
+                }
+            }
+            match self.master.next_event(POLL).await {
+                Ok(MasterEvent::Lost { node, reason }) => {
+                    bail!("node {node} was lost ({reason:?}); failure recovery is not built yet")
+                }
+                Ok(MasterEvent::WorkerExited { node, rank, status }) => {
+                    last_progress = Instant::now();
+                    let ok = status.code == Some(0) && done.contains(&rank);
+                    self.files.event(serde_json::json!({
+                        "event": "worker_exit", "node": node, "rank": rank,
+                        "code": status.code, "signal": status.signal,
+                    }))?;
+                    if !ok {
+                        bail!(
+                            "worker rank {rank} on node {node} exited ({}) before finishing; \
+                             its error is above",
+                            describe(status.code, status.signal)
+                        );
+                    }
+                }
+                Ok(MasterEvent::Joined { node, .. }) => {
+                    bail!("node {node} joined during the job; elastic growth is not built yet")
+                }
+                Ok(MasterEvent::KillRequested { node }) => {
+                    bail!("a kill of node {node} was requested; failure recovery is not built yet")
+                }
+                Err(ElasticError::Timeout { .. }) => {}
+                Err(e) => return Err(e).context("the master's event stream"),
+            }
+            self.check_agents_alive()?;
+        }
+        if step != self.p.cfg.steps {
+            bail!(
+                "the workers finished after {step} of {} steps",
+                self.p.cfg.steps
+            );
+        }
+        let ckpt = self.write_checkpoint(&plan, &node_of_rank, &saved, step)?;
+        let wall_s = started.elapsed().as_secs_f64();
+        Ok(Summary {
+            out: self.p.out.clone(),
+            model: self.p.cfg.model.clone(),
+            params: self.p.model_cfg.num_params(),
+            steps: step,
+            first_loss,
+            final_loss: last_loss,
+            first_val_loss: None,
+            final_val_loss: None,
+            tokens_per_s: tokens_per_step * step as f64 / wall_s.max(1e-9),
+            wall_s,
+            checkpoint: Some(ckpt),
+        })
+    }
+
+    /// Waits until all agents registered; returns their node ids, sorted.
+    async fn wait_for_nodes(&mut self) -> Result<Vec<u32>> {
+        let n = self.p.cfg.nodes;
+        let deadline = Instant::now() + JOIN_TIMEOUT;
+        let mut joined = BTreeSet::new();
+        while joined.len() < n {
+            if Instant::now() > deadline {
+                bail!(
+                    "only {} of {n} agents registered within {JOIN_TIMEOUT:?}",
+                    joined.len()
+                );
+            }
+            match self.master.next_event(POLL).await {
+                Ok(MasterEvent::Joined { node, .. }) => {
+                    joined.insert(node);
+                    self.files
+                        .event(serde_json::json!({"event": "join", "node": node}))?;
+                }
+                Ok(MasterEvent::Lost { node, reason }) => {
+                    bail!("node {node} was lost while the cluster formed ({reason:?})")
+                }
+                Ok(_) => {}
+                Err(ElasticError::Timeout { .. }) => {}
+                Err(e) => return Err(e).context("waiting for agents"),
+            }
+            self.check_agents_alive()?;
+        }
+        Ok(joined.into_iter().collect())
+    }
+
+    fn check_agents_alive(&mut self) -> Result<()> {
+        for (i, a) in self.agents.iter_mut().enumerate() {
+            if let Some(st) = a.child.try_wait().context("polling an agent")? {
+                bail!("agent {i} exited early ({st}); its error is above");
+            }
+        }
+        Ok(())
+    }
+
+    /// Merges the final state of pipeline 0's ranks into one checkpoint, laid out as the
+    /// single-process trainer's.
+    fn write_checkpoint(
+        &mut self,
+        plan: &Plan,
+        node_of_rank: &BTreeMap<u32, u32>,
+        saved: &BTreeMap<u32, PathBuf>,
+        step: u64,
+    ) -> Result<PathBuf> {
+        let started = Instant::now();
+        let p0 = plan.pipelines.first().context("the plan has no pipeline")?;
+        let g = plan.devices_per_node;
+        let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut opt: BTreeMap<String, Tensor> = BTreeMap::new();
+        for j in 0..p0.nodes.len() as u32 {
+            let rank = p0.first_rank + j * g;
+            let path = saved
+                .get(&rank)
+                .cloned()
+                .unwrap_or_else(|| state_path(&self.p.out, rank));
+            let tensors =
+                candle_core::safetensors::load(&path, &Device::Cpu).with_context(|| {
+                    format!(
+                        "reading the final state of rank {rank} (node {:?}) from {}",
+                        node_of_rank.get(&rank),
+                        path.display()
+                    )
+                })?;
+            for (k, t) in tensors {
+                if let Some(name) = k.strip_prefix("param/") {
+                    params.insert(name.to_string(), t);
+                } else if let Some(name) = k.strip_prefix("opt/") {
+                    opt.insert(name.to_string(), t);
+                } else {
+                    bail!("{}: unexpected entry {k}", path.display());
+                }
+            }
+        }
+        let state = TrainerState {
+            step,
+            seed: self.p.cfg.seed,
+            data_cursor: serde_json::to_value(DataCursor::at_step(step, self.p.iters_per_epoch))?,
+            config: Some(serde_json::to_value(&self.p.cfg)?),
+        };
+        let opt: Vec<(String, Tensor)> = opt.into_iter().collect();
+        let path = checkpoint::save_checkpoint(&self.p.out, &params, &opt, &state)?;
+        let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
+        self.files.event(serde_json::json!({
+            "event": "checkpoint", "step": step, "path": path,
+            "duration_s": started.elapsed().as_secs_f64(),
+        }))?;
+        Ok(path)
+    }
+}
+
+fn describe(code: Option<i32>, signal: Option<i32>) -> String {
+    match (code, signal) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        (None, None) => "unknown status".into(),
+    }
+}
+
+/// Reserves one data-plane port per rank on 127.0.0.1: binds port 0, records the address and
+/// releases it for the worker to bind (a worker that then cannot bind it fails clearly).
+fn reserve_ports(world: u32) -> Result<Vec<Rendezvous>> {
+    let listeners = (0..world)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("reserving data-plane ports on 127.0.0.1")?;
+    listeners
+        .iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let addr: SocketAddr = l.local_addr()?;
+            Ok(Rendezvous {
+                rank: r as u32,
+                addr: addr.to_string(),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_sizes_must_cover_the_nodes() {
+        let nodes = [0, 1, 2];
+        assert_eq!(
+            pinned_pipelines(&[1, 2], &nodes).expect("valid"),
+            vec![vec![0], vec![1, 2]]
+        );
+        let e = pinned_pipelines(&[2, 2], &nodes).expect_err("too many");
+        assert!(
+            format!("{e}").contains("uses 4 nodes but the job has 3"),
+            "{e}"
+        );
+        assert!(pinned_pipelines(&[0, 3], &nodes).is_err());
+    }
+}

@@ -1,0 +1,273 @@
+//! The local cluster of `train --nodes N` end to end: data-parallel and heterogeneous pipeline
+//! plans reproduce the single-process trainer's losses and final parameters, every process of
+//! the job is gone afterwards, a dying worker takes the job down with a clear error, and a plan
+//! that does not fit the nodes is refused before anything starts.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use oobleck_core::checkpoint::{latest_checkpoint, load_checkpoint};
+
+const TRAIN: &str = env!("CARGO_BIN_EXE_train");
+const OOBLECK: &str = env!("CARGO_BIN_EXE_oobleck");
+const TOL: f64 = 1e-5;
+
+/// Kills the child if the test fails while it runs.
+struct Guard(Option<Child>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
+    let mut c = Command::new(TRAIN);
+    c.args([
+        "--model",
+        "gpt-tiny",
+        "--microbatch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--eval-batches",
+        "1",
+        "--sample",
+        "0",
+        "--seed",
+        "7",
+    ])
+    .arg("--steps")
+    .arg(steps.to_string())
+    .arg("--out")
+    .arg(out)
+    .args(extra)
+    .env("OOBLECK_BIN", OOBLECK)
+    .env("RUST_BACKTRACE", "0")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    c
+}
+
+/// Runs `train` to completion within `limit` (killed otherwise).
+fn run(mut cmd: Command, limit: Duration) -> Output {
+    let child = cmd.spawn().expect("start train");
+    let mut g = Guard(Some(child));
+    let start = Instant::now();
+    loop {
+        let c = g.0.as_mut().expect("child");
+        if c.try_wait().expect("poll train").is_some() {
+            break;
+        }
+        assert!(start.elapsed() < limit, "train ran past {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    g.0.take()
+        .expect("child")
+        .wait_with_output()
+        .expect("train output")
+}
+
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            (
+                v["step"].as_u64().expect("step"),
+                v["loss"].as_f64().expect("loss"),
+            )
+        })
+        .collect()
+}
+
+fn events(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("events.jsonl"))
+        .expect("events.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+/// The pids of every agent and worker the run reported.
+fn child_pids(run: &Path) -> Vec<u32> {
+    events(run)
+        .iter()
+        .filter(|e| e["event"] == "process")
+        .map(|e| e["pid"].as_u64().expect("pid") as u32)
+        .collect()
+}
+
+/// True while `pid` is a live process (a zombie counts as gone: it runs nothing).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+fn assert_all_gone(run: &Path, want: usize) {
+    let pids = child_pids(run);
+    assert_eq!(pids.len(), want, "processes reported: {pids:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+fn final_params(run: &Path) -> BTreeMap<String, Tensor> {
+    let ck = latest_checkpoint(run).expect("list").expect("a checkpoint");
+    load_checkpoint(&ck, &Device::Cpu).expect("load").params
+}
+
+fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "checkpoints hold different tensors"
+    );
+    a.iter()
+        .map(|(k, t)| {
+            let d = (t - &b[k])
+                .and_then(|d| d.abs())
+                .and_then(|d| d.flatten_all())
+                .and_then(|d| d.max(0))
+                .and_then(|d| d.to_scalar::<f32>())
+                .expect("diff");
+            f64::from(d)
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn cluster_plans_match_the_single_process_and_leave_no_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let single = dir.path().join("single");
+    let o = run(train_cmd(&single, 2, &[]), Duration::from_secs(60));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = losses(&single);
+    let want_params = final_params(&single);
+    assert_eq!(want.len(), 2);
+    for (nodes, pipes, procs) in [("2", "1,1", 4), ("3", "1,2", 6)] {
+        let out = dir.path().join(format!("n{nodes}"));
+        let o = run(
+            train_cmd(&out, 2, &["--nodes", nodes, "--pipeline-nodes", pipes]),
+            Duration::from_secs(60),
+        );
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "--nodes {nodes}: {stderr}");
+        let got = losses(&out);
+        assert_eq!(got.len(), want.len(), "--nodes {nodes}: {got:?}");
+        for ((s, l), (ws, wl)) in got.iter().zip(&want) {
+            assert_eq!(s, ws);
+            assert!(
+                (l - wl).abs() < TOL,
+                "--nodes {nodes} step {s}: {l} vs {wl}"
+            );
+        }
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+        let first: serde_json::Value =
+            serde_json::from_str(metrics.lines().next().expect("a line")).expect("JSON");
+        assert_eq!(first["nodes"].as_u64(), Some(nodes.parse().expect("n")));
+        assert_eq!(first["pipelines"].as_u64(), Some(2));
+        assert_eq!(first["generation"].as_u64(), Some(0));
+        assert!(out.join("plan.json").is_file() && out.join("config.json").is_file());
+        let d = max_diff(&final_params(&out), &want_params);
+        assert!(d < TOL, "--nodes {nodes}: max |param diff| {d}");
+        assert_all_gone(&out, procs);
+    }
+}
+
+#[test]
+fn a_dead_worker_stops_the_whole_job_with_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let mut cmd = train_cmd(&out, 10_000, &["--nodes", "2", "--pipeline-nodes", "2"]);
+    let mut g = Guard(Some(cmd.spawn().expect("start train")));
+    // Wait for the first committed step, then kill one worker.
+    let start = Instant::now();
+    let worker = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no step within 30 s"
+        );
+        let stepped = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .map(|m| !m.is_empty())
+            .unwrap_or(false);
+        if stepped {
+            let w = events(&out)
+                .into_iter()
+                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["rank"] == 1);
+            if let Some(w) = w {
+                break w["pid"].as_u64().expect("pid") as u32;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let killed = Command::new("kill")
+        .args(["-9", &worker.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let limit = Duration::from_secs(30);
+    let start = Instant::now();
+    while g
+        .0
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("poll")
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < limit,
+            "train did not stop within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o =
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("worker rank 1") && stderr.contains("signal 9"),
+        "{stderr}"
+    );
+    assert!(events(&out).iter().any(|e| e["event"] == "abort"));
+    assert_all_gone(&out, 4);
+}
+
+#[test]
+fn pinned_pipelines_that_do_not_fit_the_nodes_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let o = run(
+        train_cmd(&out, 2, &["--nodes", "3", "--pipeline-nodes", "2,2"]),
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("--pipeline-nodes 2,2 uses 4 nodes but the job has 3"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing may be created or started");
+}
