@@ -52,6 +52,8 @@ def build_model(torch, a):
             attn_pdrop=0.0,
             activation_function="gelu_new",
             tie_word_embeddings=True,
+            bos_token_id=a.vocab - 1,
+            eos_token_id=a.vocab - 1,
         )
         hf = GPT2LMHeadModel(cfg, attn_implementation="eager") if _accepts_attn(GPT2LMHeadModel) \
             else GPT2LMHeadModel(cfg)

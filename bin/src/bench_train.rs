@@ -190,16 +190,22 @@ pub struct Round {
     pub ratio: Option<f64>,
 }
 
+/// The median (the mean of the middle two for an even count).
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
-/// The run with the median tokens/s (the upper median for an even count).
+/// The run with the median tokens/s (the lower median for an even count).
 fn median_by_tokens(mut runs: Vec<FrameworkResult>) -> FrameworkResult {
     runs.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
-    let mid = runs.len() / 2;
+    let mid = (runs.len() - 1) / 2;
     runs.swap_remove(mid)
 }
 
@@ -625,6 +631,12 @@ mod tests {
         assert_eq!(e.total, 16 * p + e.activations);
         // Two [b*s, V] fp32 tensors are part of the activations.
         assert!(e.activations > 2 * 4 * 32 * 96);
+    }
+
+    #[test]
+    fn median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[0.5, 0.9]), 0.7);
     }
 
     #[test]
