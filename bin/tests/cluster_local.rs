@@ -219,6 +219,35 @@ fn a_dead_worker_stops_the_whole_job_with_a_clear_error() {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    // While it runs, `oobleck status` shows the plan and the committed step.
+    let st = run(
+        {
+            let mut c = Command::new(OOBLECK);
+            c.args(["status", "--json", "--run"])
+                .arg(&out)
+                .env_remove("OOBLECK_TOKEN")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c
+        },
+        Duration::from_secs(15),
+    );
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let st: serde_json::Value = serde_json::from_slice(&st.stdout).expect("status JSON");
+    assert_eq!(st["nodes"].as_array().map(Vec::len), Some(2), "{st}");
+    assert_eq!(
+        st["pipelines"][0]["nodes"].as_array().map(Vec::len),
+        Some(2),
+        "{st}"
+    );
+    assert!(
+        st["committed_step"].as_u64().is_some_and(|s| s >= 1),
+        "{st}"
+    );
     let killed = Command::new("kill")
         .args(["-9", &worker.to_string()])
         .status()
@@ -247,11 +276,19 @@ fn a_dead_worker_stops_the_whole_job_with_a_clear_error() {
             .expect("output");
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
+    // Either the master hears of the killed worker first, or its peer's failure (whose
+    // error, printed above, names the lost rank).
     assert!(
-        stderr.contains("worker rank 1") && stderr.contains("signal 9"),
+        stderr.contains("before finishing")
+            && (stderr.contains("worker rank 1 on node 1 exited (signal 9)")
+                || stderr.contains("rank 1 lost")),
         "{stderr}"
     );
     assert!(events(&out).iter().any(|e| e["event"] == "abort"));
+    assert!(
+        !out.join("master.token").exists(),
+        "the token file outlived the job"
+    );
     assert_all_gone(&out, 4);
 }
 

@@ -31,6 +31,8 @@ enum Cmd {
     /// Plan pipeline templates and their instantiation for a model and cluster; show what a
     /// failure (`--lose`) or a join (`--join`) would change.
     Plan(oobleck_cli::plan_cmd::PlanArgs),
+    /// Show a running job: nodes, pipelines, generation, committed step, throughput.
+    Status(oobleck_cli::cluster::status::StatusArgs),
     /// One node agent of a cluster job (started by `train --nodes N`).
     #[command(hide = true)]
     Agent(oobleck_cli::cluster::agent::AgentArgs),
@@ -78,6 +80,7 @@ fn main() -> Result<()> {
         Cmd::Models { json } => models(json),
         Cmd::Generate(a) => generate(&a),
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
+        Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
         Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
     }

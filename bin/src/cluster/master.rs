@@ -39,6 +39,8 @@ const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
 const STALL_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long agents get to exit after `Shutdown` before they are killed.
 const EXIT_GRACE: Duration = Duration::from_secs(10);
+/// How long a worker that exited with status 0 has for its last reports to arrive.
+const REPORT_GRACE: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(50);
 
 /// The `oobleck` binary the agents run: `$OOBLECK_BIN`, else the sibling of this executable.
@@ -216,6 +218,14 @@ pub fn run_local(cfg: TrainConfig) -> Result<Summary> {
     rt.block_on(drive(p))
 }
 
+struct Published<'a>(&'a std::path::Path);
+
+impl Drop for Published<'_> {
+    fn drop(&mut self) {
+        super::status::unpublish(self.0);
+    }
+}
+
 struct Files {
     metrics: std::fs::File,
     events: std::fs::File,
@@ -268,6 +278,9 @@ async fn drive(p: Prepared) -> Result<Summary> {
         "master": master.local_addr().to_string(),
         "pid": std::process::id(),
     }))?;
+    super::status::publish(&p.out, master.local_addr(), &token)?;
+    // The token file goes away however this function ends.
+    let _published = Published(&p.out);
     let exe = oobleck_exe()?;
     let (tx, mut rx) = mpsc::channel::<Input>(1024);
     let mut agents = Vec::with_capacity(n);
@@ -436,6 +449,7 @@ impl Job<'_> {
             .collect();
         let tokens_per_step = (self.p.cfg.global_batch_size * self.p.cfg.seq_len) as f64;
         let mut done: BTreeSet<u32> = BTreeSet::new();
+        let mut exited_clean: BTreeMap<u32, Instant> = BTreeMap::new();
         let mut saved: BTreeMap<u32, PathBuf> = BTreeMap::new();
         let mut step = 0u64;
         let mut first_loss = None;
@@ -521,7 +535,12 @@ impl Job<'_> {
                 }
                 Ok(MasterEvent::WorkerExited { node, rank, status }) => {
                     last_progress = Instant::now();
-                    let ok = status.code == Some(0) && done.contains(&rank);
+                    // Its last report lines travel through its agent's stdout, a different
+                    // path than this event: a clean exit gets REPORT_GRACE to show its `Done`.
+                    let ok = status.code == Some(0);
+                    if ok && !done.contains(&rank) {
+                        exited_clean.insert(rank, Instant::now());
+                    }
                     self.files.event(serde_json::json!({
                         "event": "worker_exit", "node": node, "rank": rank,
                         "code": status.code, "signal": status.signal,
@@ -542,6 +561,15 @@ impl Job<'_> {
                 }
                 Err(ElasticError::Timeout { .. }) => {}
                 Err(e) => return Err(e).context("the master's event stream"),
+            }
+            if let Some((rank, _)) = exited_clean
+                .iter()
+                .find(|(r, at)| !done.contains(r) && at.elapsed() > REPORT_GRACE)
+            {
+                bail!(
+                    "worker rank {rank} exited with code 0 but never reported finishing its \
+                     steps"
+                );
             }
             self.check_agents_alive()?;
         }

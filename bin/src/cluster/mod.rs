@@ -22,6 +22,7 @@
 
 pub mod agent;
 pub mod master;
+pub mod status;
 pub mod worker;
 
 use std::time::Duration;

@@ -1,0 +1,142 @@
+//! `oobleck status`: the master's view of a running job (nodes, pipelines, generation,
+//! committed step, throughput), asked over the authenticated control protocol.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use oobleck_core::elastic::agent::request_status;
+use oobleck_core::elastic::protocol::ClusterStatus;
+use oobleck_core::elastic::Token;
+
+/// File in the run directory naming the master's control address (written by `train`).
+pub const MASTER_FILE: &str = "master.json";
+/// File in the run directory holding a local job's token (mode 0600, removed at the end).
+pub const TOKEN_FILE: &str = "master.token";
+
+/// Show the state of a running job.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatusArgs {
+    /// The master's control address.
+    #[arg(long, conflicts_with = "run")]
+    pub master: Option<SocketAddr>,
+    /// The job's shared secret (with --master).
+    #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// A local job's run directory: address and token are read from it.
+    #[arg(long)]
+    pub run: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds to wait for the master.
+    #[arg(long, default_value_t = 5)]
+    pub timeout: u64,
+}
+
+/// Writes the files `oobleck status --run` reads; the token file is readable by its owner only.
+pub fn publish(run: &Path, addr: SocketAddr, token: &Token) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::write(
+        run.join(MASTER_FILE),
+        serde_json::to_string(&serde_json::json!({ "addr": addr.to_string() }))?,
+    )
+    .with_context(|| format!("writing {}", run.join(MASTER_FILE).display()))?;
+    let path = run.join(TOKEN_FILE);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(token.expose().as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Removes the token file at the end of a job.
+pub fn unpublish(run: &Path) {
+    let _ = std::fs::remove_file(run.join(TOKEN_FILE));
+}
+
+fn target(a: &StatusArgs) -> Result<(SocketAddr, Token)> {
+    if let Some(run) = &a.run {
+        let text = std::fs::read_to_string(run.join(MASTER_FILE)).with_context(|| {
+            format!(
+                "{} has no {MASTER_FILE}: is it the run directory of a cluster job?",
+                run.display()
+            )
+        })?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("parsing {}", run.join(MASTER_FILE).display()))?;
+        let addr: SocketAddr = v["addr"]
+            .as_str()
+            .context("master.json has no addr")?
+            .parse()
+            .context("master.json: addr is not host:port")?;
+        let secret = match &a.token {
+            Some(t) => t.clone(),
+            None => std::fs::read_to_string(run.join(TOKEN_FILE)).with_context(|| {
+                format!(
+                    "{} has no {TOKEN_FILE} (the job has ended?); pass --token",
+                    run.display()
+                )
+            })?,
+        };
+        return Ok((addr, Token::new(secret.trim())?));
+    }
+    let Some(addr) = a.master else {
+        bail!("pass --master HOST:PORT (with --token or OOBLECK_TOKEN) or --run DIR");
+    };
+    let Some(secret) = &a.token else {
+        bail!("--master needs the job's token: --token or OOBLECK_TOKEN");
+    };
+    Ok((addr, Token::new(secret)?))
+}
+
+/// Renders a status as text.
+pub fn render(s: &ClusterStatus) -> String {
+    let mut out = format!(
+        "nodes {}/{} | generation {} | committed step {} | {:.1} samples/s\n",
+        s.nodes.len(),
+        s.expected_nodes,
+        s.generation,
+        s.committed_step
+            .map(|c| c.to_string())
+            .unwrap_or_else(|| "-".into()),
+        s.samples_per_s
+    );
+    for p in &s.pipelines {
+        out.push_str(&format!(
+            "pipeline {}: template of {} nodes on nodes {:?}, {} microbatches\n",
+            p.id, p.template_nodes, p.nodes, p.microbatches
+        ));
+    }
+    for n in &s.nodes {
+        out.push_str(&format!(
+            "node {} at {}: {} devices, last seen {} ms ago\n",
+            n.node, n.addr, n.devices, n.last_seen_ms
+        ));
+    }
+    out
+}
+
+pub fn run(a: &StatusArgs) -> Result<()> {
+    let (addr, token) = target(a)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime")?;
+    let timeout = Duration::from_secs(a.timeout.max(1));
+    let status = rt
+        .block_on(request_status(addr, &token, timeout))
+        .with_context(|| format!("asking the master at {addr} for its status"))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", render(&status));
+    }
+    Ok(())
+}
