@@ -162,6 +162,10 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let want = losses(&single);
     let want_params = final_params(&single);
+    let single_metrics = std::fs::read_to_string(single.join("metrics.jsonl")).expect("metrics");
+    let want_last: serde_json::Value =
+        serde_json::from_str(single_metrics.lines().last().expect("a line")).expect("JSON");
+    let want_val = want_last["val_loss"].as_f64().expect("validation loss");
     assert_eq!(want.len(), 2);
     for (nodes, pipes, procs) in [("2", "1,1", 4), ("3", "1,2", 6)] {
         let out = dir.path().join(format!("n{nodes}"));
@@ -187,6 +191,13 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
         assert_eq!(first["pipelines"].as_u64(), Some(2));
         assert_eq!(first["generation"].as_u64(), Some(0));
         assert!(out.join("plan.json").is_file() && out.join("config.json").is_file());
+        let last: serde_json::Value =
+            serde_json::from_str(metrics.lines().last().expect("a line")).expect("JSON");
+        let val = last["val_loss"].as_f64().expect("a final validation loss");
+        assert!(
+            (val - want_val).abs() < TOL,
+            "--nodes {nodes}: validation loss {val} vs {want_val}"
+        );
         let d = max_diff(&final_params(&out), &want_params);
         assert!(d < TOL, "--nodes {nodes}: max |param diff| {d}");
         assert_all_gone(&out, procs);

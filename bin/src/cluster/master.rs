@@ -2,7 +2,7 @@
 //! the plan and the data-plane rendezvous, records every committed step, assembles the final
 //! checkpoint and takes every process down at the end or at the first failure.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,6 +15,7 @@ use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::elastic::master::MasterEvent;
 use oobleck_core::elastic::protocol::Rendezvous;
 use oobleck_core::elastic::{ElasticError, Master, Token};
+use oobleck_core::model::ForwardCtx;
 use oobleck_core::planning::{
     analytical_profile, gradient_sync_ns, instantiate_with_sizes, plan_with_pipelines,
     template::generate_templates, DeviceSpec, Dtype, JobSpec, Plan, TemplateMicrobatches,
@@ -29,8 +30,9 @@ use tokio::sync::mpsc;
 use super::worker::{open_dataset, state_path};
 use super::{ranks_of_node, world_size, Report};
 use crate::config::{save_resolved, TrainConfig};
+use crate::generate::whole_model;
 use crate::progress::Progress;
-use crate::trainer::{model_config, StepMetrics, Summary};
+use crate::trainer::{model_config, to_tensors, StepMetrics, Summary};
 
 /// How long the agents get to start and register.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -173,6 +175,17 @@ fn prepare(cfg: TrainConfig) -> Result<Prepared> {
         num_microbatches: cfg.num_microbatches(),
     };
     let iters_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
+    let val = data.split(Split::Validation);
+    if val.num_sequential_batches(cfg.seq_len, cfg.microbatch_size) < cfg.eval_batches {
+        bail!(
+            "the validation split has {} samples of {} tokens: fewer than --eval-batches {} x \
+             --microbatch-size {}",
+            val.num_samples(cfg.seq_len),
+            cfg.seq_len,
+            cfg.eval_batches,
+            cfg.microbatch_size
+        );
+    }
     let out = match &cfg.out {
         Some(o) => o.clone(),
         None => PathBuf::from("runs").join(format!(
@@ -450,6 +463,7 @@ impl Job<'_> {
         let tokens_per_step = (self.p.cfg.global_batch_size * self.p.cfg.seq_len) as f64;
         let mut done: BTreeSet<u32> = BTreeSet::new();
         let mut exited_clean: BTreeMap<u32, Instant> = BTreeMap::new();
+        let mut last_metrics: Option<StepMetrics> = None;
         let mut saved: BTreeMap<u32, PathBuf> = BTreeMap::new();
         let mut step = 0u64;
         let mut first_loss = None;
@@ -513,9 +527,14 @@ impl Job<'_> {
                             wall_s: started.elapsed().as_secs_f64(),
                             val_loss: None,
                         };
-                        writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
-                            .context("writing metrics.jsonl")?;
                         self.progress.step(&m, self.p.cfg.steps);
+                        if step == self.p.cfg.steps {
+                            // Written with the validation loss once the final state is in.
+                            last_metrics = Some(m.clone());
+                        } else {
+                            writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
+                                .context("writing metrics.jsonl")?;
+                        }
                         let missed = self.master.commit_step(step, m.samples_per_s).await;
                         if let Some((node, e)) = missed.first() {
                             bail!("node {node} did not get the commit of step {step}: {e}");
@@ -579,7 +598,13 @@ impl Job<'_> {
                 self.p.cfg.steps
             );
         }
-        let ckpt = self.write_checkpoint(&plan, &node_of_rank, &saved, step)?;
+        let (ckpt, params) = self.write_checkpoint(&plan, &node_of_rank, &saved, step)?;
+        let val = self.validation_loss(&params)?;
+        if let Some(mut m) = last_metrics {
+            m.val_loss = Some(val);
+            writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
+                .context("writing metrics.jsonl")?;
+        }
         let wall_s = started.elapsed().as_secs_f64();
         Ok(Summary {
             out: self.p.out.clone(),
@@ -589,7 +614,7 @@ impl Job<'_> {
             first_loss,
             final_loss: last_loss,
             first_val_loss: None,
-            final_val_loss: None,
+            final_val_loss: Some(val),
             tokens_per_s: tokens_per_step * step as f64 / wall_s.max(1e-9),
             wall_s,
             checkpoint: Some(ckpt),
@@ -643,7 +668,7 @@ impl Job<'_> {
         node_of_rank: &BTreeMap<u32, u32>,
         saved: &BTreeMap<u32, PathBuf>,
         step: u64,
-    ) -> Result<PathBuf> {
+    ) -> Result<(PathBuf, BTreeMap<String, Tensor>)> {
         let started = Instant::now();
         let p0 = plan.pipelines.first().context("the plan has no pipeline")?;
         let g = plan.devices_per_node;
@@ -686,7 +711,30 @@ impl Job<'_> {
             "event": "checkpoint", "step": step, "path": path,
             "duration_s": started.elapsed().as_secs_f64(),
         }))?;
-        Ok(path)
+        Ok((path, params))
+    }
+
+    /// Mean loss of the whole model on the first `--eval-batches` validation batches, as the
+    /// single-process trainer computes it.
+    fn validation_loss(&self, params: &BTreeMap<String, Tensor>) -> Result<f64> {
+        let cfg = &self.p.cfg;
+        let model = self.p.model_cfg.build()?;
+        let params: HashMap<String, Tensor> =
+            params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let stage = whole_model(model.as_ref(), &params)?;
+        let data = open_dataset(cfg)?;
+        let val = data.split(Split::Validation);
+        let mut total = 0.0;
+        for i in 0..cfg.eval_batches {
+            let batch = val.sequential_batch(cfg.seq_len, cfg.microbatch_size, i)?;
+            let (inp, tgt) = to_tensors(&batch, &Device::Cpu)?;
+            let ctx = ForwardCtx {
+                targets: Some(&tgt),
+                ..ForwardCtx::inference()
+            };
+            total += f64::from(stage.forward(&inp, &ctx)?.output.to_scalar::<f32>()?);
+        }
+        Ok(total / cfg.eval_batches as f64)
     }
 }
 
