@@ -167,12 +167,18 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
         serde_json::from_str(single_metrics.lines().last().expect("a line")).expect("JSON");
     let want_val = want_last["val_loss"].as_f64().expect("validation loss");
     assert_eq!(want.len(), 2);
-    for (nodes, pipes, procs) in [("2", "1,1", 4), ("3", "1,2", 6)] {
+    // Pinned data parallel, pinned heterogeneous, and the planner's own choice on 4 nodes.
+    for (nodes, pipes, procs, want_pipes) in [
+        ("2", Some("1,1"), 4, 2),
+        ("3", Some("1,2"), 6, 2),
+        ("4", None, 8, 4),
+    ] {
         let out = dir.path().join(format!("n{nodes}"));
-        let o = run(
-            train_cmd(&out, 2, &["--nodes", nodes, "--pipeline-nodes", pipes]),
-            Duration::from_secs(60),
-        );
+        let mut flags = vec!["--nodes", nodes];
+        if let Some(p) = pipes {
+            flags.extend(["--pipeline-nodes", p]);
+        }
+        let o = run(train_cmd(&out, 2, &flags), Duration::from_secs(60));
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "--nodes {nodes}: {stderr}");
         let got = losses(&out);
@@ -188,7 +194,7 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
         let first: serde_json::Value =
             serde_json::from_str(metrics.lines().next().expect("a line")).expect("JSON");
         assert_eq!(first["nodes"].as_u64(), Some(nodes.parse().expect("n")));
-        assert_eq!(first["pipelines"].as_u64(), Some(2));
+        assert_eq!(first["pipelines"].as_u64(), Some(want_pipes));
         assert_eq!(first["generation"].as_u64(), Some(0));
         assert!(out.join("plan.json").is_file() && out.join("config.json").is_file());
         let last: serde_json::Value =
