@@ -31,6 +31,9 @@ enum Cmd {
     /// Plan pipeline templates and their instantiation for a model and cluster; show what a
     /// failure (`--lose`) or a join (`--join`) would change.
     Plan(oobleck_cli::plan_cmd::PlanArgs),
+    /// Benchmarks (side by side with PyTorch when it is installed).
+    #[command(subcommand)]
+    Bench(BenchCmd),
     /// Show a running job: nodes, pipelines, generation, committed step, throughput.
     Status(oobleck_cli::cluster::status::StatusArgs),
     /// One node agent of a cluster job (started by `train --nodes N`).
@@ -39,6 +42,12 @@ enum Cmd {
     /// One worker of a cluster job (started by `oobleck agent`).
     #[command(hide = true)]
     Worker(oobleck_cli::cluster::worker::WorkerArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Training tokens/s of Candle vs PyTorch eager on the same GPT (fwd + bwd + clip + AdamW).
+    Train(oobleck_cli::bench_train::BenchTrainArgs),
 }
 
 #[derive(clap::Args)]
@@ -80,6 +89,7 @@ fn main() -> Result<()> {
         Cmd::Models { json } => models(json),
         Cmd::Generate(a) => generate(&a),
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
+        Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
         Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
