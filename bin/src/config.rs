@@ -77,7 +77,7 @@ impl Default for TrainConfig {
             microbatch_size: 4,
             global_batch_size: 16,
             seq_len: 64,
-            steps: 60,
+            steps: 150,
             seed: 1234,
             lr: 2e-3,
             min_lr: None,
@@ -87,8 +87,8 @@ impl Default for TrainConfig {
             beta2: 0.95,
             grad_clip: 1.0,
             out: None,
-            checkpoint_every: 20,
-            eval_every: 20,
+            checkpoint_every: 50,
+            eval_every: 25,
             eval_batches: 4,
             dataset: None,
             tokenizer: None,
@@ -134,7 +134,7 @@ pub struct TrainArgs {
     /// Tokens per sample [default: 64].
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Total optimizer steps [default: 60].
+    /// Total optimizer steps [default: 150].
     #[arg(long)]
     pub steps: Option<u64>,
     /// Seed of initialisation, data order and dropout [default: 1234].
@@ -158,10 +158,10 @@ pub struct TrainArgs {
     /// Run directory [default: runs/<model>-<unix seconds>].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Checkpoint every K steps, and at the end (0 = only at the end) [default: 20].
+    /// Checkpoint every K steps, and at the end (0 = only at the end) [default: 50].
     #[arg(long)]
     pub checkpoint_every: Option<u64>,
-    /// Validation loss every K steps, and at the end [default: 20].
+    /// Validation loss every K steps, and at the end [default: 25].
     #[arg(long)]
     pub eval_every: Option<u64>,
     /// Validation microbatches per evaluation [default: 4].
