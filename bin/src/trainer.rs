@@ -84,7 +84,8 @@ pub fn model_config(cfg: &TrainConfig) -> Result<(ModelConfig, Option<HashMap<St
     Ok((ModelConfig::preset(&cfg.model)?, None))
 }
 
-fn open_dataset(cfg: &TrainConfig) -> Result<Dataset> {
+/// Opens the job's corpus with its tokenizer (the shipped ones by default).
+pub fn open_dataset(cfg: &TrainConfig) -> Result<Dataset> {
     let corpus = cfg.dataset.clone().unwrap_or_else(default_corpus_path);
     let tok = cfg.tokenizer.clone().unwrap_or_else(default_tokenizer_dir);
     Dataset::open(&corpus, &tok, None).with_context(|| {
@@ -96,37 +97,64 @@ fn open_dataset(cfg: &TrainConfig) -> Result<Dataset> {
     })
 }
 
+/// Checks the job against the model and the data before anything starts: the sequence fits
+/// the context, the tokenizer fits the vocabulary, the corpus holds a global batch and the
+/// validation split the evaluation batches. Returns the dataset, the batch shape and the
+/// iterations per epoch.
+pub fn prepare_data(
+    cfg: &TrainConfig,
+    model_cfg: &ModelConfig,
+) -> Result<(Dataset, BatchSpec, usize)> {
+    if cfg.seq_len > model_cfg.max_seq_len() {
+        bail!(
+            "--seq-len {} exceeds the context of {} ({} positions)",
+            cfg.seq_len,
+            cfg.model,
+            model_cfg.max_seq_len()
+        );
+    }
+    let data = open_dataset(cfg)?;
+    data.tokenizer().check_vocab(model_cfg.vocab_size())?;
+    let spec = BatchSpec {
+        seq_len: cfg.seq_len,
+        microbatch_size: cfg.microbatch_size,
+        num_microbatches: cfg.num_microbatches(),
+    };
+    let iters_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
+    let val = data.split(Split::Validation);
+    if val.num_sequential_batches(cfg.seq_len, cfg.microbatch_size) < cfg.eval_batches {
+        bail!(
+            "the validation split has {} samples of {} tokens: fewer than --eval-batches {} x \
+             --microbatch-size {}",
+            val.num_samples(cfg.seq_len),
+            cfg.seq_len,
+            cfg.eval_batches,
+            cfg.microbatch_size
+        );
+    }
+    Ok((data, spec, iters_per_epoch))
+}
+
+/// `--out`, or `runs/<model>-<unix seconds>`.
+pub fn out_dir(cfg: &TrainConfig) -> PathBuf {
+    match &cfg.out {
+        Some(o) => o.clone(),
+        None => PathBuf::from("runs").join(format!(
+            "{}-{}",
+            cfg.model.replace('/', "_"),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0)
+        )),
+    }
+}
+
 impl Trainer {
     /// A fresh run in a new directory, or a resumed one from `resume`.
     pub fn start(cfg: TrainConfig, resume: Option<&Path>) -> Result<Self> {
         let (model_cfg, pretrained) = model_config(&cfg)?;
-        if cfg.seq_len > model_cfg.max_seq_len() {
-            bail!(
-                "--seq-len {} exceeds the context of {} ({} positions)",
-                cfg.seq_len,
-                cfg.model,
-                model_cfg.max_seq_len()
-            );
-        }
-        let data = open_dataset(&cfg)?;
-        data.tokenizer().check_vocab(model_cfg.vocab_size())?;
-        let spec = BatchSpec {
-            seq_len: cfg.seq_len,
-            microbatch_size: cfg.microbatch_size,
-            num_microbatches: cfg.num_microbatches(),
-        };
-        let iters_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
-        let val = data.split(Split::Validation);
-        if val.num_sequential_batches(cfg.seq_len, cfg.microbatch_size) < cfg.eval_batches {
-            bail!(
-                "the validation split has {} samples of {} tokens: fewer than --eval-batches {} x \
-                 --microbatch-size {}",
-                val.num_samples(cfg.seq_len),
-                cfg.seq_len,
-                cfg.eval_batches,
-                cfg.microbatch_size
-            );
-        }
+        let (data, spec, iters_per_epoch) = prepare_data(&cfg, &model_cfg)?;
         let device = Device::Cpu;
         let model = model_cfg.build()?;
         let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
@@ -158,17 +186,7 @@ impl Trainer {
                 (run, Stage::new(layers)?, ck.trainer.step)
             }
             None => {
-                let out = match &cfg.out {
-                    Some(o) => o.clone(),
-                    None => PathBuf::from("runs").join(format!(
-                        "{}-{}",
-                        cfg.model.replace('/', "_"),
-                        std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.as_secs())
-                            .unwrap_or(0)
-                    )),
-                };
+                let out = out_dir(&cfg);
                 if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
                     bail!(
                         "{} already holds a run; pass --resume {} to continue it, or choose \

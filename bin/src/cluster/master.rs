@@ -21,18 +21,20 @@ use oobleck_core::planning::{
     template::generate_templates, DeviceSpec, Dtype, JobSpec, Plan, TemplateMicrobatches,
     TransformerShape,
 };
-use oobleck_models::data::{BatchSpec, DataCursor, Split};
+use oobleck_models::data::{DataCursor, Split};
 use oobleck_models::ModelConfig;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 
-use super::worker::{open_dataset, state_path};
+use super::worker::state_path;
 use super::{ranks_of_node, world_size, Report};
 use crate::config::{save_resolved, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
-use crate::trainer::{model_config, to_tensors, StepMetrics, Summary};
+use crate::trainer::{
+    model_config, open_dataset, out_dir, prepare_data, to_tensors, StepMetrics, Summary,
+};
 
 /// How long the agents get to start and register.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -156,47 +158,11 @@ fn prepare(cfg: TrainConfig) -> Result<Prepared> {
         bail!("--inject-failure: failure recovery is not built yet in the local cluster");
     }
     let (model_cfg, _) = model_config(&cfg)?;
-    if cfg.seq_len > model_cfg.max_seq_len() {
-        bail!(
-            "--seq-len {} exceeds the context of {} ({} positions)",
-            cfg.seq_len,
-            cfg.model,
-            model_cfg.max_seq_len()
-        );
-    }
     let ids: Vec<u32> = (0..u32::try_from(cfg.nodes).context("--nodes")?).collect();
     // Validate the plan (pinned sizes included) before anything is spawned.
     plan_for(&cfg, &model_cfg, &ids)?;
-    let data = open_dataset(&cfg)?;
-    data.tokenizer().check_vocab(model_cfg.vocab_size())?;
-    let spec = BatchSpec {
-        seq_len: cfg.seq_len,
-        microbatch_size: cfg.microbatch_size,
-        num_microbatches: cfg.num_microbatches(),
-    };
-    let iters_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
-    let val = data.split(Split::Validation);
-    if val.num_sequential_batches(cfg.seq_len, cfg.microbatch_size) < cfg.eval_batches {
-        bail!(
-            "the validation split has {} samples of {} tokens: fewer than --eval-batches {} x \
-             --microbatch-size {}",
-            val.num_samples(cfg.seq_len),
-            cfg.seq_len,
-            cfg.eval_batches,
-            cfg.microbatch_size
-        );
-    }
-    let out = match &cfg.out {
-        Some(o) => o.clone(),
-        None => PathBuf::from("runs").join(format!(
-            "{}-{}",
-            cfg.model.replace('/', "_"),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0)
-        )),
-    };
+    let (_, _, iters_per_epoch) = prepare_data(&cfg, &model_cfg)?;
+    let out = out_dir(&cfg);
     if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
         bail!(
             "{} already holds a run; choose another --out (resuming a cluster run is not built \

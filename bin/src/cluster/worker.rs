@@ -15,13 +15,11 @@ use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig};
 use oobleck_core::execution::{Layout, StageWorker, WorkerConfig};
 use oobleck_core::model::ParamSource;
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
-use oobleck_models::data::{
-    default_corpus_path, default_tokenizer_dir, BatchSpec, DataCursor, Dataset, Split,
-};
+use oobleck_models::data::{BatchSpec, DataCursor, Dataset, Split};
 
 use super::{Report, WorkerAssignment, DATA_TIMEOUT};
 use crate::config::{load_resolved, TrainConfig};
-use crate::trainer::{model_config, to_tensors};
+use crate::trainer::{model_config, open_dataset, to_tensors};
 
 /// How long a worker waits for its assignment on stdin.
 const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -42,19 +40,6 @@ pub fn state_path(run_dir: &Path, rank: u32) -> PathBuf {
     run_dir
         .join("cluster")
         .join(format!("rank-{rank}.safetensors"))
-}
-
-/// Opens the run's dataset like the single-process trainer does.
-pub fn open_dataset(cfg: &TrainConfig) -> Result<Dataset> {
-    let corpus = cfg.dataset.clone().unwrap_or_else(default_corpus_path);
-    let tok = cfg.tokenizer.clone().unwrap_or_else(default_tokenizer_dir);
-    Dataset::open(&corpus, &tok, None).with_context(|| {
-        format!(
-            "opening dataset {} with tokenizer {}",
-            corpus.display(),
-            tok.display()
-        )
-    })
 }
 
 /// Reads the assignment line, then keeps reading stdin on a thread and ends the process when
