@@ -117,6 +117,16 @@ pub trait LayeredModel: Send + Sync {
     }
 }
 
+/// Checks that `range` is a non-empty range of layers of a model with `num_layers` layers.
+pub fn check_layer_range(range: &Range<usize>, num_layers: usize) -> Result<()> {
+    if range.is_empty() || range.end > num_layers {
+        return Err(Error::Msg(format!(
+            "layer range {range:?} is not a non-empty range inside 0..{num_layers}"
+        )));
+    }
+    Ok(())
+}
+
 /// Normal(0, std) values for parameter `name`, identical on every process for the same seed.
 pub fn seeded_normal(
     seed: u64,

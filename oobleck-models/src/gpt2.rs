@@ -22,7 +22,9 @@
 use std::ops::Range;
 
 use candle_core::{Device, Tensor, Var};
-use oobleck_core::model::{dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam};
+use oobleck_core::model::{
+    check_layer_range, dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::nn::{causal_attention, conv1d, gelu_tanh, layer_norm, lm_head_loss, Init, Params};
@@ -219,12 +221,7 @@ impl LayeredModel for Gpt {
         source: ParamSource<'_>,
     ) -> oobleck_core::Result<Vec<Box<dyn Layer>>> {
         let c = &self.cfg;
-        if range.end > self.num_layers() || range.is_empty() {
-            return Err(oobleck_core::Error::Msg(format!(
-                "layer range {range:?} is not inside 0..{}",
-                self.num_layers()
-            )));
-        }
+        check_layer_range(&range, self.num_layers())?;
         let (d, v, f) = (c.n_embd, c.vocab_size, c.ffn());
         // GPT-2's scaled init of residual projections: std 0.02 / sqrt(2 * n_layer).
         let proj_std = 0.02 / (2.0 * c.n_layer as f64).sqrt();

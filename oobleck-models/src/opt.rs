@@ -19,7 +19,9 @@
 use std::ops::Range;
 
 use candle_core::{Device, Tensor, Var};
-use oobleck_core::model::{dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam};
+use oobleck_core::model::{
+    check_layer_range, dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::nn::{causal_attention, layer_norm, linear, lm_head_loss, Init, Params};
@@ -218,12 +220,7 @@ impl LayeredModel for Opt {
         source: ParamSource<'_>,
     ) -> oobleck_core::Result<Vec<Box<dyn Layer>>> {
         let c = &self.cfg;
-        if range.end > self.num_layers() || range.is_empty() {
-            return Err(oobleck_core::Error::Msg(format!(
-                "layer range {range:?} is not inside 0..{}",
-                self.num_layers()
-            )));
-        }
+        check_layer_range(&range, self.num_layers())?;
         let (d, w, f, v) = (c.hidden_size, c.embed_dim(), c.ffn_dim, c.vocab_size);
         let mut p = Params::new(source, device);
         let mut layers: Vec<Box<dyn Layer>> = Vec::new();
