@@ -117,6 +117,15 @@ pub trait LayeredModel: Send + Sync {
     }
 }
 
+/// Name of layer `i` of a transformer laid out as embedding, `n_blocks` blocks, head.
+pub fn transformer_layer_name(i: usize, n_blocks: usize) -> String {
+    match i {
+        0 => "embedding".into(),
+        i if i == n_blocks + 1 => "head".into(),
+        i => format!("block {}", i - 1),
+    }
+}
+
 /// Checks that `range` is a non-empty range of layers of a model with `num_layers` layers.
 pub fn check_layer_range(range: &Range<usize>, num_layers: usize) -> Result<()> {
     if range.is_empty() || range.end > num_layers {

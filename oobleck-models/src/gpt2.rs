@@ -23,7 +23,8 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor, Var};
 use oobleck_core::model::{
-    check_layer_range, dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam,
+    check_layer_range, dropout, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
+    ParamSource, TiedParam,
 };
 use serde::{Deserialize, Serialize};
 
@@ -207,11 +208,7 @@ impl LayeredModel for Gpt {
     }
 
     fn layer_name(&self, i: usize) -> String {
-        match i {
-            0 => "embedding".into(),
-            i if i == self.cfg.n_layer + 1 => "head".into(),
-            i => format!("block {}", i - 1),
-        }
+        transformer_layer_name(i, self.cfg.n_layer)
     }
 
     fn build_layers(

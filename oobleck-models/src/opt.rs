@@ -20,7 +20,8 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor, Var};
 use oobleck_core::model::{
-    check_layer_range, dropout, ForwardCtx, Layer, LayeredModel, ParamSource, TiedParam,
+    check_layer_range, dropout, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
+    ParamSource, TiedParam,
 };
 use serde::{Deserialize, Serialize};
 
@@ -206,11 +207,7 @@ impl LayeredModel for Opt {
     }
 
     fn layer_name(&self, i: usize) -> String {
-        match i {
-            0 => "embedding".into(),
-            i if i == self.cfg.num_hidden_layers + 1 => "head".into(),
-            i => format!("block {}", i - 1),
-        }
+        transformer_layer_name(i, self.cfg.num_hidden_layers)
     }
 
     fn build_layers(
