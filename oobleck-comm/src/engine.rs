@@ -169,6 +169,36 @@ impl<T: Transport> Engine<T> {
     }
 
     /// A received chunk whose length differs from ours: the peers disagree on the tensor.
+    /// A p2p receive names another rank of the world and a user tag (below 2^63).
+    fn check_recv(&self, src: Rank, tag: u64) -> Result<()> {
+        if src >= self.world || src == self.rank || tag & COLLECTIVE != 0 {
+            return Err(CommError::Invalid(format!(
+                "recv on rank {} from rank {src} with tag {tag} (world {}, tags < 2^63, no self-receives)",
+                self.rank, self.world
+            )));
+        }
+        Ok(())
+    }
+
+    /// Starts a p2p receive: its context and the tensor header (part 0) from `src`.
+    fn recv_meta(
+        &self,
+        src: Rank,
+        tag: u64,
+        timeout: Duration,
+    ) -> Result<(Ctx, DType, Vec<usize>, usize)> {
+        let cx = Ctx {
+            op: Op::Recv,
+            deadline: Instant::now() + timeout,
+            timeout,
+            channel: tag,
+            seq: next(&self.recv_seq, (src, tag)),
+        };
+        let meta = self.recv_part(&cx, src, 0)?;
+        let (dtype, shape, len) = decode_meta(&meta).map_err(|m| malformed(src, m))?;
+        Ok((cx, dtype, shape, len))
+    }
+
     fn length_mismatch(&self, peer: Rank, got: usize, want: usize) -> CommError {
         CommError::Frame {
             peer: Some(peer),
@@ -359,26 +389,10 @@ impl<T: Transport> Communicator for Engine<T> {
 
     fn recv(&self, src: Rank, tag: u64, timeout: Duration) -> Result<TensorBuf> {
         let _span = debug_span!("recv", rank = self.rank, src, tag).entered();
-        if src >= self.world || src == self.rank || tag & COLLECTIVE != 0 {
-            return Err(CommError::Invalid(format!(
-                "recv on rank {} from rank {src} with tag {tag} (world {}, tags < 2^63, no self-receives)",
-                self.rank, self.world
-            )));
-        }
+        self.check_recv(src, tag)?;
         self.guarded(Op::Recv, || {
-            let cx = Ctx {
-                op: Op::Recv,
-                deadline: Instant::now() + timeout,
-                timeout,
-                channel: tag,
-                seq: next(&self.recv_seq, (src, tag)),
-            };
-            let bad = |msg: String| CommError::Frame {
-                peer: Some(src),
-                source: FrameError::Malformed(msg),
-            };
-            let meta = self.recv_part(&cx, src, 0)?;
-            let (dtype, shape, len) = decode_meta(&meta).map_err(bad)?;
+            let (cx, dtype, shape, len) = self.recv_meta(src, tag, timeout)?;
+            let bad = |msg: String| malformed(src, msg);
             let max = self.tuning.max_message_bytes.max(1);
             let nparts = len.div_ceil(max);
             let data = if nparts == 0 {
@@ -404,26 +418,10 @@ impl<T: Transport> Communicator for Engine<T> {
     }
 
     fn recv_into(&self, src: Rank, tag: u64, dst: &mut TensorBuf, timeout: Duration) -> Result<()> {
-        if src >= self.world || src == self.rank || tag & COLLECTIVE != 0 {
-            return Err(CommError::Invalid(format!(
-                "recv on rank {} from rank {src} with tag {tag} (world {}, tags < 2^63, no self-receives)",
-                self.rank, self.world
-            )));
-        }
+        self.check_recv(src, tag)?;
         self.guarded(Op::Recv, || {
-            let cx = Ctx {
-                op: Op::Recv,
-                deadline: Instant::now() + timeout,
-                timeout,
-                channel: tag,
-                seq: next(&self.recv_seq, (src, tag)),
-            };
-            let bad = |msg: String| CommError::Frame {
-                peer: Some(src),
-                source: FrameError::Malformed(msg),
-            };
-            let meta = self.recv_part(&cx, src, 0)?;
-            let (dtype, shape, len) = decode_meta(&meta).map_err(bad)?;
+            let (cx, dtype, shape, len) = self.recv_meta(src, tag, timeout)?;
+            let bad = |msg: String| malformed(src, msg);
             if dtype != dst.dtype() || len != dst.as_bytes().len() {
                 return Err(bad(format!(
                     "got {dtype:?} {shape:?} for a {:?} buffer of {} bytes",
@@ -556,3 +554,11 @@ macro_rules! delegate_communicator {
     };
 }
 pub(crate) use delegate_communicator;
+
+/// A frame from `peer` whose content makes no sense.
+fn malformed(peer: Rank, msg: String) -> CommError {
+    CommError::Frame {
+        peer: Some(peer),
+        source: FrameError::Malformed(msg),
+    }
+}
