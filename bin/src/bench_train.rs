@@ -361,6 +361,7 @@ pub fn bench_candle(
                 iteration: step as u64,
                 microbatch: 0,
             },
+            rows: None,
         };
         let t0 = Instant::now();
         let fwd = stage.forward(&inp, &ctx)?;

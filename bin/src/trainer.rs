@@ -293,6 +293,7 @@ impl Trainer {
                     iteration: self.step,
                     microbatch: k as u64,
                 },
+                rows: None,
             };
             let fwd = self.stage.forward(&inp, &ctx)?;
             loss += f64::from(fwd.output.to_scalar::<f32>()?);

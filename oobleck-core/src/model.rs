@@ -24,7 +24,9 @@
 //! - The last layer returns the loss (a scalar, already multiplied by `ctx.loss_scale`) when
 //!   `ctx.targets` is set, and the logits otherwise.
 //! - Randomness inside a layer (dropout) is keyed by [`ForwardCtx::dropout_key`] and the layer
-//!   index, never by the device or process that runs it.
+//!   index, never by the device or process that runs it. Row `i` (dim 0) of a mask is keyed by
+//!   its row of the whole microbatch ([`ForwardCtx::rows`]), so a device holding rows
+//!   `[o, o + n)` of a multi-device stage draws exactly those rows of the whole mask.
 //!
 //! # Thread safety
 //! Layers are `Send` (a stage may be moved to its worker thread) but not `Sync`: one stage is
@@ -67,6 +69,17 @@ pub struct ForwardCtx<'a> {
     /// Training mode (dropout active) or evaluation.
     pub train: bool,
     pub dropout_key: DropoutKey,
+    /// The rows (dim 0) of the microbatch that this pass carries, when a multi-device stage
+    /// gave this device only its slice; `None`: the whole microbatch.
+    pub rows: Option<RowSlice>,
+}
+
+/// Rows `[offset, offset + n)` of a microbatch of `total` rows, `n` being dim 0 of the tensor
+/// a pass carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSlice {
+    pub offset: usize,
+    pub total: usize,
 }
 
 impl ForwardCtx<'_> {
@@ -77,6 +90,7 @@ impl ForwardCtx<'_> {
             loss_scale: 1.0,
             train: false,
             dropout_key: DropoutKey::default(),
+            rows: None,
         }
     }
 }
@@ -161,7 +175,10 @@ pub fn seeded_normal(
     Ok(Tensor::from_vec(v, shape, device)?)
 }
 
-/// A dropout mask keyed by `(key, layer, site)`: which elements survive, scaled by `1/(1-p)`.
+/// A dropout mask keyed by `(key, layer, site, row)`: which elements survive, scaled by
+/// `1/(1-p)`. Dim 0 of `x` is the batch; row `i` of `x` is row `ctx.rows.offset + i` of the
+/// microbatch and draws from its own ChaCha stream, so the mask of a slice of rows equals those
+/// rows of the whole microbatch's mask however a multi-device stage cuts it.
 pub fn dropout(x: &Tensor, p: f64, ctx: &ForwardCtx, layer: usize, site: u64) -> Result<Tensor> {
     if !ctx.train || p <= 0.0 {
         return Ok(x.clone());
@@ -171,13 +188,28 @@ pub fn dropout(x: &Tensor, p: f64, ctx: &ForwardCtx, layer: usize, site: u64) ->
             "dropout probability {p} must be below 1"
         )));
     }
+    let n = x.dims().first().copied().unwrap_or(1);
+    let offset = match ctx.rows {
+        None => 0,
+        Some(r) if r.offset + n <= r.total => r.offset,
+        Some(r) => {
+            return Err(Error::Msg(format!(
+                "dropout: {n} rows at offset {} exceed the microbatch's {} rows",
+                r.offset, r.total
+            )))
+        }
+    };
+    let per_row = x.elem_count().checked_div(n).unwrap_or(0);
     let k = ctx.dropout_key;
     let label = format!("dropout/{}/{}/{layer}/{site}", k.iteration, k.microbatch);
     let mut rng = ChaCha8Rng::seed_from_u64(mix(k.seed, &label));
     let scale = (1.0 / (1.0 - p)) as f32;
-    let mask: Vec<f32> = (0..x.elem_count())
-        .map(|_| if rng.random::<f64>() < p { 0.0 } else { scale })
-        .collect();
+    let mut mask = Vec::with_capacity(x.elem_count());
+    for row in offset..offset + n {
+        rng.set_stream(row as u64);
+        rng.set_word_pos(0);
+        mask.extend((0..per_row).map(|_| if rng.random::<f64>() < p { 0.0 } else { scale }));
+    }
     let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
     Ok(x.mul(&mask)?)
 }
@@ -384,6 +416,7 @@ mod tests {
             loss_scale: 1.0,
             train: true,
             dropout_key: key,
+            rows: None,
         };
         let a = dropout(&x, 0.5, &ctx, 1, 0)
             .unwrap()
@@ -401,5 +434,50 @@ mod tests {
         assert_ne!(a, c);
         let zeros = a.iter().flatten().filter(|v| **v == 0.0).count();
         assert!((64..192).contains(&zeros), "{zeros} of 256 dropped");
+    }
+
+    /// A device of a multi-device stage holding rows `[o, o + n)` draws exactly those rows of
+    /// the whole microbatch's mask.
+    #[test]
+    fn dropout_of_a_row_slice_is_that_slice_of_the_whole_mask() {
+        let d = Device::Cpu;
+        let whole = Tensor::ones((4, 3, 16), DType::F32, &d).unwrap();
+        let ctx = ForwardCtx {
+            train: true,
+            dropout_key: DropoutKey {
+                seed: 5,
+                iteration: 1,
+                microbatch: 2,
+            },
+            ..ForwardCtx::inference()
+        };
+        let full = dropout(&whole, 0.5, &ctx, 3, 1).unwrap();
+        for (offset, n) in [(2, 2), (0, 2), (1, 1), (3, 1), (0, 4)] {
+            let part = Tensor::ones((n, 3, 16), DType::F32, &d).unwrap();
+            let sliced = ForwardCtx {
+                rows: Some(RowSlice { offset, total: 4 }),
+                ..ctx
+            };
+            let got = dropout(&part, 0.5, &sliced, 3, 1).unwrap();
+            assert_eq!(
+                got.to_vec3::<f32>().unwrap(),
+                full.narrow(0, offset, n).unwrap().to_vec3::<f32>().unwrap(),
+                "rows [{offset}, {})",
+                offset + n
+            );
+        }
+        // Rows differ from each other (each has its own stream).
+        let rows = full.to_vec3::<f32>().unwrap();
+        assert_ne!(rows[0], rows[1]);
+        // A slice that does not fit the microbatch is an error, not a silent wrong mask.
+        let part = Tensor::ones((2, 3, 16), DType::F32, &d).unwrap();
+        let bad = ForwardCtx {
+            rows: Some(RowSlice {
+                offset: 3,
+                total: 4,
+            }),
+            ..ctx
+        };
+        assert!(dropout(&part, 0.5, &bad, 3, 1).is_err());
     }
 }

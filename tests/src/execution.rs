@@ -73,6 +73,7 @@ pub fn single_process(
                     iteration: it,
                     microbatch: u64::from(k),
                 },
+                rows: None,
             };
             let fwd = stage.forward(&x, &ctx)?;
             loss += f64::from(fwd.output.to_scalar::<f32>()?);

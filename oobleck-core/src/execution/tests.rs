@@ -170,6 +170,7 @@ fn single(model: &Toy) -> (Vec<f64>, Params) {
                 loss_scale: 1.0 / f64::from(B),
                 train: true,
                 dropout_key: DropoutKey::default(),
+                rows: None,
             };
             let fwd = stage.forward(&x, &ctx).unwrap();
             loss += f64::from(fwd.output.to_scalar::<f32>().unwrap());

@@ -10,7 +10,8 @@ use tracing::debug_span;
 use super::layout::{Layout, Position};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
-    accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage, StageForward, TiedParam,
+    accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, RowSlice, Stage, StageForward,
+    TiedParam,
 };
 use crate::schedule::{device_stream, rows, Instruction, PeerRows};
 use crate::{Error, Result};
@@ -226,6 +227,11 @@ impl StageWorker {
                             iteration,
                             microbatch: global,
                         },
+                        // Dropout masks are keyed by the microbatch's rows, not this slice's.
+                        rows: Some(RowSlice {
+                            offset: lo as usize,
+                            total: b as usize,
+                        }),
                     };
                     let fwd = self.stage.forward(&x, &ctx)?;
                     if self.is_last() {
