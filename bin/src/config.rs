@@ -17,11 +17,13 @@ pub struct TrainConfig {
     pub model: String,
     /// Start from pretrained HF weights (directory or `org/name`) instead of a fresh init.
     pub init_from: Option<String>,
-    /// Nodes of the local cluster. 1 = one process (the single-process trainer).
+    /// Nodes of the cluster. Default 4 (a local cluster of 4 agents, room for `f + 1 = 2`
+    /// pipelines); 1 = one process (the single-process trainer).
     pub nodes: usize,
     /// Devices (worker processes) per node.
     pub devices_per_node: usize,
-    /// `f`: node failures the job must survive without a checkpoint.
+    /// `f`: node failures the job must survive without a checkpoint. Default 1: the job runs
+    /// at least 2 pipelines.
     pub fault_threshold: usize,
     /// `b`, samples per microbatch. 4 keeps a gpt-mini step near a second on 2 cores.
     pub microbatch_size: usize,
@@ -71,9 +73,9 @@ impl Default for TrainConfig {
         Self {
             model: "gpt-mini".into(),
             init_from: None,
-            nodes: 1,
+            nodes: 4,
             devices_per_node: 1,
-            fault_threshold: 0,
+            fault_threshold: 1,
             microbatch_size: 4,
             global_batch_size: 16,
             seq_len: 64,
@@ -116,13 +118,13 @@ pub struct TrainArgs {
     /// found in the local Hugging Face cache.
     #[arg(long)]
     pub init_from: Option<String>,
-    /// Nodes of the local cluster [default: 1].
+    /// Nodes of the cluster; 1 trains in this one process [default: 4].
     #[arg(long)]
     pub nodes: Option<usize>,
     /// Devices (worker processes) per node [default: 1].
     #[arg(long)]
     pub devices_per_node: Option<usize>,
-    /// Fault threshold f: survive f node failures without a checkpoint [default: 0].
+    /// Fault threshold f: survive f node failures without a checkpoint [default: 1].
     #[arg(long)]
     pub fault_threshold: Option<usize>,
     /// Samples per microbatch [default: 4].
@@ -189,6 +191,16 @@ pub struct TrainArgs {
     /// Print a machine-readable summary as JSON on stdout at the end.
     #[arg(long)]
     pub json: bool,
+    /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
+    /// started with `oobleck agent --master ADDR` instead of starting local ones.
+    #[arg(long, requires = "expect_nodes")]
+    pub listen: Option<String>,
+    /// With --listen or --hostfile: the number of nodes (agents) of the job.
+    #[arg(long, conflicts_with = "nodes")]
+    pub expect_nodes: Option<usize>,
+    /// The job's shared secret for --listen / --hostfile (agents must present the same one).
+    #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 impl TrainArgs {
@@ -211,6 +223,9 @@ impl TrainArgs {
             }
             None => base,
         };
+        if let Some(n) = self.expect_nodes {
+            c.nodes = n;
+        }
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone(); } )* };
         }

@@ -147,6 +147,8 @@ fn the_train_binary_runs_and_prints_a_json_summary() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     let (ok, stdout, stderr) = run_train(&[
+        "--nodes",
+        "1",
         "--model",
         "gpt-tiny",
         "--steps",
@@ -179,7 +181,14 @@ fn the_train_binary_runs_and_prints_a_json_summary() {
     }
     // Starting again into the same directory is refused and loses nothing.
     let before = std::fs::read(out.join("metrics.jsonl")).unwrap();
-    let (ok, _, stderr) = run_train(&["--model", "gpt-tiny", "--out", out.to_str().unwrap()]);
+    let (ok, _, stderr) = run_train(&[
+        "--nodes",
+        "1",
+        "--model",
+        "gpt-tiny",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(!ok && stderr.contains("--resume"), "{stderr}");
     assert_eq!(before, std::fs::read(out.join("metrics.jsonl")).unwrap());
 }

@@ -2,10 +2,13 @@
 
 use anyhow::{bail, Result};
 use clap::Parser;
+use oobleck_cli::cluster::master::Launch;
+use oobleck_cli::cluster::resolve;
 use oobleck_cli::config::TrainArgs;
 use oobleck_cli::generate::{sample, Sampling};
 use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
+use oobleck_core::elastic::Token;
 use oobleck_models::data::Split;
 
 fn main() -> Result<()> {
@@ -18,11 +21,30 @@ fn main() -> Result<()> {
         .init();
     let args = TrainArgs::parse();
     let cfg = args.resolve()?;
-    if cfg.nodes > 1 {
-        if args.resume.is_some() {
-            bail!("--resume of a multi-node run is not built yet");
+    let launch = match &args.listen {
+        Some(addr) => {
+            let Some(secret) = &args.token else {
+                bail!(
+                    "--listen needs the job's shared secret: set OOBLECK_TOKEN (or --token) here \
+                     and give every `oobleck agent` the same one"
+                );
+            };
+            Some(Launch::Listen {
+                addr: resolve(addr)?,
+                token: Token::new(secret)?,
+            })
         }
-        let summary = oobleck_cli::cluster::master::run_local(cfg)?;
+        None if args.expect_nodes.is_some() => {
+            bail!("--expect-nodes goes with --listen (agents started by hand); for a local cluster use --nodes")
+        }
+        None if cfg.nodes > 1 => Some(Launch::Local),
+        None => None,
+    };
+    if let Some(launch) = launch {
+        if args.resume.is_some() {
+            bail!("--resume of a multi-node run is not built yet; resume it with --nodes 1");
+        }
+        let summary = oobleck_cli::cluster::master::run(cfg, launch)?;
         eprintln!(
             "done: {} steps, loss {} -> {}, {:.0} tokens/s, {:.1}s",
             summary.steps,

@@ -1,9 +1,9 @@
-//! `oobleck agent`: one node's process. Registers with the master, starts one worker per
-//! device of the plan it is assigned, forwards the workers' reports on stdout, tells the master
-//! when a worker exits, and kills its workers on `Shutdown`, when the master goes away, or when
-//! its own stdin closes (the `train` that started it is gone).
+//! `oobleck agent`: one node's process. Registers with the master, receives the job and the
+//! plan, starts one worker per device of the plan on this node, relays between the workers'
+//! pipes and the control protocol, tells the master when a worker exits, and kills its workers
+//! on `Shutdown`, when the master goes away, or (with `--exit-with-parent`) when its stdin
+//! closes.
 
-use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -14,35 +14,55 @@ use oobleck_core::elastic::protocol::ExitStatus;
 use oobleck_core::elastic::{Agent, ElasticError, Message, Token};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
 
-use super::{ranks_of_node, Report, WorkerAssignment};
+use super::{ranks_of_node, resolve, Report, ToWorker, WorkerAssignment};
+use crate::config::TrainConfig;
 
-/// Bound of the registration and of every message to the master.
+/// Bound of the registration and of every message to the master or a worker.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the agent looks at its workers between master messages.
-const POLL: Duration = Duration::from_millis(100);
+const POLL: Duration = Duration::from_millis(20);
 /// How long finished workers get to exit after `Shutdown` before they are killed.
 const GRACE: Duration = Duration::from_secs(5);
 
-/// Hidden: run one node agent of a local cluster (started by `train --nodes N`).
+/// Run one node of a cluster job: `oobleck agent --master HOST:PORT` on each machine of a
+/// multi-machine job (see `train --listen`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentArgs {
-    /// The master's control address.
+    /// The master's control address (`train --listen` prints it).
     #[arg(long)]
-    pub master: SocketAddr,
-    /// The job's shared secret.
+    pub master: String,
+    /// The job's shared secret (never sent over the network; the master checks it by
+    /// challenge-response).
     #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
-    pub token: String,
-    /// The run directory (local mode: shared with the master and the workers).
+    pub token: Option<String>,
+    /// Read the token from the first line of stdin instead (how `train --hostfile` passes it,
+    /// so it never shows in a process list).
+    #[arg(long, conflicts_with = "token")]
+    pub token_stdin: bool,
+    /// The IP this node's workers bind their data-plane ports on. Default: the address this
+    /// machine reaches the master from.
     #[arg(long)]
-    pub run_dir: PathBuf,
+    pub host: Option<String>,
+    /// Exit (killing the workers) when stdin closes: for agents started by `train` or ssh.
+    #[arg(long)]
+    pub exit_with_parent: bool,
 }
 
 struct Worker {
     rank: u32,
     child: Child,
-    /// Held open: the worker exits when it closes.
-    _stdin: ChildStdin,
+    /// The worker's stdin: its messages, and it exits when this closes.
+    stdin: ChildStdin,
+    /// Relays its stdout; done once the worker closed it.
+    relay: tokio::task::JoinHandle<()>,
+}
+
+/// Things the agent's loop hears besides the master.
+enum Local {
+    Report(u32, Result<Report>),
+    StdinClosed,
 }
 
 pub fn run(args: &AgentArgs) -> Result<()> {
@@ -53,81 +73,202 @@ pub fn run(args: &AgentArgs) -> Result<()> {
     rt.block_on(drive(args))
 }
 
-async fn drive(args: &AgentArgs) -> Result<()> {
-    let token = Token::new(&args.token).context("--token / OOBLECK_TOKEN")?;
-    println!(
-        "{}",
-        Report::Agent {
-            pid: std::process::id()
-        }
-        .line()
-    );
-    let mut agent = Agent::connect(args.master, &token, CONTROL_TIMEOUT)
-        .await
-        .with_context(|| format!("registering with the master at {}", args.master))?;
-    let node = agent.node();
-    let (stdin_closed_tx, mut stdin_closed) = tokio::sync::oneshot::channel::<()>();
+/// Reads the token line (with `--token-stdin`), then watches stdin on a thread.
+fn read_stdin(args: &AgentArgs, tx: mpsc::UnboundedSender<Local>) -> Result<Option<String>> {
+    let (first_tx, first_rx) = std::sync::mpsc::channel();
+    let want_token = args.token_stdin;
+    let watch = args.exit_with_parent;
+    if !want_token && !watch {
+        return Ok(None);
+    }
     std::thread::spawn(move || {
-        let mut stdin = std::io::stdin();
-        let mut buf = [0u8; 256];
-        while let Ok(n) = std::io::Read::read(&mut stdin, &mut buf) {
-            if n == 0 {
-                break;
-            }
+        use std::io::BufRead;
+        let stdin = std::io::stdin();
+        let mut lock = stdin.lock();
+        if want_token {
+            let mut line = String::new();
+            let _ = first_tx.send(lock.read_line(&mut line).map(|_| line));
         }
-        let _ = stdin_closed_tx.send(());
+        if watch {
+            let mut sink = String::new();
+            loop {
+                sink.clear();
+                match lock.read_line(&mut sink) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+            let _ = tx.send(Local::StdinClosed);
+        }
     });
+    if !want_token {
+        return Ok(None);
+    }
+    let line = first_rx
+        .recv_timeout(CONTROL_TIMEOUT)
+        .map_err(|_| {
+            anyhow::anyhow!("--token-stdin: no token on stdin within {CONTROL_TIMEOUT:?}")
+        })?
+        .context("--token-stdin: reading stdin")?;
+    let token = line.trim().to_string();
+    if token.is_empty() {
+        bail!("--token-stdin: stdin closed before a token line");
+    }
+    Ok(Some(token))
+}
+
+async fn drive(args: &AgentArgs) -> Result<()> {
+    let (local_tx, mut local_rx) = mpsc::unbounded_channel::<Local>();
+    let secret = match read_stdin(args, local_tx.clone())? {
+        Some(t) => t,
+        None => args.token.clone().context(
+            "the agent needs the job's token: --token, the OOBLECK_TOKEN environment variable, \
+             or --token-stdin",
+        )?,
+    };
+    let token = Token::new(&secret).context("the job token")?;
+    let master = resolve(&args.master)?;
+    let mut agent = Agent::connect(master, &token, CONTROL_TIMEOUT)
+        .await
+        .with_context(|| format!("registering with the master at {master}"))?;
+    let node = agent.node();
+    let host = match &args.host {
+        Some(h) => h.clone(),
+        None => agent.local_addr().ip().to_string(),
+    };
+    tracing::info!(node, %master, data_host = %host, "agent registered");
+    let mut job: Option<(PathBuf, TrainConfig)> = None;
+    let mut generation = 0u64;
     let mut workers: Vec<Worker> = Vec::new();
+    // Exits seen but not yet told, so that a worker's last reports reach the master first.
+    let mut exited: Vec<(u32, ExitStatus)> = Vec::new();
     let result = async {
         loop {
-            if stdin_closed.try_recv().is_ok() {
-                bail!("node {node}: the train process that started this agent is gone");
+            while let Ok(ev) = local_rx.try_recv() {
+                match ev {
+                    Local::StdinClosed => {
+                        bail!("node {node}: the process that started this agent is gone")
+                    }
+                    Local::Report(rank, r) => {
+                        let msg = match r.with_context(|| format!("worker rank {rank}"))? {
+                            Report::Listening { rank, addr, pid } => Message::WorkerListening {
+                                node,
+                                rank,
+                                generation,
+                                addr,
+                                pid,
+                            },
+                            Report::Ready {
+                                rank,
+                                step,
+                                loss,
+                                grad_norm,
+                            } => Message::StepReady {
+                                node,
+                                rank,
+                                generation,
+                                step,
+                                loss,
+                                grad_norm,
+                            },
+                            Report::Done {
+                                rank,
+                                step,
+                                state,
+                                commit_wait_ms,
+                            } => Message::WorkerDone {
+                                node,
+                                rank,
+                                generation,
+                                step,
+                                state,
+                                commit_wait_ms,
+                            },
+                        };
+                        agent
+                            .send(msg, CONTROL_TIMEOUT)
+                            .await
+                            .context("relaying a worker's report to the master")?;
+                    }
+                }
+            }
+            for (rank, status) in exited.drain(..) {
+                agent
+                    .report_worker_exit(rank, status, CONTROL_TIMEOUT)
+                    .await
+                    .context("reporting a worker exit")?;
             }
             let mut i = 0;
             while i < workers.len() {
                 if let Some(st) = workers[i].child.try_wait().context("polling a worker")? {
                     let w = workers.remove(i);
-                    let status = ExitStatus {
-                        code: st.code(),
-                        signal: st.signal(),
-                    };
-                    agent
-                        .report_worker_exit(w.rank, status, CONTROL_TIMEOUT)
-                        .await
-                        .context("reporting a worker exit")?;
+                    // Its relay ends at the EOF of its stdout; the reports it read are then
+                    // queued, and are sent before the exit on the next turn.
+                    let _ = tokio::time::timeout(GRACE, w.relay).await;
+                    exited.push((
+                        w.rank,
+                        ExitStatus {
+                            code: st.code(),
+                            signal: st.signal(),
+                        },
+                    ));
                 } else {
                     i += 1;
                 }
             }
             match agent.recv(POLL).await {
+                Ok(Message::Job { run_dir, config }) => {
+                    let cfg: TrainConfig = serde_json::from_value(config)
+                        .context("the master sent a job this agent cannot read")?;
+                    job = Some((PathBuf::from(run_dir), cfg));
+                }
                 Ok(Message::PlanAssignment {
-                    generation,
+                    generation: g,
                     plan,
-                    rendezvous,
                     ..
                 }) => {
                     if !workers.is_empty() {
                         bail!(
-                            "node {node}: a new plan (generation {generation}) arrived while \
-                             workers run; reconfiguration is not supported yet"
+                            "node {node}: a new plan (generation {g}) arrived while workers \
+                             run; reconfiguration is not supported yet"
                         );
                     }
+                    let Some((run_dir, cfg)) = &job else {
+                        bail!("node {node}: the master sent a plan before the job");
+                    };
+                    generation = g;
                     for rank in ranks_of_node(&plan, node) {
                         let a = WorkerAssignment {
                             generation,
                             rank,
                             node,
                             plan: (*plan).clone(),
-                            rendezvous: rendezvous.clone(),
+                            host: host.clone(),
+                            run_dir: run_dir.clone(),
+                            config: cfg.clone(),
                         };
-                        workers.push(spawn_worker(args, a).await?);
+                        workers.push(spawn_worker(a, local_tx.clone()).await?);
                     }
+                }
+                Ok(Message::RendezvousList {
+                    generation: g,
+                    rendezvous,
+                }) if g == generation => {
+                    tell_all(&mut workers, &ToWorker::Rendezvous { rendezvous }).await?;
+                }
+                Ok(Message::StepCommitted {
+                    step,
+                    generation: g,
+                }) if g == generation => {
+                    tell_all(&mut workers, &ToWorker::Commit { step }).await?;
                 }
                 Ok(Message::Shutdown { reason }) => {
                     tracing::info!(node, %reason, "shutdown");
                     return Ok(());
                 }
-                Ok(_) => {}
+                Ok(other) => {
+                    tracing::debug!(node, kind = other.kind(), "ignored a message");
+                }
                 Err(ElasticError::Timeout { .. }) => {}
                 Err(e) => return Err(e).context(format!("node {node}: the master connection")),
             }
@@ -146,12 +287,26 @@ async fn drive(args: &AgentArgs) -> Result<()> {
     result
 }
 
-async fn spawn_worker(args: &AgentArgs, a: WorkerAssignment) -> Result<Worker> {
+/// Writes `msg` to every worker's stdin.
+async fn tell_all(workers: &mut [Worker], msg: &ToWorker) -> Result<()> {
+    let mut line = serde_json::to_string(msg)?;
+    line.push('\n');
+    for w in workers.iter_mut() {
+        tokio::time::timeout(CONTROL_TIMEOUT, w.stdin.write_all(line.as_bytes()))
+            .await
+            .with_context(|| format!("timed out writing to worker rank {}", w.rank))?
+            .with_context(|| format!("writing to worker rank {}", w.rank))?;
+    }
+    Ok(())
+}
+
+async fn spawn_worker(
+    a: WorkerAssignment,
+    reports: mpsc::UnboundedSender<Local>,
+) -> Result<Worker> {
     let exe = std::env::current_exe().context("locating the oobleck binary")?;
     let mut child = Command::new(&exe)
         .arg("worker")
-        .arg("--run-dir")
-        .arg(&args.run_dir)
         .arg("--rank")
         .arg(a.rank.to_string())
         .env_remove("OOBLECK_TOKEN")
@@ -161,16 +316,6 @@ async fn spawn_worker(args: &AgentArgs, a: WorkerAssignment) -> Result<Worker> {
         .kill_on_drop(true)
         .spawn()
         .with_context(|| format!("starting worker rank {} ({})", a.rank, exe.display()))?;
-    let pid = child.id().unwrap_or(0);
-    println!(
-        "{}",
-        Report::WorkerStarted {
-            node: a.node,
-            rank: a.rank,
-            pid
-        }
-        .line()
-    );
     let mut stdin = child.stdin.take().context("worker stdin")?;
     let stdout = child.stdout.take().context("worker stdout")?;
     let mut line = serde_json::to_string(&a)?;
@@ -179,17 +324,26 @@ async fn spawn_worker(args: &AgentArgs, a: WorkerAssignment) -> Result<Worker> {
         .await
         .context("timed out handing a worker its assignment")?
         .context("handing a worker its assignment")?;
-    // Forward the worker's reports as they come.
-    tokio::spawn(async move {
+    let rank = a.rank;
+    // Relay the worker's reports; anything else it prints goes to our stderr.
+    let relay = tokio::spawn(async move {
         let mut lines = BufReader::new(stdout).lines();
         while let Ok(Some(l)) = lines.next_line().await {
-            println!("{l}");
+            match Report::parse(&l) {
+                Some(r) => {
+                    if reports.send(Local::Report(rank, r)).is_err() {
+                        break;
+                    }
+                }
+                None => eprintln!("[rank {rank}] {l}"),
+            }
         }
     });
     Ok(Worker {
-        rank: a.rank,
+        rank,
         child,
-        _stdin: stdin,
+        stdin,
+        relay,
     })
 }
 

@@ -14,8 +14,9 @@ use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::elastic::master::MasterEvent;
 use oobleck_core::elastic::protocol::Rendezvous;
-use oobleck_core::elastic::{ElasticError, Master, Token};
+use oobleck_core::elastic::{ElasticError, Master, Message, Token};
 use oobleck_core::model::ForwardCtx;
+use oobleck_core::optim::LrSchedule;
 use oobleck_core::planning::{
     analytical_profile, gradient_sync_ns, instantiate_with_sizes, plan_with_pipelines,
     template::generate_templates, DeviceSpec, Dtype, JobSpec, Plan, TemplateMicrobatches,
@@ -23,12 +24,10 @@ use oobleck_core::planning::{
 };
 use oobleck_models::data::{DataCursor, Split};
 use oobleck_models::ModelConfig;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
-use tokio::sync::mpsc;
 
 use super::worker::state_path;
-use super::{ranks_of_node, world_size, Report};
+use super::{ranks_of_node, world_size};
 use crate::config::{save_resolved, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
@@ -38,13 +37,13 @@ use crate::trainer::{
 
 /// How long the agents get to start and register.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `--listen` waits for agents started by hand.
+const LISTEN_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 /// The longest the job may go without any report or event before it is declared stuck
 /// (covers model build and data-plane setup before step 1).
 const STALL_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long agents get to exit after `Shutdown` before they are killed.
 const EXIT_GRACE: Duration = Duration::from_secs(10);
-/// How long a worker that exited with status 0 has for its last reports to arrive.
-const REPORT_GRACE: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(50);
 
 /// The `oobleck` binary the agents run: `$OOBLECK_BIN`, else the sibling of this executable.
@@ -185,16 +184,30 @@ fn prepare(cfg: TrainConfig) -> Result<Prepared> {
     })
 }
 
+/// How a job's agents come to be.
+pub enum Launch {
+    /// `--nodes N`: N agent processes on this machine, the master on 127.0.0.1.
+    Local,
+    /// `--listen ADDR --expect-nodes N`: the master listens on `addr` and waits for agents
+    /// started by hand (`oobleck agent --master ADDR`) with the same token.
+    Listen { addr: SocketAddr, token: Token },
+}
+
 /// Runs the job on a local cluster of `cfg.nodes` agent processes. Returns when every process
 /// has exited; on any failure every process is killed and the error says what failed.
 pub fn run_local(cfg: TrainConfig) -> Result<Summary> {
+    run(cfg, Launch::Local)
+}
+
+/// Runs the job with agents started as `launch` says.
+pub fn run(cfg: TrainConfig, launch: Launch) -> Result<Summary> {
     let p = prepare(cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the master's runtime")?;
-    rt.block_on(drive(p))
+    rt.block_on(drive(p, launch))
 }
 
 struct Published<'a>(&'a std::path::Path);
@@ -216,18 +229,13 @@ impl Files {
     }
 }
 
-enum Input {
-    Line(usize, String),
-    Eof(usize),
-}
-
 struct AgentProc {
     child: Child,
     /// Held open: the agent exits when it closes.
     stdin: Option<ChildStdin>,
 }
 
-async fn drive(p: Prepared) -> Result<Summary> {
+async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
     let append = |name: &str| {
         std::fs::OpenOptions::new()
             .create(true)
@@ -240,14 +248,18 @@ async fn drive(p: Prepared) -> Result<Summary> {
         events: append("events.jsonl")?,
     };
     let n = p.cfg.nodes;
-    let token = Token::random();
-    let mut master = Master::bind(
-        "127.0.0.1:0".parse().context("master address")?,
-        token.clone(),
-        u32::try_from(n).context("--nodes")?,
-    )
-    .await
-    .context("starting the master")?;
+    let local = matches!(launch, Launch::Local);
+    let (bind, token, join_timeout) = match launch {
+        Launch::Local => (
+            "127.0.0.1:0".parse().context("master address")?,
+            Token::random(),
+            JOIN_TIMEOUT,
+        ),
+        Launch::Listen { addr, token } => (addr, token, LISTEN_JOIN_TIMEOUT),
+    };
+    let mut master = Master::bind(bind, token.clone(), u32::try_from(n).context("--nodes")?)
+        .await
+        .with_context(|| format!("starting the master on {bind}"))?;
     files.event(serde_json::json!({
         "event": "start",
         "step": 0,
@@ -260,54 +272,49 @@ async fn drive(p: Prepared) -> Result<Summary> {
     super::status::publish(&p.out, master.local_addr(), &token)?;
     // The token file goes away however this function ends.
     let _published = Published(&p.out);
-    let exe = oobleck_exe()?;
-    let (tx, mut rx) = mpsc::channel::<Input>(1024);
     let mut agents = Vec::with_capacity(n);
-    for i in 0..n {
-        let spawned = Command::new(&exe)
-            .arg("agent")
-            .arg("--master")
-            .arg(master.local_addr().to_string())
-            .arg("--run-dir")
-            .arg(&p.out)
-            .env("OOBLECK_TOKEN", token.expose())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting agent {i} ({})", exe.display()));
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                kill_all(&mut agents).await;
-                return Err(e);
-            }
-        };
-        files.event(serde_json::json!({
-            "event": "process", "role": "agent", "pid": child.id(),
-        }))?;
-        let stdout = child.stdout.take().context("agent stdout")?;
-        let stdin = child.stdin.take();
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stdout).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                if tx.send(Input::Line(i, l)).await.is_err() {
-                    return;
+    if local {
+        let exe = oobleck_exe()?;
+        for i in 0..n {
+            let spawned = Command::new(&exe)
+                .arg("agent")
+                .arg("--master")
+                .arg(master.local_addr().to_string())
+                .arg("--exit-with-parent")
+                .env("OOBLECK_TOKEN", token.expose())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("starting agent {i} ({})", exe.display()));
+            let mut child = match spawned {
+                Ok(c) => c,
+                Err(e) => {
+                    kill_all(&mut agents).await;
+                    return Err(e);
                 }
-            }
-            let _ = tx.send(Input::Eof(i)).await;
-        });
-        agents.push(AgentProc { child, stdin });
+            };
+            files.event(serde_json::json!({
+                "event": "process", "role": "agent", "pid": child.id(),
+            }))?;
+            let stdin = child.stdin.take();
+            agents.push(AgentProc { child, stdin });
+        }
+    } else {
+        eprintln!(
+            "master listening on {}: start `oobleck agent --master {}` (with OOBLECK_TOKEN set \
+             to the job's token) on each of the {n} nodes",
+            master.local_addr(),
+            master.local_addr()
+        );
     }
-    drop(tx);
     let mut job = Job {
         p: &p,
         files: &mut files,
         master: &mut master,
-        rx: &mut rx,
         agents: &mut agents,
+        join_timeout,
         progress: Progress::new(p.cfg.steps, 0),
     };
     let result = job.run().await;
@@ -383,18 +390,67 @@ struct Job<'a> {
     p: &'a Prepared,
     files: &'a mut Files,
     master: &'a mut Master,
-    rx: &'a mut mpsc::Receiver<Input>,
     agents: &'a mut Vec<AgentProc>,
+    join_timeout: Duration,
     progress: Progress,
 }
 
+/// The ranks' reports of the step being assembled.
+#[derive(Default)]
+struct Pending {
+    /// rank -> (loss, grad norm)
+    ready: BTreeMap<u32, (f64, f64)>,
+}
+
 impl Job<'_> {
+    /// The next membership event; errors for the ones that end a job without recovery.
+    async fn next(&mut self, last_progress: &mut Instant) -> Result<Option<MasterEvent>> {
+        if last_progress.elapsed() > STALL_TIMEOUT {
+            bail!("no progress for {STALL_TIMEOUT:?}; the job is stuck");
+        }
+        self.check_agents_alive()?;
+        let ev = match self.master.next_event(POLL).await {
+            Ok(ev) => ev,
+            Err(ElasticError::Timeout { .. }) => return Ok(None),
+            Err(e) => return Err(e).context("the master's event stream"),
+        };
+        *last_progress = Instant::now();
+        match &ev {
+            MasterEvent::Lost { node, reason } => {
+                bail!("node {node} was lost ({reason:?}); failure recovery is not built yet")
+            }
+            MasterEvent::WorkerExited { node, rank, status } => {
+                self.files.event(serde_json::json!({
+                    "event": "worker_exit", "node": node, "rank": rank,
+                    "code": status.code, "signal": status.signal,
+                }))?;
+            }
+            MasterEvent::Joined { node, .. } => {
+                bail!("node {node} joined during the job; elastic growth is not built yet")
+            }
+            MasterEvent::KillRequested { node } => {
+                bail!("a kill of node {node} was requested; failure recovery is not built yet")
+            }
+            _ => {}
+        }
+        Ok(Some(ev))
+    }
+
     async fn run(&mut self) -> Result<Summary> {
         let started = Instant::now();
         let nodes = self.wait_for_nodes().await?;
+        let job = Message::Job {
+            run_dir: self.p.out.display().to_string(),
+            config: serde_json::to_value(&self.p.cfg)?,
+        };
+        for &node in &nodes {
+            self.master
+                .send_to(node, job.clone())
+                .await
+                .with_context(|| format!("sending the job to node {node}"))?;
+        }
         let plan = plan_for(&self.p.cfg, &self.p.model_cfg, &nodes)?;
         let world = world_size(&plan);
-        let rendezvous = reserve_ports(world)?;
         std::fs::write(
             self.p.out.join("plan.json"),
             serde_json::to_string_pretty(&plan)?,
@@ -412,125 +468,164 @@ impl Job<'_> {
             .collect();
         self.files.event(serde_json::json!({
             "event": "plan", "generation": plan.generation, "pipelines": layout,
-            "rendezvous": rendezvous.iter().map(|r| &r.addr).collect::<Vec<_>>(),
         }))?;
         let unreachable = self
             .master
-            .assign_plan(&plan, rendezvous, None)
+            .assign_plan(&plan, Vec::new(), None)
             .await
             .context("assigning the plan")?;
         if let Some((node, e)) = unreachable.first() {
             bail!("node {node} did not get the plan: {e}");
         }
-        let node_of_rank: BTreeMap<u32, u32> = nodes
-            .iter()
-            .flat_map(|&nd| ranks_of_node(&plan, nd).into_iter().map(move |r| (r, nd)))
+        self.progress
+            .note(&super::status::render_plan(&self.master.status()));
+        let generation = plan.generation;
+        let mut last_progress = Instant::now();
+
+        // Rendezvous: every worker bound its own port.
+        let mut listening: BTreeMap<u32, String> = BTreeMap::new();
+        while listening.len() < world as usize {
+            let Some(ev) = self.next(&mut last_progress).await? else {
+                continue;
+            };
+            match ev {
+                MasterEvent::WorkerListening {
+                    node,
+                    rank,
+                    generation: g,
+                    addr,
+                    pid,
+                } if g == generation => {
+                    self.files.event(serde_json::json!({
+                        "event": "process", "role": "worker", "node": node, "rank": rank,
+                        "pid": pid, "data_addr": addr,
+                    }))?;
+                    listening.insert(rank, addr);
+                }
+                MasterEvent::WorkerExited { node, rank, status } => bail!(
+                    "worker rank {rank} on node {node} exited ({}) while the data plane formed; \
+                     its error is above",
+                    describe(status.code, status.signal)
+                ),
+                _ => {}
+            }
+        }
+        let rendezvous: Vec<Rendezvous> = listening
+            .into_iter()
+            .map(|(rank, addr)| Rendezvous { rank, addr })
             .collect();
+        self.files.event(serde_json::json!({
+            "event": "rendezvous", "generation": generation,
+            "addrs": rendezvous.iter().map(|r| &r.addr).collect::<Vec<_>>(),
+        }))?;
+        let missed = self
+            .master
+            .broadcast(&Message::RendezvousList {
+                generation,
+                rendezvous,
+            })
+            .await;
+        if let Some((node, e)) = missed.first() {
+            bail!("node {node} did not get the rendezvous: {e}");
+        }
+
+        // Steps: commit each once every rank holds its reduced gradients.
         let tokens_per_step = (self.p.cfg.global_batch_size * self.p.cfg.seq_len) as f64;
-        let mut done: BTreeSet<u32> = BTreeSet::new();
-        let mut exited_clean: BTreeMap<u32, Instant> = BTreeMap::new();
+        let mut done: BTreeMap<u32, f64> = BTreeMap::new();
         let mut last_metrics: Option<StepMetrics> = None;
         let mut saved: BTreeMap<u32, PathBuf> = BTreeMap::new();
         let mut step = 0u64;
+        let mut pending = Pending::default();
         let mut first_loss = None;
         let mut last_loss = None;
-        let mut last_progress = Instant::now();
         let mut last_step_at = Instant::now();
+        let mut commit_ns = 0u128;
         while done.len() < world as usize {
-            if last_progress.elapsed() > STALL_TIMEOUT {
-                bail!(
-                    "no progress for {STALL_TIMEOUT:?} (committed step {step} of {}); the job \
-                     is stuck",
-                    self.p.cfg.steps
-                );
-            }
-            while let Ok(input) = self.rx.try_recv() {
-                last_progress = Instant::now();
-                let (agent, line) = match input {
-                    Input::Eof(i) => bail!("agent {i} closed its output: it has exited"),
-                    Input::Line(i, l) => (i, l),
-                };
-                let Some(report) = Report::parse(&line) else {
-                    eprintln!("[agent {agent}] {line}");
-                    continue;
-                };
-                match report? {
-                    Report::Agent { pid } => {
-                        self.files.event(serde_json::json!({
-                            "event": "agent_ready", "agent": agent, "pid": pid,
-                        }))?;
+            let Some(ev) = self.next(&mut last_progress).await? else {
+                continue;
+            };
+            match ev {
+                MasterEvent::StepReady {
+                    rank,
+                    generation: g,
+                    step: s,
+                    loss,
+                    grad_norm,
+                    ..
+                } if g == generation => {
+                    if s != step + 1 {
+                        bail!(
+                            "rank {rank} reported step {s} ready while step {} is open",
+                            step + 1
+                        );
                     }
-                    Report::WorkerStarted { node, rank, pid } => {
-                        self.files.event(serde_json::json!({
-                            "event": "process", "role": "worker", "node": node, "rank": rank,
-                            "pid": pid,
-                        }))?;
+                    if pending.ready.insert(rank, (loss, grad_norm)).is_some() {
+                        bail!("rank {rank} reported step {s} ready twice");
                     }
-                    Report::Step {
-                        step: s,
+                    if pending.ready.len() < world as usize {
+                        continue;
+                    }
+                    let (loss, grad_norm) = agreed(&pending.ready, s)?;
+                    pending = Pending::default();
+                    let commit_started = Instant::now();
+                    let missed = self.master.commit_step(s, 0.0).await;
+                    commit_ns += commit_started.elapsed().as_nanos();
+                    if let Some((node, e)) = missed.first() {
+                        bail!("node {node} did not get the commit of step {s}: {e}");
+                    }
+                    step = s;
+                    let dt = last_step_at.elapsed().as_secs_f64().max(1e-9);
+                    last_step_at = Instant::now();
+                    first_loss.get_or_insert(loss);
+                    last_loss = Some(loss);
+                    let m = StepMetrics {
+                        step,
                         loss,
+                        lr: LrSchedule::new(
+                            self.p.cfg.lr,
+                            self.p.cfg.final_lr(),
+                            self.p.cfg.warmup(),
+                            self.p.cfg.steps,
+                        )?
+                        .lr_at(step - 1),
                         grad_norm,
-                        lr,
-                    } => {
-                        if s != step + 1 {
-                            bail!("rank 0 reported step {s} after step {step}");
-                        }
-                        step = s;
-                        let dt = last_step_at.elapsed().as_secs_f64().max(1e-9);
-                        last_step_at = Instant::now();
-                        first_loss.get_or_insert(loss);
-                        last_loss = Some(loss);
-                        let m = StepMetrics {
-                            step,
-                            loss,
-                            lr,
-                            grad_norm,
-                            samples_per_s: self.p.cfg.global_batch_size as f64 / dt,
-                            tokens_per_s: tokens_per_step / dt,
-                            generation: plan.generation,
-                            pipelines: plan.pipelines.len(),
-                            nodes: nodes.len(),
-                            wall_s: started.elapsed().as_secs_f64(),
-                            val_loss: None,
-                        };
-                        self.progress.step(&m, self.p.cfg.steps);
-                        if step == self.p.cfg.steps {
-                            // Written with the validation loss once the final state is in.
-                            last_metrics = Some(m.clone());
-                        } else {
-                            writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
-                                .context("writing metrics.jsonl")?;
-                        }
-                        let missed = self.master.commit_step(step, m.samples_per_s).await;
-                        if let Some((node, e)) = missed.first() {
-                            bail!("node {node} did not get the commit of step {step}: {e}");
-                        }
+                        samples_per_s: self.p.cfg.global_batch_size as f64 / dt,
+                        tokens_per_s: tokens_per_step / dt,
+                        generation,
+                        pipelines: plan.pipelines.len(),
+                        nodes: nodes.len(),
+                        wall_s: started.elapsed().as_secs_f64(),
+                        val_loss: None,
+                    };
+                    self.master.record_commit(step, m.samples_per_s);
+                    self.progress.step(&m, self.p.cfg.steps);
+                    if step == self.p.cfg.steps {
+                        // Written with the validation loss once the final state is in.
+                        last_metrics = Some(m.clone());
+                    } else {
+                        writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
+                            .context("writing metrics.jsonl")?;
                     }
-                    Report::Saved { rank, path } => {
+                }
+                MasterEvent::WorkerDone {
+                    rank,
+                    generation: g,
+                    step: s,
+                    state,
+                    commit_wait_ms,
+                    ..
+                } if g == generation => {
+                    if s != step {
+                        bail!("rank {rank} finished at step {s}, the job committed {step}");
+                    }
+                    if let Some(path) = state {
                         saved.insert(rank, PathBuf::from(path));
                     }
-                    Report::Done { rank } => {
-                        done.insert(rank);
-                    }
+                    done.insert(rank, commit_wait_ms);
                 }
-            }
-            match self.master.next_event(POLL).await {
-                Ok(MasterEvent::Lost { node, reason }) => {
-                    bail!("node {node} was lost ({reason:?}); failure recovery is not built yet")
-                }
-                Ok(MasterEvent::WorkerExited { node, rank, status }) => {
-                    last_progress = Instant::now();
-                    // Its last report lines travel through its agent's stdout, a different
-                    // path than this event: a clean exit gets REPORT_GRACE to show its `Done`.
+                MasterEvent::WorkerExited { node, rank, status } => {
                     let ok = status.code == Some(0);
-                    if ok && !done.contains(&rank) {
-                        exited_clean.insert(rank, Instant::now());
-                    }
-                    self.files.event(serde_json::json!({
-                        "event": "worker_exit", "node": node, "rank": rank,
-                        "code": status.code, "signal": status.signal,
-                    }))?;
-                    if !ok {
+                    if !ok || !done.contains_key(&rank) {
                         bail!(
                             "worker rank {rank} on node {node} exited ({}) before finishing; \
                              its error is above",
@@ -538,25 +633,8 @@ impl Job<'_> {
                         );
                     }
                 }
-                Ok(MasterEvent::Joined { node, .. }) => {
-                    bail!("node {node} joined during the job; elastic growth is not built yet")
-                }
-                Ok(MasterEvent::KillRequested { node }) => {
-                    bail!("a kill of node {node} was requested; failure recovery is not built yet")
-                }
-                Err(ElasticError::Timeout { .. }) => {}
-                Err(e) => return Err(e).context("the master's event stream"),
+                _ => {}
             }
-            if let Some((rank, _)) = exited_clean
-                .iter()
-                .find(|(r, at)| !done.contains(r) && at.elapsed() > REPORT_GRACE)
-            {
-                bail!(
-                    "worker rank {rank} exited with code 0 but never reported finishing its \
-                     steps"
-                );
-            }
-            self.check_agents_alive()?;
         }
         if step != self.p.cfg.steps {
             bail!(
@@ -564,6 +642,27 @@ impl Job<'_> {
                 self.p.cfg.steps
             );
         }
+        let train_s = last_step_at.duration_since(started).as_secs_f64();
+        // The rank that waited least for its commits was the last to be ready in most steps:
+        // its wait is the round trip the commit protocol adds (ready -> agent -> master ->
+        // agent -> worker), an upper bound on the control plane's cost per step.
+        let overhead_ms = done.values().copied().fold(f64::INFINITY, f64::min) / step.max(1) as f64;
+        let step_ms = 1e3 * train_s / step.max(1) as f64;
+        self.files.event(serde_json::json!({
+            "event": "control_plane", "steps": step,
+            "commit_wait_ms_per_step": overhead_ms,
+            "step_ms": step_ms,
+            "master_commit_ms_per_step": commit_ns as f64 / 1e6 / step.max(1) as f64,
+        }))?;
+        self.progress.note(&format!(
+            "control plane: {overhead_ms:.2} ms per step waiting for commits ({:.2}% of a \
+             {step_ms:.0} ms step)",
+            100.0 * overhead_ms / step_ms.max(1e-9)
+        ));
+        let node_of_rank: BTreeMap<u32, u32> = nodes
+            .iter()
+            .flat_map(|&nd| ranks_of_node(&plan, nd).into_iter().map(move |r| (r, nd)))
+            .collect();
         let (ckpt, params) = self.write_checkpoint(&plan, &node_of_rank, &saved, step)?;
         let val = self.validation_loss(&params)?;
         if let Some(mut m) = last_metrics {
@@ -590,20 +689,28 @@ impl Job<'_> {
     /// Waits until all agents registered; returns their node ids, sorted.
     async fn wait_for_nodes(&mut self) -> Result<Vec<u32>> {
         let n = self.p.cfg.nodes;
-        let deadline = Instant::now() + JOIN_TIMEOUT;
+        let deadline = Instant::now() + self.join_timeout;
         let mut joined = BTreeSet::new();
         while joined.len() < n {
             if Instant::now() > deadline {
                 bail!(
-                    "only {} of {n} agents registered within {JOIN_TIMEOUT:?}",
-                    joined.len()
+                    "only {} of {n} agents registered within {:?}",
+                    joined.len(),
+                    self.join_timeout
                 );
             }
             match self.master.next_event(POLL).await {
-                Ok(MasterEvent::Joined { node, .. }) => {
+                Ok(MasterEvent::Joined { node, addr, .. }) => {
                     joined.insert(node);
-                    self.files
-                        .event(serde_json::json!({"event": "join", "node": node}))?;
+                    self.files.event(
+                        serde_json::json!({"event": "join", "node": node, "addr": addr.to_string()}),
+                    )?;
+                    if self.agents.is_empty() {
+                        self.progress.note(&format!(
+                            "node {node} joined from {addr} ({}/{n})",
+                            joined.len()
+                        ));
+                    }
                 }
                 Ok(MasterEvent::Lost { node, reason }) => {
                     bail!("node {node} was lost while the cluster formed ({reason:?})")
@@ -712,24 +819,21 @@ fn describe(code: Option<i32>, signal: Option<i32>) -> String {
     }
 }
 
-/// Reserves one data-plane port per rank on 127.0.0.1: binds port 0, records the address and
-/// releases it for the worker to bind (a worker that then cannot bind it fails clearly).
-fn reserve_ports(world: u32) -> Result<Vec<Rendezvous>> {
-    let listeners = (0..world)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()
-        .context("reserving data-plane ports on 127.0.0.1")?;
-    listeners
-        .iter()
-        .enumerate()
-        .map(|(r, l)| {
-            let addr: SocketAddr = l.local_addr()?;
-            Ok(Rendezvous {
-                rank: r as u32,
-                addr: addr.to_string(),
-            })
-        })
-        .collect()
+/// Every rank's loss and gradient norm of `step`: they are the same global values (computed by
+/// the same all-reduce and summed in the same order on every rank), so any difference is a bug.
+fn agreed(ready: &BTreeMap<u32, (f64, f64)>, step: u64) -> Result<(f64, f64)> {
+    let mut it = ready.iter();
+    let (&r0, &(loss, norm)) = it.next().context("no rank reported")?;
+    for (&r, &(l, g)) in it {
+        let same = |a: f64, b: f64| a == b || (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+        if !same(l, loss) || !same(g, norm) {
+            bail!(
+                "ranks disagree on step {step}: rank {r0} has loss {loss}, grad norm {norm}; \
+                 rank {r} has {l}, {g}"
+            );
+        }
+    }
+    Ok((loss, norm))
 }
 
 #[cfg(test)]

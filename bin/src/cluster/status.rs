@@ -18,9 +18,9 @@ pub const TOKEN_FILE: &str = "master.token";
 /// Show the state of a running job.
 #[derive(Debug, Clone, clap::Args)]
 pub struct StatusArgs {
-    /// The master's control address.
+    /// The master's control address, HOST:PORT.
     #[arg(long, conflicts_with = "run")]
-    pub master: Option<SocketAddr>,
+    pub master: Option<String>,
     /// The job's shared secret (with --master).
     #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -87,13 +87,13 @@ fn target(a: &StatusArgs) -> Result<(SocketAddr, Token)> {
         };
         return Ok((addr, Token::new(secret.trim())?));
     }
-    let Some(addr) = a.master else {
+    let Some(addr) = &a.master else {
         bail!("pass --master HOST:PORT (with --token or OOBLECK_TOKEN) or --run DIR");
     };
     let Some(secret) = &a.token else {
         bail!("--master needs the job's token: --token or OOBLECK_TOKEN");
     };
-    Ok((addr, Token::new(secret)?))
+    Ok((super::resolve(addr)?, Token::new(secret)?))
 }
 
 /// Renders a status as text.
@@ -108,17 +108,37 @@ pub fn render(s: &ClusterStatus) -> String {
             .unwrap_or_else(|| "-".into()),
         s.samples_per_s
     );
-    for p in &s.pipelines {
-        out.push_str(&format!(
-            "pipeline {}: template of {} nodes on nodes {:?}, {} microbatches\n",
-            p.id, p.template_nodes, p.nodes, p.microbatches
-        ));
-    }
+    out.push_str(&render_plan(s));
     for n in &s.nodes {
         out.push_str(&format!(
             "node {} at {}: {} devices, last seen {} ms ago\n",
             n.node, n.addr, n.devices, n.last_seen_ms
         ));
+    }
+    out
+}
+
+/// The pipelines of a status, one line each: template, microbatch share and stage layout,
+/// e.g. `pipeline 0: 2-node template, 8 of 16 microbatches | layers 0-3 on node 0 | layers
+/// 3-6 on node 1 (2 devices)`.
+pub fn render_plan(s: &ClusterStatus) -> String {
+    let total: u32 = s.pipelines.iter().map(|p| p.microbatches).sum();
+    let mut out = String::new();
+    for p in &s.pipelines {
+        out.push_str(&format!(
+            "pipeline {}: {}-node template, {} of {total} microbatches",
+            p.id, p.template_nodes, p.microbatches
+        ));
+        for st in &p.stages {
+            out.push_str(&format!(
+                " | layers {}-{} on node {}",
+                st.layers.0, st.layers.1, st.node
+            ));
+            if st.devices > 1 {
+                out.push_str(&format!(" ({} devices)", st.devices));
+            }
+        }
+        out.push('\n');
     }
     out
 }

@@ -1,35 +1,34 @@
-//! `oobleck worker`: one device's process. Reads its [`WorkerAssignment`] from stdin, connects
-//! the data plane, trains every step of the run on its stage and reports to the master through
-//! stdout (forwarded by its agent). Exits when stdin closes (its agent is gone).
+//! `oobleck worker`: one device's process. Reads its [`WorkerAssignment`] from stdin, binds its
+//! data-plane port and reports it, connects to its peers once the rendezvous arrives, and runs
+//! every step: iteration and gradient sync, `Ready`, wait for the master's commit, optimizer.
+//! Exits when stdin closes (its agent is gone).
 
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig};
-use oobleck_core::execution::{Layout, StageWorker, WorkerConfig};
+use oobleck_core::elastic::protocol::Rendezvous;
+use oobleck_core::execution::{sync_gradients, Layout, StageWorker, WorkerConfig};
 use oobleck_core::model::ParamSource;
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
 use oobleck_models::data::{BatchSpec, DataCursor, Dataset, Split};
 
-use super::{Report, WorkerAssignment, DATA_TIMEOUT};
-use crate::config::{load_resolved, TrainConfig};
+use super::{Report, ToWorker, WorkerAssignment, COMMIT_TIMEOUT, DATA_TIMEOUT};
+use crate::config::TrainConfig;
 use crate::trainer::{model_config, open_dataset, to_tensors};
 
 /// How long a worker waits for its assignment on stdin.
 const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Hidden: run one worker of a local cluster (started by `oobleck agent`).
+/// Hidden: run one worker of a cluster job (started by `oobleck agent`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
-    /// The run directory (holds config.json; final parameters are written below it).
-    #[arg(long)]
-    pub run_dir: PathBuf,
     /// This worker's global rank.
     #[arg(long)]
     pub rank: u32,
@@ -42,38 +41,71 @@ pub fn state_path(run_dir: &Path, rank: u32) -> PathBuf {
         .join(format!("rank-{rank}.safetensors"))
 }
 
-/// Reads the assignment line, then keeps reading stdin on a thread and ends the process when
-/// it closes: the agent that started us is gone, so nobody would ever collect our results.
-fn read_assignment() -> Result<WorkerAssignment> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let stdin = std::io::stdin();
-        let mut lock = stdin.lock();
-        let mut line = String::new();
-        let first = lock.read_line(&mut line).map(|_| line.clone());
-        let _ = tx.send(first);
-        let mut sink = String::new();
-        loop {
-            sink.clear();
-            match lock.read_line(&mut sink) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
+/// The worker's stdin: the assignment, then the agent's messages. A thread reads it and ends
+/// the process when it closes: the agent that started us is gone, so nobody would ever
+/// commit a step or collect our results.
+struct Inbox {
+    rx: mpsc::Receiver<Result<ToWorker>>,
+}
+
+impl Inbox {
+    fn start() -> Result<(WorkerAssignment, Inbox)> {
+        let (first_tx, first_rx) = mpsc::channel();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let stdin = std::io::stdin();
+            let mut lock = stdin.lock();
+            let mut line = String::new();
+            let first = lock.read_line(&mut line).map(|_| line.clone());
+            let _ = first_tx.send(first);
+            loop {
+                line.clear();
+                match lock.read_line(&mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let msg =
+                            serde_json::from_str::<ToWorker>(line.trim()).with_context(|| {
+                                format!("malformed message from the agent: {:?}", line.trim())
+                            });
+                        if tx.send(msg).is_err() {
+                            break;
+                        }
+                    }
+                }
             }
+            eprintln!("oobleck worker: its agent closed stdin; exiting");
+            std::process::exit(3);
+        });
+        let line = first_rx
+            .recv_timeout(ASSIGNMENT_TIMEOUT)
+            .map_err(|_| anyhow::anyhow!("no assignment on stdin within {ASSIGNMENT_TIMEOUT:?}"))?
+            .context("reading the assignment from stdin")?;
+        let a = serde_json::from_str(line.trim()).context("parsing the assignment from stdin")?;
+        Ok((a, Inbox { rx }))
+    }
+
+    /// The next message from the agent, waiting at most `timeout`.
+    fn next(&self, timeout: Duration, waiting_for: &str) -> Result<ToWorker> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(m) => m,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                bail!("no {waiting_for} from the agent within {timeout:?}")
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the agent's stdin closed"),
         }
-        eprintln!("oobleck worker: its agent closed stdin; exiting");
-        std::process::exit(3);
-    });
-    let line = rx
-        .recv_timeout(ASSIGNMENT_TIMEOUT)
-        .map_err(|_| anyhow::anyhow!("no assignment on stdin within {ASSIGNMENT_TIMEOUT:?}"))?
-        .context("reading the assignment from stdin")?;
-    serde_json::from_str(line.trim()).context("parsing the assignment from stdin")
+    }
+}
+
+fn report(r: &Report) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", r.line()).context("writing a report to stdout")?;
+    out.flush().context("flushing stdout")
 }
 
 /// The data-plane address of every rank, indexed by rank.
-fn peer_addrs(a: &WorkerAssignment, world: usize) -> Result<Vec<SocketAddr>> {
+fn peer_addrs(rendezvous: &[Rendezvous], world: usize) -> Result<Vec<SocketAddr>> {
     let mut addrs: Vec<Option<SocketAddr>> = vec![None; world];
-    for r in &a.rendezvous {
+    for r in rendezvous {
         let slot = addrs
             .get_mut(r.rank as usize)
             .with_context(|| format!("rendezvous names rank {} of {world}", r.rank))?;
@@ -93,7 +125,7 @@ fn peer_addrs(a: &WorkerAssignment, world: usize) -> Result<Vec<SocketAddr>> {
 }
 
 pub fn run(args: &WorkerArgs) -> Result<()> {
-    let a = read_assignment()?;
+    let (a, inbox) = Inbox::start()?;
     if a.rank != args.rank {
         bail!(
             "assignment is for rank {}, this worker was started as rank {}",
@@ -102,69 +134,42 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         );
     }
     let rank = a.rank as usize;
-    let cfg = load_resolved(&args.run_dir)?;
-    let (model_cfg, pretrained) = model_config(&cfg)?;
+    let cfg = &a.config;
+    let bind: SocketAddr = format!("{}:0", a.host)
+        .parse()
+        .or_else(|_| super::resolve(&format!("{}:0", a.host)))
+        .with_context(|| format!("data-plane address {:?}", a.host))?;
+    let listener = std::net::TcpListener::bind(bind).with_context(|| {
+        format!(
+            "rank {rank} cannot bind a data-plane port on {} (is that an address of this \
+             machine? set the agent's --host)",
+            a.host
+        )
+    })?;
+    let addr = listener.local_addr().context("data-plane address")?;
+    report(&Report::Listening {
+        rank: a.rank,
+        addr: addr.to_string(),
+        pid: std::process::id(),
+    })?;
+    let (model_cfg, pretrained) = model_config(cfg)?;
     let model = model_cfg.build()?;
-    let data = open_dataset(&cfg)?;
+    let data = open_dataset(cfg)?;
     let spec = BatchSpec {
         seq_len: cfg.seq_len,
         microbatch_size: cfg.microbatch_size,
         num_microbatches: cfg.num_microbatches(),
     };
-    let train = data.split(Split::Train);
-    let ipe = train.iterations_per_epoch(&spec)?;
+    let ipe = data.split(Split::Train).iterations_per_epoch(&spec)?;
     let layout = Layout::from_plan(&a.plan, model.num_layers())?;
-    let world = layout.ranks().len();
-    let addrs = peer_addrs(&a, world)?;
-    let listener = std::net::TcpListener::bind(addrs[rank]).with_context(|| {
-        format!(
-            "rank {rank} cannot bind its data-plane address {}",
-            addrs[rank]
-        )
-    })?;
-    let mut tcp = TcpConfig::new(rank, a.generation, addrs);
-    tcp.connect_timeout = DATA_TIMEOUT;
-    let comm = TcpCommunicator::connect(tcp, Some(listener))
-        .with_context(|| format!("rank {rank}: connecting the data plane"))?;
-    let result = train_all(
-        &args.run_dir,
-        &cfg,
-        &a,
-        &layout,
-        &comm,
-        model.as_ref(),
-        pretrained,
-        &data,
-        ipe,
-    );
-    if result.is_err() {
-        // Fail the peers fast instead of letting them run into their timeouts.
-        comm.abort();
-    }
-    result
-}
-
-#[allow(clippy::too_many_arguments)]
-fn train_all(
-    run_dir: &Path,
-    cfg: &TrainConfig,
-    a: &WorkerAssignment,
-    layout: &Layout,
-    comm: &dyn Communicator,
-    model: &dyn oobleck_core::model::LayeredModel,
-    pretrained: Option<HashMap<String, Tensor>>,
-    data: &Dataset,
-    ipe: usize,
-) -> Result<()> {
-    let rank = a.rank as usize;
     let source = match &pretrained {
         Some(w) => ParamSource::Tensors(w),
         None => ParamSource::Init { seed: cfg.seed },
     };
     let microbatch_size = u32::try_from(cfg.microbatch_size).context("--microbatch-size")?;
     let worker = StageWorker::new(
-        model,
-        layout,
+        model.as_ref(),
+        &layout,
         rank,
         &Device::Cpu,
         source,
@@ -174,6 +179,40 @@ fn train_all(
             timeout: DATA_TIMEOUT,
         },
     )?;
+    let rendezvous = match inbox.next(COMMIT_TIMEOUT, "rendezvous")? {
+        ToWorker::Rendezvous { rendezvous } => rendezvous,
+        other => bail!("expected the rendezvous from the agent, got {other:?}"),
+    };
+    let world = layout.ranks().len();
+    let addrs = peer_addrs(&rendezvous, world)?;
+    if addrs[rank] != addr {
+        bail!(
+            "the rendezvous puts rank {rank} at {}, but it listens at {addr}",
+            addrs[rank]
+        );
+    }
+    let mut tcp = TcpConfig::new(rank, a.generation, addrs);
+    tcp.connect_timeout = DATA_TIMEOUT;
+    let comm = TcpCommunicator::connect(tcp, Some(listener))
+        .with_context(|| format!("rank {rank}: connecting the data plane"))?;
+    let result = train_all(&a, cfg, &worker, &comm, &inbox, &data, ipe);
+    if result.is_err() {
+        // Fail the peers fast instead of letting them run into their timeouts.
+        comm.abort();
+    }
+    result
+}
+
+fn train_all(
+    a: &WorkerAssignment,
+    cfg: &TrainConfig,
+    worker: &StageWorker,
+    comm: &dyn Communicator,
+    inbox: &Inbox,
+    data: &Dataset,
+    ipe: usize,
+) -> Result<()> {
+    let rank = a.rank;
     let spec = BatchSpec {
         seq_len: cfg.seq_len,
         microbatch_size: cfg.microbatch_size,
@@ -189,7 +228,8 @@ fn train_all(
         weight_decay: cfg.weight_decay,
     })?;
     let max_norm = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
-    let mut stdout = std::io::stdout();
+    let params: Vec<(String, Var)> = worker.stage().params();
+    let mut commit_wait = Duration::ZERO;
     for step in 0..cfg.steps {
         let cursor = DataCursor::at_step(step, ipe);
         let mut batch = |_iteration: u64, mb: u64| -> oobleck_core::Result<(Tensor, Tensor)> {
@@ -199,44 +239,52 @@ fn train_all(
             to_tensors(&b, &Device::Cpu)
                 .map_err(|e| oobleck_core::Error::Msg(format!("microbatch {mb}: {e}")))
         };
-        let lr = sched.lr_at(step);
-        let report = worker
-            .train_step(comm, step, &mut batch, &mut opt, lr, max_norm)
+        let out = worker
+            .run_iteration(comm, step, &mut batch)
             .with_context(|| format!("rank {rank}: step {}", step + 1))?;
-        if rank == 0 {
-            let r = Report::Step {
-                step: step + 1,
-                loss: report.loss,
-                grad_norm: report.grad_norm,
-                lr,
-            };
-            writeln!(stdout, "{}", r.line()).context("writing a report to stdout")?;
+        let (grads, sync) = sync_gradients(worker, comm, out, max_norm)
+            .with_context(|| format!("rank {rank}: gradient sync of step {}", step + 1))?;
+        report(&Report::Ready {
+            rank,
+            step: step + 1,
+            loss: sync.loss,
+            grad_norm: sync.grad_norm,
+        })?;
+        let waited = Instant::now();
+        match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
+            ToWorker::Commit { step: s } if s == step + 1 => {}
+            other => bail!(
+                "rank {rank} waits for the commit of step {}, the agent sent {other:?}",
+                step + 1
+            ),
         }
+        commit_wait += waited.elapsed();
+        opt.step(&params, &grads, sched.lr_at(step))
+            .with_context(|| format!("rank {rank}: optimizer step {}", step + 1))?;
     }
     // Pipeline 0 holds every layer once: its ranks leave the final state for the checkpoint.
     let pos = worker.position();
+    let mut state = None;
     if pos.pipeline == 0 && pos.device == 0 {
         let mut tensors: HashMap<String, Tensor> = HashMap::new();
-        for (name, var) in worker.params() {
+        for (name, var) in &params {
             tensors.insert(format!("param/{name}"), var.as_tensor().clone());
         }
         for (name, t) in opt.export_state()? {
             tensors.insert(format!("opt/{name}"), t);
         }
-        let path = state_path(run_dir, a.rank);
+        let path = state_path(&a.run_dir, rank);
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
         candle_core::safetensors::save(&tensors, &path)
             .with_context(|| format!("writing {}", path.display()))?;
-        let r = Report::Saved {
-            rank: a.rank,
-            path: path.display().to_string(),
-        };
-        writeln!(stdout, "{}", r.line()).context("writing a report to stdout")?;
+        state = Some(path.display().to_string());
     }
-    writeln!(stdout, "{}", Report::Done { rank: a.rank }.line())
-        .context("writing a report to stdout")?;
-    stdout.flush().context("flushing stdout")?;
-    Ok(())
+    report(&Report::Done {
+        rank,
+        step: cfg.steps,
+        state,
+        commit_wait_ms: commit_wait.as_secs_f64() * 1e3,
+    })
 }

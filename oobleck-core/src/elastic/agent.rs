@@ -113,6 +113,7 @@ async fn expect(r: &mut OwnedReadHalf, t: Duration, what: &'static str) -> Elast
 /// A registered node agent. Dropping it closes the connection; the master reports the node lost.
 pub struct Agent {
     node: u32,
+    local: SocketAddr,
     heartbeat: Duration,
     lease: Duration,
     outbox: mpsc::Sender<Message>,
@@ -147,6 +148,10 @@ impl Agent {
         timeout: Duration,
     ) -> ElasticResult<Agent> {
         let (r, w, welcomed) = open(master, token, PeerRole::Agent { devices }, timeout).await?;
+        let local = r.local_addr().map_err(|source| ElasticError::Io {
+            op: "agent address",
+            source,
+        })?;
         let node = welcomed.node.ok_or(ElasticError::Unexpected {
             expected: "a node id in welcome",
             got: "none".into(),
@@ -166,6 +171,7 @@ impl Agent {
         debug!(node, %master, "agent registered");
         Ok(Agent {
             node,
+            local,
             heartbeat: welcomed.heartbeat,
             lease: welcomed.lease,
             outbox,
@@ -178,6 +184,12 @@ impl Agent {
     /// The node id the master assigned.
     pub fn node(&self) -> u32 {
         self.node
+    }
+
+    /// This end of the control connection: its IP is the address the master's network reaches
+    /// this machine at, a sound default for the data plane.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
     }
 
     /// The heartbeat interval and lease the master set.

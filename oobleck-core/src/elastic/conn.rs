@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -51,6 +51,8 @@ pub(super) struct Shared {
     pub(super) job: Mutex<JobState>,
     pub(super) next_node: AtomicU32,
     pub(super) refused: AtomicU64,
+    /// Set by `Master::shutdown`: nodes that leave from then on are expected to.
+    pub(super) closing: AtomicBool,
     pub(super) live: watch::Sender<usize>,
     pub(super) events: mpsc::UnboundedSender<MasterEvent>,
     pub(super) handshakes: Arc<tokio::sync::Semaphore>,
@@ -65,6 +67,7 @@ impl Shared {
             job: Mutex::new(JobState::default()),
             next_node: AtomicU32::new(0),
             refused: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
             live: watch::Sender::new(0),
             handshakes,
             events,
@@ -123,7 +126,11 @@ impl Shared {
             removed
         };
         if removed {
-            warn!(node, reason = ?reason, "node lost");
+            if self.closing.load(Ordering::Relaxed) {
+                debug!(node, reason = ?reason, "node left after shutdown");
+            } else {
+                warn!(node, reason = ?reason, "node lost");
+            }
             self.emit(MasterEvent::Lost { node, reason });
         }
     }
@@ -338,9 +345,56 @@ async fn serve_agent(
                 rank,
                 status,
             } if n == node => {
-                warn!(node, rank, ?status, "worker exited");
+                if status.code == Some(0) {
+                    debug!(node, rank, "worker exited cleanly");
+                } else {
+                    warn!(node, rank, ?status, "worker exited");
+                }
                 shared.emit(MasterEvent::WorkerExited { node, rank, status });
             }
+            Message::WorkerListening {
+                node: n,
+                rank,
+                generation,
+                addr,
+                pid,
+            } if n == node => shared.emit(MasterEvent::WorkerListening {
+                node,
+                rank,
+                generation,
+                addr,
+                pid,
+            }),
+            Message::StepReady {
+                node: n,
+                rank,
+                generation,
+                step,
+                loss,
+                grad_norm,
+            } if n == node => shared.emit(MasterEvent::StepReady {
+                node,
+                rank,
+                generation,
+                step,
+                loss,
+                grad_norm,
+            }),
+            Message::WorkerDone {
+                node: n,
+                rank,
+                generation,
+                step,
+                state,
+                commit_wait_ms,
+            } if n == node => shared.emit(MasterEvent::WorkerDone {
+                node,
+                rank,
+                generation,
+                step,
+                state,
+                commit_wait_ms,
+            }),
             Message::StatusRequest => {
                 let status = Message::StatusResponse {
                     status: shared.status(),

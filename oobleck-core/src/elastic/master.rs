@@ -20,7 +20,9 @@ use tracing::info;
 use super::auth::Token;
 use super::conn::{accept_loop, Outgoing, Shared};
 use super::error::{ElasticError, ElasticResult};
-use super::protocol::{ClusterStatus, ExitStatus, Message, NodeStatus, PipelineStatus, Rendezvous};
+use super::protocol::{
+    ClusterStatus, ExitStatus, Message, NodeStatus, PipelineStatus, Rendezvous, StageStatus,
+};
 use crate::planning::Plan;
 
 /// The binary version peers must match.
@@ -73,7 +75,7 @@ pub enum LossReason {
 }
 
 /// What the job driver hears from the membership layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum MasterEvent {
     Joined {
         node: u32,
@@ -92,6 +94,32 @@ pub enum MasterEvent {
     /// A tool asked for `node`'s processes to be killed.
     KillRequested {
         node: u32,
+    },
+    /// A worker bound its data-plane port ([`Message::WorkerListening`]).
+    WorkerListening {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        addr: String,
+        pid: u32,
+    },
+    /// A worker holds its reduced gradients for `step` ([`Message::StepReady`]).
+    StepReady {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+    },
+    /// A worker finished its steps ([`Message::WorkerDone`]).
+    WorkerDone {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        state: Option<String>,
+        commit_wait_ms: f64,
     },
 }
 
@@ -214,11 +242,27 @@ impl Master {
         job.pipelines = plan
             .pipelines
             .iter()
-            .map(|p| PipelineStatus {
-                id: p.id,
-                template_nodes: p.template_nodes,
-                nodes: p.nodes.clone(),
-                microbatches: p.microbatches,
+            .map(|p| {
+                let template = plan.templates.iter().find(|t| t.nodes == p.template_nodes);
+                let stages = template
+                    .map(|t| {
+                        t.stages
+                            .iter()
+                            .map(|s| StageStatus {
+                                layers: (s.layer_start as u32, s.layer_end as u32),
+                                devices: s.devices,
+                                node: p.nodes.get(s.node as usize).copied().unwrap_or(u32::MAX),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                PipelineStatus {
+                    id: p.id,
+                    template_nodes: p.template_nodes,
+                    nodes: p.nodes.clone(),
+                    microbatches: p.microbatches,
+                    stages,
+                }
             })
             .collect();
     }
@@ -306,6 +350,7 @@ impl Master {
             .map(|(&n, e)| (n, e.outbox.clone()))
             .collect();
         info!(nodes = targets.len(), reason, "master shutting down");
+        self.shared.closing.store(true, Ordering::Relaxed);
         let mut failed = Vec::new();
         let mut pending = Vec::new();
         for (node, outbox) in targets {

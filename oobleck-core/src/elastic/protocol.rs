@@ -37,7 +37,7 @@ use crate::planning::Plan;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 12;
 /// Largest body accepted: far above any plan, small enough that a corrupt length cannot make
@@ -93,6 +93,20 @@ pub struct PipelineStatus {
     pub template_nodes: u32,
     pub nodes: Vec<u32>,
     pub microbatches: u32,
+    /// The template's stages in order.
+    pub stages: Vec<StageStatus>,
+}
+
+/// One stage of a pipeline in a status report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageStatus {
+    /// First layer and one past the last.
+    pub layers: (u32, u32),
+    /// Devices the stage's microbatches are split over.
+    pub devices: u32,
+    /// The node running it.
+    pub node: u32,
 }
 
 /// The master's view of the job.
@@ -156,6 +170,47 @@ pub enum Message {
     },
     /// Master -> agents: every holder has its reduced gradient for `step`; apply it.
     StepCommitted { step: u64, generation: u64 },
+    /// Master -> agent, before its first plan: what the job runs, opaque to this layer (the
+    /// trainer's resolved configuration) and where its outputs go. Agents hand it to workers.
+    Job {
+        run_dir: String,
+        config: serde_json::Value,
+    },
+    /// Agent -> master: worker `rank` of this node listens for its data-plane peers at `addr`
+    /// (it bound the port itself, so no other process can take it in between).
+    WorkerListening {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        addr: String,
+        pid: u32,
+    },
+    /// Master -> agents, once every rank of `generation` listens: where each one is.
+    RendezvousList {
+        generation: u64,
+        rendezvous: Vec<Rendezvous>,
+    },
+    /// Agent -> master: worker `rank` holds its reduced gradients for `step` and waits for the
+    /// commit. `loss` and `grad_norm` are the step's global values (the same on every rank).
+    StepReady {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+    },
+    /// Agent -> master: worker `rank` finished the run at `step`; `state` is where it left its
+    /// final parameters and optimizer state, if it keeps a part of the checkpoint.
+    /// `commit_wait_ms` is the time it spent waiting for commits (control-plane overhead).
+    WorkerDone {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        state: Option<String>,
+        commit_wait_ms: f64,
+    },
     /// Client -> master.
     StatusRequest,
     /// Master -> client.
@@ -179,6 +234,11 @@ impl Message {
             Message::PlanAssignment { .. } => "plan_assignment",
             Message::WorkerExited { .. } => "worker_exited",
             Message::StepCommitted { .. } => "step_committed",
+            Message::Job { .. } => "job",
+            Message::WorkerListening { .. } => "worker_listening",
+            Message::RendezvousList { .. } => "rendezvous_list",
+            Message::StepReady { .. } => "step_ready",
+            Message::WorkerDone { .. } => "worker_done",
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
             Message::KillNode { .. } => "kill_node",
@@ -393,6 +453,22 @@ mod tests {
             Message::StatusRequest,
             Message::Refused {
                 reason: "bad token".into(),
+            },
+            Message::StepReady {
+                node: 1,
+                rank: 2,
+                generation: 0,
+                step: 7,
+                loss: 3.25,
+                grad_norm: 0.5,
+            },
+            Message::WorkerDone {
+                node: 1,
+                rank: 2,
+                generation: 0,
+                step: 7,
+                state: Some("/tmp/x".into()),
+                commit_wait_ms: 1.5,
             },
         ]
     }
