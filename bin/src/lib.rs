@@ -5,6 +5,7 @@
 //!  oobleck: models | plan | generate | bench ...
 //! ```
 
+pub mod bench_pipeline;
 pub mod bench_train;
 pub mod cluster;
 pub mod config;

@@ -48,6 +48,9 @@ enum Cmd {
 enum BenchCmd {
     /// Training tokens/s of Candle vs PyTorch eager on the same GPT (fwd + bwd + clip + AdamW).
     Train(oobleck_cli::bench_train::BenchTrainArgs),
+    /// A real pipeline over TCP against the schedule simulator: iteration time, bubble,
+    /// gradient sync and control-plane cost per step.
+    Pipeline(oobleck_cli::bench_pipeline::BenchPipelineArgs),
 }
 
 #[derive(clap::Args)]
@@ -90,6 +93,7 @@ fn main() -> Result<()> {
         Cmd::Generate(a) => generate(&a),
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
+        Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
         Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
