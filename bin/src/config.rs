@@ -193,11 +193,16 @@ pub struct TrainArgs {
     pub json: bool,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
-    #[arg(long, requires = "expect_nodes")]
+    #[arg(long)]
     pub listen: Option<String>,
-    /// With --listen or --hostfile: the number of nodes (agents) of the job.
-    #[arg(long, conflicts_with = "nodes")]
+    /// With --listen: the number of nodes (agents) of the job.
+    #[arg(long, conflicts_with_all = ["nodes", "hostfile"])]
     pub expect_nodes: Option<usize>,
+    /// Multi-machine: start one agent per host of FILE over ssh (`$OOBLECK_SSH` replaces
+    /// `ssh`); the master listens on --listen, which must be an address the hosts can reach.
+    /// Format: one `[user@]host[:sshport] [data=IP] [oobleck=PATH]` per line.
+    #[arg(long, requires = "listen", conflicts_with = "nodes")]
+    pub hostfile: Option<PathBuf>,
     /// The job's shared secret for --listen / --hostfile (agents must present the same one).
     #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
     pub token: Option<String>,

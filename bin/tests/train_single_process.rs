@@ -15,6 +15,7 @@ use oobleck_core::checkpoint::{checkpoint_path, load_checkpoint};
 fn tiny(out: &Path, steps: u64) -> TrainConfig {
     TrainConfig {
         model: "gpt-tiny".into(),
+        nodes: 1,
         microbatch_size: 2,
         global_batch_size: 8,
         seq_len: 32,

@@ -151,13 +151,17 @@ async fn messages_flow_both_ways_and_an_agent_sees_its_master_go() {
         code: None,
         signal: Some(9),
     };
-    agent.report_worker_exit(5, status, T).await.unwrap();
+    agent
+        .report_worker_exit(5, status, Some("out of memory".into()), T)
+        .await
+        .unwrap();
     assert_eq!(
         master.next_event(T).await.unwrap(),
         MasterEvent::WorkerExited {
             node,
             rank: 5,
-            status
+            status,
+            error: Some("out of memory".into()),
         }
     );
     assert!(matches!(

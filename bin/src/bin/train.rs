@@ -1,7 +1,8 @@
 //! `train`: the main job. See `train --help`.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
+use oobleck_cli::cluster::hostfile::parse_hostfile;
 use oobleck_cli::cluster::master::Launch;
 use oobleck_cli::cluster::resolve;
 use oobleck_cli::config::TrainArgs;
@@ -20,29 +21,50 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = TrainArgs::parse();
-    let cfg = args.resolve()?;
-    let launch = match &args.listen {
-        Some(addr) => {
-            let Some(secret) = &args.token else {
-                bail!(
+    let mut cfg = args.resolve()?;
+    let launch = match (&args.listen, &args.hostfile) {
+        (Some(addr), hostfile) => {
+            let addr = resolve(addr)?;
+            let token = match (&args.token, hostfile) {
+                (Some(secret), _) => Token::new(secret)?,
+                // We hand the token to the agents ourselves.
+                (None, Some(_)) => Token::random(),
+                (None, None) => bail!(
                     "--listen needs the job's shared secret: set OOBLECK_TOKEN (or --token) here \
                      and give every `oobleck agent` the same one"
-                );
+                ),
             };
-            Some(Launch::Listen {
-                addr: resolve(addr)?,
-                token: Token::new(secret)?,
-            })
+            match hostfile {
+                Some(path) => {
+                    if addr.ip().is_unspecified() || addr.port() == 0 {
+                        bail!(
+                            "with --hostfile, --listen must be an IP:PORT the hosts can reach \
+                             (not {addr}): the agents are told to connect to it"
+                        );
+                    }
+                    let text = std::fs::read_to_string(path)
+                        .with_context(|| format!("reading --hostfile {}", path.display()))?;
+                    let hosts = parse_hostfile(&text, path)?;
+                    cfg.nodes = hosts.len();
+                    Some(Launch::Hostfile { addr, token, hosts })
+                }
+                None => {
+                    if args.expect_nodes.is_none() {
+                        bail!("--listen needs --expect-nodes N (or --hostfile FILE)");
+                    }
+                    Some(Launch::Listen { addr, token })
+                }
+            }
         }
-        None if args.expect_nodes.is_some() => {
+        (None, _) if args.expect_nodes.is_some() => {
             bail!("--expect-nodes goes with --listen (agents started by hand); for a local cluster use --nodes")
         }
-        None if cfg.nodes > 1 => Some(Launch::Local),
-        None => None,
+        (None, _) if cfg.nodes > 1 => Some(Launch::Local),
+        (None, _) => None,
     };
     if let Some(launch) = launch {
         if args.resume.is_some() {
-            bail!("--resume of a multi-node run is not built yet; resume it with --nodes 1");
+            bail!("--resume of a multi-node run is not built yet");
         }
         let summary = oobleck_cli::cluster::master::run(cfg, launch)?;
         eprintln!(

@@ -25,6 +25,8 @@ const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(20);
 /// How long finished workers get to exit after `Shutdown` before they are killed.
 const GRACE: Duration = Duration::from_secs(5);
+/// Lines of a worker's stderr kept to explain its failure to the master.
+const ERROR_LINES: usize = 40;
 
 /// Run one node of a cluster job: `oobleck agent --master HOST:PORT` on each machine of a
 /// multi-machine job (see `train --listen`).
@@ -57,6 +59,8 @@ struct Worker {
     stdin: ChildStdin,
     /// Relays its stdout; done once the worker closed it.
     relay: tokio::task::JoinHandle<()>,
+    /// Relays its stderr and returns its last lines; done once the worker closed it.
+    errors: tokio::task::JoinHandle<Vec<String>>,
 }
 
 /// Things the agent's loop hears besides the master.
@@ -141,7 +145,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
     let mut generation = 0u64;
     let mut workers: Vec<Worker> = Vec::new();
     // Exits seen but not yet told, so that a worker's last reports reach the master first.
-    let mut exited: Vec<(u32, ExitStatus)> = Vec::new();
+    let mut exited: Vec<(u32, ExitStatus, Option<String>)> = Vec::new();
     let result = async {
         loop {
             while let Ok(ev) = local_rx.try_recv() {
@@ -192,9 +196,9 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     }
                 }
             }
-            for (rank, status) in exited.drain(..) {
+            for (rank, status, error) in exited.drain(..) {
                 agent
-                    .report_worker_exit(rank, status, CONTROL_TIMEOUT)
+                    .report_worker_exit(rank, status, error, CONTROL_TIMEOUT)
                     .await
                     .context("reporting a worker exit")?;
             }
@@ -205,12 +209,19 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     // Its relay ends at the EOF of its stdout; the reports it read are then
                     // queued, and are sent before the exit on the next turn.
                     let _ = tokio::time::timeout(GRACE, w.relay).await;
+                    let tail = tokio::time::timeout(GRACE, w.errors)
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .unwrap_or_default();
+                    let error = (!st.success() && !tail.is_empty()).then(|| tail.join("\n"));
                     exited.push((
                         w.rank,
                         ExitStatus {
                             code: st.code(),
                             signal: st.signal(),
                         },
+                        error,
                     ));
                 } else {
                     i += 1;
@@ -312,10 +323,11 @@ async fn spawn_worker(
         .env_remove("OOBLECK_TOKEN")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .with_context(|| format!("starting worker rank {} ({})", a.rank, exe.display()))?;
+    let stderr = child.stderr.take().context("worker stderr")?;
     let mut stdin = child.stdin.take().context("worker stdin")?;
     let stdout = child.stdout.take().context("worker stdout")?;
     let mut line = serde_json::to_string(&a)?;
@@ -339,12 +351,50 @@ async fn spawn_worker(
             }
         }
     });
+    // Pass its stderr on, keeping the last lines: the master is told them if it fails.
+    let errors = tokio::spawn(async move {
+        let mut tail: std::collections::VecDeque<String> = Default::default();
+        let mut in_backtrace = false;
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            eprintln!("{l}");
+            // A backtrace (RUST_BACKTRACE=1) would push the message itself out of the tail.
+            if l.starts_with("Stack backtrace:") {
+                in_backtrace = true;
+            } else if l.starts_with("Error:") {
+                in_backtrace = false;
+            }
+            if in_backtrace {
+                continue;
+            }
+            if tail.len() == ERROR_LINES {
+                tail.pop_front();
+            }
+            tail.push_back(l);
+        }
+        error_lines(tail.into_iter().collect())
+    });
     Ok(Worker {
         rank,
         child,
         stdin,
         relay,
+        errors,
     })
+}
+
+/// The part of a failed worker's last stderr lines (backtraces left out) that says why: from
+/// its last `Error:` line (anyhow's report) on; else all of them. Blank lines are dropped.
+fn error_lines(tail: Vec<String>) -> Vec<String> {
+    let start = tail
+        .iter()
+        .rposition(|l| l.starts_with("Error:"))
+        .unwrap_or(0);
+    tail[start..]
+        .iter()
+        .filter(|l| !l.trim().is_empty())
+        .cloned()
+        .collect()
 }
 
 /// Waits up to `grace` for the workers to exit by themselves, then kills the rest.

@@ -24,8 +24,10 @@ use oobleck_core::planning::{
 };
 use oobleck_models::data::{DataCursor, Split};
 use oobleck_models::ModelConfig;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
+use super::hostfile::{self, HostEntry};
 use super::worker::state_path;
 use super::{ranks_of_node, world_size};
 use crate::config::{save_resolved, TrainConfig};
@@ -37,6 +39,8 @@ use crate::trainer::{
 
 /// How long the agents get to start and register.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Bound of starting each ssh and handing it the token.
+const SSH_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `--listen` waits for agents started by hand.
 const LISTEN_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 /// The longest the job may go without any report or event before it is declared stuck
@@ -191,6 +195,13 @@ pub enum Launch {
     /// `--listen ADDR --expect-nodes N`: the master listens on `addr` and waits for agents
     /// started by hand (`oobleck agent --master ADDR`) with the same token.
     Listen { addr: SocketAddr, token: Token },
+    /// `--hostfile FILE --listen ADDR`: like `Listen`, and the master starts one agent per host
+    /// over ssh itself (`cluster::hostfile`), pointing them at `addr`.
+    Hostfile {
+        addr: SocketAddr,
+        token: Token,
+        hosts: Vec<HostEntry>,
+    },
 }
 
 /// Runs the job on a local cluster of `cfg.nodes` agent processes. Returns when every process
@@ -230,6 +241,7 @@ impl Files {
 }
 
 struct AgentProc {
+    /// The agent, or the ssh running it.
     child: Child,
     /// Held open: the agent exits when it closes.
     stdin: Option<ChildStdin>,
@@ -249,13 +261,15 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
     };
     let n = p.cfg.nodes;
     let local = matches!(launch, Launch::Local);
-    let (bind, token, join_timeout) = match launch {
+    let (bind, token, join_timeout, hosts) = match launch {
         Launch::Local => (
             "127.0.0.1:0".parse().context("master address")?,
             Token::random(),
             JOIN_TIMEOUT,
+            None,
         ),
-        Launch::Listen { addr, token } => (addr, token, LISTEN_JOIN_TIMEOUT),
+        Launch::Listen { addr, token } => (addr, token, LISTEN_JOIN_TIMEOUT, None),
+        Launch::Hostfile { addr, token, hosts } => (addr, token, JOIN_TIMEOUT, Some(hosts)),
     };
     let mut master = Master::bind(bind, token.clone(), u32::try_from(n).context("--nodes")?)
         .await
@@ -300,6 +314,32 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
             }))?;
             let stdin = child.stdin.take();
             agents.push(AgentProc { child, stdin });
+        }
+    } else if let Some(hosts) = hosts {
+        let addr = master.local_addr().to_string();
+        eprintln!(
+            "master listening on {addr}; starting {} agents over ssh",
+            hosts.len()
+        );
+        let launched = hostfile::launch(&hosts, &addr, token.expose(), SSH_TIMEOUT).await?;
+        for l in launched {
+            files.event(serde_json::json!({
+                "event": "process", "role": "ssh", "host": l.entry.to_string(),
+                "pid": l.child.id(),
+            }))?;
+            // The agent prints nothing on stdout itself; pass on whatever comes so its pipe
+            // never fills.
+            let host = l.entry.to_string();
+            let mut lines = BufReader::new(l.stdout).lines();
+            tokio::spawn(async move {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    eprintln!("[{host}] {line}");
+                }
+            });
+            agents.push(AgentProc {
+                child: l.child,
+                stdin: Some(l.stdin),
+            });
         }
     } else {
         eprintln!(
@@ -419,10 +459,15 @@ impl Job<'_> {
             MasterEvent::Lost { node, reason } => {
                 bail!("node {node} was lost ({reason:?}); failure recovery is not built yet")
             }
-            MasterEvent::WorkerExited { node, rank, status } => {
+            MasterEvent::WorkerExited {
+                node,
+                rank,
+                status,
+                error,
+            } => {
                 self.files.event(serde_json::json!({
                     "event": "worker_exit", "node": node, "rank": rank,
-                    "code": status.code, "signal": status.signal,
+                    "code": status.code, "signal": status.signal, "error": error,
                 }))?;
             }
             MasterEvent::Joined { node, .. } => {
@@ -502,10 +547,15 @@ impl Job<'_> {
                     }))?;
                     listening.insert(rank, addr);
                 }
-                MasterEvent::WorkerExited { node, rank, status } => bail!(
-                    "worker rank {rank} on node {node} exited ({}) while the data plane formed; \
-                     its error is above",
-                    describe(status.code, status.signal)
+                MasterEvent::WorkerExited {
+                    node,
+                    rank,
+                    status,
+                    error,
+                } => bail!(
+                    "worker rank {rank} on node {node} exited ({}) while the data plane formed{}",
+                    describe(status.code, status.signal),
+                    because(error.as_deref())
                 ),
                 _ => {}
             }
@@ -623,13 +673,18 @@ impl Job<'_> {
                     }
                     done.insert(rank, commit_wait_ms);
                 }
-                MasterEvent::WorkerExited { node, rank, status } => {
+                MasterEvent::WorkerExited {
+                    node,
+                    rank,
+                    status,
+                    error,
+                } => {
                     let ok = status.code == Some(0);
                     if !ok || !done.contains_key(&rank) {
                         bail!(
-                            "worker rank {rank} on node {node} exited ({}) before finishing; \
-                             its error is above",
-                            describe(status.code, status.signal)
+                            "worker rank {rank} on node {node} exited ({}) before finishing{}",
+                            describe(status.code, status.signal),
+                            because(error.as_deref())
                         );
                     }
                 }
@@ -808,6 +863,14 @@ impl Job<'_> {
             total += f64::from(stage.forward(&inp, &ctx)?.output.to_scalar::<f32>()?);
         }
         Ok(total / cfg.eval_batches as f64)
+    }
+}
+
+/// `: <what the worker printed>`, or a pointer to the logs when it printed nothing.
+fn because(error: Option<&str>) -> String {
+    match error {
+        Some(e) => format!(":\n{e}"),
+        None => "; see its node's log".into(),
     }
 }
 

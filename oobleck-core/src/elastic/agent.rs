@@ -225,12 +225,14 @@ impl Agent {
         &self,
         rank: u32,
         status: ExitStatus,
+        error: Option<String>,
         timeout: Duration,
     ) -> ElasticResult<()> {
         let msg = Message::WorkerExited {
             node: self.node,
             rank,
             status,
+            error,
         };
         self.send(msg, timeout).await
     }

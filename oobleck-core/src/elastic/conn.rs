@@ -344,13 +344,19 @@ async fn serve_agent(
                 node: n,
                 rank,
                 status,
+                error,
             } if n == node => {
                 if status.code == Some(0) {
                     debug!(node, rank, "worker exited cleanly");
                 } else {
                     warn!(node, rank, ?status, "worker exited");
                 }
-                shared.emit(MasterEvent::WorkerExited { node, rank, status });
+                shared.emit(MasterEvent::WorkerExited {
+                    node,
+                    rank,
+                    status,
+                    error,
+                });
             }
             Message::WorkerListening {
                 node: n,

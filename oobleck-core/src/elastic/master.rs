@@ -90,6 +90,8 @@ pub enum MasterEvent {
         node: u32,
         rank: u32,
         status: ExitStatus,
+        /// What the worker last printed, when it failed.
+        error: Option<String>,
     },
     /// A tool asked for `node`'s processes to be killed.
     KillRequested {

@@ -162,11 +162,13 @@ pub enum Message {
         /// The NCCL unique id of this generation (feature `nccl`), 128 bytes.
         nccl_unique_id: Option<Vec<u8>>,
     },
-    /// Agent -> master: a worker of this node ended.
+    /// Agent -> master: a worker of this node ended. `error`: the end of what a failed worker
+    /// printed (its error message), so the master can say why without access to this machine.
     WorkerExited {
         node: u32,
         rank: u32,
         status: ExitStatus,
+        error: Option<String>,
     },
     /// Master -> agents: every holder has its reduced gradient for `step`; apply it.
     StepCommitted { step: u64, generation: u64 },
@@ -449,6 +451,7 @@ mod tests {
                     code: None,
                     signal: Some(9),
                 },
+                error: Some("killed".into()),
             },
             Message::StatusRequest,
             Message::Refused {
