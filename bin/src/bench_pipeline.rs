@@ -198,6 +198,10 @@ struct Report {
     iters: usize,
     threads_per_rank: usize,
     cores: usize,
+    /// `/proc/loadavg` (1, 5, 15 min) before and after: other load on a shared machine
+    /// inflates every time here.
+    load_before: Option<String>,
+    load_after: Option<String>,
     control_plane: Vec<ControlPlane>,
     rows: Vec<Row>,
 }
@@ -234,6 +238,12 @@ fn percentile(xs: &[f64], q: f64) -> f64 {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// The 1, 5 and 15 minute load averages (Linux).
+fn loadavg() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    Some(s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
 
 fn cores() -> usize {
@@ -934,8 +944,11 @@ pub fn measure(args: &BenchPipelineArgs) -> Result<(Vec<Row>, Vec<ControlPlane>,
 }
 
 pub fn run(args: &BenchPipelineArgs) -> Result<()> {
+    let load_before = loadavg();
     let (rows, cps, vocab) = measure(args)?;
     let report = Report {
+        load_before,
+        load_after: loadavg(),
         model: args.model.clone(),
         vocab,
         seq_len: args.seq_len,
@@ -978,6 +991,12 @@ fn table(r: &Report) -> String {
         r.iters,
         r.cores,
         r.threads_per_rank
+    );
+    let _ = writeln!(
+        o,
+        "load average before {}, after {} (other processes share these cores)",
+        r.load_before.as_deref().unwrap_or("n/a"),
+        r.load_after.as_deref().unwrap_or("n/a")
     );
     for row in &r.rows {
         let stages: Vec<String> = row
@@ -1133,6 +1152,8 @@ mod tests {
             iters: 1,
             threads_per_rank: 1,
             cores: cores(),
+            load_before: loadavg(),
+            load_after: None,
             control_plane: cps,
             rows,
         };
