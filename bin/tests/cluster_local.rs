@@ -132,6 +132,23 @@ fn assert_all_gone(run: &Path, want: usize) {
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
 
+/// `(step, val_loss)` of every metrics line that has one, in file order.
+fn val_losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            Some((v["step"].as_u64()?, v["val_loss"].as_f64()?))
+        })
+        .collect()
+}
+
+fn params_at(run: &Path, step: u64) -> BTreeMap<String, Tensor> {
+    let ck = oobleck_core::checkpoint::checkpoint_path(run, step);
+    load_checkpoint(&ck, &Device::Cpu).expect("load").params
+}
+
 fn final_params(run: &Path) -> BTreeMap<String, Tensor> {
     let ck = latest_checkpoint(run).expect("list").expect("a checkpoint");
     load_checkpoint(&ck, &Device::Cpu).expect("load").params
@@ -160,10 +177,12 @@ fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
 fn cluster_plans_match_the_single_process_and_leave_no_process() {
     let dir = tempfile::tempdir().expect("tempdir");
     let single = dir.path().join("single");
-    let o = run(
-        train_cmd(&single, 2, &["--nodes", "1"]),
-        Duration::from_secs(60),
-    );
+    // Validation and checkpoints after every step: the cluster assembles them from its
+    // workers' states in the background and must match the single process's.
+    let periodic = ["--eval-every", "1", "--checkpoint-every", "1"];
+    let mut flags = vec!["--nodes", "1"];
+    flags.extend(periodic);
+    let o = run(train_cmd(&single, 2, &flags), Duration::from_secs(60));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let want = losses(&single);
     let want_params = final_params(&single);
@@ -171,6 +190,9 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
     let want_last: serde_json::Value =
         serde_json::from_str(single_metrics.lines().last().expect("a line")).expect("JSON");
     let want_val = want_last["val_loss"].as_f64().expect("validation loss");
+    let want_vals = val_losses(&single);
+    assert_eq!(want_vals.len(), 2, "{want_vals:?}");
+    let want_step1 = params_at(&single, 1);
     assert_eq!(want.len(), 2);
     // Pinned data parallel, pinned heterogeneous, and the planner's own choice on 4 nodes.
     for (nodes, pipes, procs, want_pipes) in [
@@ -180,6 +202,7 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
     ] {
         let out = dir.path().join(format!("n{nodes}"));
         let mut flags = vec!["--nodes", nodes];
+        flags.extend(periodic);
         if let Some(p) = pipes {
             flags.extend(["--pipeline-nodes", p]);
         }
@@ -211,6 +234,23 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
         );
         let d = max_diff(&final_params(&out), &want_params);
         assert!(d < TOL, "--nodes {nodes}: max |param diff| {d}");
+        let d = max_diff(&params_at(&out, 1), &want_step1);
+        assert!(
+            d < TOL,
+            "--nodes {nodes}: step-1 checkpoint: max |param diff| {d}"
+        );
+        let vals = val_losses(&out);
+        assert_eq!(vals.len(), want_vals.len(), "--nodes {nodes}: {vals:?}");
+        for ((s, v), (_, w)) in vals.iter().zip(&want_vals) {
+            assert!(
+                (v - w).abs() < TOL,
+                "--nodes {nodes} step {s}: val {v} vs {w}"
+            );
+        }
+        assert!(
+            !out.join("cluster").exists(),
+            "--nodes {nodes}: the workers' states outlived the run"
+        );
         assert_all_gone(&out, procs);
     }
 }

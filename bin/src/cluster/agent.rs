@@ -175,6 +175,13 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                                 loss,
                                 grad_norm,
                             },
+                            Report::Saved { rank, step, state } => Message::StateSaved {
+                                node,
+                                rank,
+                                generation,
+                                step,
+                                state,
+                            },
                             Report::Done {
                                 rank,
                                 step,

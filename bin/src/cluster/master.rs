@@ -2,7 +2,7 @@
 //! the plan and the data-plane rendezvous, records every committed step, assembles the final
 //! checkpoint and takes every process down at the end or at the first failure.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,8 +28,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
 use super::hostfile::{self, HostEntry};
-use super::worker::state_path;
-use super::{ranks_of_node, world_size};
+use super::world_size;
 use crate::config::{save_resolved, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
@@ -590,11 +589,47 @@ impl Job<'_> {
         let mut last_loss = None;
         let mut last_step_at = Instant::now();
         let mut commit_ns = 0u128;
-        while done.len() < world as usize {
+        let assembler = Assembler::new(self.p, &plan)?;
+        let lr = LrSchedule::new(
+            self.p.cfg.lr,
+            self.p.cfg.final_lr(),
+            self.p.cfg.warmup(),
+            self.p.cfg.steps,
+        )?;
+        // Periodic states by step, until every saver's is in.
+        let mut states: BTreeMap<u64, BTreeMap<u32, PathBuf>> = BTreeMap::new();
+        let mut background: Vec<tokio::task::JoinHandle<Result<Assembled>>> = Vec::new();
+        // Metrics lines not written yet: one waiting for its validation loss holds back the
+        // ones after it, so the file stays in step order.
+        let mut held: VecDeque<(StepMetrics, bool)> = VecDeque::new();
+        while done.len() < world as usize || !background.is_empty() {
+            self.collect(&mut background, &mut held, false).await?;
+            self.flush_metrics(&mut held)?;
             let Some(ev) = self.next(&mut last_progress).await? else {
                 continue;
             };
             match ev {
+                MasterEvent::StateSaved {
+                    rank,
+                    generation: g,
+                    step: s,
+                    state,
+                    ..
+                } if g == generation => {
+                    if !assembler.savers.contains(&rank) {
+                        bail!(
+                            "rank {rank} saved state, but only ranks {:?} keep it",
+                            assembler.savers
+                        );
+                    }
+                    let got = states.entry(s).or_default();
+                    got.insert(rank, PathBuf::from(state));
+                    if got.len() == assembler.savers.len() {
+                        let got = states.remove(&s).unwrap_or_default();
+                        let a = assembler.clone();
+                        background.push(tokio::task::spawn_blocking(move || a.periodic(s, &got)));
+                    }
+                }
                 MasterEvent::StepReady {
                     rank,
                     generation: g,
@@ -631,13 +666,7 @@ impl Job<'_> {
                     let m = StepMetrics {
                         step,
                         loss,
-                        lr: LrSchedule::new(
-                            self.p.cfg.lr,
-                            self.p.cfg.final_lr(),
-                            self.p.cfg.warmup(),
-                            self.p.cfg.steps,
-                        )?
-                        .lr_at(step - 1),
+                        lr: lr.lr_at(step - 1),
                         grad_norm,
                         samples_per_s: self.p.cfg.global_batch_size as f64 / dt,
                         tokens_per_s: tokens_per_step / dt,
@@ -653,8 +682,8 @@ impl Job<'_> {
                         // Written with the validation loss once the final state is in.
                         last_metrics = Some(m.clone());
                     } else {
-                        writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
-                            .context("writing metrics.jsonl")?;
+                        let eval = self.p.cfg.eval_every > 0 && step % self.p.cfg.eval_every == 0;
+                        held.push_back((m, eval));
                     }
                 }
                 MasterEvent::WorkerDone {
@@ -697,6 +726,8 @@ impl Job<'_> {
                 self.p.cfg.steps
             );
         }
+        self.collect(&mut background, &mut held, true).await?;
+        self.flush_metrics(&mut held)?;
         let train_s = last_step_at.duration_since(started).as_secs_f64();
         // The rank that waited least for its commits was the last to be ready in most steps:
         // its wait is the round trip the commit protocol adds (ready -> agent -> master ->
@@ -714,12 +745,15 @@ impl Job<'_> {
              {step_ms:.0} ms step)",
             100.0 * overhead_ms / step_ms.max(1e-9)
         ));
-        let node_of_rank: BTreeMap<u32, u32> = nodes
-            .iter()
-            .flat_map(|&nd| ranks_of_node(&plan, nd).into_iter().map(move |r| (r, nd)))
-            .collect();
-        let (ckpt, params) = self.write_checkpoint(&plan, &node_of_rank, &saved, step)?;
-        let val = self.validation_loss(&params)?;
+        let assembling = Instant::now();
+        let (params, opt) = assembler.merge(&saved)?;
+        let ckpt = assembler.save(&params, opt, step)?;
+        let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
+        self.files.event(serde_json::json!({
+            "event": "checkpoint", "step": step, "path": ckpt,
+            "duration_s": assembling.elapsed().as_secs_f64(),
+        }))?;
+        let val = assembler.validation_loss(&params)?;
         if let Some(mut m) = last_metrics {
             m.val_loss = Some(val);
             writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
@@ -739,6 +773,53 @@ impl Job<'_> {
             wall_s,
             checkpoint: Some(ckpt),
         })
+    }
+
+    /// Takes the results of finished background assemblies (all of them, with `all`): records
+    /// checkpoints, fills in validation losses.
+    async fn collect(
+        &mut self,
+        background: &mut Vec<tokio::task::JoinHandle<Result<Assembled>>>,
+        held: &mut VecDeque<(StepMetrics, bool)>,
+        all: bool,
+    ) -> Result<()> {
+        let mut i = 0;
+        while i < background.len() {
+            if !all && !background[i].is_finished() {
+                i += 1;
+                continue;
+            }
+            let task = background.remove(i);
+            let a = tokio::time::timeout(STALL_TIMEOUT, task)
+                .await
+                .context("a checkpoint or evaluation took too long")?
+                .context("the checkpoint or evaluation task failed")??;
+            if let Some(path) = &a.checkpoint {
+                self.files.event(serde_json::json!({
+                    "event": "checkpoint", "step": a.step, "path": path,
+                    "duration_s": a.duration_s,
+                }))?;
+            }
+            if let Some(v) = a.val_loss {
+                self.progress
+                    .note(&format!("step {}: validation loss {v:.4}", a.step));
+                if let Some((m, waiting)) = held.iter_mut().find(|(m, _)| m.step == a.step) {
+                    m.val_loss = Some(v);
+                    *waiting = false;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the metrics lines that wait for nothing, in step order.
+    fn flush_metrics(&mut self, held: &mut VecDeque<(StepMetrics, bool)>) -> Result<()> {
+        while held.front().is_some_and(|(_, waiting)| !waiting) {
+            let (m, _) = held.pop_front().expect("checked");
+            writeln!(self.files.metrics, "{}", serde_json::to_string(&m)?)
+                .context("writing metrics.jsonl")?;
+        }
+        Ok(())
     }
 
     /// Waits until all agents registered; returns their node ids, sorted.
@@ -787,34 +868,58 @@ impl Job<'_> {
         }
         Ok(())
     }
+}
 
-    /// Merges the final state of pipeline 0's ranks into one checkpoint, laid out as the
-    /// single-process trainer's.
-    fn write_checkpoint(
-        &mut self,
-        plan: &Plan,
-        node_of_rank: &BTreeMap<u32, u32>,
-        saved: &BTreeMap<u32, PathBuf>,
-        step: u64,
-    ) -> Result<(PathBuf, BTreeMap<String, Tensor>)> {
-        let started = Instant::now();
+/// Turns the states pipeline 0's ranks leave into checkpoints and validation losses. Owns what
+/// it needs, so it runs on a blocking thread while the job goes on.
+#[derive(Clone)]
+struct Assembler {
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    out: PathBuf,
+    iters_per_epoch: usize,
+    /// The ranks that save state: device 0 of each stage of pipeline 0.
+    savers: Vec<u32>,
+}
+
+/// What a periodic assembly produced.
+struct Assembled {
+    step: u64,
+    checkpoint: Option<PathBuf>,
+    val_loss: Option<f64>,
+    duration_s: f64,
+}
+
+impl Assembler {
+    fn new(p: &Prepared, plan: &Plan) -> Result<Assembler> {
         let p0 = plan.pipelines.first().context("the plan has no pipeline")?;
         let g = plan.devices_per_node;
+        Ok(Assembler {
+            cfg: p.cfg.clone(),
+            model_cfg: p.model_cfg.clone(),
+            out: p.out.clone(),
+            iters_per_epoch: p.iters_per_epoch,
+            savers: (0..p0.nodes.len() as u32)
+                .map(|j| p0.first_rank + j * g)
+                .collect(),
+        })
+    }
+
+    /// Reads every saver's state: parameters and optimizer state, by name.
+    #[allow(clippy::type_complexity)]
+    fn merge(
+        &self,
+        states: &BTreeMap<u32, PathBuf>,
+    ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, Tensor>)> {
         let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut opt: BTreeMap<String, Tensor> = BTreeMap::new();
-        for j in 0..p0.nodes.len() as u32 {
-            let rank = p0.first_rank + j * g;
-            let path = saved
-                .get(&rank)
-                .cloned()
-                .unwrap_or_else(|| state_path(&self.p.out, rank));
+        for rank in &self.savers {
+            let path = states
+                .get(rank)
+                .with_context(|| format!("rank {rank} left no state"))?;
             let tensors =
-                candle_core::safetensors::load(&path, &Device::Cpu).with_context(|| {
-                    format!(
-                        "reading the final state of rank {rank} (node {:?}) from {}",
-                        node_of_rank.get(&rank),
-                        path.display()
-                    )
+                candle_core::safetensors::load(path, &Device::Cpu).with_context(|| {
+                    format!("reading the state of rank {rank} from {}", path.display())
                 })?;
             for (k, t) in tensors {
                 if let Some(name) = k.strip_prefix("param/") {
@@ -826,27 +931,33 @@ impl Job<'_> {
                 }
             }
         }
+        Ok((params, opt))
+    }
+
+    /// Writes `checkpoints/step-NNNNNN`, laid out as the single-process trainer's.
+    fn save(
+        &self,
+        params: &BTreeMap<String, Tensor>,
+        opt: BTreeMap<String, Tensor>,
+        step: u64,
+    ) -> Result<PathBuf> {
         let state = TrainerState {
             step,
-            seed: self.p.cfg.seed,
-            data_cursor: serde_json::to_value(DataCursor::at_step(step, self.p.iters_per_epoch))?,
-            config: Some(serde_json::to_value(&self.p.cfg)?),
+            seed: self.cfg.seed,
+            data_cursor: serde_json::to_value(DataCursor::at_step(step, self.iters_per_epoch))?,
+            config: Some(serde_json::to_value(&self.cfg)?),
         };
         let opt: Vec<(String, Tensor)> = opt.into_iter().collect();
-        let path = checkpoint::save_checkpoint(&self.p.out, &params, &opt, &state)?;
-        let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
-        self.files.event(serde_json::json!({
-            "event": "checkpoint", "step": step, "path": path,
-            "duration_s": started.elapsed().as_secs_f64(),
-        }))?;
-        Ok((path, params))
+        Ok(checkpoint::save_checkpoint(
+            &self.out, params, &opt, &state,
+        )?)
     }
 
     /// Mean loss of the whole model on the first `--eval-batches` validation batches, as the
     /// single-process trainer computes it.
     fn validation_loss(&self, params: &BTreeMap<String, Tensor>) -> Result<f64> {
-        let cfg = &self.p.cfg;
-        let model = self.p.model_cfg.build()?;
+        let cfg = &self.cfg;
+        let model = self.model_cfg.build()?;
         let params: HashMap<String, Tensor> =
             params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let stage = whole_model(model.as_ref(), &params)?;
@@ -863,6 +974,31 @@ impl Job<'_> {
             total += f64::from(stage.forward(&inp, &ctx)?.output.to_scalar::<f32>()?);
         }
         Ok(total / cfg.eval_batches as f64)
+    }
+
+    /// The periodic work after `step`: a checkpoint and/or a validation loss, as configured;
+    /// removes the states it read.
+    fn periodic(&self, step: u64, states: &BTreeMap<u32, PathBuf>) -> Result<Assembled> {
+        let started = Instant::now();
+        let due = |every: u64| every > 0 && step % every == 0;
+        let (params, opt) = self.merge(states)?;
+        let checkpoint = match due(self.cfg.checkpoint_every) {
+            true => Some(self.save(&params, opt, step)?),
+            false => None,
+        };
+        let val_loss = match due(self.cfg.eval_every) {
+            true => Some(self.validation_loss(&params)?),
+            false => None,
+        };
+        if let Some(dir) = states.values().next().and_then(|p| p.parent()) {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        Ok(Assembled {
+            step,
+            checkpoint,
+            val_loss,
+            duration_s: started.elapsed().as_secs_f64(),
+        })
     }
 }
 

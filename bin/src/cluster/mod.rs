@@ -98,6 +98,8 @@ pub enum Report {
         loss: f64,
         grad_norm: f64,
     },
+    /// The worker wrote its part of the state after committed `step` (1-based) to `state`.
+    Saved { rank: u32, step: u64, state: String },
     /// The worker applied every step; `state` is where it left its part of the checkpoint.
     Done {
         rank: u32,

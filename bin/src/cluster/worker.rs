@@ -41,6 +41,36 @@ pub fn state_path(run_dir: &Path, rank: u32) -> PathBuf {
         .join(format!("rank-{rank}.safetensors"))
 }
 
+/// Where rank `rank` leaves its state after committed step `step` for a periodic checkpoint
+/// or evaluation (the master removes it once assembled).
+pub fn state_path_at(run_dir: &Path, step: u64, rank: u32) -> PathBuf {
+    run_dir
+        .join("cluster")
+        .join(format!("step-{step:06}"))
+        .join(format!("rank-{rank}.safetensors"))
+}
+
+/// Whether the state after `step` is wanted before the end: a checkpoint or an evaluation.
+pub fn state_due(cfg: &TrainConfig, step: u64) -> bool {
+    let due = |every: u64| every > 0 && step % every == 0;
+    due(cfg.checkpoint_every) || due(cfg.eval_every)
+}
+
+fn save_state(params: &[(String, Var)], opt: &AdamW, path: &Path) -> Result<()> {
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, var) in params {
+        tensors.insert(format!("param/{name}"), var.as_tensor().clone());
+    }
+    for (name, t) in opt.export_state()? {
+        tensors.insert(format!("opt/{name}"), t);
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    candle_core::safetensors::save(&tensors, path)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// The worker's stdin: the assignment, then the agent's messages. A thread reads it and ends
 /// the process when it closes: the agent that started us is gone, so nobody would ever
 /// commit a step or collect our results.
@@ -229,6 +259,10 @@ fn train_all(
     })?;
     let max_norm = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
     let params: Vec<(String, Var)> = worker.stage().params();
+    // Pipeline 0 holds every layer once: its ranks (device 0 of each stage) leave the state the
+    // master assembles into checkpoints and evaluates.
+    let pos = worker.position();
+    let saves_state = pos.pipeline == 0 && pos.device == 0;
     let mut commit_wait = Duration::ZERO;
     for step in 0..cfg.steps {
         let cursor = DataCursor::at_step(step, ipe);
@@ -261,24 +295,21 @@ fn train_all(
         commit_wait += waited.elapsed();
         opt.step(&params, &grads, sched.lr_at(step))
             .with_context(|| format!("rank {rank}: optimizer step {}", step + 1))?;
+        let s = step + 1;
+        if saves_state && s < cfg.steps && state_due(cfg, s) {
+            let path = state_path_at(&a.run_dir, s, rank);
+            save_state(&params, &opt, &path)?;
+            report(&Report::Saved {
+                rank,
+                step: s,
+                state: path.display().to_string(),
+            })?;
+        }
     }
-    // Pipeline 0 holds every layer once: its ranks leave the final state for the checkpoint.
-    let pos = worker.position();
     let mut state = None;
-    if pos.pipeline == 0 && pos.device == 0 {
-        let mut tensors: HashMap<String, Tensor> = HashMap::new();
-        for (name, var) in &params {
-            tensors.insert(format!("param/{name}"), var.as_tensor().clone());
-        }
-        for (name, t) in opt.export_state()? {
-            tensors.insert(format!("opt/{name}"), t);
-        }
+    if saves_state {
         let path = state_path(&a.run_dir, rank);
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        candle_core::safetensors::save(&tensors, &path)
-            .with_context(|| format!("writing {}", path.display()))?;
+        save_state(&params, &opt, &path)?;
         state = Some(path.display().to_string());
     }
     report(&Report::Done {

@@ -386,6 +386,19 @@ async fn serve_agent(
                 loss,
                 grad_norm,
             }),
+            Message::StateSaved {
+                node: n,
+                rank,
+                generation,
+                step,
+                state,
+            } if n == node => shared.emit(MasterEvent::StateSaved {
+                node,
+                rank,
+                generation,
+                step,
+                state,
+            }),
             Message::WorkerDone {
                 node: n,
                 rank,

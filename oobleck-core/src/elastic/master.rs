@@ -114,6 +114,14 @@ pub enum MasterEvent {
         loss: f64,
         grad_norm: f64,
     },
+    /// A worker saved its state after a committed step ([`Message::StateSaved`]).
+    StateSaved {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        state: String,
+    },
     /// A worker finished its steps ([`Message::WorkerDone`]).
     WorkerDone {
         node: u32,

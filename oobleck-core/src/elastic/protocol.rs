@@ -202,6 +202,15 @@ pub enum Message {
         loss: f64,
         grad_norm: f64,
     },
+    /// Agent -> master: worker `rank` wrote its part of the state after committed `step` to
+    /// `state` (for a periodic checkpoint or evaluation, which the master assembles).
+    StateSaved {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        state: String,
+    },
     /// Agent -> master: worker `rank` finished the run at `step`; `state` is where it left its
     /// final parameters and optimizer state, if it keeps a part of the checkpoint.
     /// `commit_wait_ms` is the time it spent waiting for commits (control-plane overhead).
@@ -240,6 +249,7 @@ impl Message {
             Message::WorkerListening { .. } => "worker_listening",
             Message::RendezvousList { .. } => "rendezvous_list",
             Message::StepReady { .. } => "step_ready",
+            Message::StateSaved { .. } => "state_saved",
             Message::WorkerDone { .. } => "worker_done",
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
