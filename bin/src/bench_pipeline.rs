@@ -134,6 +134,10 @@ pub struct StageProfile {
     pub layers: (usize, usize),
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// In the real pipeline: the stage's busy time (outside communicator calls) per
+    /// microbatch, median over iterations, mean over pipelines. Above `forward + backward`
+    /// when the stage ran slower than alone (shared cores, memory bandwidth, data-plane copies).
+    pub pipeline_busy_ms: f64,
 }
 
 /// The control-plane round trip per committed step.
@@ -744,20 +748,26 @@ fn run_config(
 
     let (mut iter_ms, mut step_ms, mut sync_ms, mut wait_ms) = (vec![], vec![], vec![], vec![]);
     let (mut bub_mean, mut bub_worst) = (vec![], vec![]);
+    let mut busy_per_mb: Vec<Vec<f64>> = vec![vec![]; s];
     for k in 0..args.iters {
         let rec: Vec<IterRecord> = results.iter().map(|r| r.records[k]).collect();
         let mut worst_makespan = Duration::ZERO;
         let mut bubbles = Vec::with_capacity(world);
+        let mut busy_sum = vec![0.0; s];
         for p in 0..c.pipelines {
             let rs = &rec[p * s..(p + 1) * s];
             let start = rs.iter().map(|r| r.start).min().expect("stages");
             let end = rs.iter().map(|r| r.iter_end).max().expect("stages");
             let makespan = end - start;
             worst_makespan = worst_makespan.max(makespan);
-            for r in rs {
+            for (i, r) in rs.iter().enumerate() {
                 let busy = (r.iter_end - r.start).saturating_sub(r.comm_in_iter);
                 bubbles.push(1.0 - busy.as_secs_f64() / makespan.as_secs_f64());
+                busy_sum[i] += ms(busy) / f64::from(m) / c.pipelines as f64;
             }
+        }
+        for (i, b) in busy_sum.into_iter().enumerate() {
+            busy_per_mb[i].push(b);
         }
         iter_ms.push(ms(worst_makespan));
         bub_mean.push(bubbles.iter().sum::<f64>() / bubbles.len() as f64);
@@ -793,10 +803,12 @@ fn run_config(
         stage_profile: ranges
             .iter()
             .zip(&stage_times)
-            .map(|(r, t)| StageProfile {
+            .zip(&busy_per_mb)
+            .map(|((r, t), busy)| StageProfile {
                 layers: (r.start, r.end),
                 forward_ms: t.forward_ns as f64 / 1e6,
                 backward_ms: t.backward_ns as f64 / 1e6,
+                pipeline_busy_ms: median(busy),
             })
             .collect(),
         p2p_ms: p2p_ns / 1e6,
@@ -1004,14 +1016,14 @@ fn table(r: &Report) -> String {
             .iter()
             .map(|p| {
                 format!(
-                    "L{}..{} f {:.1} b {:.1}",
-                    p.layers.0, p.layers.1, p.forward_ms, p.backward_ms
+                    "L{}..{} f {:.1} + b {:.1} (in pipeline {:.1})",
+                    p.layers.0, p.layers.1, p.forward_ms, p.backward_ms, p.pipeline_busy_ms
                 )
             })
             .collect();
         let _ = writeln!(
             o,
-            "  {}x{} profile (ms/microbatch): {}; p2p {:.2} ms",
+            "  {}x{} stage alone, ms/microbatch (busy in the pipeline): {}; p2p {:.2} ms",
             row.stages,
             row.pipelines,
             stages.join(" | "),
@@ -1139,6 +1151,15 @@ mod tests {
             assert!(v.is_finite() && v >= 0.0, "{name} = {v}");
         }
         assert!(r.measured_iter_ms > 0.0 && r.simulated_iter_ms > 0.0);
+        assert_eq!(r.stage_profile.len(), 2);
+        for p in &r.stage_profile {
+            assert!(p.forward_ms > 0.0 && p.backward_ms > 0.0, "{p:?}");
+            assert!(
+                p.pipeline_busy_ms.is_finite() && p.pipeline_busy_ms > 0.0,
+                "{p:?}"
+            );
+        }
+        assert_eq!(r.stage_profile[1].layers.1, 4, "the stages cover the model");
         assert!(r.step_ms >= r.measured_iter_ms);
         // A random-init model's loss is near ln(vocab).
         assert!((r.loss - (128f64).ln()).abs() < 1.0, "loss {}", r.loss);
