@@ -77,3 +77,32 @@ fn pick(logits: &Tensor, s: Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
     }
     Ok(order[order.len() - 1] as u32)
 }
+
+/// Prints `cfg.sample` continuations of fixed validation snippets: what the end of every
+/// `train` run shows, in one process or on a cluster.
+pub fn print_samples(
+    stage: &Stage,
+    data: &oobleck_models::data::Dataset,
+    max_context: usize,
+    cfg: &crate::config::TrainConfig,
+) -> Result<()> {
+    let val = data.split(oobleck_models::data::Split::Validation);
+    for i in 0..cfg.sample {
+        let b = val.sequential_batch(16, 1, i * 7)?;
+        let prompt = data.tokenizer().decode(&b.inputs)?;
+        let text = sample(
+            stage,
+            data.tokenizer(),
+            &prompt,
+            max_context,
+            Sampling {
+                max_new_tokens: 24,
+                temperature: 0.8,
+                top_k: 40,
+                seed: cfg.seed + i as u64,
+            },
+        )?;
+        eprintln!("sample {}: {prompt:?} => {text:?}", i + 1);
+    }
+    Ok(())
+}

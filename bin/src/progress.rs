@@ -40,11 +40,20 @@ impl Progress {
             .val_loss
             .map(|v| format!(" val {v:.4}"))
             .unwrap_or_default();
+        // A cluster's shape: generation, pipelines and nodes.
+        let shape = if m.nodes > 1 {
+            format!(
+                " | gen {}, {} pipelines on {} nodes",
+                m.generation, m.pipelines, m.nodes
+            )
+        } else {
+            String::new()
+        };
         match &self.bar {
             Some(b) => {
                 b.set_position(m.step);
                 b.set_message(format!(
-                    "loss {:.4}{val} | {:.0} tok/s",
+                    "loss {:.4}{val}{shape} | {:.0} tok/s",
                     m.loss, m.tokens_per_s
                 ));
                 if m.val_loss.is_some() {
@@ -54,12 +63,11 @@ impl Progress {
             None => {
                 if m.step % self.every == 0 || m.val_loss.is_some() || m.step == total {
                     let elapsed = self.started.elapsed().as_secs_f64();
-                    let done = m.step.max(1) as f64;
                     eprintln!(
-                        "step {}/{total} loss {:.4}{val} lr {:.2e} | {:.0} tok/s | {:.0}s elapsed",
+                        "step {}/{total} loss {:.4}{val} lr {:.2e}{shape} | {:.0} tok/s | {:.0}s \
+                         elapsed",
                         m.step, m.loss, m.lr, m.tokens_per_s, elapsed
                     );
-                    let _ = done;
                 }
             }
         }

@@ -195,13 +195,15 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
     let want_step1 = params_at(&single, 1);
     assert_eq!(want.len(), 2);
     // Pinned data parallel, pinned heterogeneous, and the planner's own choice on 4 nodes.
-    for (nodes, pipes, procs, want_pipes) in [
-        ("2", Some("1,1"), 4, 2),
-        ("3", Some("1,2"), 6, 2),
-        ("4", None, 8, 4),
+    // And one pipeline of 2 nodes x 2 devices: multi-device stages split each microbatch.
+    for (nodes, pipes, g, procs, want_pipes) in [
+        ("2", Some("1,1"), "1", 4, 2),
+        ("3", Some("1,2"), "1", 6, 2),
+        ("4", None, "1", 8, 4),
+        ("2", Some("2"), "2", 6, 1),
     ] {
-        let out = dir.path().join(format!("n{nodes}"));
-        let mut flags = vec!["--nodes", nodes];
+        let out = dir.path().join(format!("n{nodes}g{g}"));
+        let mut flags = vec!["--nodes", nodes, "--devices-per-node", g];
         flags.extend(periodic);
         if let Some(p) = pipes {
             flags.extend(["--pipeline-nodes", p]);

@@ -198,7 +198,13 @@ fn the_train_binary_runs_and_prints_a_json_summary() {
 fn bad_input_gives_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let out = |n: &str| -> PathBuf { tmp.path().join(n) };
-    let cases: [(&[&str], &str); 4] = [
+    // A corpus shorter than one global batch.
+    let short = tmp.path().join("short.txt");
+    let corpus = std::fs::read_to_string(oobleck_models::data::default_corpus_path()).unwrap();
+    std::fs::write(&short, corpus.chars().take(3000).collect::<String>()).unwrap();
+    let short = short.to_str().unwrap();
+    // These run the default job (a local cluster): each is refused before any process starts.
+    let cases: [(&[&str], &str); 5] = [
         (&["--model", "gpt-9000"], "gpt3-2.7b"),
         (
             &["--dataset", "/nonexistent/corpus.txt"],
@@ -209,6 +215,10 @@ fn bad_input_gives_clear_errors() {
             "multiple",
         ),
         (&["--model", "gpt-tiny", "--seq-len", "5000"], "context"),
+        (
+            &["--model", "gpt-tiny", "--dataset", short],
+            "but one global batch needs 16 samples",
+        ),
     ];
     for (i, (args, needle)) in cases.iter().enumerate() {
         let o = out(&format!("r{i}"));
@@ -217,6 +227,7 @@ fn bad_input_gives_clear_errors() {
         let (ok, _, stderr) = run_train(&all);
         assert!(!ok, "{args:?} should fail");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!o.exists(), "{args:?}: created {}", o.display());
     }
     // A corrupted checkpoint is detected on resume, naming the file.
     let o = out("c");

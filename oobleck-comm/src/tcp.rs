@@ -425,7 +425,13 @@ fn read_loop(mut s: TcpStream, peer: Rank, generation: u64, cap: u32, mailbox: &
             Err(e) => break lost(format!("read: {e}")),
         }
     };
-    if !mailbox.is_aborted() {
+    let clean_close =
+        matches!(&err, CommError::PeerLost { reason, .. } if reason == "connection closed");
+    if clean_close {
+        // Peers close at a frame boundary when they finish (or die between frames): any later
+        // operation with that peer reports it, so this is no news at the end of a job.
+        debug!(rank = ?peer, generation, "peer closed its connection");
+    } else if !mailbox.is_aborted() {
         warn!(rank = ?peer, generation, error = %err, "peer connection failed");
     }
     mailbox.fail_peer(peer, err);

@@ -6,11 +6,15 @@ use oobleck_cli::cluster::hostfile::parse_hostfile;
 use oobleck_cli::cluster::master::Launch;
 use oobleck_cli::cluster::resolve;
 use oobleck_cli::config::TrainArgs;
-use oobleck_cli::generate::{sample, Sampling};
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
+use oobleck_cli::generate::{print_samples, whole_model};
 use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
+use oobleck_cli::trainer::{model_config, open_dataset};
+use oobleck_core::checkpoint::load_checkpoint;
 use oobleck_core::elastic::Token;
-use oobleck_models::data::Split;
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -66,17 +70,28 @@ fn main() -> Result<()> {
         if args.resume.is_some() {
             bail!("--resume of a multi-node run is not built yet");
         }
-        let summary = oobleck_cli::cluster::master::run(cfg, launch)?;
+        let summary = oobleck_cli::cluster::master::run(cfg.clone(), launch)?;
         eprintln!(
-            "done: {} steps, loss {} -> {}, {:.0} tokens/s, {:.1}s",
+            "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
             summary.steps,
             fmt(summary.first_loss),
             fmt(summary.final_loss),
+            fmt(summary.final_val_loss),
             summary.tokens_per_s,
             summary.wall_s
         );
         if let Some(c) = &summary.checkpoint {
             eprintln!("checkpoint: {}", c.display());
+            if cfg.sample > 0 {
+                let (model_cfg, _) = model_config(&cfg)?;
+                let params: HashMap<String, Tensor> = load_checkpoint(c, &Device::Cpu)?
+                    .params
+                    .into_iter()
+                    .collect();
+                let model = model_cfg.build()?;
+                let stage = whole_model(model.as_ref(), &params)?;
+                print_samples(&stage, &open_dataset(&cfg)?, model_cfg.max_seq_len(), &cfg)?;
+            }
         }
         if args.json {
             println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -122,24 +137,7 @@ fn main() -> Result<()> {
         eprintln!("checkpoint: {}", c.display());
     }
     if t.cfg.sample > 0 {
-        let val = t.data.split(Split::Validation);
-        for i in 0..t.cfg.sample {
-            let b = val.sequential_batch(16, 1, i * 7)?;
-            let prompt = t.data.tokenizer().decode(&b.inputs)?;
-            let text = sample(
-                &t.stage,
-                t.data.tokenizer(),
-                &prompt,
-                t.model_cfg.max_seq_len(),
-                Sampling {
-                    max_new_tokens: 24,
-                    temperature: 0.8,
-                    top_k: 40,
-                    seed: t.cfg.seed + i as u64,
-                },
-            )?;
-            eprintln!("sample {}: {prompt:?} => {text:?}", i + 1);
-        }
+        print_samples(&t.stage, &t.data, t.model_cfg.max_seq_len(), &t.cfg)?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);

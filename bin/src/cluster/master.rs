@@ -285,6 +285,24 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
     super::status::publish(&p.out, master.local_addr(), &token)?;
     // The token file goes away however this function ends.
     let _published = Published(&p.out);
+    eprintln!(
+        "training {} ({:.2}M parameters, {} layers) on {} of {n} nodes x {} devices (f = {}): {} \
+         steps of {} samples x {} tokens; run directory {}",
+        p.cfg.model,
+        p.model_cfg.num_params() as f64 / 1e6,
+        p.model_cfg.num_layers(),
+        if local {
+            "a local cluster"
+        } else {
+            "a cluster"
+        },
+        p.cfg.devices_per_node,
+        p.cfg.fault_threshold,
+        p.cfg.steps,
+        p.cfg.global_batch_size,
+        p.cfg.seq_len,
+        p.out.display()
+    );
     let mut agents = Vec::with_capacity(n);
     if local {
         let exe = oobleck_exe()?;
