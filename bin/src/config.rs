@@ -66,6 +66,10 @@ pub struct TrainConfig {
     pub inject_failure: Vec<String>,
     /// Print this many sampled continuations of the validation text at the end (0 = none).
     pub sample: usize,
+    /// The cluster's data plane: `tcp` (CPU workers, always built) or `nccl` (a build with
+    /// `--features nccl`: the master makes the NCCL unique id of each generation and hands it
+    /// out with the plan; device `d` of a node uses CUDA device `d`).
+    pub data_plane: String,
 }
 
 impl Default for TrainConfig {
@@ -97,6 +101,7 @@ impl Default for TrainConfig {
             pipeline_nodes: None,
             inject_failure: Vec::new(),
             sample: 2,
+            data_plane: "tcp".into(),
         }
     }
 }
@@ -191,6 +196,9 @@ pub struct TrainArgs {
     /// Print a machine-readable summary as JSON on stdout at the end.
     #[arg(long)]
     pub json: bool,
+    /// The cluster's data plane: tcp, or nccl (builds with --features nccl) [default: tcp].
+    #[arg(long)]
+    pub data_plane: Option<String>,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]
@@ -250,7 +258,8 @@ impl TrainArgs {
             checkpoint_every,
             eval_every,
             eval_batches,
-            sample
+            sample,
+            data_plane
         );
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if self.$f.is_some() { c.$f = self.$f.clone(); } )* };
@@ -302,6 +311,14 @@ impl TrainConfig {
         }
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
+        }
+        match self.data_plane.as_str() {
+            "tcp" => {}
+            "nccl" if cfg!(feature = "nccl") => {}
+            "nccl" => bail!(
+                "--data-plane nccl needs a build with NCCL: cargo build --release --features nccl"
+            ),
+            other => bail!("--data-plane must be tcp or nccl, got {other:?}"),
         }
         for spec in &self.inject_failure {
             parse_failure(spec)?;

@@ -204,7 +204,7 @@ fn bad_input_gives_clear_errors() {
     std::fs::write(&short, corpus.chars().take(3000).collect::<String>()).unwrap();
     let short = short.to_str().unwrap();
     // These run the default job (a local cluster): each is refused before any process starts.
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--model", "gpt-9000"], "gpt3-2.7b"),
         (
             &["--dataset", "/nonexistent/corpus.txt"],
@@ -218,6 +218,18 @@ fn bad_input_gives_clear_errors() {
         (
             &["--model", "gpt-tiny", "--dataset", short],
             "but one global batch needs 16 samples",
+        ),
+        (
+            &["--data-plane", "infiniband"],
+            "--data-plane must be tcp or nccl",
+        ),
+        (
+            &["--data-plane", "nccl"],
+            if cfg!(feature = "nccl") {
+                "NCCL"
+            } else {
+                "--features nccl"
+            },
         ),
     ];
     for (i, (args, needle)) in cases.iter().enumerate() {

@@ -243,6 +243,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                 Ok(Message::PlanAssignment {
                     generation: g,
                     plan,
+                    nccl_unique_id,
                     ..
                 }) => {
                     if !workers.is_empty() {
@@ -264,6 +265,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                             host: host.clone(),
                             run_dir: run_dir.clone(),
                             config: cfg.clone(),
+                            nccl_id: nccl_unique_id.clone(),
                         };
                         workers.push(spawn_worker(a, local_tx.clone()).await?);
                     }

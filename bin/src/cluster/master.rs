@@ -533,7 +533,7 @@ impl Job<'_> {
         }))?;
         let unreachable = self
             .master
-            .assign_plan(&plan, Vec::new(), None)
+            .assign_plan(&plan, Vec::new(), nccl_unique_id(&self.p.cfg)?)
             .await
             .context("assigning the plan")?;
         if let Some((node, e)) = unreachable.first() {
@@ -1018,6 +1018,16 @@ impl Assembler {
             duration_s: started.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// A fresh NCCL unique id for a generation, with `--data-plane nccl`.
+fn nccl_unique_id(cfg: &TrainConfig) -> Result<Option<Vec<u8>>> {
+    if cfg.data_plane != "nccl" {
+        return Ok(None);
+    }
+    let id = oobleck_comm::NcclId::new()
+        .context("making the NCCL unique id (is NCCL installed on the master's machine?)")?;
+    Ok(Some(id.0.to_vec()))
 }
 
 /// `: <what the worker printed>`, or a pointer to the logs when it printed nothing.

@@ -73,6 +73,8 @@ pub struct WorkerAssignment {
     pub run_dir: PathBuf,
     /// The job, as the master resolved it.
     pub config: TrainConfig,
+    /// The NCCL unique id of this generation (`--data-plane nccl`), 128 bytes.
+    pub nccl_id: Option<Vec<u8>>,
 }
 
 /// What an agent tells a worker after its assignment, one JSON object per stdin line.

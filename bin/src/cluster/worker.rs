@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
-use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig};
+use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 use oobleck_core::elastic::protocol::Rendezvous;
 use oobleck_core::execution::{sync_gradients, Layout, StageWorker, WorkerConfig};
 use oobleck_core::model::ParamSource;
@@ -221,16 +221,74 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             addrs[rank]
         );
     }
-    let mut tcp = TcpConfig::new(rank, a.generation, addrs);
-    tcp.connect_timeout = DATA_TIMEOUT;
-    let comm = TcpCommunicator::connect(tcp, Some(listener))
-        .with_context(|| format!("rank {rank}: connecting the data plane"))?;
-    let result = train_all(&a, cfg, &worker, &comm, &inbox, &data, ipe);
+    let comm: Box<dyn Communicator> = match &a.nccl_id {
+        None => {
+            let mut tcp = TcpConfig::new(rank, a.generation, addrs);
+            tcp.connect_timeout = DATA_TIMEOUT;
+            Box::new(
+                TcpCommunicator::connect(tcp, Some(listener))
+                    .with_context(|| format!("rank {rank}: connecting the data plane"))?,
+            )
+        }
+        Some(id) => nccl_comm(&a, &layout, model.as_ref(), id)?,
+    };
+    let comm = comm.as_ref();
+    let result = train_all(&a, cfg, &worker, comm, &inbox, &data, ipe);
     if result.is_err() {
         // Fail the peers fast instead of letting them run into their timeouts.
         comm.abort();
     }
     result
+}
+
+/// Every group a step's collectives use: the holders of each gradient bucket, of each tied
+/// parameter, and all ranks (the loss and norm). Every rank computes the same list.
+pub fn collective_groups(
+    layout: &Layout,
+    model: &dyn oobleck_core::model::LayeredModel,
+) -> Result<Vec<Vec<Rank>>> {
+    let mut groups: Vec<Vec<Rank>> = layout.buckets().into_iter().map(|b| b.holders).collect();
+    for tp in model.tied_params() {
+        groups.push(layout.tied_group(&tp.layers)?.0);
+    }
+    groups.push(layout.ranks());
+    for g in &mut groups {
+        g.sort_unstable();
+    }
+    groups.retain(|g| g.len() > 1);
+    groups.sort();
+    groups.dedup();
+    Ok(groups)
+}
+
+/// The NCCL data plane of `--data-plane nccl`: device `d` of a node uses CUDA device `d`.
+/// (Without `--features nccl`, oobleck-comm's stand-in says NCCL is unavailable.)
+fn nccl_comm(
+    a: &WorkerAssignment,
+    layout: &Layout,
+    model: &dyn oobleck_core::model::LayeredModel,
+    id: &[u8],
+) -> Result<Box<dyn Communicator>> {
+    let id: [u8; 128] = id
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("the NCCL unique id has {} bytes, not 128", id.len()))?;
+    let device = a.rank % a.plan.devices_per_node;
+    let comm = NcclCommunicator::new(
+        a.rank as usize,
+        layout.ranks().len(),
+        a.generation,
+        device as usize,
+        &NcclId(id),
+        &collective_groups(layout, model)?,
+        DATA_TIMEOUT,
+    )
+    .with_context(|| {
+        format!(
+            "rank {}: joining the NCCL clique on CUDA device {device}",
+            a.rank
+        )
+    })?;
+    Ok(Box::new(comm))
 }
 
 fn train_all(
@@ -318,4 +376,40 @@ fn train_all(
         state,
         commit_wait_ms: commit_wait.as_secs_f64() * 1e3,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use oobleck_core::execution::{PipelineSpec, StageSpec};
+
+    use super::*;
+
+    #[test]
+    fn collective_groups_cover_buckets_tied_weights_and_everyone_once() {
+        let model = oobleck_models::ModelConfig::preset("gpt-tiny")
+            .expect("preset")
+            .build()
+            .expect("model");
+        let n = model.num_layers();
+        // Pipeline 0: one stage on rank 0; pipeline 1: two stages (ranks 1 and 2).
+        let layout = Layout::new(
+            n,
+            4,
+            vec![
+                PipelineSpec {
+                    stages: vec![StageSpec::single(0..n, 0)],
+                    microbatches: 0..2,
+                },
+                PipelineSpec {
+                    stages: vec![StageSpec::single(0..2, 1), StageSpec::single(2..n, 2)],
+                    microbatches: 2..4,
+                },
+            ],
+        )
+        .expect("layout");
+        let groups = collective_groups(&layout, model.as_ref()).expect("groups");
+        // Layers 0-1 are held by ranks 0 and 1, the rest by 0 and 2; the tied embedding spans
+        // ranks 0, 1 and 2, which is also everyone.
+        assert_eq!(groups, vec![vec![0, 1], vec![0, 1, 2], vec![0, 2]]);
+    }
 }
