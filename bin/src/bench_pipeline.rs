@@ -76,8 +76,9 @@ pub struct BenchPipelineArgs {
     /// Timed iterations (medians are reported).
     #[arg(long, default_value_t = 3)]
     pub iters: usize,
-    /// Repetitions of each profiled forward/backward (median).
-    #[arg(long, default_value_t = 5)]
+    /// Repetitions of each profiled forward/backward (median; other load on a shared machine
+    /// makes single samples vary by 2x).
+    #[arg(long, default_value_t = 10)]
     pub profile_reps: usize,
     /// Ping-pongs of one activation for the p2p time (median).
     #[arg(long, default_value_t = 20)]
