@@ -147,8 +147,10 @@ async fn drive(args: &AgentArgs) -> Result<()> {
     // Exits seen but not yet told, so that a worker's last reports reach the master first.
     let mut exited: Vec<(u32, ExitStatus, Option<String>)> = Vec::new();
     let result = async {
+        // A local event that woke the loop below, handled first on the next turn.
+        let mut woke: Option<Local> = None;
         loop {
-            while let Ok(ev) = local_rx.try_recv() {
+            while let Some(ev) = woke.take().or_else(|| local_rx.try_recv().ok()) {
                 match ev {
                     Local::StdinClosed => {
                         bail!("node {node}: the process that started this agent is gone")
@@ -234,7 +236,16 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     i += 1;
                 }
             }
-            match agent.recv(POLL).await {
+            // Wake for the master or for a worker, whichever speaks first: a worker's `Ready`
+            // goes out at once, since every rank's commit waits for the slowest report.
+            let incoming = tokio::select! {
+                ev = local_rx.recv() => {
+                    woke = ev;
+                    continue;
+                }
+                m = agent.recv(POLL) => m,
+            };
+            match incoming {
                 Ok(Message::Job { run_dir, config }) => {
                     let cfg: TrainConfig = serde_json::from_value(config)
                         .context("the master sent a job this agent cannot read")?;
