@@ -312,6 +312,12 @@ fn a_dead_worker_stops_the_whole_job_with_a_clear_error() {
         st["committed_step"].as_u64().is_some_and(|s| s >= 1),
         "{st}"
     );
+    // The stage layout: gpt-tiny's layers cut over the pipeline's two nodes.
+    let stages = st["pipelines"][0]["stages"].as_array().expect("stages");
+    assert_eq!(stages.len(), 2, "{st}");
+    assert_eq!(stages[0]["layers"][0], 0, "{st}");
+    assert_eq!(stages[0]["layers"][1], stages[1]["layers"][0], "{st}");
+    assert_eq!(st["pipelines"][0]["microbatches"], 4, "{st}");
     let killed = Command::new("kill")
         .args(["-9", &worker.to_string()])
         .status()
