@@ -378,3 +378,62 @@ fn pinned_pipelines_that_do_not_fit_the_nodes_are_refused_before_anything_starts
     );
     assert!(!out.exists(), "nothing may be created or started");
 }
+
+#[test]
+fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let mut cmd = train_cmd(
+        &out,
+        10_000,
+        &[
+            "--nodes",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--eval-every",
+            "0",
+        ],
+    );
+    let mut g = Guard(Some(cmd.spawn().expect("start train")));
+    let pid = g.0.as_ref().expect("child").id();
+    let start = Instant::now();
+    while !std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no step within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SIGINT to train alone (a terminal would also signal its children).
+    let sent = Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    let start = Instant::now();
+    while g
+        .0
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("poll")
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "train did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o =
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(stderr.contains("interrupted (Ctrl-C)"), "{stderr}");
+    assert!(!out.join("master.token").exists());
+    assert_all_gone(&out, 4);
+}

@@ -374,7 +374,22 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         join_timeout,
         progress: Progress::new(p.cfg.steps, 0),
     };
-    let result = job.run().await;
+    // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
+    // than reporting the workers it killed.
+    let result = tokio::select! {
+        biased;
+        _ = tokio::signal::ctrl_c() => {
+            let newest = checkpoint::latest_checkpoint(&p.out).ok().flatten();
+            Err(anyhow::anyhow!(
+                "interrupted (Ctrl-C); {}",
+                match newest {
+                    Some(c) => format!("the newest checkpoint is {}", c.display()),
+                    None => "no checkpoint was written yet".into(),
+                }
+            ))
+        }
+        r = job.run() => r,
+    };
     let progress = std::mem::replace(&mut job.progress, Progress::new(0, 0));
     progress.finish();
     match result {
