@@ -437,3 +437,62 @@ fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
     assert!(!out.join("master.token").exists());
     assert_all_gone(&out, 4);
 }
+
+#[test]
+fn a_hung_agent_is_detected_by_its_lease_and_the_job_ends_with_no_process_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let mut cmd = train_cmd(&out, 10_000, &["--nodes", "2"]);
+    let mut g = Guard(Some(cmd.spawn().expect("start train")));
+    let start = Instant::now();
+    let agent = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no step within 30 s"
+        );
+        if std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
+            let a = events(&out)
+                .into_iter()
+                .filter(|e| e["event"] == "process" && e["role"] == "agent")
+                .last();
+            if let Some(a) = a {
+                break a["pid"].as_u64().expect("pid") as u32;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // SIGSTOP: a hang, not a crash. Its connection stays open; only the lease can tell.
+    let stopped = Command::new("kill")
+        .args(["-STOP", &agent.to_string()])
+        .status()
+        .expect("kill");
+    assert!(stopped.success());
+    let limit = Duration::from_secs(30);
+    let start = Instant::now();
+    while g
+        .0
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("poll")
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < limit,
+            "train did not stop within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o =
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("LeaseExpired") || stderr.contains("before finishing"),
+        "{stderr}"
+    );
+    assert_all_gone(&out, 4);
+}
