@@ -453,8 +453,7 @@ fn a_hung_agent_is_detected_by_its_lease_and_the_job_ends_with_no_process_left()
         if std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
             let a = events(&out)
                 .into_iter()
-                .filter(|e| e["event"] == "process" && e["role"] == "agent")
-                .last();
+                .rfind(|e| e["event"] == "process" && e["role"] == "agent");
             if let Some(a) = a {
                 break a["pid"].as_u64().expect("pid") as u32;
             }
