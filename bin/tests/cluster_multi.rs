@@ -154,24 +154,27 @@ fn data_addrs(run: &Path) -> Vec<String> {
 fn agents_started_by_hand_on_other_addresses_train_with_a_listening_master() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
-    let mut args = job_args(&out);
-    args.extend(["--listen", "127.0.0.1:0", "--expect-nodes", "2"].map(String::from));
+    let master = format!("127.0.0.1:{}", free_port());
     let mut procs = Procs::default();
+    // One agent starts before the master is up: it waits for it.
+    procs.0.push(agent(&master, TOKEN, "127.0.0.2"));
+    std::thread::sleep(Duration::from_millis(500));
+    let mut args = job_args(&out);
+    args.extend([
+        "--listen".into(),
+        master.clone(),
+        "--expect-nodes".into(),
+        "2".into(),
+    ]);
     let (train, rx) = start_train(&args, &[("OOBLECK_TOKEN", TOKEN)]);
-    procs.0.push(train);
+    procs.0.insert(0, train);
     let mut log = String::new();
-    let line = wait_line(
+    wait_line(
         &rx,
         "master listening on",
         Duration::from_secs(30),
         &mut log,
     );
-    let master = line
-        .split_whitespace()
-        .nth(3)
-        .expect("an address")
-        .trim_end_matches(':')
-        .to_string();
     // A node with the wrong secret is refused and told why; the job goes on without it.
     let mut intruder = agent(&master, "not-the-secret", "127.0.0.9");
     let st = wait_exit(&mut intruder, Duration::from_secs(20));
@@ -179,7 +182,6 @@ fn agents_started_by_hand_on_other_addresses_train_with_a_listening_master() {
     let mut err = String::new();
     std::io::Read::read_to_string(intruder.stderr.as_mut().expect("stderr"), &mut err).unwrap();
     assert!(err.contains("refused"), "{err}");
-    procs.0.push(agent(&master, TOKEN, "127.0.0.2"));
     procs.0.push(agent(&master, TOKEN, "127.0.0.3"));
     let st = wait_exit(&mut procs.0[0], Duration::from_secs(120));
     drain(&rx, &mut log);

@@ -36,8 +36,8 @@ enum Cmd {
     Bench(BenchCmd),
     /// Show a running job: nodes, pipelines, generation, committed step, throughput.
     Status(oobleck_cli::cluster::status::StatusArgs),
-    /// One node agent of a cluster job (started by `train --nodes N`).
-    #[command(hide = true)]
+    /// Run one node of a multi-machine job: `oobleck agent --master HOST:PORT` with the job's
+    /// OOBLECK_TOKEN (the master is `train --listen`; `train --nodes N` starts its own agents).
     Agent(oobleck_cli::cluster::agent::AgentArgs),
     /// One worker of a cluster job (started by `oobleck agent`).
     #[command(hide = true)]

@@ -50,6 +50,9 @@ pub struct AgentArgs {
     /// Exit (killing the workers) when stdin closes: for agents started by `train` or ssh.
     #[arg(long)]
     pub exit_with_parent: bool,
+    /// Seconds to keep retrying while the master cannot be reached (it may start later).
+    #[arg(long, default_value_t = 120)]
+    pub wait: u64,
 }
 
 struct Worker {
@@ -132,9 +135,30 @@ async fn drive(args: &AgentArgs) -> Result<()> {
     };
     let token = Token::new(&secret).context("the job token")?;
     let master = resolve(&args.master)?;
-    let mut agent = Agent::connect(master, &token, CONTROL_TIMEOUT)
-        .await
-        .with_context(|| format!("registering with the master at {master}"))?;
+    // A master that is not up yet (agents and master started in any order) is waited for;
+    // a refusal (wrong token, other version) is final.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.wait);
+    let mut told = false;
+    let mut agent = loop {
+        match Agent::connect(master, &token, CONTROL_TIMEOUT).await {
+            Ok(a) => break a,
+            Err(e @ (ElasticError::Io { .. } | ElasticError::Timeout { .. }))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                if !told {
+                    eprintln!(
+                        "oobleck agent: no master at {master} yet ({e}); retrying for up to {} s",
+                        args.wait
+                    );
+                    told = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("registering with the master at {master}"))
+            }
+        }
+    };
     let node = agent.node();
     let host = match &args.host {
         Some(h) => h.clone(),

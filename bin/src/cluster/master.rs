@@ -312,6 +312,7 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
                 .arg("--master")
                 .arg(master.local_addr().to_string())
                 .arg("--exit-with-parent")
+                .args(["--wait", "10"])
                 .env("OOBLECK_TOKEN", token.expose())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::null())
