@@ -58,8 +58,10 @@ pub fn probe() -> Result<()> {
     if let Err(e) = driver {
         return Err(unavailable("CUDA driver (libcuda.so.1)", e.to_string()));
     }
-    // SAFETY: as above; cudarc only tries to open its candidate names.
-    if unsafe { sys::is_culib_present() } {
+    // The name cudarc opens when it loads NCCL at run time. (Not `sys::is_culib_present`: that
+    // exists only when cudarc loads dynamically, and beside candle's `cuda` feature it links.)
+    // SAFETY: as above.
+    if unsafe { libloading::Library::new("libnccl.so") }.is_ok() {
         return Ok(());
     }
     // SAFETY: as above.
