@@ -12,6 +12,13 @@
 //!  backward:  loss.backward()  ◄── grad of hidden [b, t, d] ◄── (sum(output · upstream)).backward()
 //! ```
 //!
+//! [`Stage::forward_layered`] cuts the graph at every layer boundary (each layer's input is a
+//! fresh `Var`), so [`Stage::backward_layers`] can back-propagate one layer at a time, last to
+//! first, handing out each layer's parameter gradients as soon as they are final (the engine
+//! overlaps the gradient all-reduce of the upper layers with the backward of the lower ones).
+//! A tied `Var` used by two layers of one stage then gets one share from each layer; the
+//! caller sums them by name, as autograd does in the one-call [`Stage::backward`].
+//!
 //! # Contract for implementors
 //! - `build_layers(range, ..)` must give every parameter the same value whatever `range` is
 //!   (initialise from `(seed, parameter name)`, see [`seeded_normal`]), so a replica built from
@@ -235,6 +242,15 @@ pub struct StageForward {
     input: Option<Var>,
     /// The stage output: hidden states, or the (scaled) loss for the last stage.
     pub output: Tensor,
+    /// Per layer (a [`Stage::forward_layered`] pass only; empty otherwise): its input cut
+    /// from the graph as a `Var` (None for layer 0) and its output.
+    cuts: Vec<LayerCut>,
+}
+
+/// One layer of a graph cut at every layer boundary.
+struct LayerCut {
+    input: Option<Var>,
+    output: Tensor,
 }
 
 /// Gradients produced by one backward pass of a stage.
@@ -295,34 +311,97 @@ impl Stage {
         for l in &self.layers {
             h = l.forward(&h, ctx)?;
         }
-        Ok(StageForward { input, output: h })
+        Ok(StageForward {
+            input,
+            output: h,
+            cuts: Vec::new(),
+        })
+    }
+
+    /// Forward through every layer like [`Stage::forward`] (same values), but with the graph
+    /// cut at every layer boundary: each layer's input is a fresh `Var` holding the previous
+    /// layer's output, so [`Stage::backward_layers`] can back-propagate one layer at a time.
+    /// [`Stage::backward`] accepts this pass too.
+    pub fn forward_layered(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<StageForward> {
+        let mut cuts: Vec<LayerCut> = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let prev = cuts.last().map(|c| &c.output).unwrap_or(x);
+            let (input, h) = if l.index() == 0 {
+                (None, prev.clone())
+            } else {
+                // As for the stage input: a Var, or Candle gives a wrong input gradient.
+                let v = Var::from_tensor(&prev.detach())?;
+                let t = v.as_tensor().clone();
+                (Some(v), t)
+            };
+            let output = l.forward(&h, ctx)?;
+            cuts.push(LayerCut { input, output });
+        }
+        let last = cuts.last().expect("a stage has at least one layer");
+        Ok(StageForward {
+            input: cuts[0].input.clone(),
+            output: last.output.clone(),
+            cuts,
+        })
+    }
+
+    /// Backward of a [`Stage::forward_layered`] pass one layer at a time, from the last layer
+    /// to the first: for each layer, d/dθ sum(out ⊙ g) with `g` the gradient flowing down
+    /// (`upstream` for the last layer; None when the stage outputs the scalar loss). As soon
+    /// as layer `i` is done, `on_layer(i, grads)` gets the gradients of the parameters that
+    /// layer lists (`Layer::params`), final for this microbatch. A parameter used by several
+    /// layers of the stage (a tied `Var`) is reported by each of them with that layer's
+    /// share only: the caller sums them by name. Returns the gradient of the stage input
+    /// (None for the first stage).
+    pub fn backward_layers(
+        &self,
+        fwd: StageForward,
+        upstream: Option<&Tensor>,
+        on_layer: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<()>,
+    ) -> Result<Option<Tensor>> {
+        if fwd.cuts.len() != self.layers.len() {
+            return Err(Error::Msg(format!(
+                "backward_layers needs a forward_layered pass of this stage's {} layers, got {} cuts",
+                self.layers.len(),
+                fwd.cuts.len()
+            )));
+        }
+        let mut g: Option<Tensor> = upstream.cloned();
+        for (layer, cut) in self.layers.iter().zip(fwd.cuts).rev() {
+            let root = chain_root(&cut.output, g.as_ref())?;
+            let store = root.backward()?;
+            let mut grads = HashMap::new();
+            for (name, var) in layer.params() {
+                let gp = match store.get(var.as_tensor()) {
+                    Some(gp) => gp.clone(),
+                    None => var.as_tensor().zeros_like()?,
+                };
+                grads.insert(name, gp);
+            }
+            g = match &cut.input {
+                Some(v) => Some(match store.get(v.as_tensor()) {
+                    Some(gi) => gi.clone(),
+                    None => v.as_tensor().zeros_like()?,
+                }),
+                None => None,
+            };
+            drop(store);
+            on_layer(layer.index(), grads)?;
+        }
+        Ok(g)
     }
 
     /// Backward from `upstream` (the gradient of this stage's output; None for the last stage,
     /// whose output is the loss).
     pub fn backward(&self, fwd: StageForward, upstream: Option<&Tensor>) -> Result<StageGrads> {
-        let root = match upstream {
-            None => {
-                if fwd.output.rank() != 0 {
-                    return Err(Error::Msg(format!(
-                        "the last stage must output a scalar loss, got shape {:?}",
-                        fwd.output.dims()
-                    )));
-                }
-                fwd.output.clone()
-            }
-            Some(g) => {
-                if g.dims() != fwd.output.dims() {
-                    return Err(Error::Msg(format!(
-                        "upstream gradient shape {:?} does not match stage output {:?}",
-                        g.dims(),
-                        fwd.output.dims()
-                    )));
-                }
-                // d/dθ sum(out ⊙ g) = (∂out/∂θ)ᵀ g: the chain rule with the received gradient.
-                fwd.output.mul(&g.detach())?.sum_all()?
-            }
-        };
+        if !fwd.cuts.is_empty() {
+            // A graph cut per layer: sum the layers' shares by name.
+            let mut params = HashMap::new();
+            let input =
+                self.backward_layers(fwd, upstream, &mut |_, g| accumulate(&mut params, g))?;
+            return Ok(StageGrads { params, input });
+        }
+        let root = chain_root(&fwd.output, upstream)?;
         let store = root.backward()?;
         let mut params = HashMap::new();
         for (name, var) in self.params() {
@@ -341,6 +420,33 @@ impl Stage {
             None => None,
         };
         Ok(StageGrads { params, input })
+    }
+}
+
+/// The scalar whose backward gives the gradients of a (stage or layer) output `out`: `out`
+/// itself when it is the scalar loss (`upstream` None), else sum(out ⊙ g), since
+/// d/dθ sum(out ⊙ g) = (∂out/∂θ)ᵀ g is the chain rule with the received gradient `g`.
+fn chain_root(out: &Tensor, upstream: Option<&Tensor>) -> Result<Tensor> {
+    match upstream {
+        None => {
+            if out.rank() != 0 {
+                return Err(Error::Msg(format!(
+                    "the last stage must output a scalar loss, got shape {:?}",
+                    out.dims()
+                )));
+            }
+            Ok(out.clone())
+        }
+        Some(g) => {
+            if g.dims() != out.dims() {
+                return Err(Error::Msg(format!(
+                    "upstream gradient shape {:?} does not match stage output {:?}",
+                    g.dims(),
+                    out.dims()
+                )));
+            }
+            Ok(out.mul(&g.detach())?.sum_all()?)
+        }
     }
 }
 

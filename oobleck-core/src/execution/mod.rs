@@ -22,7 +22,7 @@ mod worker;
 
 pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
 pub use sync::{sync_gradients, SyncReport};
-pub use worker::{IterationOutput, StageWorker, WorkerConfig};
+pub use worker::{IterationOutput, OverlapStats, StageWorker, WorkerConfig};
 
 use candle_core::{Device, Tensor};
 use oobleck_comm::{DType, TensorBuf};

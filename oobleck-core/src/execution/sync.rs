@@ -1,9 +1,31 @@
 //! Gradient sync across pipelines, global-norm clipping and the optimizer step.
 //!
 //! Collectives are issued in one global order so that no two ranks wait on each other in a
-//! cycle: layer buckets by ascending first layer, then tied parameters in the model's order,
-//! then one all-reduce over every rank of the layout. A bucket's members all complete the
-//! buckets of smaller layers first (induction on the layer index), so each call finds its peers.
+//! cycle: layer buckets by DESCENDING first layer, then tied parameters in the model's order,
+//! then one all-reduce over every rank of the layout. Every member of a bucket holds all its
+//! layers, so all members see the same buckets above it and issue them first; by induction
+//! from the top layer down each call finds its peers.
+//!
+//! Overlap with the backward (`worker.rs`): the last backward of an iteration (the last
+//! microbatch) runs layer by layer, and each bucket is handed, once its layers are done, to
+//! one background thread that all-reduces the buckets one at a time in that same descending
+//! order; `sync_gradients` joins nothing (`run_iteration` already did) and issues only the
+//! buckets not yet reduced, then the tied parameters and the norm/loss slots. So a rank never
+//! has two collectives in flight at once, and every rank issues them in the same order. The
+//! main thread meanwhile finishes the backward and its last `SendGradient`; no collective can
+//! hold that up in a cycle:
+//! - the background thread starts after the rank's last receive of the iteration (the last
+//!   backward follows every `Recv*` in 1F1B), so no receive of this rank waits behind it;
+//! - p2p tags are below 2^63 and collectives use bit 63 (`tag()` in `worker.rs`), so their
+//!   messages never match each other, and `Communicator` is `Send + Sync` with operations on
+//!   different channels allowed concurrently from different threads. On the TCP and local
+//!   backends a send only queues a frame (a peer's reader thread always drains it), so it
+//!   never waits on the peer's progress;
+//! - on a backend that serialises every operation on one thread (NCCL), a send may queue
+//!   behind a bucket all-reduce of this rank; that all-reduce involves only layers at or above
+//!   this stage's first layer, whose members reach it once their backward of those layers is
+//!   done, which depends only on gradients coming from above (their own receives are all
+//!   done). Nothing it waits for depends on the stage below, so the send follows.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -47,28 +69,16 @@ pub fn sync_gradients(
     let rank = worker.rank;
     let mut grads = out.grads;
     let range = worker.stage.range();
-    let tied_names: BTreeSet<&str> = worker.tied.iter().map(|p| p.name.as_str()).collect();
     // Names whose square sum this rank contributes to the global norm.
     let mut owned: BTreeSet<String> = BTreeSet::new();
 
-    for bucket in layout.buckets_of(rank) {
-        let mut names = Vec::new();
-        for layer in worker.stage.layers() {
-            if !bucket.layers.contains(&layer.index()) {
-                continue;
-            }
-            debug_assert!(range.contains(&layer.index()));
-            for (name, _) in layer.params() {
-                if !tied_names.contains(name.as_str()) {
-                    names.push(name);
-                }
-            }
-        }
+    for bucket in sync_buckets(worker) {
         if bucket.holders[0] == rank {
-            owned.extend(names.iter().cloned());
+            owned.extend(bucket.names.iter().cloned());
         }
-        if bucket.holders.len() > 1 && !names.is_empty() {
-            all_reduce_named(comm, &bucket.holders, &names, &mut grads, t)?;
+        // Buckets reduced during the last backward are not reduced twice.
+        if bucket.needs_collective() && !out.reduced.contains(&bucket.layers) {
+            all_reduce_named(comm, &bucket.holders, &bucket.names, &mut grads, t)?;
         }
     }
 
@@ -169,8 +179,54 @@ fn missing(name: &str) -> Error {
     ))
 }
 
+/// A gradient bucket of one rank: consecutive layers of its stage with the same holders,
+/// and the names of their parameters that are not tied (tied ones are summed separately).
+#[derive(Debug, Clone)]
+pub(super) struct SyncBucket {
+    pub layers: std::ops::Range<usize>,
+    pub holders: Vec<oobleck_comm::Rank>,
+    pub names: Vec<String>,
+}
+
+impl SyncBucket {
+    /// Whether the bucket has an all-reduce (others hold it too, and it has parameters).
+    pub fn needs_collective(&self) -> bool {
+        self.holders.len() > 1 && !self.names.is_empty()
+    }
+}
+
+/// The buckets of `worker`'s rank in the global order: descending first layer.
+pub(super) fn sync_buckets(worker: &StageWorker) -> Vec<SyncBucket> {
+    let tied_names: BTreeSet<&str> = worker.tied.iter().map(|p| p.name.as_str()).collect();
+    let mut out: Vec<SyncBucket> = worker
+        .layout
+        .buckets_of(worker.rank)
+        .into_iter()
+        .map(|bucket| {
+            let mut names = Vec::new();
+            for layer in worker.stage.layers() {
+                if !bucket.layers.contains(&layer.index()) {
+                    continue;
+                }
+                for (name, _) in layer.params() {
+                    if !tied_names.contains(name.as_str()) {
+                        names.push(name);
+                    }
+                }
+            }
+            SyncBucket {
+                layers: bucket.layers,
+                holders: bucket.holders,
+                names,
+            }
+        })
+        .collect();
+    out.sort_by_key(|b| std::cmp::Reverse(b.layers.start));
+    out
+}
+
 /// Sums the gradients `names` over `group` as one flat f32 buffer and writes them back.
-fn all_reduce_named(
+pub(super) fn all_reduce_named(
     comm: &dyn Communicator,
     group: &[oobleck_comm::Rank],
     names: &[String],

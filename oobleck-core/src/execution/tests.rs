@@ -552,3 +552,76 @@ fn a_plan_of_heterogeneous_multi_device_pipelines_trains_like_one_process() {
         }
     }
 }
+
+/// The layer-by-layer backward gives the one-call backward's gradients (the tied `wte` of a
+/// stage holding layers 0 and L-1 summed over both layers), layer by layer from the top.
+#[test]
+fn layered_backward_matches_the_one_call_backward() {
+    let model = Toy { layers: 5, seed: 4 };
+    let (ids, targets) = data(0, 0).unwrap();
+    for range in [0..5, 1..4, 0..3, 2..5] {
+        let stage = Stage::new(
+            model
+                .build_layers(range.clone(), &Device::Cpu, ParamSource::Init { seed: 4 })
+                .unwrap(),
+        )
+        .unwrap();
+        let last = range.end == 5;
+        let ctx = ForwardCtx {
+            targets: last.then_some(&targets),
+            loss_scale: 0.25,
+            ..ForwardCtx::inference()
+        };
+        let x = if range.start == 0 {
+            ids.clone()
+        } else {
+            seeded_normal(
+                1,
+                "x",
+                &[ids.dims()[0], ids.dims()[1], D],
+                1.0,
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let whole_fwd = stage.forward(&x, &ctx).unwrap();
+        let up = (!last)
+            .then(|| seeded_normal(2, "g", whole_fwd.output.dims(), 1.0, &Device::Cpu).unwrap());
+        let whole = stage.backward(whole_fwd, up.as_ref()).unwrap();
+
+        let fwd = stage.forward_layered(&x, &ctx).unwrap();
+        let mut order = Vec::new();
+        let mut grads = HashMap::new();
+        let input = stage
+            .backward_layers(fwd, up.as_ref(), &mut |layer, g| {
+                order.push(layer);
+                accumulate(&mut grads, g)
+            })
+            .unwrap();
+        assert_eq!(order, range.clone().rev().collect::<Vec<_>>(), "{range:?}");
+        assert_eq!(grads.len(), whole.params.len(), "{range:?}");
+        for (name, g) in &whole.params {
+            let d = max_diff(&vec1(g), &vec1(&grads[name]));
+            assert!(d <= 1e-6, "{range:?}: `{name}` differs by {d}");
+        }
+        match (&whole.input, &input) {
+            (None, None) => assert_eq!(range.start, 0),
+            (Some(a), Some(b)) => assert!(max_diff(&vec1(a), &vec1(b)) <= 1e-6, "{range:?}"),
+            _ => panic!("{range:?}: input gradients disagree on existing"),
+        }
+        // The one-call backward of a layered pass sums the layers' shares the same way.
+        let again = stage
+            .backward(stage.forward_layered(&x, &ctx).unwrap(), up.as_ref())
+            .unwrap();
+        for (name, g) in &whole.params {
+            assert!(
+                max_diff(&vec1(g), &vec1(&again.params[name])) <= 1e-6,
+                "`{name}`"
+            );
+        }
+    }
+}
+
+fn vec1(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}

@@ -1,13 +1,16 @@
 //! One rank's stage: runs the 1F1B instruction stream of one iteration.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::ops::Range;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, Rank};
 use tracing::debug_span;
 
 use super::layout::{Layout, Position};
+use super::sync::{all_reduce_named, sync_buckets, SyncBucket};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
     accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, RowSlice, Stage, StageForward,
@@ -33,7 +36,29 @@ pub struct IterationOutput {
     pub grads: HashMap<String, Tensor>,
     /// Sum of this device's scaled losses (last stage only; 0 elsewhere).
     pub loss: f64,
+    /// The gradient buckets already all-reduced during the last backward (their entries of
+    /// `grads` are summed over the holders); `sync_gradients` does the rest.
+    pub(super) reduced: Vec<Range<usize>>,
+    /// Timing of those overlapped all-reduces.
+    pub overlap: OverlapStats,
 }
+
+/// How the bucket all-reduces of one iteration overlapped this rank's own work.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OverlapStats {
+    /// Wall time of the all-reduces run on the background thread.
+    pub collective: Duration,
+    /// The part of `collective` that ran while the main thread was still busy with the
+    /// iteration (the rest of the backward, sending the input gradient).
+    pub hidden: Duration,
+    /// How many buckets were reduced in the background.
+    pub buckets: usize,
+}
+
+/// A bucket handed to the background thread, with its gradients by name.
+type BucketJob = (SyncBucket, HashMap<String, Tensor>);
+/// What the background thread gives back per bucket: the summed gradients, start and end.
+type BucketDone = (Range<usize>, HashMap<String, Tensor>, Instant, Instant);
 
 /// A rank's stage of one pipeline, with its place in the layout.
 pub struct StageWorker {
@@ -189,105 +214,242 @@ impl StageWorker {
             b,
             self.num_mb,
         );
-        for di in stream {
-            match di.instruction {
-                Instruction::RecvActivation { mb } => {
-                    let x =
-                        self.recv_rows(comm, &self.prev, &di.peers, tag(iteration, mb, false))?;
-                    inputs.insert(mb, x);
-                }
-                Instruction::Forward { mb } => {
-                    let global = u64::from(self.first_mb + mb);
-                    let (ids, targets) = if self.is_first() || self.is_last() {
-                        let (i, tg) = data(iteration, global)?;
-                        (
-                            Some(own_rows(&i, b, lo, hi)?),
-                            Some(own_rows(&tg, b, lo, hi)?),
-                        )
-                    } else {
-                        (None, None)
-                    };
-                    let x = if self.is_first() {
-                        ids.ok_or_else(|| missing("token ids", mb))?
-                    } else {
-                        inputs
-                            .remove(&mb)
-                            .ok_or_else(|| missing("activation", mb))?
-                    };
-                    let ctx = ForwardCtx {
-                        targets: if self.is_last() {
-                            targets.as_ref()
+        // The last backward of the stream (of the last microbatch): after it every gradient
+        // of a layer is final as soon as that layer's backward is, so it runs layer by layer
+        // and each bucket's all-reduce starts on a background thread once its layers are done.
+        // Buckets go in descending first layer, one at a time (see `sync`'s header).
+        let buckets: Vec<SyncBucket> = sync_buckets(self)
+            .into_iter()
+            .filter(|b| b.needs_collective())
+            .collect();
+        let last_bwd = stream
+            .iter()
+            .rposition(|di| matches!(di.instruction, Instruction::Backward { .. }));
+        let layered_mb = match last_bwd.map(|i| &stream[i].instruction) {
+            Some(Instruction::Backward { mb }) if !buckets.is_empty() => Some(*mb),
+            _ => None,
+        };
+        let timeout = self.cfg.timeout;
+        std::thread::scope(|scope| -> Result<IterationOutput> {
+            let mut background = None;
+            for (at, di) in stream.into_iter().enumerate() {
+                match di.instruction {
+                    Instruction::RecvActivation { mb } => {
+                        let x =
+                            self.recv_rows(comm, &self.prev, &di.peers, tag(iteration, mb, false))?;
+                        inputs.insert(mb, x);
+                    }
+                    Instruction::Forward { mb } => {
+                        let global = u64::from(self.first_mb + mb);
+                        let (ids, targets) = if self.is_first() || self.is_last() {
+                            let (i, tg) = data(iteration, global)?;
+                            (
+                                Some(own_rows(&i, b, lo, hi)?),
+                                Some(own_rows(&tg, b, lo, hi)?),
+                            )
                         } else {
-                            None
-                        },
-                        loss_scale,
-                        train: true,
-                        dropout_key: DropoutKey {
-                            seed: self.cfg.seed,
-                            iteration,
-                            microbatch: global,
-                        },
-                        // Dropout masks are keyed by the microbatch's rows, not this slice's.
-                        rows: Some(RowSlice {
-                            offset: lo as usize,
-                            total: b as usize,
-                        }),
-                    };
-                    let fwd = self.stage.forward(&x, &ctx)?;
-                    if self.is_last() {
-                        loss += f64::from(fwd.output.to_scalar::<f32>()?);
-                    }
-                    stash.insert(mb, fwd);
-                }
-                Instruction::SendActivation { mb } => {
-                    let out = &stash.get(&mb).ok_or_else(|| missing("forward", mb))?.output;
-                    self.send_rows(
-                        comm,
-                        &self.next,
-                        &di.peers,
-                        lo,
-                        out,
-                        tag(iteration, mb, false),
-                    )?;
-                }
-                Instruction::RecvGradient { mb } => {
-                    let g =
-                        self.recv_rows(comm, &self.next, &di.peers, tag(iteration, mb, true))?;
-                    upstream.insert(mb, g);
-                }
-                Instruction::Backward { mb } => {
-                    let fwd = stash.remove(&mb).ok_or_else(|| missing("forward", mb))?;
-                    let up = if self.is_last() {
-                        None
-                    } else {
-                        Some(
-                            upstream
+                            (None, None)
+                        };
+                        let x = if self.is_first() {
+                            ids.ok_or_else(|| missing("token ids", mb))?
+                        } else {
+                            inputs
                                 .remove(&mb)
-                                .ok_or_else(|| missing("gradient", mb))?,
-                        )
-                    };
-                    let g = self.stage.backward(fwd, up.as_ref())?;
-                    accumulate(&mut grads, g.params)?;
-                    if let Some(gi) = g.input {
-                        to_send.insert(mb, gi);
+                                .ok_or_else(|| missing("activation", mb))?
+                        };
+                        let ctx = ForwardCtx {
+                            targets: if self.is_last() {
+                                targets.as_ref()
+                            } else {
+                                None
+                            },
+                            loss_scale,
+                            train: true,
+                            dropout_key: DropoutKey {
+                                seed: self.cfg.seed,
+                                iteration,
+                                microbatch: global,
+                            },
+                            // Dropout masks are keyed by the microbatch's rows, not this slice's.
+                            rows: Some(RowSlice {
+                                offset: lo as usize,
+                                total: b as usize,
+                            }),
+                        };
+                        let fwd = if layered_mb == Some(mb) {
+                            self.stage.forward_layered(&x, &ctx)?
+                        } else {
+                            self.stage.forward(&x, &ctx)?
+                        };
+                        if self.is_last() {
+                            loss += f64::from(fwd.output.to_scalar::<f32>()?);
+                        }
+                        stash.insert(mb, fwd);
                     }
-                }
-                Instruction::SendGradient { mb } => {
-                    let g = to_send
-                        .remove(&mb)
-                        .ok_or_else(|| missing("input gradient", mb))?;
-                    self.send_rows(
-                        comm,
-                        &self.prev,
-                        &di.peers,
-                        lo,
-                        &g,
-                        tag(iteration, mb, true),
-                    )?;
+                    Instruction::SendActivation { mb } => {
+                        let out = &stash.get(&mb).ok_or_else(|| missing("forward", mb))?.output;
+                        self.send_rows(
+                            comm,
+                            &self.next,
+                            &di.peers,
+                            lo,
+                            out,
+                            tag(iteration, mb, false),
+                        )?;
+                    }
+                    Instruction::RecvGradient { mb } => {
+                        let g =
+                            self.recv_rows(comm, &self.next, &di.peers, tag(iteration, mb, true))?;
+                        upstream.insert(mb, g);
+                    }
+                    Instruction::Backward { mb } => {
+                        let fwd = stash.remove(&mb).ok_or_else(|| missing("forward", mb))?;
+                        let up = if self.is_last() {
+                            None
+                        } else {
+                            Some(
+                                upstream
+                                    .remove(&mb)
+                                    .ok_or_else(|| missing("gradient", mb))?,
+                            )
+                        };
+                        let gi = if layered_mb == Some(mb) && Some(at) == last_bwd {
+                            let (tx, rx) = mpsc::channel::<BucketJob>();
+                            background = Some(scope.spawn(move || -> Result<Vec<BucketDone>> {
+                                let mut done = Vec::new();
+                                for (bucket, mut g) in rx {
+                                    let t0 = Instant::now();
+                                    all_reduce_named(
+                                        comm,
+                                        &bucket.holders,
+                                        &bucket.names,
+                                        &mut g,
+                                        timeout,
+                                    )?;
+                                    done.push((bucket.layers, g, t0, Instant::now()));
+                                }
+                                Ok(done)
+                            }));
+                            match self.backward_overlapped(
+                                fwd,
+                                up.as_ref(),
+                                &buckets,
+                                &mut grads,
+                                &tx,
+                            ) {
+                                Ok(gi) => gi,
+                                Err(e) => {
+                                    // A failed all-reduce stops the thread, then the hand-over
+                                    // fails: report the all-reduce's error, the cause.
+                                    drop(tx);
+                                    return Err(match background.take().map(|h| h.join()) {
+                                        Some(Ok(Err(cause))) => cause,
+                                        _ => e,
+                                    });
+                                }
+                            }
+                        } else {
+                            let g = self.stage.backward(fwd, up.as_ref())?;
+                            accumulate(&mut grads, g.params)?;
+                            g.input
+                        };
+                        if let Some(gi) = gi {
+                            to_send.insert(mb, gi);
+                        }
+                    }
+                    Instruction::SendGradient { mb } => {
+                        let g = to_send
+                            .remove(&mb)
+                            .ok_or_else(|| missing("input gradient", mb))?;
+                        self.send_rows(
+                            comm,
+                            &self.prev,
+                            &di.peers,
+                            lo,
+                            &g,
+                            tag(iteration, mb, true),
+                        )?;
+                    }
                 }
             }
+            let main_done = Instant::now();
+            let mut reduced = Vec::new();
+            let mut overlap = OverlapStats::default();
+            if let Some(h) = background {
+                let done = h
+                    .join()
+                    .map_err(|_| Error::Msg("the gradient all-reduce thread panicked".into()))??;
+                for (layers, g, t0, t1) in done {
+                    overlap.collective += t1 - t0;
+                    overlap.hidden += main_done.min(t1).saturating_duration_since(t0);
+                    overlap.buckets += 1;
+                    grads.extend(g);
+                    reduced.push(layers);
+                }
+            }
+            Ok(IterationOutput {
+                grads,
+                loss,
+                reduced,
+                overlap,
+            })
+        })
+    }
+
+    /// The layer-by-layer backward of the iteration's last microbatch: accumulates each
+    /// layer's gradients into `grads` and hands every bucket of `buckets` (descending first
+    /// layer) to `tx` as soon as no layer still to run touches its parameters. Returns the
+    /// stage input's gradient.
+    fn backward_overlapped(
+        &self,
+        fwd: StageForward,
+        upstream: Option<&Tensor>,
+        buckets: &[SyncBucket],
+        grads: &mut HashMap<String, Tensor>,
+        tx: &mpsc::Sender<BucketJob>,
+    ) -> Result<Option<Tensor>> {
+        // The lowest layer of this stage that lists each name: a bucket is final once the
+        // backward is done down to its lowest layer and to every such layer of its names.
+        let mut lowest: HashMap<String, usize> = HashMap::new();
+        for l in self.stage.layers() {
+            for (name, _) in l.params() {
+                lowest.entry(name).or_insert(l.index());
+            }
         }
-        Ok(IterationOutput { grads, loss })
+        let ready_at: Vec<usize> = buckets
+            .iter()
+            .map(|b| {
+                b.names
+                    .iter()
+                    .filter_map(|n| lowest.get(n).copied())
+                    .fold(b.layers.start, usize::min)
+            })
+            .collect();
+        let mut next = 0;
+        let input = self.stage.backward_layers(fwd, upstream, &mut |layer, g| {
+            accumulate(grads, g)?;
+            while next < buckets.len() && ready_at[next] >= layer {
+                let bucket = &buckets[next];
+                let mut part = HashMap::with_capacity(bucket.names.len());
+                for n in &bucket.names {
+                    let t = grads.get(n).ok_or_else(|| {
+                        Error::Msg(format!("no gradient for parameter `{n}` in its bucket"))
+                    })?;
+                    part.insert(n.clone(), t.clone());
+                }
+                tx.send((bucket.clone(), part))
+                    .map_err(|_| Error::Msg("the gradient all-reduce thread stopped".into()))?;
+                next += 1;
+            }
+            Ok(())
+        })?;
+        if next != buckets.len() {
+            return Err(Error::Msg(format!(
+                "{} gradient buckets were never final in the backward (a broken layout)",
+                buckets.len() - next
+            )));
+        }
+        Ok(input)
     }
 
     /// Receives the overlapping rows from each neighbour device and stacks them in row order.
