@@ -39,7 +39,7 @@ use oobleck_comm::{Communicator, Rank, TcpCommunicator, TcpConfig, TensorBuf};
 use oobleck_core::elastic::{Agent, Master, MasterConfig, MasterEvent, Message, Token};
 use oobleck_core::execution::{
     buf_to_tensor, sync_gradients, tensor_to_buf, Layout, PipelineSpec, StageSpec, StageWorker,
-    WorkerConfig,
+    WorkerConfig, BUCKET_ELEMS,
 };
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::optim::{AdamW, AdamWConfig};
@@ -598,6 +598,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
         seed: args.seed,
         microbatch_size: args.microbatch_size,
         timeout,
+        bucket_elems: BUCKET_ELEMS,
     };
     let w = StageWorker::new(
         setup.model,

@@ -24,6 +24,8 @@ pub struct RunSpec {
     pub max_grad_norm: f64,
     /// Bound of every data-plane operation.
     pub timeout: Duration,
+    /// `WorkerConfig::bucket_elems`: the most gradient elements one all-reduce carries.
+    pub bucket_elems: usize,
 }
 
 /// Per-step mean losses and the final parameters by name (flattened).
@@ -201,6 +203,7 @@ fn run_rank(
         seed: spec.seed,
         microbatch_size: spec.microbatch_size,
         timeout: spec.timeout,
+        bucket_elems: spec.bucket_elems,
     };
     let w = StageWorker::new(
         model,

@@ -23,7 +23,7 @@
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use oobleck_core::execution::{Layout, PipelineSpec, StageSpec};
+use oobleck_core::execution::{Layout, PipelineSpec, StageSpec, BUCKET_ELEMS};
 use oobleck_models::gpt2::{Gpt, GptConfig};
 use oobleck_tests::execution::{
     max_param_diff, pipelines, single_process, RunResult, RunSpec, Transport,
@@ -56,6 +56,7 @@ fn spec() -> RunSpec {
         lr: 1e-3,
         max_grad_norm: 0.5,
         timeout: Duration::from_secs(20),
+        bucket_elems: BUCKET_ELEMS,
     }
 }
 

@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 use oobleck_core::elastic::protocol::Rendezvous;
-use oobleck_core::execution::{sync_gradients, Layout, StageWorker, WorkerConfig};
+use oobleck_core::execution::{sync_gradients, Layout, StageWorker, WorkerConfig, BUCKET_ELEMS};
 use oobleck_core::model::ParamSource;
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
 use oobleck_models::data::{BatchSpec, DataCursor, Dataset, Split};
@@ -207,6 +207,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             seed: cfg.seed,
             microbatch_size,
             timeout: DATA_TIMEOUT,
+            bucket_elems: BUCKET_ELEMS,
         },
     )?;
     let rendezvous = match inbox.next(COMMIT_TIMEOUT, "rendezvous")? {

@@ -21,7 +21,7 @@ mod sync;
 mod worker;
 
 pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
-pub use sync::{sync_gradients, SyncReport};
+pub use sync::{sync_gradients, SyncReport, BUCKET_ELEMS};
 pub use worker::{IterationOutput, OverlapStats, StageWorker, WorkerConfig};
 
 use candle_core::{Device, Tensor};

@@ -195,32 +195,64 @@ impl SyncBucket {
     }
 }
 
+/// Default of `WorkerConfig::bucket_elems`: most gradient elements one all-reduce carries
+/// (4 MiB of f32), unless a single layer has more. A layout bucket (consecutive layers with the same holders, often a whole stage) is cut
+/// into runs of layers under this size, from the top layer down, so the all-reduce of the top
+/// layers can run while the backward of the lower ones still computes (`worker.rs`); the cut
+/// depends only on layer indices and parameter shapes, so every holder cuts alike.
+pub const BUCKET_ELEMS: usize = 1 << 20;
+
 /// The buckets of `worker`'s rank in the global order: descending first layer.
 pub(super) fn sync_buckets(worker: &StageWorker) -> Vec<SyncBucket> {
     let tied_names: BTreeSet<&str> = worker.tied.iter().map(|p| p.name.as_str()).collect();
-    let mut out: Vec<SyncBucket> = worker
-        .layout
-        .buckets_of(worker.rank)
-        .into_iter()
-        .map(|bucket| {
-            let mut names = Vec::new();
-            for layer in worker.stage.layers() {
-                if !bucket.layers.contains(&layer.index()) {
-                    continue;
-                }
-                for (name, _) in layer.params() {
-                    if !tied_names.contains(name.as_str()) {
-                        names.push(name);
-                    }
-                }
+    let mut out: Vec<SyncBucket> = Vec::new();
+    for bucket in worker.layout.buckets_of(worker.rank) {
+        // (layer, its untied parameter names, their elements), top layer first.
+        let mut layers: Vec<(usize, Vec<String>, usize)> = worker
+            .stage
+            .layers()
+            .iter()
+            .filter(|l| bucket.layers.contains(&l.index()))
+            .map(|l| {
+                let params: Vec<(String, Var)> = l
+                    .params()
+                    .into_iter()
+                    .filter(|(n, _)| !tied_names.contains(n.as_str()))
+                    .collect();
+                let elems = params.iter().map(|(_, v)| v.elem_count()).sum();
+                (
+                    l.index(),
+                    params.into_iter().map(|(n, _)| n).collect(),
+                    elems,
+                )
+            })
+            .collect();
+        layers.sort_by_key(|(l, _, _)| std::cmp::Reverse(*l));
+        let mut run: Vec<(usize, Vec<String>, usize)> = Vec::new();
+        let mut run_elems = 0;
+        let flush = |run: &mut Vec<(usize, Vec<String>, usize)>, out: &mut Vec<SyncBucket>| {
+            if run.is_empty() {
+                return;
             }
-            SyncBucket {
-                layers: bucket.layers,
-                holders: bucket.holders,
-                names,
+            run.reverse(); // ascending layers, so names keep the stage's order
+            let lo = run[0].0;
+            let hi = run[run.len() - 1].0 + 1;
+            out.push(SyncBucket {
+                layers: lo..hi,
+                holders: bucket.holders.clone(),
+                names: run.drain(..).flat_map(|(_, n, _)| n).collect(),
+            });
+        };
+        for layer in layers {
+            if !run.is_empty() && run_elems + layer.2 > worker.cfg.bucket_elems {
+                flush(&mut run, &mut out);
+                run_elems = 0;
             }
-        })
-        .collect();
+            run_elems += layer.2;
+            run.push(layer);
+        }
+        flush(&mut run, &mut out);
+    }
     out.sort_by_key(|b| std::cmp::Reverse(b.layers.start));
     out
 }

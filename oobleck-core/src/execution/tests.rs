@@ -201,6 +201,7 @@ fn distributed(model: &Toy, layout: Layout) -> Vec<(Vec<f64>, Params)> {
                         seed: 0,
                         microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(20),
+                        bucket_elems: super::BUCKET_ELEMS,
                     };
                     let w = StageWorker::new(
                         model,
@@ -347,6 +348,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                         seed: 0,
                         microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(10),
+                        bucket_elems: super::BUCKET_ELEMS,
                     };
                     let w = StageWorker::new(
                         model,
@@ -431,6 +433,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         seed: 0,
         microbatch_size: b,
         timeout: Duration::from_secs(1),
+        bucket_elems: super::BUCKET_ELEMS,
     };
     let build = |b| {
         StageWorker::new(

@@ -28,6 +28,10 @@ pub struct WorkerConfig {
     pub microbatch_size: u32,
     /// Bound of every send, receive and collective.
     pub timeout: Duration,
+    /// Most gradient elements one bucket all-reduce carries (a single larger layer still goes
+    /// alone); smaller buckets start sooner during the last backward. `sync::BUCKET_ELEMS` is
+    /// the default. Every holder of a layer must use the same value.
+    pub bucket_elems: usize,
 }
 
 /// What one iteration of a stage produced.
