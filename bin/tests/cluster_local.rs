@@ -226,7 +226,12 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
         assert_eq!(first["nodes"].as_u64(), Some(nodes.parse().expect("n")));
         assert_eq!(first["pipelines"].as_u64(), Some(want_pipes));
         assert_eq!(first["generation"].as_u64(), Some(0));
-        assert!(out.join("plan.json").is_file() && out.join("config.json").is_file());
+        assert!(out.join("config.json").is_file());
+        let plans: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap())
+                .expect("plan.json: an array of plans, one per generation");
+        assert_eq!(plans.len(), 1, "--nodes {nodes}: one generation, one plan");
+        assert_eq!(plans[0]["generation"], 0, "--nodes {nodes}");
         let last: serde_json::Value =
             serde_json::from_str(metrics.lines().last().expect("a line")).expect("JSON");
         let val = last["val_loss"].as_f64().expect("a final validation loss");

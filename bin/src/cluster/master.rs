@@ -529,9 +529,10 @@ impl Job<'_> {
         }
         let plan = plan_for(&self.p.cfg, &self.p.model_cfg, &nodes)?;
         let world = world_size(&plan);
+        // Every plan of the job, one per generation (DESIGN.md section 6); generation 0 here.
         std::fs::write(
             self.p.out.join("plan.json"),
-            serde_json::to_string_pretty(&plan)?,
+            serde_json::to_string_pretty(&[&plan])?,
         )
         .context("writing plan.json")?;
         let layout: Vec<serde_json::Value> = plan
