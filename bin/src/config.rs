@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use oobleck_core::optim::{AdamW, AdamWConfig};
 use serde::{Deserialize, Serialize};
 
 /// Everything a training job is. Units and the reason for each default are given per field.
@@ -333,6 +334,18 @@ impl TrainConfig {
 
     pub fn warmup(&self) -> u64 {
         self.warmup_steps.unwrap_or(self.steps / 10)
+    }
+
+    /// A fresh AdamW with this job's hyper-parameters (the learning rate itself comes from the
+    /// schedule at every step).
+    pub fn optimizer(&self) -> Result<AdamW> {
+        Ok(AdamW::new(AdamWConfig {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: 1e-8,
+            weight_decay: self.weight_decay,
+        })?)
     }
 
     pub fn final_lr(&self) -> f64 {

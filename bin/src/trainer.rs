@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
-use oobleck_core::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
 use oobleck_models::data::{
     default_corpus_path, default_tokenizer_dir, BatchSpec, DataCursor, Dataset, Split,
 };
@@ -158,13 +158,7 @@ impl Trainer {
         let device = Device::Cpu;
         let model = model_cfg.build()?;
         let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
-        let mut opt = AdamW::new(AdamWConfig {
-            lr: cfg.lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: 1e-8,
-            weight_decay: cfg.weight_decay,
-        })?;
+        let mut opt = cfg.optimizer()?;
         let l = model.num_layers();
 
         let (out, stage, step) = match resume {
@@ -205,8 +199,9 @@ impl Trainer {
                 (out, Stage::new(layers)?, 0)
             }
         };
-        if resume.is_none() {
-            save_resolved(&cfg, &out)?;
+        match resume {
+            None => save_resolved(&cfg, &out)?,
+            Some(_) => truncate_metrics_after(&out, step)?,
         }
         let append = |name: &str| {
             std::fs::OpenOptions::new()
@@ -231,9 +226,6 @@ impl Trainer {
             device,
             iters_per_epoch,
         };
-        if resume.is_some() {
-            t.truncate_metrics_after(step)?;
-        }
         t.event(serde_json::json!({
             "event": if resume.is_some() { "resume" } else { "start" },
             "step": step,
@@ -241,29 +233,6 @@ impl Trainer {
             "params": t.model_cfg.num_params(),
         }))?;
         Ok(t)
-    }
-
-    /// A resumed run may have logged steps past its last checkpoint before it stopped: they
-    /// are replayed, so their old lines go (and nothing is counted twice).
-    fn truncate_metrics_after(&mut self, step: u64) -> Result<()> {
-        let path = self.out.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let kept: Vec<&str> = text
-            .lines()
-            .filter(|l| {
-                serde_json::from_str::<serde_json::Value>(l)
-                    .ok()
-                    .and_then(|v| v["step"].as_u64())
-                    .is_some_and(|s| s <= step)
-            })
-            .collect();
-        let mut body = kept.join("\n");
-        if !body.is_empty() {
-            body.push('\n');
-        }
-        std::fs::write(&path, body).with_context(|| format!("rewriting {}", path.display()))?;
-        self.metrics = std::fs::OpenOptions::new().append(true).open(&path)?;
-        Ok(())
     }
 
     fn event(&mut self, v: serde_json::Value) -> Result<()> {
@@ -468,4 +437,25 @@ pub fn find_checkpoint(path: &Path) -> Result<(PathBuf, PathBuf)> {
             path.display()
         ),
     }
+}
+
+/// A resumed run may have logged steps past its last checkpoint before it stopped: they are
+/// replayed, so their lines in `run/metrics.jsonl` go (and nothing is counted twice).
+pub fn truncate_metrics_after(run: &Path, step: u64) -> Result<()> {
+    let path = run.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .collect();
+    let mut body = kept.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    std::fs::write(&path, body).with_context(|| format!("rewriting {}", path.display()))
 }

@@ -500,3 +500,130 @@ fn a_hung_agent_is_detected_by_its_lease_and_the_job_ends_with_no_process_left()
     );
     assert_all_gone(&out, 4);
 }
+
+/// A cluster run whose worker is SIGKILLed resumes from its newest checkpoint on a different
+/// set of nodes and plan (`--resume`), replays the steps after it, and ends where a single
+/// process that never stopped ends: same per-step losses, same parameters.
+#[test]
+fn a_killed_cluster_run_resumes_on_other_nodes_and_matches_the_single_process() {
+    const STEPS: u64 = 16;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let single = dir.path().join("single");
+    let o = run(
+        train_cmd(&single, STEPS, &["--nodes", "1"]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = losses(&single);
+    let want_params = final_params(&single);
+
+    // Two one-node pipelines, a checkpoint every 2 steps; a worker dies once one exists.
+    let out = dir.path().join("run");
+    let mut cmd = train_cmd(
+        &out,
+        STEPS,
+        &[
+            "--nodes",
+            "2",
+            "--pipeline-nodes",
+            "1,1",
+            "--checkpoint-every",
+            "2",
+        ],
+    );
+    let mut g = Guard(Some(cmd.spawn().expect("start train")));
+    let start = Instant::now();
+    let worker = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no checkpoint within 60 s"
+        );
+        if latest_checkpoint(&out).ok().flatten().is_some() {
+            let w = events(&out)
+                .into_iter()
+                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["rank"] == 1);
+            break w.expect("worker 1 reported")["pid"].as_u64().expect("pid") as u32;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let killed = Command::new("kill")
+        .args(["-9", &worker.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let o = {
+        let limit = Duration::from_secs(30);
+        let start = Instant::now();
+        while g
+            .0
+            .as_mut()
+            .expect("child")
+            .try_wait()
+            .expect("poll")
+            .is_none()
+        {
+            assert!(
+                start.elapsed() < limit,
+                "train did not stop within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output")
+    };
+    assert!(
+        !o.status.success(),
+        "the run finished before its worker was killed; nothing left to resume"
+    );
+    assert_all_gone(&out, 4);
+    let from = latest_checkpoint(&out)
+        .expect("list")
+        .expect("a checkpoint");
+    let from_step = load_checkpoint(&from, &Device::Cpu)
+        .expect("load")
+        .trainer
+        .step;
+    assert!(
+        from_step >= 2 && from_step < STEPS,
+        "resuming from {from_step}"
+    );
+
+    // Resume on three nodes, in pipelines of one and two nodes: another plan, same steps.
+    let mut flags = vec!["--nodes", "3", "--pipeline-nodes", "1,2", "--resume"];
+    let out_s = out.to_str().expect("utf-8 path");
+    flags.push(out_s);
+    let o = run(
+        train_cmd(&dir.path().join("unused"), STEPS, &flags),
+        Duration::from_secs(120),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let got = losses(&out);
+    assert_eq!(
+        got.iter().map(|l| l.0).collect::<Vec<_>>(),
+        (1..=STEPS).collect::<Vec<_>>(),
+        "every step once in metrics.jsonl"
+    );
+    for ((s, l), (_, wl)) in got.iter().zip(&want) {
+        assert!((l - wl).abs() < TOL, "step {s}: {l} vs {wl}");
+    }
+    let d = max_diff(&final_params(&out), &want_params);
+    eprintln!("resumed from step {from_step}: final parameters within {d:e} of the single process");
+    assert!(d < TOL, "final parameters differ by {d}");
+    let ev = events(&out);
+    let resumed = ev
+        .iter()
+        .find(|e| e["event"] == "resume")
+        .expect("a resume event");
+    assert_eq!(resumed["step"].as_u64(), Some(from_step), "{resumed}");
+    let plans: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).expect("plan.json"))
+            .expect("plans");
+    assert_eq!(plans.len(), 2, "one plan per generation");
+    assert_eq!(plans[1]["generation"], 1);
+    assert_eq!(plans[1]["pipelines"].as_array().map(Vec::len), Some(2));
+    // 4 processes of the first job, 6 of the resumed one (3 agents, 3 workers).
+    assert_all_gone(&out, 10);
+}

@@ -67,10 +67,8 @@ fn main() -> Result<()> {
         (None, _) => None,
     };
     if let Some(launch) = launch {
-        if args.resume.is_some() {
-            bail!("--resume of a multi-node run is not built yet");
-        }
-        let summary = oobleck_cli::cluster::master::run(cfg.clone(), launch)?;
+        let summary =
+            oobleck_cli::cluster::master::run(cfg.clone(), launch, args.resume.as_deref())?;
         eprintln!(
             "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
             summary.steps,

@@ -165,7 +165,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
         None => agent.local_addr().ip().to_string(),
     };
     tracing::info!(node, %master, data_host = %host, "agent registered");
-    let mut job: Option<(PathBuf, TrainConfig)> = None;
+    let mut job: Option<(PathBuf, TrainConfig, Option<PathBuf>)> = None;
     let mut generation = 0u64;
     let mut workers: Vec<Worker> = Vec::new();
     // Exits seen but not yet told, so that a worker's last reports reach the master first.
@@ -270,10 +270,14 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                 m = agent.recv(POLL) => m,
             };
             match incoming {
-                Ok(Message::Job { run_dir, config }) => {
+                Ok(Message::Job {
+                    run_dir,
+                    config,
+                    resume,
+                }) => {
                     let cfg: TrainConfig = serde_json::from_value(config)
                         .context("the master sent a job this agent cannot read")?;
-                    job = Some((PathBuf::from(run_dir), cfg));
+                    job = Some((PathBuf::from(run_dir), cfg, resume.map(PathBuf::from)));
                 }
                 Ok(Message::PlanAssignment {
                     generation: g,
@@ -287,7 +291,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                              run; reconfiguration is not supported yet"
                         );
                     }
-                    let Some((run_dir, cfg)) = &job else {
+                    let Some((run_dir, cfg, resume)) = &job else {
                         bail!("node {node}: the master sent a plan before the job");
                     };
                     generation = g;
@@ -301,6 +305,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                             run_dir: run_dir.clone(),
                             config: cfg.clone(),
                             nccl_id: nccl_unique_id.clone(),
+                            resume: resume.clone(),
                         };
                         workers.push(spawn_worker(a, local_tx.clone()).await?);
                     }

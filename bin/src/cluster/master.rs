@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -29,11 +29,12 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::hostfile::{self, HostEntry};
 use super::world_size;
-use crate::config::{save_resolved, TrainConfig};
+use crate::config::{load_resolved, save_resolved, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
 use crate::trainer::{
-    model_config, open_dataset, out_dir, prepare_data, to_tensors, StepMetrics, Summary,
+    find_checkpoint, model_config, open_dataset, out_dir, prepare_data, to_tensors,
+    truncate_metrics_after, StepMetrics, Summary,
 };
 
 /// How long the agents get to start and register.
@@ -147,9 +148,20 @@ struct Prepared {
     model_cfg: ModelConfig,
     iters_per_epoch: usize,
     out: PathBuf,
+    /// `--resume`: the checkpoint the workers load, and its step.
+    resume: Option<(PathBuf, u64)>,
+    /// The plans of earlier runs in this directory (`plan.json`), kept and appended to.
+    plans: Vec<serde_json::Value>,
 }
 
-fn prepare(cfg: TrainConfig) -> Result<Prepared> {
+impl Prepared {
+    /// The committed step the job starts from.
+    fn start(&self) -> u64 {
+        self.resume.as_ref().map_or(0, |r| r.1)
+    }
+}
+
+fn prepare(cfg: TrainConfig, resume: Option<&Path>) -> Result<Prepared> {
     if cfg.nodes < 2 {
         bail!(
             "the local cluster needs --nodes 2 or more (got {})",
@@ -164,26 +176,74 @@ fn prepare(cfg: TrainConfig) -> Result<Prepared> {
     // Validate the plan (pinned sizes included) before anything is spawned.
     plan_for(&cfg, &model_cfg, &ids)?;
     let (_, _, iters_per_epoch) = prepare_data(&cfg, &model_cfg)?;
-    let out = out_dir(&cfg);
-    if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
-        bail!(
-            "{} already holds a run; choose another --out (resuming a cluster run is not built \
-             yet)",
-            out.display()
-        );
-    }
-    std::fs::create_dir_all(&out)
-        .with_context(|| format!("creating run directory {}", out.display()))?;
-    // Children get an absolute path whatever their working directory.
-    let out = out
-        .canonicalize()
-        .with_context(|| format!("resolving {}", out.display()))?;
-    save_resolved(&cfg, &out)?;
+    let (out, resume) = match resume {
+        // The run continues in its own directory, from its newest checkpoint (or the one
+        // named), on whatever nodes this job has: any plan computes the same steps.
+        Some(path) => {
+            let (run, ckpt) = find_checkpoint(path)?;
+            let saved = load_resolved(&run)?;
+            if let Some(changed) = cfg.trajectory_mismatch(&saved) {
+                bail!(
+                    "--resume {}: this run was started with other values of {changed}; \
+                     resuming with different values would not continue the same training \
+                     (start a new run instead)",
+                    path.display()
+                );
+            }
+            let step = checkpoint::load_checkpoint(&ckpt, &Device::Cpu)?.trainer.step;
+            if step >= cfg.steps {
+                bail!(
+                    "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \
+                     pass a larger --steps to train further",
+                    path.display(),
+                    cfg.steps
+                );
+            }
+            truncate_metrics_after(&run, step)?;
+            (run, Some((ckpt, step)))
+        }
+        None => {
+            let out = out_dir(&cfg);
+            if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
+                bail!(
+                    "{} already holds a run; pass --resume {} to continue it, or choose \
+                     another --out",
+                    out.display(),
+                    out.display()
+                );
+            }
+            std::fs::create_dir_all(&out)
+                .with_context(|| format!("creating run directory {}", out.display()))?;
+            save_resolved(&cfg, &out)?;
+            (out, None)
+        }
+    };
+    // Children get absolute paths whatever their working directory.
+    let abs = |p: &Path| {
+        p.canonicalize()
+            .with_context(|| format!("resolving {}", p.display()))
+    };
+    let resume = match resume {
+        Some((ckpt, step)) => Some((abs(&ckpt)?, step)),
+        None => None,
+    };
+    let out = abs(&out)?;
+    let plans = match std::fs::read_to_string(out.join("plan.json")) {
+        Ok(text) if resume.is_some() => serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{}: expected an array of plans, one per generation",
+                out.join("plan.json").display()
+            )
+        })?,
+        _ => Vec::new(),
+    };
     Ok(Prepared {
         cfg,
         model_cfg,
         iters_per_epoch,
         out,
+        resume,
+        plans,
     })
 }
 
@@ -206,12 +266,14 @@ pub enum Launch {
 /// Runs the job on a local cluster of `cfg.nodes` agent processes. Returns when every process
 /// has exited; on any failure every process is killed and the error says what failed.
 pub fn run_local(cfg: TrainConfig) -> Result<Summary> {
-    run(cfg, Launch::Local)
+    run(cfg, Launch::Local, None)
 }
 
 /// Runs the job with agents started as `launch` says.
-pub fn run(cfg: TrainConfig, launch: Launch) -> Result<Summary> {
-    let p = prepare(cfg)?;
+/// With `resume` (a run or checkpoint directory, as `--resume` takes), the run continues from
+/// that checkpoint in its own directory.
+pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Summary> {
+    let p = prepare(cfg, resume)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -274,8 +336,9 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         .await
         .with_context(|| format!("starting the master on {bind}"))?;
     files.event(serde_json::json!({
-        "event": "start",
-        "step": 0,
+        "event": if p.resume.is_some() { "resume" } else { "start" },
+        "step": p.start(),
+        "checkpoint": p.resume.as_ref().map(|r| r.0.display().to_string()),
         "model": p.cfg.model,
         "params": p.model_cfg.num_params(),
         "nodes": n,
@@ -373,7 +436,7 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         master: &mut master,
         agents: &mut agents,
         join_timeout,
-        progress: Progress::new(p.cfg.steps, 0),
+        progress: Progress::new(p.cfg.steps, p.start()),
     };
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.
@@ -520,6 +583,7 @@ impl Job<'_> {
         let job = Message::Job {
             run_dir: self.p.out.display().to_string(),
             config: serde_json::to_value(&self.p.cfg)?,
+            resume: self.p.resume.as_ref().map(|r| r.0.display().to_string()),
         };
         for &node in &nodes {
             self.master
@@ -527,12 +591,22 @@ impl Job<'_> {
                 .await
                 .with_context(|| format!("sending the job to node {node}"))?;
         }
-        let plan = plan_for(&self.p.cfg, &self.p.model_cfg, &nodes)?;
+        let mut plan = plan_for(&self.p.cfg, &self.p.model_cfg, &nodes)?;
+        // A resumed run's plan is the next generation of the plans before it.
+        plan.generation = self
+            .p
+            .plans
+            .iter()
+            .filter_map(|p| p["generation"].as_u64())
+            .max()
+            .map_or(0, |g| g + 1);
         let world = world_size(&plan);
-        // Every plan of the job, one per generation (DESIGN.md section 6); generation 0 here.
+        // Every plan of the job, one per generation (DESIGN.md section 6).
+        let mut plans = self.p.plans.clone();
+        plans.push(serde_json::to_value(&plan)?);
         std::fs::write(
             self.p.out.join("plan.json"),
-            serde_json::to_string_pretty(&[&plan])?,
+            serde_json::to_string_pretty(&plans)?,
         )
         .context("writing plan.json")?;
         let layout: Vec<serde_json::Value> = plan
@@ -618,7 +692,8 @@ impl Job<'_> {
         let mut done: BTreeMap<u32, f64> = BTreeMap::new();
         let mut last_metrics: Option<StepMetrics> = None;
         let mut saved: BTreeMap<u32, PathBuf> = BTreeMap::new();
-        let mut step = 0u64;
+        let start = self.p.start();
+        let mut step = start;
         let mut pending = Pending::default();
         let mut first_loss = None;
         let mut last_loss = None;
@@ -767,13 +842,14 @@ impl Job<'_> {
         // The rank that waited least for its commits was the last to be ready in most steps:
         // its wait is the round trip the commit protocol adds (ready -> agent -> master ->
         // agent -> worker), an upper bound on the control plane's cost per step.
-        let overhead_ms = done.values().copied().fold(f64::INFINITY, f64::min) / step.max(1) as f64;
-        let step_ms = 1e3 * train_s / step.max(1) as f64;
+        let ran = (step - start).max(1) as f64;
+        let overhead_ms = done.values().copied().fold(f64::INFINITY, f64::min) / ran;
+        let step_ms = 1e3 * train_s / ran;
         self.files.event(serde_json::json!({
-            "event": "control_plane", "steps": step,
+            "event": "control_plane", "steps": step - start,
             "commit_wait_ms_per_step": overhead_ms,
             "step_ms": step_ms,
-            "master_commit_ms_per_step": commit_ns as f64 / 1e6 / step.max(1) as f64,
+            "master_commit_ms_per_step": commit_ns as f64 / 1e6 / ran,
         }))?;
         self.progress.note(&format!(
             "control plane: {overhead_ms:.2} ms per step waiting for commits ({:.2}% of a \
@@ -804,7 +880,7 @@ impl Job<'_> {
             final_loss: last_loss,
             first_val_loss: None,
             final_val_loss: Some(val),
-            tokens_per_s: tokens_per_step * step as f64 / wall_s.max(1e-9),
+            tokens_per_s: tokens_per_step * (step - start) as f64 / wall_s.max(1e-9),
             wall_s,
             checkpoint: Some(ckpt),
         })

@@ -75,6 +75,9 @@ pub struct WorkerAssignment {
     pub config: TrainConfig,
     /// The NCCL unique id of this generation (`--data-plane nccl`), 128 bytes.
     pub nccl_id: Option<Vec<u8>>,
+    /// A resumed job: the checkpoint this worker's layers, optimizer state and step come from.
+    #[serde(default)]
+    pub resume: Option<PathBuf>,
 }
 
 /// What an agent tells a worker after its assignment, one JSON object per stdin line.

@@ -3,7 +3,7 @@
 //! every step: iteration and gradient sync, `Ready`, wait for the master's commit, optimizer.
 //! Exits when stdin closes (its agent is gone).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
+use oobleck_core::checkpoint::load_checkpoint;
 use oobleck_core::elastic::protocol::Rendezvous;
 use oobleck_core::execution::{sync_gradients, Layout, StageWorker, WorkerConfig, BUCKET_ELEMS};
 use oobleck_core::model::ParamSource;
-use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
+use oobleck_core::optim::{AdamW, LrSchedule};
 use oobleck_models::data::{BatchSpec, DataCursor, Dataset, Split};
 
 use super::{Report, ToWorker, WorkerAssignment, COMMIT_TIMEOUT, DATA_TIMEOUT};
@@ -192,9 +193,21 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     };
     let ipe = data.split(Split::Train).iterations_per_epoch(&spec)?;
     let layout = Layout::from_plan(&a.plan, model.num_layers())?;
-    let source = match &pretrained {
-        Some(w) => ParamSource::Tensors(w),
-        None => ParamSource::Init { seed: cfg.seed },
+    // A resumed job: every layer of this stage, its optimizer state and the step come from
+    // the checkpoint (which the master checked before anything started).
+    let resumed = match &a.resume {
+        Some(dir) => {
+            let ck = load_checkpoint(dir, &Device::Cpu)
+                .with_context(|| format!("rank {rank}: loading {}", dir.display()))?;
+            let params: HashMap<String, Tensor> = ck.params.into_iter().collect();
+            Some((params, ck.optimizer, ck.trainer.step))
+        }
+        None => None,
+    };
+    let source = match (&resumed, &pretrained) {
+        (Some((params, _, _)), _) => ParamSource::Tensors(params),
+        (None, Some(w)) => ParamSource::Tensors(w),
+        (None, None) => ParamSource::Init { seed: cfg.seed },
     };
     let microbatch_size = u32::try_from(cfg.microbatch_size).context("--microbatch-size")?;
     let worker = StageWorker::new(
@@ -234,7 +247,18 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         Some(id) => nccl_comm(&a, &layout, model.as_ref(), id)?,
     };
     let comm = comm.as_ref();
-    let result = train_all(&a, cfg, &worker, comm, &inbox, &data, ipe);
+    let mut opt = cfg.optimizer()?;
+    let start = match resumed {
+        Some((_, state, step)) => {
+            // Only this stage's entries: the state this rank saves must hold its own layers.
+            let own: BTreeSet<String> = worker.stage().params().into_iter().map(|p| p.0).collect();
+            opt.import_state_of(&state, &own)
+                .with_context(|| format!("rank {rank}: optimizer state of the checkpoint"))?;
+            step
+        }
+        None => 0,
+    };
+    let result = train_all(&a, cfg, &worker, comm, &inbox, &data, ipe, opt, start);
     if result.is_err() {
         // Fail the peers fast instead of letting them run into their timeouts.
         comm.abort();
@@ -300,6 +324,8 @@ fn train_all(
     inbox: &Inbox,
     data: &Dataset,
     ipe: usize,
+    mut opt: AdamW,
+    start: u64,
 ) -> Result<()> {
     let rank = a.rank;
     let spec = BatchSpec {
@@ -309,13 +335,6 @@ fn train_all(
     };
     let train = data.split(Split::Train);
     let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
-    let mut opt = AdamW::new(AdamWConfig {
-        lr: cfg.lr,
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: 1e-8,
-        weight_decay: cfg.weight_decay,
-    })?;
     let max_norm = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
     let params: Vec<(String, Var)> = worker.stage().params();
     // Pipeline 0 holds every layer once: its ranks (device 0 of each stage) leave the state the
@@ -323,7 +342,7 @@ fn train_all(
     let pos = worker.position();
     let saves_state = pos.pipeline == 0 && pos.device == 0;
     let mut commit_wait = Duration::ZERO;
-    for step in 0..cfg.steps {
+    for step in start..cfg.steps {
         let cursor = DataCursor::at_step(step, ipe);
         let mut batch = |_iteration: u64, mb: u64| -> oobleck_core::Result<(Tensor, Tensor)> {
             let b = train

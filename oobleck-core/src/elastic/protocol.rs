@@ -177,6 +177,10 @@ pub enum Message {
     Job {
         run_dir: String,
         config: serde_json::Value,
+        /// A resumed job: the checkpoint directory every worker loads its layers, their
+        /// optimizer state and the step from (on a file system the nodes share).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resume: Option<String>,
     },
     /// Agent -> master: worker `rank` of this node listens for its data-plane peers at `addr`
     /// (it bound the port itself, so no other process can take it in between).

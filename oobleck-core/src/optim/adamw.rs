@@ -396,6 +396,29 @@ impl AdamW {
         self.state.extend(parsed);
         Ok(())
     }
+
+    /// [`import_state`](Self::import_state) of the entries of the parameters in `names` only
+    /// (a pipeline stage taking its layers' state from a whole-model checkpoint). Every name
+    /// must have its entries.
+    pub fn import_state_of(
+        &mut self,
+        entries: &[(String, Tensor)],
+        names: &BTreeSet<String>,
+    ) -> Result<()> {
+        let mut mine = Vec::with_capacity(3 * names.len());
+        let mut found = BTreeSet::new();
+        for (key, t) in entries {
+            let (name, _) = split_entry(key)?;
+            if names.contains(name) {
+                found.insert(name);
+                mine.push((key.clone(), t.clone()));
+            }
+        }
+        if let Some(lost) = names.iter().find(|n| !found.contains(n.as_str())) {
+            return Err(opt_err(lost, "the imported state has no entries for it"));
+        }
+        self.import_state(&mine)
+    }
 }
 
 /// One parameter's update in the operation order of `torch.optim.adamw._single_tensor_adamw`.

@@ -188,6 +188,20 @@ fn exported_state_imported_elsewhere_gives_identical_later_steps() {
     part.import_state(&a.export_state_for(&["w"]).unwrap())
         .unwrap();
     assert_eq!(part.state_names(), vec!["w".to_string()]);
+    // The same subset taken from the whole state (a stage resuming from a full checkpoint).
+    let mut picked = AdamW::new(cfg).unwrap();
+    let names: std::collections::BTreeSet<String> = ["w".to_string()].into();
+    picked
+        .import_state_of(&a.export_state().unwrap(), &names)
+        .unwrap();
+    assert_eq!(picked.state_names(), vec!["w".to_string()]);
+    let absent: std::collections::BTreeSet<String> = ["w".to_string(), "z".to_string()].into();
+    let err = AdamW::new(cfg)
+        .unwrap()
+        .import_state_of(&a.export_state().unwrap(), &absent)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`z`: the imported state has no entries"), "{err}");
 
     let g = grads(&[
         ("w", &[0.3, -0.1, 0.2, 0.05, -0.6, 0.9], &[2, 3]),
