@@ -12,4 +12,5 @@ pub mod config;
 pub mod generate;
 pub mod plan_cmd;
 pub mod progress;
+pub mod report;
 pub mod trainer;

@@ -54,6 +54,8 @@ pub struct Summary {
     pub tokens_per_s: f64,
     pub wall_s: f64,
     pub checkpoint: Option<PathBuf>,
+    /// `report.html`, when it could be written.
+    pub report: Option<PathBuf>,
 }
 
 /// Everything a run holds while it trains.
@@ -328,8 +330,14 @@ impl Trainer {
         Ok(path)
     }
 
-    /// Trains to `cfg.steps`, evaluating and checkpointing on schedule.
+    /// Trains to `cfg.steps`, evaluating and checkpointing on schedule; then writes the run's
+    /// report, also when training failed.
     pub fn run(&mut self, progress: &mut Progress) -> Result<Summary> {
+        let result = self.run_steps(progress);
+        crate::report::finish_run(&self.out, result)
+    }
+
+    fn run_steps(&mut self, progress: &mut Progress) -> Result<Summary> {
         let started = Instant::now();
         let tokens_per_step = (self.cfg.global_batch_size * self.cfg.seq_len) as f64;
         let mut first_loss = None;
@@ -398,6 +406,7 @@ impl Trainer {
             tokens_per_s: total_tokens / wall_s.max(1e-9),
             wall_s,
             checkpoint: last_ckpt,
+            report: None,
         })
     }
 }

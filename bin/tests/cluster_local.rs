@@ -184,6 +184,11 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
     flags.extend(periodic);
     let o = run(train_cmd(&single, 2, &flags), Duration::from_secs(60));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report = std::fs::read_to_string(single.join("report.html")).expect("report.html");
+    assert!(
+        report.contains("<svg"),
+        "--nodes 1: report.html has no plot"
+    );
     let want = losses(&single);
     let want_params = final_params(&single);
     let single_metrics = std::fs::read_to_string(single.join("metrics.jsonl")).expect("metrics");
@@ -232,6 +237,11 @@ fn cluster_plans_match_the_single_process_and_leave_no_process() {
                 .expect("plan.json: an array of plans, one per generation");
         assert_eq!(plans.len(), 1, "--nodes {nodes}: one generation, one plan");
         assert_eq!(plans[0]["generation"], 0, "--nodes {nodes}");
+        let report = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+        assert!(
+            report.contains("<svg"),
+            "--nodes {nodes}: report.html has no plot"
+        );
         let last: serde_json::Value =
             serde_json::from_str(metrics.lines().last().expect("a line")).expect("JSON");
         let val = last["val_loss"].as_f64().expect("a final validation loss");

@@ -172,6 +172,11 @@ fn the_train_binary_runs_and_prints_a_json_summary() {
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("stdout is the JSON summary");
     assert_eq!(v["steps"], 2);
     assert!(stderr.contains("sample 1"), "{stderr}");
+    let report = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+    assert!(
+        report.contains("<svg") && stderr.contains("report: "),
+        "{stderr}"
+    );
     for f in [
         "config.json",
         "metrics.jsonl",

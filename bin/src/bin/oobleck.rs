@@ -39,6 +39,12 @@ enum Cmd {
     /// Run one node of a multi-machine job: `oobleck agent --master HOST:PORT` with the job's
     /// OOBLECK_TOKEN (the master is `train --listen`; `train --nodes N` starts its own agents).
     Agent(oobleck_cli::cluster::agent::AgentArgs),
+    /// (Re)write a run directory's report.html (loss, throughput, plan timeline, events) and
+    /// print its path.
+    Report {
+        /// The run directory (the `--out` of `train`).
+        dir: PathBuf,
+    },
     /// One worker of a cluster job (started by `oobleck agent`).
     #[command(hide = true)]
     Worker(oobleck_cli::cluster::worker::WorkerArgs),
@@ -97,6 +103,11 @@ fn main() -> Result<()> {
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
         Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
+        Cmd::Report { dir } => {
+            let path = oobleck_cli::report::write_report(&dir)?;
+            println!("{}", path.display());
+            Ok(())
+        }
     }
 }
 

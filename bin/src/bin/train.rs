@@ -91,6 +91,9 @@ fn main() -> Result<()> {
                 print_samples(&stage, &open_dataset(&cfg)?, model_cfg.max_seq_len(), &cfg)?;
             }
         }
+        if let Some(r) = &summary.report {
+            eprintln!("report: {}", r.display());
+        }
         if args.json {
             println!("{}", serde_json::to_string_pretty(&summary)?);
         }
@@ -136,6 +139,9 @@ fn main() -> Result<()> {
     }
     if t.cfg.sample > 0 {
         print_samples(&t.stage, &t.data, t.model_cfg.max_seq_len(), &t.cfg)?;
+    }
+    if let Some(r) = &summary.report {
+        eprintln!("report: {}", r.display());
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);

@@ -279,7 +279,9 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         .enable_all()
         .build()
         .context("starting the master's runtime")?;
-    rt.block_on(drive(p, launch))
+    let out = p.out.clone();
+    let result = rt.block_on(drive(p, launch));
+    crate::report::finish_run(&out, result)
 }
 
 struct Published<'a>(&'a std::path::Path);
@@ -883,6 +885,7 @@ impl Job<'_> {
             tokens_per_s: tokens_per_step * (step - start) as f64 / wall_s.max(1e-9),
             wall_s,
             checkpoint: Some(ckpt),
+            report: None,
         })
     }
 
