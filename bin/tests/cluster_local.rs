@@ -44,9 +44,13 @@ fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
         "0",
         "--seed",
         "7",
-        "--fault-threshold",
-        "0",
     ])
+    // f = 0 (a failure ends the job) unless the test asks for more.
+    .args(if extra.contains(&"--fault-threshold") {
+        &[][..]
+    } else {
+        &["--fault-threshold", "0"][..]
+    })
     .arg("--steps")
     .arg(steps.to_string())
     .arg("--out")
@@ -595,10 +599,7 @@ fn a_killed_cluster_run_resumes_on_other_nodes_and_matches_the_single_process() 
         .expect("load")
         .trainer
         .step;
-    assert!(
-        from_step >= 2 && from_step < STEPS,
-        "resuming from {from_step}"
-    );
+    assert!((2..STEPS).contains(&from_step), "resuming from {from_step}");
 
     // Resume on three nodes, in pipelines of one and two nodes: another plan, same steps.
     let mut flags = vec!["--nodes", "3", "--pipeline-nodes", "1,2", "--resume"];
@@ -636,4 +637,171 @@ fn a_killed_cluster_run_resumes_on_other_nodes_and_matches_the_single_process() 
     assert_eq!(plans[1]["pipelines"].as_array().map(Vec::len), Some(2));
     // 4 processes of the first job, 6 of the resumed one (3 agents, 3 workers).
     assert_all_gone(&out, 10);
+}
+
+/// Every step of `run` once, in order, with the single process's loss; the final parameters
+/// within `TOL` of the single process's.
+fn assert_same_training(run: &Path, want: &[(u64, f64)], want_params: &BTreeMap<String, Tensor>) {
+    let got = losses(run);
+    assert_eq!(
+        got.iter().map(|l| l.0).collect::<Vec<_>>(),
+        want.iter().map(|l| l.0).collect::<Vec<_>>(),
+        "every step once in metrics.jsonl"
+    );
+    for ((s, l), (_, wl)) in got.iter().zip(want) {
+        assert!((l - wl).abs() < TOL, "step {s}: {l} vs {wl}");
+    }
+    let d = max_diff(&final_params(run), want_params);
+    eprintln!("final parameters within {d:e} of the single process");
+    assert!(d < TOL, "final parameters differ by {d}");
+}
+
+/// `--inject-failure 1@5` with f = 1: node 1 SIGKILLs its agent and worker after step 5; the
+/// master replans on the two nodes left, restarts from the step-4 checkpoint and replays step
+/// 5 with the same data. Nothing is lost or counted twice: the run ends exactly where an
+/// uninterrupted single process ends.
+#[test]
+fn a_node_killed_mid_run_is_recovered_from_and_training_is_unchanged() {
+    const STEPS: u64 = 10;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let single = dir.path().join("single");
+    let o = run(
+        train_cmd(&single, STEPS, &["--nodes", "1"]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = losses(&single);
+    let want_params = final_params(&single);
+
+    let out = dir.path().join("run");
+    let flags = [
+        "--nodes",
+        "3",
+        "--fault-threshold",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--inject-failure",
+        "1@5",
+    ];
+    let o = run(train_cmd(&out, STEPS, &flags), Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("generation 1: 2 node(s) left (lost [1]), replaying from step 4"),
+        "{stderr}"
+    );
+    assert_same_training(&out, &want, &want_params);
+    let ev = events(&out);
+    let kinds: Vec<&str> = ev.iter().filter_map(|e| e["event"].as_str()).collect();
+    for k in [
+        "inject_failure",
+        "lost",
+        "failure",
+        "reconfig",
+        "resumed",
+        "finish",
+    ] {
+        assert!(kinds.contains(&k), "no {k} event: {kinds:?}");
+    }
+    let reconfig = ev
+        .iter()
+        .find(|e| e["event"] == "reconfig")
+        .expect("reconfig");
+    assert_eq!(reconfig["lost_nodes"], serde_json::json!([1]), "{reconfig}");
+    assert_eq!(reconfig["from_step"], 4, "{reconfig}");
+    let plans: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).expect("plan.json"))
+            .expect("plans");
+    assert_eq!(plans.len(), 2, "one plan per generation");
+    let last: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .expect("metrics")
+            .lines()
+            .last()
+            .expect("a line"),
+    )
+    .expect("JSON");
+    assert_eq!(last["generation"], 1);
+    assert_eq!(last["nodes"], 2);
+    // 3 agents, 3 workers of generation 0 and 2 of generation 1: all gone.
+    assert_all_gone(&out, 8);
+}
+
+/// A worker SIGKILLed from outside (its node stays up): with f = 1 the job restarts the
+/// generation on the same nodes from the newest checkpoint, and the training is unchanged.
+#[test]
+fn a_worker_killed_from_outside_is_recovered_from_on_the_same_nodes() {
+    const STEPS: u64 = 16;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let single = dir.path().join("single");
+    let o = run(
+        train_cmd(&single, STEPS, &["--nodes", "1"]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = losses(&single);
+    let want_params = final_params(&single);
+
+    let out = dir.path().join("run");
+    let flags = [
+        "--nodes",
+        "2",
+        "--fault-threshold",
+        "1",
+        "--checkpoint-every",
+        "2",
+    ];
+    let mut g = Guard(Some(train_cmd(&out, STEPS, &flags).spawn().expect("train")));
+    let start = Instant::now();
+    let worker = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no checkpoint within 60 s"
+        );
+        if latest_checkpoint(&out).ok().flatten().is_some() {
+            let w = events(&out)
+                .into_iter()
+                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["rank"] == 1);
+            break w.expect("worker 1 reported")["pid"].as_u64().expect("pid") as u32;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let killed = Command::new("kill")
+        .args(["-9", &worker.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let limit = Duration::from_secs(120);
+    let start = Instant::now();
+    while g
+        .0
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("poll")
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < limit,
+            "train did not end within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o =
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let ev = events(&out);
+    let Some(reconfig) = ev.iter().find(|e| e["event"] == "reconfig") else {
+        panic!("the run finished before its worker was killed; nothing was recovered");
+    };
+    assert_eq!(reconfig["lost_nodes"], serde_json::json!([]), "{reconfig}");
+    assert_eq!(reconfig["nodes"], serde_json::json!([0, 1]), "{reconfig}");
+    assert_same_training(&out, &want, &want_params);
+    // 2 agents, 2 workers of each generation.
+    assert_all_gone(&out, 6);
 }

@@ -152,7 +152,7 @@ async fn messages_flow_both_ways_and_an_agent_sees_its_master_go() {
         signal: Some(9),
     };
     agent
-        .report_worker_exit(5, status, Some("out of memory".into()), T)
+        .report_worker_exit(5, 1, status, Some("out of memory".into()), T)
         .await
         .unwrap();
     assert_eq!(
@@ -160,6 +160,7 @@ async fn messages_flow_both_ways_and_an_agent_sees_its_master_go() {
         MasterEvent::WorkerExited {
             node,
             rank: 5,
+            generation: 1,
             status,
             error: Some("out of memory".into()),
         }

@@ -106,9 +106,7 @@ fn main() -> Result<()> {
         );
     }
     if !cfg.inject_failure.is_empty() {
-        bail!(
-            "--inject-failure needs a multi-node local cluster, which this build does not run yet"
-        );
+        bail!("--inject-failure needs the local cluster: pass --nodes 2 or more");
     }
     let mut t = Trainer::start(cfg, args.resume.as_deref())?;
     eprintln!(

@@ -68,7 +68,8 @@ struct Worker {
 
 /// Things the agent's loop hears besides the master.
 enum Local {
-    Report(u32, Result<Report>),
+    /// `(generation, rank, report)`: reports of an earlier generation's workers are dropped.
+    Report(u64, u32, Result<Report>),
     StdinClosed,
 }
 
@@ -179,7 +180,8 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     Local::StdinClosed => {
                         bail!("node {node}: the process that started this agent is gone")
                     }
-                    Local::Report(rank, r) => {
+                    Local::Report(g, _, _) if g != generation => {}
+                    Local::Report(_, rank, r) => {
                         let msg = match r.with_context(|| format!("worker rank {rank}"))? {
                             Report::Listening { rank, addr, pid } => Message::WorkerListening {
                                 node,
@@ -231,7 +233,7 @@ async fn drive(args: &AgentArgs) -> Result<()> {
             }
             for (rank, status, error) in exited.drain(..) {
                 agent
-                    .report_worker_exit(rank, status, error, CONTROL_TIMEOUT)
+                    .report_worker_exit(rank, generation, status, error, CONTROL_TIMEOUT)
                     .await
                     .context("reporting a worker exit")?;
             }
@@ -285,12 +287,20 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     nccl_unique_id,
                     ..
                 }) => {
-                    if !workers.is_empty() {
+                    if g <= generation && !workers.is_empty() {
                         bail!(
-                            "node {node}: a new plan (generation {g}) arrived while workers \
-                             run; reconfiguration is not supported yet"
+                            "node {node}: a plan of generation {g} arrived while generation \
+                             {generation} runs"
                         );
                     }
+                    // A reconfiguration: this node's workers of the old generation go at once
+                    // (their step was not committed; the new generation replays it), and
+                    // nothing of theirs is reported any more.
+                    if !workers.is_empty() {
+                        tracing::info!(node, from = generation, to = g, "stopping workers");
+                        stop_workers(&mut workers, Duration::ZERO).await;
+                    }
+                    exited.clear();
                     let Some((run_dir, cfg, resume)) = &job else {
                         bail!("node {node}: the master sent a plan before the job");
                     };
@@ -321,6 +331,19 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     generation: g,
                 }) if g == generation => {
                     tell_all(&mut workers, &ToWorker::Commit { step }).await?;
+                }
+                Ok(Message::KillNode { node: n }) if n == node => {
+                    // A failure injected for a demo or test (`train --inject-failure`): this
+                    // node dies as a machine would, its workers and this agent by SIGKILL,
+                    // with no goodbye to anyone.
+                    tracing::warn!(node, "killing this node's processes (injected failure)");
+                    for w in workers.iter_mut() {
+                        let _ = w.child.start_kill();
+                    }
+                    let _ = std::process::Command::new("kill")
+                        .args(["-KILL", &std::process::id().to_string()])
+                        .status();
+                    bail!("node {node}: could not SIGKILL itself for the injected failure");
                 }
                 Ok(Message::Shutdown { reason }) => {
                     tracing::info!(node, %reason, "shutdown");
@@ -386,13 +409,14 @@ async fn spawn_worker(
         .context("timed out handing a worker its assignment")?
         .context("handing a worker its assignment")?;
     let rank = a.rank;
+    let generation = a.generation;
     // Relay the worker's reports; anything else it prints goes to our stderr.
     let relay = tokio::spawn(async move {
         let mut lines = BufReader::new(stdout).lines();
         while let Ok(Some(l)) = lines.next_line().await {
             match Report::parse(&l) {
                 Some(r) => {
-                    if reports.send(Local::Report(rank, r)).is_err() {
+                    if reports.send(Local::Report(generation, rank, r)).is_err() {
                         break;
                     }
                 }

@@ -29,13 +29,21 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::hostfile::{self, HostEntry};
 use super::world_size;
-use crate::config::{load_resolved, save_resolved, TrainConfig};
+use crate::config::{load_resolved, parse_failure, save_resolved, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
 use crate::trainer::{
     find_checkpoint, model_config, open_dataset, out_dir, prepare_data, to_tensors,
     truncate_metrics_after, StepMetrics, Summary,
 };
+
+/// After a failure, how long further losses it caused are collected before replanning.
+const SETTLE: Duration = Duration::from_secs(1);
+/// ...and, where this master started the agents, the most it waits for each dead agent's
+/// node to be reported lost.
+const LOSS_WAIT: Duration = Duration::from_secs(15);
+/// Failures in a row with no committed step in between, after which the job gives up.
+const MAX_FRUITLESS_RECOVERIES: u32 = 3;
 
 /// How long the agents get to start and register.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -152,6 +160,8 @@ struct Prepared {
     resume: Option<(PathBuf, u64)>,
     /// The plans of earlier runs in this directory (`plan.json`), kept and appended to.
     plans: Vec<serde_json::Value>,
+    /// `--inject-failure NODE@STEP`s, checked against the job.
+    injections: Vec<(u32, u64)>,
 }
 
 impl Prepared {
@@ -168,8 +178,23 @@ fn prepare(cfg: TrainConfig, resume: Option<&Path>) -> Result<Prepared> {
             cfg.nodes
         );
     }
-    if !cfg.inject_failure.is_empty() {
-        bail!("--inject-failure: failure recovery is not built yet in the local cluster");
+    let mut injections = Vec::new();
+    for spec in &cfg.inject_failure {
+        let (node, step) = parse_failure(spec)?;
+        if node >= cfg.nodes {
+            bail!(
+                "--inject-failure {spec}: node {node} does not exist; the nodes are 0..{}",
+                cfg.nodes - 1
+            );
+        }
+        if step == 0 || step >= cfg.steps {
+            bail!(
+                "--inject-failure {spec}: the step must be in 1..{} (the node dies after that \
+                 step is committed)",
+                cfg.steps - 1
+            );
+        }
+        injections.push((u32::try_from(node).context("--inject-failure node")?, step));
     }
     let (model_cfg, _) = model_config(&cfg)?;
     let ids: Vec<u32> = (0..u32::try_from(cfg.nodes).context("--nodes")?).collect();
@@ -190,7 +215,9 @@ fn prepare(cfg: TrainConfig, resume: Option<&Path>) -> Result<Prepared> {
                     path.display()
                 );
             }
-            let step = checkpoint::load_checkpoint(&ckpt, &Device::Cpu)?.trainer.step;
+            let step = checkpoint::load_checkpoint(&ckpt, &Device::Cpu)?
+                .trainer
+                .step;
             if step >= cfg.steps {
                 bail!(
                     "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \
@@ -244,6 +271,7 @@ fn prepare(cfg: TrainConfig, resume: Option<&Path>) -> Result<Prepared> {
         out,
         resume,
         plans,
+        injections,
     })
 }
 
@@ -308,6 +336,8 @@ struct AgentProc {
     child: Child,
     /// Held open: the agent exits when it closes.
     stdin: Option<ChildStdin>,
+    /// It exited during the job (its node failed); the job went on without it.
+    gone: bool,
 }
 
 async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
@@ -396,7 +426,11 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
                 "event": "process", "role": "agent", "pid": child.id(),
             }))?;
             let stdin = child.stdin.take();
-            agents.push(AgentProc { child, stdin });
+            agents.push(AgentProc {
+                child,
+                stdin,
+                gone: false,
+            });
         }
     } else if let Some(hosts) = hosts {
         let addr = master.local_addr().to_string();
@@ -422,6 +456,7 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
             agents.push(AgentProc {
                 child: l.child,
                 stdin: Some(l.stdin),
+                gone: false,
             });
         }
     } else {
@@ -439,6 +474,20 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         agents: &mut agents,
         join_timeout,
         progress: Progress::new(p.cfg.steps, p.start()),
+        generation: p
+            .plans
+            .iter()
+            .filter_map(|p| p["generation"].as_u64())
+            .max()
+            .map_or(0, |g| g + 1),
+        plans: p.plans.clone(),
+        lost: BTreeSet::new(),
+        injections: p.injections.clone(),
+        committed: p.start(),
+        steps_run: 0,
+        first_loss: None,
+        started: Instant::now(),
+        recovering: None,
     };
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.
@@ -495,6 +544,9 @@ async fn wait_all(agents: &mut [AgentProc], grace: Duration) -> Vec<String> {
     let deadline = tokio::time::Instant::now() + grace;
     let mut bad = Vec::new();
     for (i, a) in agents.iter_mut().enumerate() {
+        if a.gone {
+            continue;
+        }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left, a.child.wait()).await {
             Ok(Ok(st)) if st.success() => {}
@@ -531,6 +583,43 @@ struct Job<'a> {
     agents: &'a mut Vec<AgentProc>,
     join_timeout: Duration,
     progress: Progress,
+    /// The generation running (or about to).
+    generation: u64,
+    /// Every plan of the run directory so far (`plan.json`), one per generation.
+    plans: Vec<serde_json::Value>,
+    /// Nodes lost during the job, for good.
+    lost: BTreeSet<u32>,
+    /// `--inject-failure`s still to fire: `(node, after step)`.
+    injections: Vec<(u32, u64)>,
+    /// The newest committed step.
+    committed: u64,
+    /// Steps committed by this job (replays included), for its throughput.
+    steps_run: u64,
+    first_loss: Option<f64>,
+    started: Instant,
+    /// Since when the job recovers from a failure (until the next commit).
+    recovering: Option<Instant>,
+}
+
+/// A node or worker of the running generation is gone: the job can go on without it,
+/// from the newest checkpoint (DESIGN.md section 5).
+#[derive(Debug)]
+struct NodeFailure(String);
+
+impl std::fmt::Display for NodeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NodeFailure {}
+
+fn node_failure(what: String) -> anyhow::Error {
+    NodeFailure(what).into()
+}
+
+fn is_node_failure(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<NodeFailure>())
 }
 
 /// The ranks' reports of the step being assembled.
@@ -555,13 +644,22 @@ impl Job<'_> {
         *last_progress = Instant::now();
         match &ev {
             MasterEvent::Lost { node, reason } => {
-                bail!("node {node} was lost ({reason:?}); failure recovery is not built yet")
+                self.lost.insert(*node);
+                self.files.event(serde_json::json!({
+                    "event": "lost", "node": node, "reason": format!("{reason:?}"),
+                }))?;
+                return Err(node_failure(format!("node {node} was lost ({reason:?})")));
+            }
+            MasterEvent::WorkerExited { generation: g, .. } if *g != self.generation => {
+                // A worker of an earlier generation, stopped by its agent.
+                return Ok(None);
             }
             MasterEvent::WorkerExited {
                 node,
                 rank,
                 status,
                 error,
+                ..
             } => {
                 self.files.event(serde_json::json!({
                     "event": "worker_exit", "node": node, "rank": rank,
@@ -572,45 +670,117 @@ impl Job<'_> {
                 bail!("node {node} joined during the job; elastic growth is not built yet")
             }
             MasterEvent::KillRequested { node } => {
-                bail!("a kill of node {node} was requested; failure recovery is not built yet")
+                // `oobleck kill-node`: the node kills its own processes, as a crash would.
+                self.files
+                    .event(serde_json::json!({"event": "kill_requested", "node": node}))?;
+                self.progress
+                    .note(&format!("killing node {node}, as requested"));
+                if let Err(e) = self
+                    .master
+                    .send_to(*node, Message::KillNode { node: *node })
+                    .await
+                {
+                    tracing::warn!(node, error = %e, "could not tell the node to die");
+                }
+                return Ok(None);
             }
             _ => {}
         }
         Ok(Some(ev))
     }
 
+    /// Runs the job: one generation, and after a recoverable failure (with `f >= 1`) the next
+    /// one on the nodes left, from the newest checkpoint, until the last step is committed.
     async fn run(&mut self) -> Result<Summary> {
-        let started = Instant::now();
-        let nodes = self.wait_for_nodes().await?;
+        let mut nodes = self.wait_for_nodes().await?;
+        let mut resume = self.p.resume.clone();
+        let mut cfg = self.p.cfg.clone();
+        // Failures in a row with no step committed in between: a failure that repeats itself
+        // (a worker that always crashes) must end the job, not loop.
+        let mut fruitless = 0;
+        loop {
+            let plan = self.plan(&cfg, &nodes)?;
+            let before = self.steps_run;
+            let failure = match self.run_generation(&nodes, plan, resume.as_ref()).await {
+                Ok(summary) => return Ok(summary),
+                Err(e) if is_node_failure(&e) && self.p.cfg.fault_threshold > 0 => e,
+                Err(e) => return Err(e),
+            };
+            if self.steps_run > before {
+                fruitless = 0;
+            }
+            fruitless += 1;
+            if fruitless > MAX_FRUITLESS_RECOVERIES {
+                return Err(failure.context(format!(
+                    "{MAX_FRUITLESS_RECOVERIES} recoveries in a row without a committed step; \
+                     giving up"
+                )));
+            }
+            let (left, from) = self.recover(&nodes, &failure).await?;
+            nodes = left;
+            resume = from;
+            // Pinned pipeline sizes described the old node set; the planner chooses now.
+            cfg.pipeline_nodes = None;
+            self.generation += 1;
+        }
+    }
+
+    /// The plan of the current generation on `nodes`, recorded in `plan.json` and the events.
+    /// After a failure, with fewer nodes than `f + 1` pipelines need, it keeps as much fault
+    /// tolerance as the nodes allow.
+    fn plan(&mut self, cfg: &TrainConfig, nodes: &[u32]) -> Result<Plan> {
+        let mut plan = match plan_for(cfg, &self.p.model_cfg, nodes) {
+            Ok(p) => p,
+            Err(e) if self.generation == 0 || cfg.fault_threshold == 0 => return Err(e),
+            Err(e) => {
+                let mut lower = cfg.clone();
+                let mut found = None;
+                for f in (0..cfg.fault_threshold).rev() {
+                    lower.fault_threshold = f;
+                    if let Ok(p) = plan_for(&lower, &self.p.model_cfg, nodes) {
+                        self.progress.note(&format!(
+                            "{} nodes are left: planning for f = {f} (was {})",
+                            nodes.len(),
+                            cfg.fault_threshold
+                        ));
+                        found = Some(p);
+                        break;
+                    }
+                }
+                found.ok_or(e)?
+            }
+        };
+        plan.generation = self.generation;
+        // Every plan of the run, one per generation (DESIGN.md section 6).
+        self.plans.push(serde_json::to_value(&plan)?);
+        std::fs::write(
+            self.p.out.join("plan.json"),
+            serde_json::to_string_pretty(&self.plans)?,
+        )
+        .context("writing plan.json")?;
+        Ok(plan)
+    }
+
+    async fn run_generation(
+        &mut self,
+        nodes: &[u32],
+        plan: Plan,
+        resume: Option<&(PathBuf, u64)>,
+    ) -> Result<Summary> {
+        let started = self.started;
         let job = Message::Job {
             run_dir: self.p.out.display().to_string(),
             config: serde_json::to_value(&self.p.cfg)?,
-            resume: self.p.resume.as_ref().map(|r| r.0.display().to_string()),
+            resume: resume.map(|r| r.0.display().to_string()),
         };
-        for &node in &nodes {
-            self.master
-                .send_to(node, job.clone())
-                .await
-                .with_context(|| format!("sending the job to node {node}"))?;
+        for &node in nodes {
+            if let Err(e) = self.master.send_to(node, job.clone()).await {
+                return Err(node_failure(format!(
+                    "node {node} did not get the job: {e}"
+                )));
+            }
         }
-        let mut plan = plan_for(&self.p.cfg, &self.p.model_cfg, &nodes)?;
-        // A resumed run's plan is the next generation of the plans before it.
-        plan.generation = self
-            .p
-            .plans
-            .iter()
-            .filter_map(|p| p["generation"].as_u64())
-            .max()
-            .map_or(0, |g| g + 1);
         let world = world_size(&plan);
-        // Every plan of the job, one per generation (DESIGN.md section 6).
-        let mut plans = self.p.plans.clone();
-        plans.push(serde_json::to_value(&plan)?);
-        std::fs::write(
-            self.p.out.join("plan.json"),
-            serde_json::to_string_pretty(&plans)?,
-        )
-        .context("writing plan.json")?;
         let layout: Vec<serde_json::Value> = plan
             .pipelines
             .iter()
@@ -630,7 +800,9 @@ impl Job<'_> {
             .await
             .context("assigning the plan")?;
         if let Some((node, e)) = unreachable.first() {
-            bail!("node {node} did not get the plan: {e}");
+            return Err(node_failure(format!(
+                "node {node} did not get the plan: {e}"
+            )));
         }
         self.progress
             .note(&super::status::render_plan(&self.master.status()));
@@ -662,11 +834,15 @@ impl Job<'_> {
                     rank,
                     status,
                     error,
-                } => bail!(
-                    "worker rank {rank} on node {node} exited ({}) while the data plane formed{}",
-                    describe(status.code, status.signal),
-                    because(error.as_deref())
-                ),
+                    ..
+                } => {
+                    return Err(node_failure(format!(
+                        "worker rank {rank} on node {node} exited ({}) while the data plane \
+                         formed{}",
+                        describe(status.code, status.signal),
+                        because(error.as_deref())
+                    )))
+                }
                 _ => {}
             }
         }
@@ -686,7 +862,9 @@ impl Job<'_> {
             })
             .await;
         if let Some((node, e)) = missed.first() {
-            bail!("node {node} did not get the rendezvous: {e}");
+            return Err(node_failure(format!(
+                "node {node} did not get the rendezvous: {e}"
+            )));
         }
 
         // Steps: commit each once every rank holds its reduced gradients.
@@ -694,12 +872,12 @@ impl Job<'_> {
         let mut done: BTreeMap<u32, f64> = BTreeMap::new();
         let mut last_metrics: Option<StepMetrics> = None;
         let mut saved: BTreeMap<u32, PathBuf> = BTreeMap::new();
-        let start = self.p.start();
+        let start = resume.map_or(0, |r| r.1);
         let mut step = start;
         let mut pending = Pending::default();
-        let mut first_loss = None;
         let mut last_loss = None;
-        let mut last_step_at = Instant::now();
+        let stepping = Instant::now();
+        let mut last_step_at = stepping;
         let mut commit_ns = 0u128;
         let assembler = Assembler::new(self.p, &plan)?;
         let lr = LrSchedule::new(
@@ -714,123 +892,149 @@ impl Job<'_> {
         // Metrics lines not written yet: one waiting for its validation loss holds back the
         // ones after it, so the file stays in step order.
         let mut held: VecDeque<(StepMetrics, bool)> = VecDeque::new();
-        while done.len() < world as usize || !background.is_empty() {
-            self.collect(&mut background, &mut held, false).await?;
-            self.flush_metrics(&mut held)?;
-            let Some(ev) = self.next(&mut last_progress).await? else {
-                continue;
-            };
-            match ev {
-                MasterEvent::StateSaved {
-                    rank,
-                    generation: g,
-                    step: s,
-                    state,
-                    ..
-                } if g == generation => {
-                    if !assembler.savers.contains(&rank) {
-                        bail!(
-                            "rank {rank} saved state, but only ranks {:?} keep it",
-                            assembler.savers
-                        );
+        let stepped: Result<()> = async {
+            while done.len() < world as usize || !background.is_empty() {
+                self.collect(&mut background, &mut held, false).await?;
+                self.flush_metrics(&mut held)?;
+                let Some(ev) = self.next(&mut last_progress).await? else {
+                    continue;
+                };
+                match ev {
+                    MasterEvent::StateSaved {
+                        rank,
+                        generation: g,
+                        step: s,
+                        state,
+                        ..
+                    } if g == generation => {
+                        if !assembler.savers.contains(&rank) {
+                            bail!(
+                                "rank {rank} saved state, but only ranks {:?} keep it",
+                                assembler.savers
+                            );
+                        }
+                        let got = states.entry(s).or_default();
+                        got.insert(rank, PathBuf::from(state));
+                        if got.len() == assembler.savers.len() {
+                            let got = states.remove(&s).unwrap_or_default();
+                            let a = assembler.clone();
+                            background
+                                .push(tokio::task::spawn_blocking(move || a.periodic(s, &got)));
+                        }
                     }
-                    let got = states.entry(s).or_default();
-                    got.insert(rank, PathBuf::from(state));
-                    if got.len() == assembler.savers.len() {
-                        let got = states.remove(&s).unwrap_or_default();
-                        let a = assembler.clone();
-                        background.push(tokio::task::spawn_blocking(move || a.periodic(s, &got)));
-                    }
-                }
-                MasterEvent::StepReady {
-                    rank,
-                    generation: g,
-                    step: s,
-                    loss,
-                    grad_norm,
-                    ..
-                } if g == generation => {
-                    if s != step + 1 {
-                        bail!(
-                            "rank {rank} reported step {s} ready while step {} is open",
-                            step + 1
-                        );
-                    }
-                    if pending.ready.insert(rank, (loss, grad_norm)).is_some() {
-                        bail!("rank {rank} reported step {s} ready twice");
-                    }
-                    if pending.ready.len() < world as usize {
-                        continue;
-                    }
-                    let (loss, grad_norm) = agreed(&pending.ready, s)?;
-                    pending = Pending::default();
-                    let commit_started = Instant::now();
-                    let missed = self.master.commit_step(s, 0.0).await;
-                    commit_ns += commit_started.elapsed().as_nanos();
-                    if let Some((node, e)) = missed.first() {
-                        bail!("node {node} did not get the commit of step {s}: {e}");
-                    }
-                    step = s;
-                    let dt = last_step_at.elapsed().as_secs_f64().max(1e-9);
-                    last_step_at = Instant::now();
-                    first_loss.get_or_insert(loss);
-                    last_loss = Some(loss);
-                    let m = StepMetrics {
-                        step,
+                    MasterEvent::StepReady {
+                        rank,
+                        generation: g,
+                        step: s,
                         loss,
-                        lr: lr.lr_at(step - 1),
                         grad_norm,
-                        samples_per_s: self.p.cfg.global_batch_size as f64 / dt,
-                        tokens_per_s: tokens_per_step / dt,
-                        generation,
-                        pipelines: plan.pipelines.len(),
-                        nodes: nodes.len(),
-                        wall_s: started.elapsed().as_secs_f64(),
-                        val_loss: None,
-                    };
-                    self.master.record_commit(step, m.samples_per_s);
-                    self.progress.step(&m, self.p.cfg.steps);
-                    if step == self.p.cfg.steps {
-                        // Written with the validation loss once the final state is in.
-                        last_metrics = Some(m.clone());
-                    } else {
-                        let eval = self.p.cfg.eval_every > 0 && step % self.p.cfg.eval_every == 0;
-                        held.push_back((m, eval));
+                        ..
+                    } if g == generation => {
+                        if s != step + 1 {
+                            bail!(
+                                "rank {rank} reported step {s} ready while step {} is open",
+                                step + 1
+                            );
+                        }
+                        if pending.ready.insert(rank, (loss, grad_norm)).is_some() {
+                            bail!("rank {rank} reported step {s} ready twice");
+                        }
+                        if pending.ready.len() < world as usize {
+                            continue;
+                        }
+                        let (loss, grad_norm) = agreed(&pending.ready, s)?;
+                        pending = Pending::default();
+                        let commit_started = Instant::now();
+                        let missed = self.master.commit_step(s, 0.0).await;
+                        commit_ns += commit_started.elapsed().as_nanos();
+                        if let Some((node, e)) = missed.first() {
+                            return Err(node_failure(format!(
+                                "node {node} did not get the commit of step {s}: {e}"
+                            )));
+                        }
+                        step = s;
+                        self.committed = s;
+                        self.steps_run += 1;
+                        if let Some(since) = self.recovering.take() {
+                            self.files.event(serde_json::json!({
+                                "event": "resumed", "generation": generation, "step": s,
+                                "since_failure_s": since.elapsed().as_secs_f64(),
+                            }))?;
+                        }
+                        let dt = last_step_at.elapsed().as_secs_f64().max(1e-9);
+                        last_step_at = Instant::now();
+                        self.first_loss.get_or_insert(loss);
+                        last_loss = Some(loss);
+                        let m = StepMetrics {
+                            step,
+                            loss,
+                            lr: lr.lr_at(step - 1),
+                            grad_norm,
+                            samples_per_s: self.p.cfg.global_batch_size as f64 / dt,
+                            tokens_per_s: tokens_per_step / dt,
+                            generation,
+                            pipelines: plan.pipelines.len(),
+                            nodes: nodes.len(),
+                            wall_s: started.elapsed().as_secs_f64(),
+                            val_loss: None,
+                        };
+                        self.master.record_commit(step, m.samples_per_s);
+                        self.progress.step(&m, self.p.cfg.steps);
+                        if step == self.p.cfg.steps {
+                            // Written with the validation loss once the final state is in.
+                            last_metrics = Some(m.clone());
+                        } else {
+                            let eval =
+                                self.p.cfg.eval_every > 0 && step % self.p.cfg.eval_every == 0;
+                            held.push_back((m, eval));
+                        }
+                        self.inject(s).await?;
                     }
+                    MasterEvent::WorkerDone {
+                        rank,
+                        generation: g,
+                        step: s,
+                        state,
+                        commit_wait_ms,
+                        ..
+                    } if g == generation => {
+                        if s != step {
+                            bail!("rank {rank} finished at step {s}, the job committed {step}");
+                        }
+                        if let Some(path) = state {
+                            saved.insert(rank, PathBuf::from(path));
+                        }
+                        done.insert(rank, commit_wait_ms);
+                    }
+                    MasterEvent::WorkerExited {
+                        node,
+                        rank,
+                        status,
+                        error,
+                        ..
+                    } => {
+                        let ok = status.code == Some(0);
+                        if !ok || !done.contains_key(&rank) {
+                            return Err(node_failure(format!(
+                                "worker rank {rank} on node {node} exited ({}) before finishing{}",
+                                describe(status.code, status.signal),
+                                because(error.as_deref())
+                            )));
+                        }
+                    }
+                    _ => {}
                 }
-                MasterEvent::WorkerDone {
-                    rank,
-                    generation: g,
-                    step: s,
-                    state,
-                    commit_wait_ms,
-                    ..
-                } if g == generation => {
-                    if s != step {
-                        bail!("rank {rank} finished at step {s}, the job committed {step}");
-                    }
-                    if let Some(path) = state {
-                        saved.insert(rank, PathBuf::from(path));
-                    }
-                    done.insert(rank, commit_wait_ms);
-                }
-                MasterEvent::WorkerExited {
-                    node,
-                    rank,
-                    status,
-                    error,
-                } => {
-                    let ok = status.code == Some(0);
-                    if !ok || !done.contains_key(&rank) {
-                        bail!(
-                            "worker rank {rank} on node {node} exited ({}) before finishing{}",
-                            describe(status.code, status.signal),
-                            because(error.as_deref())
-                        );
-                    }
-                }
-                _ => {}
             }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = stepped {
+            if is_node_failure(&e) {
+                // Checkpoints of committed steps still being written are kept: the next
+                // generation may start from one.
+                self.settle_background(&mut background, &mut held).await;
+            }
+            return Err(e);
         }
         if step != self.p.cfg.steps {
             bail!(
@@ -840,7 +1044,7 @@ impl Job<'_> {
         }
         self.collect(&mut background, &mut held, true).await?;
         self.flush_metrics(&mut held)?;
-        let train_s = last_step_at.duration_since(started).as_secs_f64();
+        let train_s = last_step_at.duration_since(stepping).as_secs_f64();
         // The rank that waited least for its commits was the last to be ready in most steps:
         // its wait is the round trip the commit protocol adds (ready -> agent -> master ->
         // agent -> worker), an upper bound on the control plane's cost per step.
@@ -878,15 +1082,179 @@ impl Job<'_> {
             model: self.p.cfg.model.clone(),
             params: self.p.model_cfg.num_params(),
             steps: step,
-            first_loss,
+            first_loss: self.first_loss,
             final_loss: last_loss,
             first_val_loss: None,
             final_val_loss: Some(val),
-            tokens_per_s: tokens_per_step * (step - start) as f64 / wall_s.max(1e-9),
+            tokens_per_s: tokens_per_step * self.steps_run as f64 / wall_s.max(1e-9),
             wall_s,
             checkpoint: Some(ckpt),
             report: None,
         })
+    }
+
+    /// After a failure: waits a moment for every loss it caused to be known, then picks the
+    /// nodes left and the newest checkpoint. Returns them; the caller starts the next
+    /// generation there. Metrics past the checkpoint go: those steps are replayed.
+    async fn recover(
+        &mut self,
+        nodes: &[u32],
+        failure: &anyhow::Error,
+    ) -> Result<(Vec<u32>, Option<(PathBuf, u64)>)> {
+        let detected = Instant::now();
+        self.recovering = Some(detected);
+        let failed_at = self.committed;
+        self.files.event(serde_json::json!({
+            "event": "failure", "generation": self.generation, "step": failed_at,
+            "reason": format!("{failure:#}"),
+        }))?;
+        self.progress.note(&format!(
+            "failure in step {}: {failure:#}; recovering",
+            failed_at + 1
+        ));
+        // A node's death shows as several events (its workers' peers fail, its agent's
+        // connection drops): collect them for SETTLE, and where this master started the
+        // agents, until every dead agent's node is known lost (at most LOSS_WAIT).
+        let settle = detected + SETTLE;
+        let hard = detected + LOSS_WAIT;
+        loop {
+            let _ = self.check_agents_alive();
+            let dead = self.agents.iter().filter(|a| a.gone).count();
+            let now = Instant::now();
+            if now >= hard || (now >= settle && dead <= self.lost.len()) {
+                break;
+            }
+            match self.master.next_event(POLL).await {
+                Ok(MasterEvent::Lost { node, reason }) => {
+                    if self.lost.insert(node) {
+                        self.files.event(serde_json::json!({
+                            "event": "lost", "node": node, "reason": format!("{reason:?}"),
+                        }))?;
+                    }
+                }
+                Ok(MasterEvent::WorkerExited {
+                    node,
+                    rank,
+                    generation,
+                    status,
+                    error,
+                }) => {
+                    self.files.event(serde_json::json!({
+                        "event": "worker_exit", "node": node, "rank": rank,
+                        "generation": generation, "code": status.code,
+                        "signal": status.signal, "error": error,
+                    }))?;
+                }
+                Ok(_) | Err(ElasticError::Timeout { .. }) => {}
+                Err(e) => return Err(e).context("the master's event stream"),
+            }
+        }
+        let detect_s = detected.elapsed().as_secs_f64();
+        let left: Vec<u32> = nodes
+            .iter()
+            .copied()
+            .filter(|n| !self.lost.contains(n))
+            .collect();
+        let newest = checkpoint::latest_checkpoint(&self.p.out)?;
+        let say_newest = || match &newest {
+            Some(c) => format!("the newest checkpoint is {}", c.display()),
+            None => "no checkpoint was written".into(),
+        };
+        if left.is_empty() {
+            bail!("every node is lost ({failure:#}); {}", say_newest());
+        }
+        let resume = match &newest {
+            Some(c) => {
+                let st = checkpoint::verify_checkpoint(c)
+                    .with_context(|| format!("checking {} to recover from", c.display()))?;
+                Some((c.clone(), st.step))
+            }
+            // No checkpoint yet: the initialisation is deterministic, so step 0 is one.
+            None => None,
+        };
+        let from = resume.as_ref().map_or(0, |r| r.1);
+        truncate_metrics_after(&self.p.out, from)?;
+        self.files.metrics = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.p.out.join("metrics.jsonl"))
+            .context("reopening metrics.jsonl")?;
+        self.committed = from;
+        let lost: Vec<u32> = nodes
+            .iter()
+            .copied()
+            .filter(|n| self.lost.contains(n))
+            .collect();
+        self.files.event(serde_json::json!({
+            "event": "reconfig", "generation": self.generation + 1, "lost_nodes": lost,
+            "nodes": left, "failed_in_step": failed_at + 1, "from_step": from,
+            "replayed_steps": failed_at - from, "detect_s": detect_s,
+            "checkpoint": newest.as_ref().map(|c| c.display().to_string()),
+        }))?;
+        self.progress.note(&format!(
+            "generation {}: {} node(s) left{}, replaying from step {from} ({} step(s) lost)",
+            self.generation + 1,
+            left.len(),
+            if lost.is_empty() {
+                String::new()
+            } else {
+                format!(" (lost {lost:?})")
+            },
+            failed_at - from
+        ));
+        Ok((left, resume))
+    }
+
+    /// Waits for the checkpoint and evaluation tasks of a generation that failed: those that
+    /// finish are recorded, the metrics they held are written, errors are only logged.
+    async fn settle_background(
+        &mut self,
+        background: &mut Vec<tokio::task::JoinHandle<Result<Assembled>>>,
+        held: &mut VecDeque<(StepMetrics, bool)>,
+    ) {
+        for task in background.drain(..) {
+            match tokio::time::timeout(STALL_TIMEOUT, task).await {
+                Ok(Ok(Ok(a))) => {
+                    if let Some(path) = &a.checkpoint {
+                        let _ = self.files.event(serde_json::json!({
+                            "event": "checkpoint", "step": a.step, "path": path,
+                            "duration_s": a.duration_s,
+                        }));
+                    }
+                    if let Some((m, _)) = held.iter_mut().find(|(m, _)| m.step == a.step) {
+                        m.val_loss = a.val_loss;
+                    }
+                }
+                Ok(Ok(Err(e))) => {
+                    tracing::warn!(error = %format!("{e:#}"), "periodic assembly failed")
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "periodic assembly panicked"),
+                Err(_) => tracing::warn!("periodic assembly took too long; left behind"),
+            }
+        }
+        for (_, waiting) in held.iter_mut() {
+            *waiting = false;
+        }
+        if let Err(e) = self.flush_metrics(held) {
+            tracing::warn!(error = %format!("{e:#}"), "writing held metrics");
+        }
+    }
+
+    /// `--inject-failure NODE@STEP`: once `step` is committed, that node kills its own
+    /// processes with SIGKILL.
+    async fn inject(&mut self, step: u64) -> Result<()> {
+        while let Some(i) = self.injections.iter().position(|&(_, at)| at == step) {
+            let (node, _) = self.injections.remove(i);
+            self.files.event(serde_json::json!({
+                "event": "inject_failure", "node": node, "step": step,
+            }))?;
+            self.progress.note(&format!(
+                "injecting a failure: killing node {node} after step {step}"
+            ));
+            if let Err(e) = self.master.send_to(node, Message::KillNode { node }).await {
+                tracing::warn!(node, error = %e, "could not tell the node to die");
+            }
+        }
+        Ok(())
     }
 
     /// Takes the results of finished background assemblies (all of them, with `all`): records
@@ -976,8 +1344,14 @@ impl Job<'_> {
 
     fn check_agents_alive(&mut self) -> Result<()> {
         for (i, a) in self.agents.iter_mut().enumerate() {
+            if a.gone {
+                continue;
+            }
             if let Some(st) = a.child.try_wait().context("polling an agent")? {
-                bail!("agent {i} exited early ({st}); its error is above");
+                a.gone = true;
+                return Err(node_failure(format!(
+                    "agent {i} exited early ({st}); its error is above"
+                )));
             }
         }
         Ok(())

@@ -186,12 +186,6 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let (model_cfg, pretrained) = model_config(cfg)?;
     let model = model_cfg.build()?;
     let data = open_dataset(cfg)?;
-    let spec = BatchSpec {
-        seq_len: cfg.seq_len,
-        microbatch_size: cfg.microbatch_size,
-        num_microbatches: cfg.num_microbatches(),
-    };
-    let ipe = data.split(Split::Train).iterations_per_epoch(&spec)?;
     let layout = Layout::from_plan(&a.plan, model.num_layers())?;
     // A resumed job: every layer of this stage, its optimizer state and the step come from
     // the checkpoint (which the master checked before anything started).
@@ -258,7 +252,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         }
         None => 0,
     };
-    let result = train_all(&a, cfg, &worker, comm, &inbox, &data, ipe, opt, start);
+    let result = train_all(&a, &worker, comm, &inbox, &data, opt, start);
     if result.is_err() {
         // Fail the peers fast instead of letting them run into their timeouts.
         comm.abort();
@@ -318,21 +312,21 @@ fn nccl_comm(
 
 fn train_all(
     a: &WorkerAssignment,
-    cfg: &TrainConfig,
     worker: &StageWorker,
     comm: &dyn Communicator,
     inbox: &Inbox,
     data: &Dataset,
-    ipe: usize,
     mut opt: AdamW,
     start: u64,
 ) -> Result<()> {
     let rank = a.rank;
+    let cfg = &a.config;
     let spec = BatchSpec {
         seq_len: cfg.seq_len,
         microbatch_size: cfg.microbatch_size,
         num_microbatches: cfg.num_microbatches(),
     };
+    let ipe = data.split(Split::Train).iterations_per_epoch(&spec)?;
     let train = data.split(Split::Train);
     let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
     let max_norm = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);

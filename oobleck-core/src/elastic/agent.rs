@@ -224,6 +224,7 @@ impl Agent {
     pub async fn report_worker_exit(
         &self,
         rank: u32,
+        generation: u64,
         status: ExitStatus,
         error: Option<String>,
         timeout: Duration,
@@ -231,6 +232,7 @@ impl Agent {
         let msg = Message::WorkerExited {
             node: self.node,
             rank,
+            generation,
             status,
             error,
         };

@@ -343,6 +343,7 @@ async fn serve_agent(
             Message::WorkerExited {
                 node: n,
                 rank,
+                generation,
                 status,
                 error,
             } if n == node => {
@@ -354,6 +355,7 @@ async fn serve_agent(
                 shared.emit(MasterEvent::WorkerExited {
                     node,
                     rank,
+                    generation,
                     status,
                     error,
                 });

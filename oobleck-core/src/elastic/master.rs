@@ -89,6 +89,8 @@ pub enum MasterEvent {
     WorkerExited {
         node: u32,
         rank: u32,
+        /// The plan generation the worker ran.
+        generation: u64,
         status: ExitStatus,
         /// What the worker last printed, when it failed.
         error: Option<String>,

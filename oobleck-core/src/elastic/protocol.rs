@@ -167,6 +167,9 @@ pub enum Message {
     WorkerExited {
         node: u32,
         rank: u32,
+        /// The generation the worker belonged to: exits of an earlier one are history.
+        #[serde(default)]
+        generation: u64,
         status: ExitStatus,
         error: Option<String>,
     },
@@ -461,6 +464,7 @@ mod tests {
             Message::WorkerExited {
                 node: 1,
                 rank: 4,
+                generation: 2,
                 status: ExitStatus {
                     code: None,
                     signal: Some(9),

@@ -201,7 +201,10 @@ fn exported_state_imported_elsewhere_gives_identical_later_steps() {
         .import_state_of(&a.export_state().unwrap(), &absent)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("`z`: the imported state has no entries"), "{err}");
+    assert!(
+        err.contains("`z`: the imported state has no entries"),
+        "{err}"
+    );
 
     let g = grads(&[
         ("w", &[0.3, -0.1, 0.2, 0.05, -0.6, 0.9], &[2, 3]),
