@@ -805,3 +805,79 @@ fn a_worker_killed_from_outside_is_recovered_from_on_the_same_nodes() {
     // 2 agents, 2 workers of each generation.
     assert_all_gone(&out, 6);
 }
+
+/// `oobleck kill-node` on a running job: an unknown node is refused with a clear error, a
+/// real one dies, and with f = 1 the job finishes on the nodes left.
+#[test]
+fn kill_node_kills_a_running_node_and_the_job_goes_on_without_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let flags = [
+        "--nodes",
+        "3",
+        "--fault-threshold",
+        "1",
+        "--checkpoint-every",
+        "2",
+    ];
+    let mut g = Guard(Some(train_cmd(&out, 40, &flags).spawn().expect("train")));
+    let start = Instant::now();
+    while !std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no step within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let kill = |node: &str| {
+        let mut c = Command::new(OOBLECK);
+        c.args(["kill-node", node, "--run"])
+            .arg(&out)
+            .env_remove("OOBLECK_TOKEN")
+            .env("RUST_BACKTRACE", "0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        run(c, Duration::from_secs(15))
+    };
+    let refused = kill("9");
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("node 9 is not registered"), "{err}");
+    let killed = kill("2");
+    assert!(
+        killed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    let limit = Duration::from_secs(120);
+    let start = Instant::now();
+    while g
+        .0
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("poll")
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < limit,
+            "train did not end within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o =
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let ev = events(&out);
+    let Some(reconfig) = ev.iter().find(|e| e["event"] == "reconfig") else {
+        panic!("the job finished before node 2 died: {stderr}");
+    };
+    assert_eq!(reconfig["lost_nodes"], serde_json::json!([2]), "{reconfig}");
+    assert_eq!(losses(&out).len(), 40, "every step once");
+    // 3 agents, 3 workers, then 2 workers on the 2 nodes left.
+    assert_all_gone(&out, 8);
+}

@@ -36,6 +36,9 @@ enum Cmd {
     Bench(BenchCmd),
     /// Show a running job: nodes, pipelines, generation, committed step, throughput.
     Status(oobleck_cli::cluster::status::StatusArgs),
+    /// Kill one node of a running job (SIGKILL of its agent and workers), as a crash would:
+    /// `oobleck kill-node 1 --run DIR`. With f >= 1 the job recovers on the nodes left.
+    KillNode(oobleck_cli::cluster::status::KillNodeArgs),
     /// Run one node of a multi-machine job: `oobleck agent --master HOST:PORT` with the job's
     /// OOBLECK_TOKEN (the master is `train --listen`; `train --nodes N` starts its own agents).
     Agent(oobleck_cli::cluster::agent::AgentArgs),
@@ -101,6 +104,7 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
+        Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
         Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
         Cmd::Report { dir } => {

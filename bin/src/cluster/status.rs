@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::elastic::agent::request_status;
+use oobleck_core::elastic::agent::{request_kill, request_status};
 use oobleck_core::elastic::protocol::ClusterStatus;
 use oobleck_core::elastic::Token;
 
@@ -33,6 +33,16 @@ pub struct StatusArgs {
     /// Seconds to wait for the master.
     #[arg(long, default_value_t = 5)]
     pub timeout: u64,
+}
+
+/// Kill one node of a running job, as a crash would (SIGKILL of its agent and workers): for
+/// demos and fault drills. With `--fault-threshold` >= 1 the job recovers on the nodes left.
+#[derive(Debug, Clone, clap::Args)]
+pub struct KillNodeArgs {
+    /// The node id (`oobleck status` lists them).
+    pub node: u32,
+    #[command(flatten)]
+    pub target: StatusArgs,
 }
 
 /// Writes the files `oobleck status --run` reads; the token file is readable by its owner only.
@@ -156,6 +166,25 @@ pub fn run(a: &StatusArgs) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
+        print!("{}", render(&status));
+    }
+    Ok(())
+}
+
+pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
+    let (addr, token) = target(&a.target)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime")?;
+    let timeout = Duration::from_secs(a.target.timeout.max(1));
+    let status = rt
+        .block_on(request_kill(addr, &token, a.node, timeout))
+        .with_context(|| format!("asking the master at {addr} to kill node {}", a.node))?;
+    if a.target.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        println!("node {} is being killed; the job before it:", a.node);
         print!("{}", render(&status));
     }
     Ok(())
