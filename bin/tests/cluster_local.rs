@@ -881,3 +881,88 @@ fn kill_node_kills_a_running_node_and_the_job_goes_on_without_it() {
     // 3 agents, 3 workers, then 2 workers on the 2 nodes left.
     assert_all_gone(&out, 8);
 }
+
+/// With f = 1 a SIGSTOPped agent (a hang: its connection stays open) is found by its lease,
+/// fenced off (killed, so it cannot come back), and the job finishes on the nodes left with
+/// nothing left running.
+#[test]
+fn a_hung_node_is_fenced_off_and_the_job_finishes_without_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let flags = [
+        "--nodes",
+        "3",
+        "--fault-threshold",
+        "1",
+        "--checkpoint-every",
+        "2",
+    ];
+    let mut g = Guard(Some(train_cmd(&out, 40, &flags).spawn().expect("train")));
+    let start = Instant::now();
+    let (node, pid) = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no step within 60 s"
+        );
+        if std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
+            // The agent of node 2: the parent of its worker.
+            let w = events(&out)
+                .into_iter()
+                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["node"] == 2)
+                .expect("node 2 runs a worker");
+            let worker = w["pid"].as_u64().expect("pid");
+            let stat = std::fs::read_to_string(format!("/proc/{worker}/stat")).expect("stat");
+            let ppid: u32 = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1))
+                .and_then(|p| p.parse().ok())
+                .expect("ppid");
+            break (2, ppid);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stopped = Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(stopped.success());
+    let limit = Duration::from_secs(120);
+    let start = Instant::now();
+    while g
+        .0
+        .as_mut()
+        .expect("child")
+        .try_wait()
+        .expect("poll")
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < limit,
+            "train did not end within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o =
+        g.0.take()
+            .expect("child")
+            .wait_with_output()
+            .expect("output");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let ev = events(&out);
+    let Some(reconfig) = ev.iter().find(|e| e["event"] == "reconfig") else {
+        panic!("the job finished before node {node} hung: {stderr}");
+    };
+    assert_eq!(
+        reconfig["lost_nodes"],
+        serde_json::json!([node]),
+        "{reconfig}"
+    );
+    assert!(
+        ev.iter()
+            .any(|e| e["event"] == "fenced" && e["pid"].as_u64() == Some(u64::from(pid))),
+        "the hung agent was not fenced off"
+    );
+    assert_eq!(losses(&out).len(), 40, "every step once");
+    assert_all_gone(&out, 8);
+}

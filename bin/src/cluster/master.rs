@@ -488,6 +488,8 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         first_loss: None,
         started: Instant::now(),
         recovering: None,
+        agent_of: BTreeMap::new(),
+        local,
     };
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.
@@ -599,6 +601,10 @@ struct Job<'a> {
     started: Instant,
     /// Since when the job recovers from a failure (until the next commit).
     recovering: Option<Instant>,
+    /// Local clusters: the agent process of each node (its workers' parent), so that a node
+    /// declared lost while its agent still lives (hung: SIGSTOP) can be fenced off.
+    agent_of: BTreeMap<u32, u32>,
+    local: bool,
 }
 
 /// A node or worker of the running generation is gone: the job can go on without it,
@@ -827,6 +833,11 @@ impl Job<'_> {
                         "event": "process", "role": "worker", "node": node, "rank": rank,
                         "pid": pid, "data_addr": addr,
                     }))?;
+                    if self.local {
+                        if let Some(agent) = parent_pid(pid) {
+                            self.agent_of.insert(node, agent);
+                        }
+                    }
                     listening.insert(rank, addr);
                 }
                 MasterEvent::WorkerExited {
@@ -1147,6 +1158,25 @@ impl Job<'_> {
                 }
                 Ok(_) | Err(ElasticError::Timeout { .. }) => {}
                 Err(e) => return Err(e).context("the master's event stream"),
+            }
+        }
+        // A lost node may still run (a hang, or a network cut): fence it off, so it cannot
+        // come back and the job leaves no process behind.
+        for n in nodes.iter().filter(|n| self.lost.contains(n)) {
+            let Some(&pid) = self.agent_of.get(n) else {
+                continue;
+            };
+            if let Some(a) = self
+                .agents
+                .iter_mut()
+                .find(|a| !a.gone && a.child.id() == Some(pid))
+            {
+                let _ = a.child.start_kill();
+                let _ = tokio::time::timeout(EXIT_GRACE, a.child.wait()).await;
+                a.gone = true;
+                self.files.event(serde_json::json!({
+                    "event": "fenced", "node": n, "pid": pid,
+                }))?;
             }
         }
         let detect_s = detected.elapsed().as_secs_f64();
@@ -1531,6 +1561,18 @@ fn agreed(ready: &BTreeMap<u32, (f64, f64)>, step: u64) -> Result<(f64, f64)> {
         }
     }
     Ok((loss, norm))
+}
+
+/// The parent of process `pid` on this machine, from `/proc` (Linux); `None` elsewhere.
+fn parent_pid(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
