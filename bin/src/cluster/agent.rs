@@ -388,7 +388,13 @@ async fn spawn_worker(
     reports: mpsc::UnboundedSender<Local>,
 ) -> Result<Worker> {
     let exe = std::env::current_exe().context("locating the oobleck binary")?;
-    let mut child = Command::new(&exe)
+    let mut cmd = Command::new(&exe);
+    // A worker's error (a lost peer, most often) is reported without anyhow's backtrace,
+    // which RUST_BACKTRACE=1 would otherwise print by the screenful; panics keep theirs.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        cmd.env("RUST_LIB_BACKTRACE", "0");
+    }
+    let mut child = cmd
         .arg("worker")
         .arg("--rank")
         .arg(a.rank.to_string())
