@@ -656,10 +656,12 @@ fn assert_same_training(run: &Path, want: &[(u64, f64)], want_params: &BTreeMap<
     assert!(d < TOL, "final parameters differ by {d}");
 }
 
-/// `--inject-failure 1@5` with f = 1: node 1 SIGKILLs its agent and worker after step 5; the
-/// master replans on the two nodes left, restarts from the step-4 checkpoint and replays step
-/// 5 with the same data. Nothing is lost or counted twice: the run ends exactly where an
-/// uninterrupted single process ends.
+/// `--inject-failure 1@5` with f = 1: node 1 SIGKILLs its agent and worker after step 5. The
+/// survivors still hold step 5 (one whole pipeline of them), so the master has them write it
+/// and the next generation, on the two nodes left, starts at step 5: nothing is replayed.
+/// Then beyond f: nodes 0 and 1 die together, no pipeline survives whole, and the job falls
+/// back to the step-4 checkpoint on the one node left, replaying step 5 with the same data.
+/// Both runs end exactly where an uninterrupted single process ends.
 #[test]
 fn a_node_killed_mid_run_is_recovered_from_and_training_is_unchanged() {
     const STEPS: u64 = 10;
@@ -673,59 +675,84 @@ fn a_node_killed_mid_run_is_recovered_from_and_training_is_unchanged() {
     let want = losses(&single);
     let want_params = final_params(&single);
 
-    let out = dir.path().join("run");
-    let flags = [
-        "--nodes",
-        "3",
-        "--fault-threshold",
-        "1",
-        "--checkpoint-every",
-        "2",
-        "--inject-failure",
-        "1@5",
-    ];
-    let o = run(train_cmd(&out, STEPS, &flags), Duration::from_secs(180));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("generation 1: 2 node(s) left (lost [1]), replaying from step 4"),
-        "{stderr}"
-    );
-    assert_same_training(&out, &want, &want_params);
-    let ev = events(&out);
-    let kinds: Vec<&str> = ev.iter().filter_map(|e| e["event"].as_str()).collect();
-    for k in [
-        "inject_failure",
-        "lost",
-        "failure",
-        "reconfig",
-        "resumed",
-        "finish",
+    for (case, kills, said, lost, from, rescued, left, procs) in [
+        (
+            "f = 1, one node",
+            &["1@5"][..],
+            "generation 1: 2 node(s) left (lost [1]), resuming at step 5 from the surviving \
+             replicas (no step lost)",
+            serde_json::json!([1]),
+            5,
+            true,
+            2,
+            8,
+        ),
+        (
+            "beyond f, two nodes",
+            &["0@5", "1@5"][..],
+            "generation 1: 1 node(s) left (lost [0, 1]), replaying from step 4 (1 step(s) lost)",
+            serde_json::json!([0, 1]),
+            4,
+            false,
+            1,
+            7,
+        ),
     ] {
-        assert!(kinds.contains(&k), "no {k} event: {kinds:?}");
+        let out = dir.path().join(format!("run-{from}"));
+        let mut flags = vec![
+            "--nodes",
+            "3",
+            "--fault-threshold",
+            "1",
+            "--checkpoint-every",
+            "2",
+        ];
+        for k in kills {
+            flags.extend(["--inject-failure", k]);
+        }
+        let o = run(train_cmd(&out, STEPS, &flags), Duration::from_secs(180));
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{case}: {stderr}");
+        assert!(stderr.contains(said), "{case}: {stderr}");
+        assert_same_training(&out, &want, &want_params);
+        let ev = events(&out);
+        let kinds: Vec<&str> = ev.iter().filter_map(|e| e["event"].as_str()).collect();
+        for k in [
+            "inject_failure",
+            "lost",
+            "failure",
+            "reconfig",
+            "resumed",
+            "finish",
+        ] {
+            assert!(kinds.contains(&k), "{case}: no {k} event: {kinds:?}");
+        }
+        assert_eq!(kinds.contains(&"rescued"), rescued, "{case}: {kinds:?}");
+        let reconfig = ev
+            .iter()
+            .find(|e| e["event"] == "reconfig")
+            .expect("reconfig");
+        assert_eq!(reconfig["lost_nodes"], lost, "{case}: {reconfig}");
+        assert_eq!(reconfig["from_step"], from, "{case}: {reconfig}");
+        assert_eq!(reconfig["rescued"], rescued, "{case}: {reconfig}");
+        let plans: Vec<serde_json::Value> = serde_json::from_str(
+            &std::fs::read_to_string(out.join("plan.json")).expect("plan.json"),
+        )
+        .expect("plans");
+        assert_eq!(plans.len(), 2, "{case}: one plan per generation");
+        let last: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(out.join("metrics.jsonl"))
+                .expect("metrics")
+                .lines()
+                .last()
+                .expect("a line"),
+        )
+        .expect("JSON");
+        assert_eq!(last["generation"], 1, "{case}");
+        assert_eq!(last["nodes"], left, "{case}");
+        // 3 agents, 3 workers of generation 0 and those of generation 1: all gone.
+        assert_all_gone(&out, procs);
     }
-    let reconfig = ev
-        .iter()
-        .find(|e| e["event"] == "reconfig")
-        .expect("reconfig");
-    assert_eq!(reconfig["lost_nodes"], serde_json::json!([1]), "{reconfig}");
-    assert_eq!(reconfig["from_step"], 4, "{reconfig}");
-    let plans: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).expect("plan.json"))
-            .expect("plans");
-    assert_eq!(plans.len(), 2, "one plan per generation");
-    let last: serde_json::Value = serde_json::from_str(
-        std::fs::read_to_string(out.join("metrics.jsonl"))
-            .expect("metrics")
-            .lines()
-            .last()
-            .expect("a line"),
-    )
-    .expect("JSON");
-    assert_eq!(last["generation"], 1);
-    assert_eq!(last["nodes"], 2);
-    // 3 agents, 3 workers of generation 0 and 2 of generation 1: all gone.
-    assert_all_gone(&out, 8);
 }
 
 /// A worker SIGKILLed from outside (its node stays up): with f = 1 the job restarts the

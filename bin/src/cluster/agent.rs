@@ -210,6 +210,13 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                                 step,
                                 state,
                             },
+                            Report::Broken { rank, step, error } => Message::WorkerBroken {
+                                node,
+                                rank,
+                                generation,
+                                step,
+                                error,
+                            },
                             Report::Done {
                                 rank,
                                 step,
@@ -331,6 +338,23 @@ async fn drive(args: &AgentArgs) -> Result<()> {
                     generation: g,
                 }) if g == generation => {
                     tell_all(&mut workers, &ToWorker::Commit { step }).await?;
+                }
+                Ok(Message::SaveState {
+                    generation: g,
+                    step,
+                    dir,
+                }) if g == generation => {
+                    // Workers that already exited cannot answer; the master falls back to a
+                    // checkpoint when a state it asked for does not come.
+                    let msg = ToWorker::SaveState {
+                        step,
+                        dir: PathBuf::from(dir),
+                    };
+                    for w in workers.iter_mut() {
+                        if let Err(e) = tell_all(std::slice::from_mut(w), &msg).await {
+                            tracing::warn!(node, error = %format!("{e:#}"), "asking for the state");
+                        }
+                    }
                 }
                 Ok(Message::KillNode { node: n }) if n == node => {
                     // A failure injected for a demo or test (`train --inject-failure`): this

@@ -42,6 +42,8 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// ...and, where this master started the agents, the most it waits for each dead agent's
 /// node to be reported lost.
 const LOSS_WAIT: Duration = Duration::from_secs(15);
+/// How long the survivors of a failure get to write their committed state.
+const RESCUE_WAIT: Duration = Duration::from_secs(30);
 /// Failures in a row with no committed step in between, after which the job gives up.
 const MAX_FRUITLESS_RECOVERIES: u32 = 3;
 
@@ -490,6 +492,7 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         recovering: None,
         agent_of: BTreeMap::new(),
         local,
+        broken: BTreeMap::new(),
     };
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.
@@ -605,6 +608,9 @@ struct Job<'a> {
     /// declared lost while its agent still lives (hung: SIGSTOP) can be fenced off.
     agent_of: BTreeMap<u32, u32>,
     local: bool,
+    /// Workers of the running generation whose step failed and that wait, holding the state
+    /// of a committed step: rank -> (node, step).
+    broken: BTreeMap<u32, (u32, u64)>,
 }
 
 /// A node or worker of the running generation is gone: the job can go on without it,
@@ -656,9 +662,30 @@ impl Job<'_> {
                 }))?;
                 return Err(node_failure(format!("node {node} was lost ({reason:?})")));
             }
-            MasterEvent::WorkerExited { generation: g, .. } if *g != self.generation => {
+            MasterEvent::WorkerExited { generation: g, .. }
+            | MasterEvent::WorkerBroken { generation: g, .. }
+                if *g != self.generation =>
+            {
                 // A worker of an earlier generation, stopped by its agent.
                 return Ok(None);
+            }
+            MasterEvent::WorkerBroken {
+                node,
+                rank,
+                step,
+                error,
+                ..
+            } => {
+                self.broken.insert(*rank, (*node, *step));
+                self.files.event(serde_json::json!({
+                    "event": "worker_broken", "node": node, "rank": rank, "step": step,
+                    "error": error,
+                }))?;
+                return Err(node_failure(format!(
+                    "worker rank {rank} on node {node} failed in step {} before finishing: \
+                     {error}",
+                    step + 1
+                )));
             }
             MasterEvent::WorkerExited {
                 node,
@@ -667,6 +694,7 @@ impl Job<'_> {
                 error,
                 ..
             } => {
+                self.broken.remove(rank);
                 self.files.event(serde_json::json!({
                     "event": "worker_exit", "node": node, "rank": rank,
                     "code": status.code, "signal": status.signal, "error": error,
@@ -707,7 +735,10 @@ impl Job<'_> {
         loop {
             let plan = self.plan(&cfg, &nodes)?;
             let before = self.steps_run;
-            let failure = match self.run_generation(&nodes, plan, resume.as_ref()).await {
+            let failure = match self
+                .run_generation(&nodes, plan.clone(), resume.as_ref())
+                .await
+            {
                 Ok(summary) => return Ok(summary),
                 Err(e) if is_node_failure(&e) && self.p.cfg.fault_threshold > 0 => e,
                 Err(e) => return Err(e),
@@ -722,7 +753,7 @@ impl Job<'_> {
                      giving up"
                 )));
             }
-            let (left, from) = self.recover(&nodes, &failure).await?;
+            let (left, from) = self.recover(&nodes, &plan, &failure).await?;
             nodes = left;
             resume = from;
             // Pinned pipeline sizes described the old node set; the planner chooses now.
@@ -774,6 +805,7 @@ impl Job<'_> {
         resume: Option<&(PathBuf, u64)>,
     ) -> Result<Summary> {
         let started = self.started;
+        self.broken.clear();
         let job = Message::Job {
             run_dir: self.p.out.display().to_string(),
             config: serde_json::to_value(&self.p.cfg)?,
@@ -1110,6 +1142,7 @@ impl Job<'_> {
     async fn recover(
         &mut self,
         nodes: &[u32],
+        plan: &Plan,
         failure: &anyhow::Error,
     ) -> Result<(Vec<u32>, Option<(PathBuf, u64)>)> {
         let detected = Instant::now();
@@ -1143,6 +1176,19 @@ impl Job<'_> {
                         }))?;
                     }
                 }
+                Ok(MasterEvent::WorkerBroken {
+                    node,
+                    rank,
+                    generation,
+                    step,
+                    error,
+                }) if generation == self.generation => {
+                    self.broken.insert(rank, (node, step));
+                    self.files.event(serde_json::json!({
+                        "event": "worker_broken", "node": node, "rank": rank, "step": step,
+                        "error": error,
+                    }))?;
+                }
                 Ok(MasterEvent::WorkerExited {
                     node,
                     rank,
@@ -1150,6 +1196,9 @@ impl Job<'_> {
                     status,
                     error,
                 }) => {
+                    if generation == self.generation {
+                        self.broken.remove(&rank);
+                    }
                     self.files.event(serde_json::json!({
                         "event": "worker_exit", "node": node, "rank": rank,
                         "generation": generation, "code": status.code,
@@ -1185,7 +1234,13 @@ impl Job<'_> {
             .copied()
             .filter(|n| !self.lost.contains(n))
             .collect();
-        let newest = checkpoint::latest_checkpoint(&self.p.out)?;
+        // The survivors' committed state, when one whole pipeline of them still holds it: no
+        // step is lost. Otherwise the newest checkpoint.
+        let rescued = self.rescue(plan, &left).await;
+        let newest = match &rescued {
+            Some(c) => Some(c.clone()),
+            None => checkpoint::latest_checkpoint(&self.p.out)?,
+        };
         let say_newest = || match &newest {
             Some(c) => format!("the newest checkpoint is {}", c.display()),
             None => "no checkpoint was written".into(),
@@ -1218,10 +1273,11 @@ impl Job<'_> {
             "event": "reconfig", "generation": self.generation + 1, "lost_nodes": lost,
             "nodes": left, "failed_in_step": failed_at + 1, "from_step": from,
             "replayed_steps": failed_at - from, "detect_s": detect_s,
+            "rescued": rescued.is_some(),
             "checkpoint": newest.as_ref().map(|c| c.display().to_string()),
         }))?;
         self.progress.note(&format!(
-            "generation {}: {} node(s) left{}, replaying from step {from} ({} step(s) lost)",
+            "generation {}: {} node(s) left{}, {}",
             self.generation + 1,
             left.len(),
             if lost.is_empty() {
@@ -1229,9 +1285,127 @@ impl Job<'_> {
             } else {
                 format!(" (lost {lost:?})")
             },
-            failed_at - from
+            if rescued.is_some() {
+                format!("resuming at step {from} from the surviving replicas (no step lost)")
+            } else {
+                format!(
+                    "replaying from step {from} ({} step(s) lost)",
+                    failed_at - from
+                )
+            }
         ));
         Ok((left, resume))
+    }
+
+    /// Asks the survivors of the failed generation for their state of the last committed
+    /// step and writes it as that step's checkpoint. Needs one pipeline of `plan` whose every
+    /// stage reported broken (alive, holding that step) on a node in `left`. `None` (and a
+    /// warning) when that is not so or anything fails: the caller falls back to a checkpoint.
+    async fn rescue(&mut self, plan: &Plan, left: &[u32]) -> Option<PathBuf> {
+        let step = self.committed;
+        if step == 0 {
+            return None;
+        }
+        let existing = checkpoint::checkpoint_path(&self.p.out, step);
+        if checkpoint::verify_checkpoint(&existing).is_ok() {
+            return Some(existing);
+        }
+        let g = plan.devices_per_node;
+        let holds = |r: &u32| {
+            self.broken
+                .get(r)
+                .is_some_and(|(node, s)| *s == step && left.contains(node))
+        };
+        let savers: Vec<u32> = plan.pipelines.iter().find_map(|pl| {
+            let savers: Vec<u32> = (0..pl.nodes.len() as u32)
+                .map(|j| pl.first_rank + j * g)
+                .collect();
+            savers.iter().all(holds).then_some(savers)
+        })?;
+        let started = Instant::now();
+        let dir = self
+            .p
+            .out
+            .join("cluster")
+            .join(format!("rescue-g{}", self.generation));
+        let nodes: BTreeSet<u32> = savers.iter().map(|r| self.broken[r].0).collect();
+        for &n in &nodes {
+            let ask = Message::SaveState {
+                generation: self.generation,
+                step,
+                dir: dir.display().to_string(),
+            };
+            if let Err(e) = self.master.send_to(n, ask).await {
+                tracing::warn!(node = n, error = %e, "could not ask for the survivors' state");
+                return None;
+            }
+        }
+        let mut states: BTreeMap<u32, PathBuf> = BTreeMap::new();
+        let deadline = Instant::now() + RESCUE_WAIT;
+        while states.len() < savers.len() {
+            if Instant::now() > deadline {
+                tracing::warn!(
+                    ?savers,
+                    "the survivors' state did not come in {RESCUE_WAIT:?}"
+                );
+                return None;
+            }
+            match self.master.next_event(POLL).await {
+                Ok(MasterEvent::StateSaved {
+                    rank,
+                    generation,
+                    step: s,
+                    state,
+                    ..
+                }) if generation == self.generation && s == step && savers.contains(&rank) => {
+                    states.insert(rank, PathBuf::from(state));
+                }
+                Ok(MasterEvent::Lost { node, reason }) => {
+                    self.lost.insert(node);
+                    let _ = self.files.event(serde_json::json!({
+                        "event": "lost", "node": node, "reason": format!("{reason:?}"),
+                    }));
+                    if nodes.contains(&node) {
+                        return None;
+                    }
+                }
+                Ok(_) | Err(ElasticError::Timeout { .. }) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "the master's event stream");
+                    return None;
+                }
+            }
+        }
+        let mut assembler = match Assembler::new(self.p, plan) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "assembling the survivors' state");
+                return None;
+            }
+        };
+        assembler.savers = savers.clone();
+        let saved = tokio::task::spawn_blocking(move || -> Result<PathBuf> {
+            let (params, opt) = assembler.merge(&states)?;
+            assembler.save(&params, opt, step)
+        })
+        .await;
+        match saved {
+            Ok(Ok(path)) => {
+                let _ = self.files.event(serde_json::json!({
+                    "event": "rescued", "step": step, "ranks": savers, "path": path,
+                    "duration_s": started.elapsed().as_secs_f64(),
+                }));
+                Some(path)
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %format!("{e:#}"), "writing the survivors' state");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "writing the survivors' state");
+                None
+            }
+        }
     }
 
     /// Waits for the checkpoint and evaluation tasks of a generation that failed: those that

@@ -88,6 +88,8 @@ pub enum ToWorker {
     Rendezvous { rendezvous: Vec<Rendezvous> },
     /// Every holder has its reduced gradient for `step` (1-based): apply it.
     Commit { step: u64 },
+    /// After a failed step: write the state of committed `step` into `dir`.
+    SaveState { step: u64, dir: PathBuf },
 }
 
 /// What a worker tells its agent, one JSON object per stdout line after [`REPORT_PREFIX`].
@@ -105,6 +107,9 @@ pub enum Report {
     },
     /// The worker wrote its part of the state after committed `step` (1-based) to `state`.
     Saved { rank: u32, step: u64, state: String },
+    /// The step after committed `step` failed (`error`); the worker holds the state of `step`
+    /// and waits for `SaveState` or the end of its generation.
+    Broken { rank: u32, step: u64, error: String },
     /// The worker applied every step; `state` is where it left its part of the checkpoint.
     Done {
         rank: u32,

@@ -252,12 +252,60 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         }
         None => 0,
     };
-    let result = train_all(&a, &worker, comm, &inbox, &data, opt, start);
-    if result.is_err() {
-        // Fail the peers fast instead of letting them run into their timeouts.
-        comm.abort();
+    let mut committed = start;
+    let result = train_all(&a, &worker, comm, &inbox, &data, &mut opt, &mut committed);
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            // Fail the peers fast instead of letting them run into their timeouts.
+            comm.abort();
+            broken(&a, &worker, &inbox, &opt, committed, e)
+        }
     }
-    result
+}
+
+/// How long a worker whose step failed waits for the master's instructions.
+const BROKEN_WAIT: Duration = Duration::from_secs(120);
+
+/// After a failed step: this worker still holds the parameters and optimizer state of step
+/// `committed` (the optimizer applies only on commit). It says so and waits: the master may
+/// ask for that state (`SaveState`), so the next generation loses no committed step. Ends
+/// with `error` when its agent stops it (stdin closes) or nothing comes.
+fn broken(
+    a: &WorkerAssignment,
+    worker: &StageWorker,
+    inbox: &Inbox,
+    opt: &AdamW,
+    committed: u64,
+    error: anyhow::Error,
+) -> Result<()> {
+    let rank = a.rank;
+    let said = report(&Report::Broken {
+        rank,
+        step: committed,
+        error: format!("{error:#}"),
+    });
+    if said.is_err() {
+        return Err(error);
+    }
+    let params: Vec<(String, Var)> = worker.stage().params();
+    loop {
+        match inbox.next(BROKEN_WAIT, "the master's word after a failed step") {
+            Ok(ToWorker::SaveState { step, dir }) if step == committed => {
+                let path = dir.join(format!("rank-{rank:05}.safetensors"));
+                save_state(&params, opt, &path)?;
+                report(&Report::Saved {
+                    rank,
+                    step,
+                    state: path.display().to_string(),
+                })?;
+            }
+            Ok(other) => {
+                tracing::debug!(rank, ?other, "ignored after a failed step");
+            }
+            Err(_) => return Err(error),
+        }
+    }
 }
 
 /// Every group a step's collectives use: the holders of each gradient bucket, of each tied
@@ -316,9 +364,10 @@ fn train_all(
     comm: &dyn Communicator,
     inbox: &Inbox,
     data: &Dataset,
-    mut opt: AdamW,
-    start: u64,
+    opt: &mut AdamW,
+    committed: &mut u64,
 ) -> Result<()> {
+    let start = *committed;
     let rank = a.rank;
     let cfg = &a.config;
     let spec = BatchSpec {
@@ -368,9 +417,10 @@ fn train_all(
         opt.step(&params, &grads, sched.lr_at(step))
             .with_context(|| format!("rank {rank}: optimizer step {}", step + 1))?;
         let s = step + 1;
+        *committed = s;
         if saves_state && s < cfg.steps && state_due(cfg, s) {
             let path = state_path_at(&a.run_dir, s, rank);
-            save_state(&params, &opt, &path)?;
+            save_state(&params, opt, &path)?;
             report(&Report::Saved {
                 rank,
                 step: s,
@@ -381,7 +431,7 @@ fn train_all(
     let mut state = None;
     if saves_state {
         let path = state_path(&a.run_dir, rank);
-        save_state(&params, &opt, &path)?;
+        save_state(&params, opt, &path)?;
         state = Some(path.display().to_string());
     }
     report(&Report::Done {

@@ -401,6 +401,19 @@ async fn serve_agent(
                 step,
                 state,
             }),
+            Message::WorkerBroken {
+                node: n,
+                rank,
+                generation,
+                step,
+                error,
+            } if n == node => shared.emit(MasterEvent::WorkerBroken {
+                node,
+                rank,
+                generation,
+                step,
+                error,
+            }),
             Message::WorkerDone {
                 node: n,
                 rank,

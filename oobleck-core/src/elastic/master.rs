@@ -124,6 +124,15 @@ pub enum MasterEvent {
         step: u64,
         state: String,
     },
+    /// A worker failed in a step and waits with its committed state
+    /// ([`Message::WorkerBroken`]).
+    WorkerBroken {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        error: String,
+    },
     /// A worker finished its steps ([`Message::WorkerDone`]).
     WorkerDone {
         node: u32,

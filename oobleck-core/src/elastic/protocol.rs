@@ -218,6 +218,24 @@ pub enum Message {
         step: u64,
         state: String,
     },
+    /// Agent -> master: worker `rank` could not finish the step after committed `step` (a
+    /// peer is gone, most often) and waits, holding the state of `step`, for `SaveState` or
+    /// the end of its generation.
+    WorkerBroken {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        step: u64,
+        error: String,
+    },
+    /// Master -> agent, after a failure: the workers of `generation` that still live write
+    /// their state of committed `step` under `dir` (reported with `StateSaved`), so the next
+    /// generation starts from it and no committed step is lost.
+    SaveState {
+        generation: u64,
+        step: u64,
+        dir: String,
+    },
     /// Agent -> master: worker `rank` finished the run at `step`; `state` is where it left its
     /// final parameters and optimizer state, if it keeps a part of the checkpoint.
     /// `commit_wait_ms` is the time it spent waiting for commits (control-plane overhead).
@@ -258,6 +276,8 @@ impl Message {
             Message::StepReady { .. } => "step_ready",
             Message::StateSaved { .. } => "state_saved",
             Message::WorkerDone { .. } => "worker_done",
+            Message::WorkerBroken { .. } => "worker_broken",
+            Message::SaveState { .. } => "save_state",
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
             Message::KillNode { .. } => "kill_node",
@@ -470,6 +490,18 @@ mod tests {
                     signal: Some(9),
                 },
                 error: Some("killed".into()),
+            },
+            Message::WorkerBroken {
+                node: 1,
+                rank: 4,
+                generation: 2,
+                step: 17,
+                error: "rank 3 lost".into(),
+            },
+            Message::SaveState {
+                generation: 2,
+                step: 17,
+                dir: "/runs/x/cluster/rescue".into(),
             },
             Message::StatusRequest,
             Message::Refused {
