@@ -370,8 +370,10 @@ impl Layer for Block {
         let q = qkv.narrow(2, 0, d)?;
         let k = qkv.narrow(2, d, d)?;
         let v = qkv.narrow(2, 2 * d, d)?;
-        // attn_pdrop would apply to the attention matrix; it is keyed like the others.
-        let a = causal_attention(&q, &k, &v, c.n_head)?; // [b, t, d]
+        // Attention dropout on the probabilities, keyed per sample row like the others.
+        let a = causal_attention(&q, &k, &v, c.n_head, |p| {
+            dropout(p, c.attn_pdrop, ctx, self.idx, 2)
+        })?; // [b, t, d]
         let a = conv1d(&a, &self.attn_proj_w, &self.attn_proj_b)?;
         let x = (x + dropout(&a, c.resid_pdrop, ctx, self.idx, 0)?)?;
         // MLP: x + c_proj(gelu(c_fc(ln_2(x)))).

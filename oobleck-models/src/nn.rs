@@ -108,12 +108,14 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 }
 
 /// Causal multi-head attention of already-projected `q`, `k`, `v`, each `[b, t, d]`.
-/// `q` is scaled by `1/sqrt(d_head)` here.
+/// `q` is scaled by `1/sqrt(d_head)` here. `drop` is applied to the attention probabilities
+/// `[b, h, t, t]` (attention dropout; the identity when off).
 pub(crate) fn causal_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     n_head: usize,
+    drop: impl Fn(&Tensor) -> oobleck_core::Result<Tensor>,
 ) -> Result<Tensor> {
     let (b, t, d) = q.dims3()?;
     let hd = d / n_head;
@@ -133,6 +135,7 @@ pub(crate) fn causal_attention(
         let att = (scores * scale)?.broadcast_add(&causal_mask(t, q.device())?)?;
         candle_nn::ops::softmax(&att, D::Minus1)?
     };
+    let att = drop(&att)?;
     let y = att.matmul(&v)?; // [b, h, t, hd]
     Ok(y.transpose(1, 2)?.reshape((b, t, d))?)
 }

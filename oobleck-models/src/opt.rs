@@ -418,6 +418,7 @@ impl Layer for DecoderLayer {
             &lin(&h, &self.k)?,
             &lin(&h, &self.v)?,
             c.num_attention_heads,
+            |p| dropout(p, c.attention_dropout, ctx, self.idx, 2),
         )?;
         let a = lin(&a, &self.out)?;
         let mut x = (x + dropout(&a, c.dropout, ctx, self.idx, 0)?)?;

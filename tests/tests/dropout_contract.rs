@@ -144,6 +144,18 @@ fn dropout_masks_do_not_depend_on_how_a_stage_cuts_the_rows() {
         want.losses[0],
         without.losses[0]
     );
+    // Attention dropout alone is live too (it drops attention probabilities, keyed per row).
+    let mut attn_only = GptConfig::new(4, 64, 4, SEQ);
+    attn_only.vocab_size = VOCAB;
+    attn_only.attn_pdrop = PDROP;
+    let attn_only = Gpt::new(attn_only).expect("a valid tiny config");
+    let attn = single_process(&attn_only, &spec, &data).expect("run with attention dropout");
+    assert!(
+        (attn.losses[0] - without.losses[0]).abs() > 1e-4,
+        "attention dropout must change the loss ({} vs {})",
+        attn.losses[0],
+        without.losses[0]
+    );
     // Pipeline 0: two stages of 2 devices (rows 2 + 1). Pipeline 1: one device, then a stage
     // of 3 devices (rows 1 + 1 + 1), so rows are also re-cut at the stage boundary.
     let layout = Layout::new(
