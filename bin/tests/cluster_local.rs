@@ -728,6 +728,23 @@ fn a_node_killed_mid_run_is_recovered_from_and_training_is_unchanged() {
             assert!(kinds.contains(&k), "{case}: no {k} event: {kinds:?}");
         }
         assert_eq!(kinds.contains(&"rescued"), rescued, "{case}: {kinds:?}");
+        let resumed = ev
+            .iter()
+            .find(|e| e["event"] == "resumed")
+            .expect("resumed");
+        let state = if rescued { "rescue_s" } else { "checkpoint_s" };
+        for phase in [
+            "detect_s",
+            state,
+            "plan_s",
+            "spawn_s",
+            "load_connect_first_step_s",
+        ] {
+            assert!(
+                resumed["phases"][phase].as_f64().is_some_and(|t| t >= 0.0),
+                "{case}: no {phase} in {resumed}"
+            );
+        }
         let reconfig = ev
             .iter()
             .find(|e| e["event"] == "reconfig")

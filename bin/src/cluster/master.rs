@@ -602,8 +602,8 @@ struct Job<'a> {
     steps_run: u64,
     first_loss: Option<f64>,
     started: Instant,
-    /// Since when the job recovers from a failure (until the next commit).
-    recovering: Option<Instant>,
+    /// The recovery under way, from the failure until the next commit.
+    recovering: Option<Recovery>,
     /// Local clusters: the agent process of each node (its workers' parent), so that a node
     /// declared lost while its agent still lives (hung: SIGSTOP) can be fenced off.
     agent_of: BTreeMap<u32, u32>,
@@ -611,6 +611,13 @@ struct Job<'a> {
     /// Workers of the running generation whose step failed and that wait, holding the state
     /// of a committed step: rank -> (node, step).
     broken: BTreeMap<u32, (u32, u64)>,
+}
+
+/// A recovery's phases (DESIGN.md section 5), timed from the failure to the first commit after.
+struct Recovery {
+    failed: Instant,
+    mark: Instant,
+    phases: Vec<(&'static str, f64)>,
 }
 
 /// A node or worker of the running generation is gone: the job can go on without it,
@@ -734,6 +741,7 @@ impl Job<'_> {
         let mut fruitless = 0;
         loop {
             let plan = self.plan(&cfg, &nodes)?;
+            self.phase("plan");
             let before = self.steps_run;
             let failure = match self
                 .run_generation(&nodes, plan.clone(), resume.as_ref())
@@ -909,6 +917,8 @@ impl Job<'_> {
                 "node {node} did not get the rendezvous: {e}"
             )));
         }
+        // Workers started and listening; next they load their state and connect.
+        self.phase("spawn");
 
         // Steps: commit each once every rank holds its reduced gradients.
         let tokens_per_step = (self.p.cfg.global_batch_size * self.p.cfg.seq_len) as f64;
@@ -998,10 +1008,17 @@ impl Job<'_> {
                         step = s;
                         self.committed = s;
                         self.steps_run += 1;
-                        if let Some(since) = self.recovering.take() {
+                        self.phase("load_connect_first_step");
+                        if let Some(r) = self.recovering.take() {
+                            let phases: serde_json::Map<String, serde_json::Value> = r
+                                .phases
+                                .iter()
+                                .map(|(k, v)| (format!("{k}_s"), serde_json::json!(v)))
+                                .collect();
                             self.files.event(serde_json::json!({
                                 "event": "resumed", "generation": generation, "step": s,
-                                "since_failure_s": since.elapsed().as_secs_f64(),
+                                "since_failure_s": r.failed.elapsed().as_secs_f64(),
+                                "phases": phases,
                             }))?;
                         }
                         let dt = last_step_at.elapsed().as_secs_f64().max(1e-9);
@@ -1146,7 +1163,11 @@ impl Job<'_> {
         failure: &anyhow::Error,
     ) -> Result<(Vec<u32>, Option<(PathBuf, u64)>)> {
         let detected = Instant::now();
-        self.recovering = Some(detected);
+        self.recovering = Some(Recovery {
+            failed: detected,
+            mark: detected,
+            phases: Vec::new(),
+        });
         let failed_at = self.committed;
         self.files.event(serde_json::json!({
             "event": "failure", "generation": self.generation, "step": failed_at,
@@ -1229,6 +1250,7 @@ impl Job<'_> {
             }
         }
         let detect_s = detected.elapsed().as_secs_f64();
+        self.phase("detect");
         let left: Vec<u32> = nodes
             .iter()
             .copied()
@@ -1258,6 +1280,11 @@ impl Job<'_> {
             None => None,
         };
         let from = resume.as_ref().map_or(0, |r| r.1);
+        self.phase(if rescued.is_some() {
+            "rescue"
+        } else {
+            "checkpoint"
+        });
         truncate_metrics_after(&self.p.out, from)?;
         self.files.metrics = std::fs::OpenOptions::new()
             .append(true)
@@ -1295,6 +1322,16 @@ impl Job<'_> {
             }
         ));
         Ok((left, resume))
+    }
+
+    /// Ends the current phase of a recovery under way (nothing otherwise).
+    fn phase(&mut self, name: &'static str) {
+        if let Some(r) = self.recovering.as_mut() {
+            let now = Instant::now();
+            r.phases
+                .push((name, now.duration_since(r.mark).as_secs_f64()));
+            r.mark = now;
+        }
     }
 
     /// Asks the survivors of the failed generation for their state of the last committed
