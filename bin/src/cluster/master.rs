@@ -28,7 +28,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
 use super::hostfile::{self, HostEntry};
-use super::world_size;
+use super::{ranks_of_node, world_size};
 use crate::config::{load_resolved, parse_failure, save_resolved, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
@@ -44,6 +44,8 @@ const SETTLE: Duration = Duration::from_secs(1);
 const LOSS_WAIT: Duration = Duration::from_secs(15);
 /// How long the survivors of a failure get to write their committed state.
 const RESCUE_WAIT: Duration = Duration::from_secs(30);
+/// ...and the most it waits for every rank on a surviving node to stop its step.
+const RANKS_WAIT: Duration = Duration::from_secs(60);
 /// Failures in a row with no committed step in between, after which the job gives up.
 const MAX_FRUITLESS_RECOVERIES: u32 = 3;
 
@@ -493,6 +495,8 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         agent_of: BTreeMap::new(),
         local,
         broken: BTreeMap::new(),
+        ready: BTreeSet::new(),
+        exited: BTreeSet::new(),
     };
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.
@@ -611,6 +615,11 @@ struct Job<'a> {
     /// Workers of the running generation whose step failed and that wait, holding the state
     /// of a committed step: rank -> (node, step).
     broken: BTreeMap<u32, (u32, u64)>,
+    /// Ranks of the running generation that reported the open step ready: they wait for its
+    /// commit holding the state of the last committed step.
+    ready: BTreeSet<u32>,
+    /// Ranks of the running generation that exited.
+    exited: BTreeSet<u32>,
 }
 
 /// A recovery's phases (DESIGN.md section 5), timed from the failure to the first commit after.
@@ -702,6 +711,7 @@ impl Job<'_> {
                 ..
             } => {
                 self.broken.remove(rank);
+                self.exited.insert(*rank);
                 self.files.event(serde_json::json!({
                     "event": "worker_exit", "node": node, "rank": rank,
                     "code": status.code, "signal": status.signal, "error": error,
@@ -814,6 +824,8 @@ impl Job<'_> {
     ) -> Result<Summary> {
         let started = self.started;
         self.broken.clear();
+        self.ready.clear();
+        self.exited.clear();
         let job = Message::Job {
             run_dir: self.p.out.display().to_string(),
             config: serde_json::to_value(&self.p.cfg)?,
@@ -989,6 +1001,7 @@ impl Job<'_> {
                                 step + 1
                             );
                         }
+                        self.ready.insert(rank);
                         if pending.ready.insert(rank, (loss, grad_norm)).is_some() {
                             bail!("rank {rank} reported step {s} ready twice");
                         }
@@ -997,6 +1010,7 @@ impl Job<'_> {
                         }
                         let (loss, grad_norm) = agreed(&pending.ready, s)?;
                         pending = Pending::default();
+                        self.ready.clear();
                         let commit_started = Instant::now();
                         let missed = self.master.commit_step(s, 0.0).await;
                         commit_ns += commit_started.elapsed().as_nanos();
@@ -1180,13 +1194,27 @@ impl Job<'_> {
         // A node's death shows as several events (its workers' peers fail, its agent's
         // connection drops): collect them for SETTLE, and where this master started the
         // agents, until every dead agent's node is known lost (at most LOSS_WAIT).
+        // And until every rank on a node still up has failed its step (holding the committed
+        // state), waits for the commit, or exited: a rank still computing its part of the
+        // step finds out only at its next data-plane operation (at most RANKS_WAIT).
         let settle = detected + SETTLE;
         let hard = detected + LOSS_WAIT;
+        let ranks_hard = detected + RANKS_WAIT;
         loop {
             let _ = self.check_agents_alive();
             let dead = self.agents.iter().filter(|a| a.gone).count();
             let now = Instant::now();
-            if now >= hard || (now >= settle && dead <= self.lost.len()) {
+            let undecided = nodes
+                .iter()
+                .filter(|n| !self.lost.contains(n))
+                .flat_map(|&n| ranks_of_node(plan, n))
+                .any(|r| {
+                    !self.broken.contains_key(&r)
+                        && !self.ready.contains(&r)
+                        && !self.exited.contains(&r)
+                });
+            let losses_known = dead <= self.lost.len() || now >= hard;
+            if now >= settle && losses_known && (!undecided || now >= ranks_hard) {
                 break;
             }
             match self.master.next_event(POLL).await {
@@ -1219,6 +1247,7 @@ impl Job<'_> {
                 }) => {
                     if generation == self.generation {
                         self.broken.remove(&rank);
+                        self.exited.insert(rank);
                     }
                     self.files.event(serde_json::json!({
                         "event": "worker_exit", "node": node, "rank": rank,
@@ -1348,10 +1377,17 @@ impl Job<'_> {
             return Some(existing);
         }
         let g = plan.devices_per_node;
+        // Node of each rank of the failed plan.
+        let node_of: BTreeMap<u32, u32> = left
+            .iter()
+            .flat_map(|&n| ranks_of_node(plan, n).into_iter().map(move |r| (r, n)))
+            .collect();
         let holds = |r: &u32| {
-            self.broken
+            let broken = self
+                .broken
                 .get(r)
-                .is_some_and(|(node, s)| *s == step && left.contains(node))
+                .is_some_and(|(node, s)| *s == step && left.contains(node));
+            broken || (self.ready.contains(r) && node_of.contains_key(r))
         };
         let savers: Vec<u32> = plan.pipelines.iter().find_map(|pl| {
             let savers: Vec<u32> = (0..pl.nodes.len() as u32)
@@ -1365,7 +1401,11 @@ impl Job<'_> {
             .out
             .join("cluster")
             .join(format!("rescue-g{}", self.generation));
-        let nodes: BTreeSet<u32> = savers.iter().map(|r| self.broken[r].0).collect();
+        let nodes: BTreeSet<u32> = savers
+            .iter()
+            .filter_map(|r| node_of.get(r))
+            .copied()
+            .collect();
         for &n in &nodes {
             let ask = Message::SaveState {
                 generation: self.generation,

@@ -406,12 +406,24 @@ fn train_all(
             grad_norm: sync.grad_norm,
         })?;
         let waited = Instant::now();
-        match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
-            ToWorker::Commit { step: s } if s == step + 1 => {}
-            other => bail!(
-                "rank {rank} waits for the commit of step {}, the agent sent {other:?}",
-                step + 1
-            ),
+        loop {
+            match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
+                ToWorker::Commit { step: s } if s == step + 1 => break,
+                // The step failed elsewhere; this rank still holds the state of `step`.
+                ToWorker::SaveState { step: s, dir } if s == step => {
+                    let path = dir.join(format!("rank-{rank:05}.safetensors"));
+                    save_state(&params, opt, &path)?;
+                    report(&Report::Saved {
+                        rank,
+                        step: s,
+                        state: path.display().to_string(),
+                    })?;
+                }
+                other => bail!(
+                    "rank {rank} waits for the commit of step {}, the agent sent {other:?}",
+                    step + 1
+                ),
+            }
         }
         commit_wait += waited.elapsed();
         opt.step(&params, &grads, sched.lr_at(step))
