@@ -497,6 +497,7 @@ async fn drive(p: Prepared, launch: Launch) -> Result<Summary> {
         broken: BTreeMap::new(),
         ready: BTreeSet::new(),
         exited: BTreeSet::new(),
+        formed: false,
     };
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.
@@ -620,6 +621,8 @@ struct Job<'a> {
     ready: BTreeSet<u32>,
     /// Ranks of the running generation that exited.
     exited: BTreeSet<u32>,
+    /// The running generation's data plane formed (its rendezvous went out).
+    formed: bool,
 }
 
 /// A recovery's phases (DESIGN.md section 5), timed from the failure to the first commit after.
@@ -753,12 +756,22 @@ impl Job<'_> {
             let plan = self.plan(&cfg, &nodes)?;
             self.phase("plan");
             let before = self.steps_run;
+            let lost_before = self.lost.len();
             let failure = match self
                 .run_generation(&nodes, plan.clone(), resume.as_ref())
                 .await
             {
                 Ok(summary) => return Ok(summary),
-                Err(e) if is_node_failure(&e) && self.p.cfg.fault_threshold > 0 => e,
+                // A worker that fails while its generation forms, on a node that is still up
+                // (it cannot bind its port, cannot load its state), would fail the same way
+                // again: that ends the job.
+                Err(e)
+                    if is_node_failure(&e)
+                        && self.p.cfg.fault_threshold > 0
+                        && (self.formed || self.lost.len() > lost_before) =>
+                {
+                    e
+                }
                 Err(e) => return Err(e),
             };
             if self.steps_run > before {
@@ -826,6 +839,7 @@ impl Job<'_> {
         self.broken.clear();
         self.ready.clear();
         self.exited.clear();
+        self.formed = false;
         let job = Message::Job {
             run_dir: self.p.out.display().to_string(),
             config: serde_json::to_value(&self.p.cfg)?,
@@ -931,6 +945,7 @@ impl Job<'_> {
         }
         // Workers started and listening; next they load their state and connect.
         self.phase("spawn");
+        self.formed = true;
 
         // Steps: commit each once every rank holds its reduced gradients.
         let tokens_per_step = (self.p.cfg.global_batch_size * self.p.cfg.seq_len) as f64;
@@ -1204,15 +1219,16 @@ impl Job<'_> {
             let _ = self.check_agents_alive();
             let dead = self.agents.iter().filter(|a| a.gone).count();
             let now = Instant::now();
-            let undecided = nodes
-                .iter()
-                .filter(|n| !self.lost.contains(n))
-                .flat_map(|&n| ranks_of_node(plan, n))
-                .any(|r| {
-                    !self.broken.contains_key(&r)
-                        && !self.ready.contains(&r)
-                        && !self.exited.contains(&r)
-                });
+            let undecided = self.formed
+                && nodes
+                    .iter()
+                    .filter(|n| !self.lost.contains(n))
+                    .flat_map(|&n| ranks_of_node(plan, n))
+                    .any(|r| {
+                        !self.broken.contains_key(&r)
+                            && !self.ready.contains(&r)
+                            && !self.exited.contains(&r)
+                    });
             let losses_known = dead <= self.lost.len() || now >= hard;
             if now >= settle && losses_known && (!undecided || now >= ranks_hard) {
                 break;
