@@ -264,6 +264,24 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     }
 }
 
+/// Answers the master's `SaveState` after a failure: this rank's state of committed `step`,
+/// written under `dir` and reported.
+fn save_for_rescue(
+    rank: u32,
+    params: &[(String, Var)],
+    opt: &AdamW,
+    step: u64,
+    dir: &Path,
+) -> Result<()> {
+    let path = dir.join(format!("rank-{rank:05}.safetensors"));
+    save_state(params, opt, &path)?;
+    report(&Report::Saved {
+        rank,
+        step,
+        state: path.display().to_string(),
+    })
+}
+
 /// How long a worker whose step failed waits for the master's instructions.
 const BROKEN_WAIT: Duration = Duration::from_secs(120);
 
@@ -292,13 +310,7 @@ fn broken(
     loop {
         match inbox.next(BROKEN_WAIT, "the master's word after a failed step") {
             Ok(ToWorker::SaveState { step, dir }) if step == committed => {
-                let path = dir.join(format!("rank-{rank:05}.safetensors"));
-                save_state(&params, opt, &path)?;
-                report(&Report::Saved {
-                    rank,
-                    step,
-                    state: path.display().to_string(),
-                })?;
+                save_for_rescue(rank, &params, opt, step, &dir)?;
             }
             Ok(other) => {
                 tracing::debug!(rank, ?other, "ignored after a failed step");
@@ -411,13 +423,7 @@ fn train_all(
                 ToWorker::Commit { step: s } if s == step + 1 => break,
                 // The step failed elsewhere; this rank still holds the state of `step`.
                 ToWorker::SaveState { step: s, dir } if s == step => {
-                    let path = dir.join(format!("rank-{rank:05}.safetensors"));
-                    save_state(&params, opt, &path)?;
-                    report(&Report::Saved {
-                        rank,
-                        step: s,
-                        state: path.display().to_string(),
-                    })?;
+                    save_for_rescue(rank, &params, opt, s, &dir)?;
                 }
                 other => bail!(
                     "rank {rank} waits for the commit of step {}, the agent sent {other:?}",
