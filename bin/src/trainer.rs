@@ -163,48 +163,25 @@ impl Trainer {
         let mut opt = cfg.optimizer()?;
         let l = model.num_layers();
 
-        let (out, stage, step) = match resume {
-            Some(path) => {
-                let (run, ckpt) = find_checkpoint(path)?;
-                let saved = load_resolved(&run)?;
-                if let Some(changed) = cfg.trajectory_mismatch(&saved) {
-                    bail!(
-                        "--resume {}: this run was started with other values of {changed}; \
-                         resuming with different values would not continue the same training \
-                         (start a new run instead)",
-                        path.display()
-                    );
-                }
+        let (out, ckpt) = open_run(&cfg, resume)?;
+        let (stage, step) = match ckpt {
+            Some(ckpt) => {
                 let ck = checkpoint::load_checkpoint(&ckpt, &device)?;
                 let params: HashMap<String, Tensor> = ck.params.into_iter().collect();
                 let layers = model.build_layers(0..l, &device, ParamSource::Tensors(&params))?;
                 opt.import_state(&ck.optimizer)?;
-                (run, Stage::new(layers)?, ck.trainer.step)
+                truncate_metrics_after(&out, ck.trainer.step)?;
+                (Stage::new(layers)?, ck.trainer.step)
             }
             None => {
-                let out = out_dir(&cfg);
-                if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
-                    bail!(
-                        "{} already holds a run; pass --resume {} to continue it, or choose \
-                         another --out",
-                        out.display(),
-                        out.display()
-                    );
-                }
-                std::fs::create_dir_all(&out)
-                    .with_context(|| format!("creating run directory {}", out.display()))?;
                 let source = match &pretrained {
                     Some(w) => ParamSource::Tensors(w),
                     None => ParamSource::Init { seed: cfg.seed },
                 };
                 let layers = model.build_layers(0..l, &device, source)?;
-                (out, Stage::new(layers)?, 0)
+                (Stage::new(layers)?, 0)
             }
         };
-        match resume {
-            None => save_resolved(&cfg, &out)?,
-            Some(_) => truncate_metrics_after(&out, step)?,
-        }
         let append = |name: &str| {
             std::fs::OpenOptions::new()
                 .create(true)
@@ -421,6 +398,37 @@ pub fn to_tensors(
         Tensor::from_slice(&batch.inputs, shape, device)?,
         Tensor::from_slice(&batch.targets, shape, device)?,
     ))
+}
+
+/// The run directory of a job and, with `resume` (`--resume PATH`), the checkpoint it goes on
+/// from, checked to continue the same training. A new run gets a fresh directory holding its
+/// resolved config; one that already holds a run is refused.
+pub fn open_run(cfg: &TrainConfig, resume: Option<&Path>) -> Result<(PathBuf, Option<PathBuf>)> {
+    if let Some(path) = resume {
+        let (run, ckpt) = find_checkpoint(path)?;
+        let saved = load_resolved(&run)?;
+        if let Some(changed) = cfg.trajectory_mismatch(&saved) {
+            bail!(
+                "--resume {}: this run was started with other values of {changed}; resuming \
+                 with different values would not continue the same training (start a new run \
+                 instead)",
+                path.display()
+            );
+        }
+        return Ok((run, Some(ckpt)));
+    }
+    let out = out_dir(cfg);
+    if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
+        bail!(
+            "{} already holds a run; pass --resume {} to continue it, or choose another --out",
+            out.display(),
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("creating run directory {}", out.display()))?;
+    save_resolved(cfg, &out)?;
+    Ok((out, None))
 }
 
 /// `path` is a run directory (newest checkpoint) or a checkpoint directory; returns

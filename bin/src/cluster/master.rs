@@ -29,12 +29,12 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::hostfile::{self, HostEntry};
 use super::{ranks_of_node, world_size};
-use crate::config::{load_resolved, parse_failure, save_resolved, TrainConfig};
+use crate::config::{parse_failure, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
 use crate::trainer::{
-    find_checkpoint, model_config, open_dataset, out_dir, prepare_data, to_tensors,
-    truncate_metrics_after, StepMetrics, Summary,
+    model_config, open_dataset, open_run, prepare_data, to_tensors, truncate_metrics_after,
+    StepMetrics, Summary,
 };
 
 /// After a failure, how long further losses it caused are collected before replanning.
@@ -205,49 +205,24 @@ fn prepare(cfg: TrainConfig, resume: Option<&Path>) -> Result<Prepared> {
     // Validate the plan (pinned sizes included) before anything is spawned.
     plan_for(&cfg, &model_cfg, &ids)?;
     let (_, _, iters_per_epoch) = prepare_data(&cfg, &model_cfg)?;
-    let (out, resume) = match resume {
-        // The run continues in its own directory, from its newest checkpoint (or the one
-        // named), on whatever nodes this job has: any plan computes the same steps.
-        Some(path) => {
-            let (run, ckpt) = find_checkpoint(path)?;
-            let saved = load_resolved(&run)?;
-            if let Some(changed) = cfg.trajectory_mismatch(&saved) {
-                bail!(
-                    "--resume {}: this run was started with other values of {changed}; \
-                     resuming with different values would not continue the same training \
-                     (start a new run instead)",
-                    path.display()
-                );
-            }
-            let step = checkpoint::load_checkpoint(&ckpt, &Device::Cpu)?
-                .trainer
-                .step;
+    // A resumed run continues in its own directory, from its newest checkpoint (or the one
+    // named), on whatever nodes this job has: any plan computes the same steps.
+    let (out, ckpt) = open_run(&cfg, resume)?;
+    let resume = match ckpt {
+        Some(ckpt) => {
+            let step = checkpoint::verify_checkpoint(&ckpt)?.step;
             if step >= cfg.steps {
                 bail!(
                     "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \
                      pass a larger --steps to train further",
-                    path.display(),
+                    ckpt.display(),
                     cfg.steps
                 );
             }
-            truncate_metrics_after(&run, step)?;
-            (run, Some((ckpt, step)))
+            truncate_metrics_after(&out, step)?;
+            Some((ckpt, step))
         }
-        None => {
-            let out = out_dir(&cfg);
-            if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
-                bail!(
-                    "{} already holds a run; pass --resume {} to continue it, or choose \
-                     another --out",
-                    out.display(),
-                    out.display()
-                );
-            }
-            std::fs::create_dir_all(&out)
-                .with_context(|| format!("creating run directory {}", out.display()))?;
-            save_resolved(&cfg, &out)?;
-            (out, None)
-        }
+        None => None,
     };
     // Children get absolute paths whatever their working directory.
     let abs = |p: &Path| {
@@ -661,6 +636,49 @@ struct Pending {
 }
 
 impl Job<'_> {
+    /// Keeps track of lost nodes and of the running generation's broken and exited workers, and
+    /// writes their events; the same wherever the event is read (stepping, recovery, rescue).
+    fn record(&mut self, ev: &MasterEvent) -> Result<()> {
+        match ev {
+            // Once per node, whoever reads its loss first.
+            MasterEvent::Lost { node, reason } if self.lost.insert(*node) => {
+                self.files.event(serde_json::json!({
+                    "event": "lost", "node": node, "reason": format!("{reason:?}"),
+                }))?;
+            }
+            MasterEvent::WorkerBroken {
+                node,
+                rank,
+                generation,
+                step,
+                error,
+            } if *generation == self.generation => {
+                self.broken.insert(*rank, (*node, *step));
+                self.files.event(serde_json::json!({
+                    "event": "worker_broken", "node": node, "rank": rank, "step": step,
+                    "error": error,
+                }))?;
+            }
+            MasterEvent::WorkerExited {
+                node,
+                rank,
+                generation,
+                status,
+                error,
+            } if *generation == self.generation => {
+                self.broken.remove(rank);
+                self.exited.insert(*rank);
+                self.files.event(serde_json::json!({
+                    "event": "worker_exit", "node": node, "rank": rank,
+                    "generation": generation, "code": status.code,
+                    "signal": status.signal, "error": error,
+                }))?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// The next membership event; errors for the ones that end a job without recovery.
     async fn next(&mut self, last_progress: &mut Instant) -> Result<Option<MasterEvent>> {
         if last_progress.elapsed() > STALL_TIMEOUT {
@@ -673,12 +691,9 @@ impl Job<'_> {
             Err(e) => return Err(e).context("the master's event stream"),
         };
         *last_progress = Instant::now();
+        self.record(&ev)?;
         match &ev {
             MasterEvent::Lost { node, reason } => {
-                self.lost.insert(*node);
-                self.files.event(serde_json::json!({
-                    "event": "lost", "node": node, "reason": format!("{reason:?}"),
-                }))?;
                 return Err(node_failure(format!("node {node} was lost ({reason:?})")));
             }
             MasterEvent::WorkerExited { generation: g, .. }
@@ -695,30 +710,11 @@ impl Job<'_> {
                 error,
                 ..
             } => {
-                self.broken.insert(*rank, (*node, *step));
-                self.files.event(serde_json::json!({
-                    "event": "worker_broken", "node": node, "rank": rank, "step": step,
-                    "error": error,
-                }))?;
                 return Err(node_failure(format!(
                     "worker rank {rank} on node {node} failed in step {} before finishing: \
                      {error}",
                     step + 1
                 )));
-            }
-            MasterEvent::WorkerExited {
-                node,
-                rank,
-                status,
-                error,
-                ..
-            } => {
-                self.broken.remove(rank);
-                self.exited.insert(*rank);
-                self.files.event(serde_json::json!({
-                    "event": "worker_exit", "node": node, "rank": rank,
-                    "code": status.code, "signal": status.signal, "error": error,
-                }))?;
             }
             MasterEvent::Joined { node, .. } => {
                 bail!("node {node} joined during the job; elastic growth is not built yet")
@@ -1234,44 +1230,8 @@ impl Job<'_> {
                 break;
             }
             match self.master.next_event(POLL).await {
-                Ok(MasterEvent::Lost { node, reason }) => {
-                    if self.lost.insert(node) {
-                        self.files.event(serde_json::json!({
-                            "event": "lost", "node": node, "reason": format!("{reason:?}"),
-                        }))?;
-                    }
-                }
-                Ok(MasterEvent::WorkerBroken {
-                    node,
-                    rank,
-                    generation,
-                    step,
-                    error,
-                }) if generation == self.generation => {
-                    self.broken.insert(rank, (node, step));
-                    self.files.event(serde_json::json!({
-                        "event": "worker_broken", "node": node, "rank": rank, "step": step,
-                        "error": error,
-                    }))?;
-                }
-                Ok(MasterEvent::WorkerExited {
-                    node,
-                    rank,
-                    generation,
-                    status,
-                    error,
-                }) => {
-                    if generation == self.generation {
-                        self.broken.remove(&rank);
-                        self.exited.insert(rank);
-                    }
-                    self.files.event(serde_json::json!({
-                        "event": "worker_exit", "node": node, "rank": rank,
-                        "generation": generation, "code": status.code,
-                        "signal": status.signal, "error": error,
-                    }))?;
-                }
-                Ok(_) | Err(ElasticError::Timeout { .. }) => {}
+                Ok(ev) => self.record(&ev)?,
+                Err(ElasticError::Timeout { .. }) => {}
                 Err(e) => return Err(e).context("the master's event stream"),
             }
         }
@@ -1453,16 +1413,13 @@ impl Job<'_> {
                 }) if generation == self.generation && s == step && savers.contains(&rank) => {
                     states.insert(rank, PathBuf::from(state));
                 }
-                Ok(MasterEvent::Lost { node, reason }) => {
-                    self.lost.insert(node);
-                    let _ = self.files.event(serde_json::json!({
-                        "event": "lost", "node": node, "reason": format!("{reason:?}"),
-                    }));
-                    if nodes.contains(&node) {
+                Ok(ev) => {
+                    let _ = self.record(&ev);
+                    if matches!(ev, MasterEvent::Lost { node, .. } if nodes.contains(&node)) {
                         return None;
                     }
                 }
-                Ok(_) | Err(ElasticError::Timeout { .. }) => {}
+                Err(ElasticError::Timeout { .. }) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "the master's event stream");
                     return None;
