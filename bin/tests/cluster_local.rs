@@ -64,23 +64,44 @@ fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
     c
 }
 
+impl Guard {
+    /// Waits for the child to end within `limit` (killed otherwise) and returns its output.
+    fn finish(&mut self, limit: Duration) -> Output {
+        let start = Instant::now();
+        while self
+            .0
+            .as_mut()
+            .expect("child")
+            .try_wait()
+            .expect("poll train")
+            .is_none()
+        {
+            assert!(start.elapsed() < limit, "train ran past {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.0
+            .take()
+            .expect("child")
+            .wait_with_output()
+            .expect("train output")
+    }
+}
+
 /// Runs `train` to completion within `limit` (killed otherwise).
 fn run(mut cmd: Command, limit: Duration) -> Output {
-    let child = cmd.spawn().expect("start train");
-    let mut g = Guard(Some(child));
-    let start = Instant::now();
-    loop {
-        let c = g.0.as_mut().expect("child");
-        if c.try_wait().expect("poll train").is_some() {
-            break;
-        }
-        assert!(start.elapsed() < limit, "train ran past {limit:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    g.0.take()
-        .expect("child")
-        .wait_with_output()
-        .expect("train output")
+    Guard(Some(cmd.spawn().expect("start train"))).finish(limit)
+}
+
+/// The uninterrupted single-process run of `steps` the fault tests compare with: its
+/// per-step losses and final parameters.
+fn single_process(dir: &Path, steps: u64) -> (Vec<(u64, f64)>, BTreeMap<String, Tensor>) {
+    let single = dir.join("single");
+    let o = run(
+        train_cmd(&single, steps, &["--nodes", "1"]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (losses(&single), final_params(&single))
 }
 
 fn losses(run: &Path) -> Vec<(u64, f64)> {
@@ -342,27 +363,7 @@ fn a_dead_worker_stops_the_whole_job_with_a_clear_error() {
         .status()
         .expect("kill");
     assert!(killed.success());
-    let limit = Duration::from_secs(30);
-    let start = Instant::now();
-    while g
-        .0
-        .as_mut()
-        .expect("child")
-        .try_wait()
-        .expect("poll")
-        .is_none()
-    {
-        assert!(
-            start.elapsed() < limit,
-            "train did not stop within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o =
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output");
+    let o = g.finish(Duration::from_secs(30));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     // Either the master hears of the killed worker first, or its peer's failure (whose
@@ -430,26 +431,7 @@ fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
         .status()
         .expect("kill");
     assert!(sent.success());
-    let start = Instant::now();
-    while g
-        .0
-        .as_mut()
-        .expect("child")
-        .try_wait()
-        .expect("poll")
-        .is_none()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "train did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o =
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output");
+    let o = g.finish(Duration::from_secs(30));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(stderr.contains("interrupted (Ctrl-C)"), "{stderr}");
@@ -485,27 +467,7 @@ fn a_hung_agent_is_detected_by_its_lease_and_the_job_ends_with_no_process_left()
         .status()
         .expect("kill");
     assert!(stopped.success());
-    let limit = Duration::from_secs(30);
-    let start = Instant::now();
-    while g
-        .0
-        .as_mut()
-        .expect("child")
-        .try_wait()
-        .expect("poll")
-        .is_none()
-    {
-        assert!(
-            start.elapsed() < limit,
-            "train did not stop within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o =
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output");
+    let o = g.finish(Duration::from_secs(30));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
@@ -522,14 +484,7 @@ fn a_hung_agent_is_detected_by_its_lease_and_the_job_ends_with_no_process_left()
 fn a_killed_cluster_run_resumes_on_other_nodes_and_matches_the_single_process() {
     const STEPS: u64 = 16;
     let dir = tempfile::tempdir().expect("tempdir");
-    let single = dir.path().join("single");
-    let o = run(
-        train_cmd(&single, STEPS, &["--nodes", "1"]),
-        Duration::from_secs(120),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let want = losses(&single);
-    let want_params = final_params(&single);
+    let (want, want_params) = single_process(dir.path(), STEPS);
 
     // Two one-node pipelines, a checkpoint every 2 steps; a worker dies once one exists.
     let out = dir.path().join("run");
@@ -565,28 +520,7 @@ fn a_killed_cluster_run_resumes_on_other_nodes_and_matches_the_single_process() 
         .status()
         .expect("kill");
     assert!(killed.success());
-    let o = {
-        let limit = Duration::from_secs(30);
-        let start = Instant::now();
-        while g
-            .0
-            .as_mut()
-            .expect("child")
-            .try_wait()
-            .expect("poll")
-            .is_none()
-        {
-            assert!(
-                start.elapsed() < limit,
-                "train did not stop within {limit:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output")
-    };
+    let o = g.finish(Duration::from_secs(30));
     assert!(
         !o.status.success(),
         "the run finished before its worker was killed; nothing left to resume"
@@ -666,14 +600,7 @@ fn assert_same_training(run: &Path, want: &[(u64, f64)], want_params: &BTreeMap<
 fn a_node_killed_mid_run_is_recovered_from_and_training_is_unchanged() {
     const STEPS: u64 = 10;
     let dir = tempfile::tempdir().expect("tempdir");
-    let single = dir.path().join("single");
-    let o = run(
-        train_cmd(&single, STEPS, &["--nodes", "1"]),
-        Duration::from_secs(120),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let want = losses(&single);
-    let want_params = final_params(&single);
+    let (want, want_params) = single_process(dir.path(), STEPS);
 
     for (case, kills, said, lost, from, rescued, left, procs) in [
         (
@@ -778,14 +705,7 @@ fn a_node_killed_mid_run_is_recovered_from_and_training_is_unchanged() {
 fn a_worker_killed_from_outside_is_recovered_from_on_the_same_nodes() {
     const STEPS: u64 = 16;
     let dir = tempfile::tempdir().expect("tempdir");
-    let single = dir.path().join("single");
-    let o = run(
-        train_cmd(&single, STEPS, &["--nodes", "1"]),
-        Duration::from_secs(120),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let want = losses(&single);
-    let want_params = final_params(&single);
+    let (want, want_params) = single_process(dir.path(), STEPS);
 
     let out = dir.path().join("run");
     let flags = [
@@ -816,27 +736,7 @@ fn a_worker_killed_from_outside_is_recovered_from_on_the_same_nodes() {
         .status()
         .expect("kill");
     assert!(killed.success());
-    let limit = Duration::from_secs(120);
-    let start = Instant::now();
-    while g
-        .0
-        .as_mut()
-        .expect("child")
-        .try_wait()
-        .expect("poll")
-        .is_none()
-    {
-        assert!(
-            start.elapsed() < limit,
-            "train did not end within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o =
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output");
+    let o = g.finish(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{stderr}");
     let ev = events(&out);
@@ -893,27 +793,7 @@ fn kill_node_kills_a_running_node_and_the_job_goes_on_without_it() {
         "{}",
         String::from_utf8_lossy(&killed.stderr)
     );
-    let limit = Duration::from_secs(120);
-    let start = Instant::now();
-    while g
-        .0
-        .as_mut()
-        .expect("child")
-        .try_wait()
-        .expect("poll")
-        .is_none()
-    {
-        assert!(
-            start.elapsed() < limit,
-            "train did not end within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o =
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output");
+    let o = g.finish(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{stderr}");
     let ev = events(&out);
@@ -970,27 +850,7 @@ fn a_hung_node_is_fenced_off_and_the_job_finishes_without_it() {
         .status()
         .expect("kill");
     assert!(stopped.success());
-    let limit = Duration::from_secs(120);
-    let start = Instant::now();
-    while g
-        .0
-        .as_mut()
-        .expect("child")
-        .try_wait()
-        .expect("poll")
-        .is_none()
-    {
-        assert!(
-            start.elapsed() < limit,
-            "train did not end within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o =
-        g.0.take()
-            .expect("child")
-            .wait_with_output()
-            .expect("output");
+    let o = g.finish(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{stderr}");
     let ev = events(&out);
