@@ -154,38 +154,48 @@ pub fn render_plan(s: &ClusterStatus) -> String {
 }
 
 pub fn run(a: &StatusArgs) -> Result<()> {
+    let status = ask(a, "for its status", |addr, token, t| async move {
+        request_status(addr, &token, t).await
+    })?;
+    show(a, &status, None)
+}
+
+pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
+    let node = a.node;
+    let status = ask(
+        &a.target,
+        &format!("to kill node {node}"),
+        |addr, token, t| async move { request_kill(addr, &token, node, t).await },
+    )?;
+    let head = format!("node {node} is being killed; the job before it:");
+    show(&a.target, &status, Some(&head))
+}
+
+/// One request to the master `a` names, within its `--timeout`.
+fn ask<F, Fut>(a: &StatusArgs, what: &str, request: F) -> Result<ClusterStatus>
+where
+    F: FnOnce(SocketAddr, Token, Duration) -> Fut,
+    Fut: std::future::Future<Output = oobleck_core::elastic::ElasticResult<ClusterStatus>>,
+{
     let (addr, token) = target(a)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting a runtime")?;
     let timeout = Duration::from_secs(a.timeout.max(1));
-    let status = rt
-        .block_on(request_status(addr, &token, timeout))
-        .with_context(|| format!("asking the master at {addr} for its status"))?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
-    } else {
-        print!("{}", render(&status));
-    }
-    Ok(())
+    rt.block_on(request(addr, token, timeout))
+        .with_context(|| format!("asking the master at {addr} {what}"))
 }
 
-pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
-    let (addr, token) = target(&a.target)?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting a runtime")?;
-    let timeout = Duration::from_secs(a.target.timeout.max(1));
-    let status = rt
-        .block_on(request_kill(addr, &token, a.node, timeout))
-        .with_context(|| format!("asking the master at {addr} to kill node {}", a.node))?;
-    if a.target.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+/// Prints a status as JSON (`--json`) or text, after `head` in text.
+fn show(a: &StatusArgs, status: &ClusterStatus, head: Option<&str>) -> Result<()> {
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(status)?);
     } else {
-        println!("node {} is being killed; the job before it:", a.node);
-        print!("{}", render(&status));
+        if let Some(h) = head {
+            println!("{h}");
+        }
+        print!("{}", render(status));
     }
     Ok(())
 }
