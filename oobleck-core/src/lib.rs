@@ -28,6 +28,7 @@ pub mod model;
 pub mod optim;
 pub mod planning;
 pub mod reconfig;
+pub mod runtime;
 pub mod schedule;
 
 pub use error::{Error, Result};

@@ -1,0 +1,147 @@
+//! The one error type of the job runtime.
+
+use std::path::PathBuf;
+
+/// An error from user code: a [`super::Workload`]'s data, evaluation or profile, or the
+/// factory that builds it on a worker. `anyhow::Error` and every `std::error::Error` convert.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Errors of the job runtime: the job driver, the node supervisor and the worker loop.
+///
+/// The job's own decisions ([`super::job::JobMachine`]) end a job with one of the first
+/// variants, each carrying the ids and numbers a reader needs; I/O on the way gets
+/// [`RuntimeError::Context`] with what was being done.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A node or worker of the running generation is gone and the job cannot go on without
+    /// it (fault threshold 0, or the failure repeats while the generation forms).
+    #[error("{what}")]
+    NodeFailure { what: String },
+    /// Nothing was heard from any process for `secs` seconds.
+    #[error("no progress for {secs} s; the job is stuck")]
+    Stalled { secs: u64 },
+    /// The agents did not all register in time.
+    #[error("only {joined} of {expected} agents registered within {secs} s")]
+    NodesMissing {
+        joined: usize,
+        expected: usize,
+        secs: u64,
+    },
+    /// A node was lost before the first plan.
+    #[error("node {node} was lost while the cluster formed ({reason})")]
+    LostWhileForming { node: u32, reason: String },
+    /// A node registered with a job that is already running.
+    #[error("node {node} joined during the job; elastic growth is not built yet")]
+    JoinRefused { node: u32 },
+    /// Two ranks computed different global values for one step: a bug, never a failure.
+    #[error(
+        "ranks disagree on step {step}: rank {rank_a} has loss {loss_a}, grad norm {norm_a}; \
+         rank {rank_b} has {loss_b}, {norm_b}"
+    )]
+    RanksDisagree {
+        step: u64,
+        rank_a: u32,
+        loss_a: f64,
+        norm_a: f64,
+        rank_b: u32,
+        loss_b: f64,
+        norm_b: f64,
+    },
+    /// A rank reported something that does not fit the step the job is at.
+    #[error("rank {rank}: {what}")]
+    OutOfStep { rank: u32, what: String },
+    /// Failures kept coming with no step committed in between.
+    #[error("{failure}: {recoveries} recoveries in a row without a committed step; giving up")]
+    GaveUp { recoveries: u32, failure: String },
+    /// No node is left to go on with.
+    #[error("every node is lost ({failure}); {newest}")]
+    AllLost { failure: String, newest: String },
+    /// No plan fits the nodes.
+    #[error("planning {nodes} nodes: {reason}")]
+    Plan { nodes: usize, reason: String },
+    /// The user's workload failed.
+    #[error("the workload: {0}")]
+    Workload(BoxError),
+    /// The process was started as an agent or worker of a job, but its `main` went on to
+    /// something else: it did not call [`super::take_over`] first.
+    #[error(
+        "this process was started as an oobleck {role} (OOBLECK_ROLE={role}), but its main() \
+         did not hand over to the runtime: call `oobleck_core::runtime::take_over(factory)` at \
+         the top of main(), before anything else"
+    )]
+    NotEntered { role: String },
+    /// A job setting that cannot work.
+    #[error("invalid job: {0}")]
+    Invalid(String),
+    /// The plan a worker received disagrees with the job it was given: `plan` against
+    /// `config` of `quantity`; `hint` says what to fix.
+    #[error(
+        "rank {rank}: the plan has {plan} {quantity}, but this worker's job has {config}; {hint}"
+    )]
+    PlanMismatch {
+        rank: u32,
+        quantity: &'static str,
+        plan: u64,
+        config: u64,
+        hint: &'static str,
+    },
+    /// Something passed between the runtime's processes arrived unusable or out of order (a
+    /// plan before the job, a rendezvous without some rank, a malformed pipe line), or did not
+    /// come in time, or a pipe closed: `who` found it (`rank 3`, `node 1`).
+    #[error("{who}: {what}")]
+    Protocol { who: String, what: String },
+    /// An I/O step failed; `what` says which.
+    #[error("{what}: {source}")]
+    Context { what: String, source: BoxError },
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Elastic(#[from] crate::elastic::ElasticError),
+    #[error(transparent)]
+    Core(#[from] crate::Error),
+}
+
+pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+/// `.ctx("what was being done")` on any result, as `anyhow::Context` would.
+pub trait Context<T> {
+    fn ctx(self, what: impl Into<String>) -> Result<T>;
+    fn with_ctx<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T>;
+}
+
+impl<T, E: Into<BoxError>> Context<T> for std::result::Result<T, E> {
+    fn ctx(self, what: impl Into<String>) -> Result<T> {
+        self.map_err(|e| RuntimeError::Context {
+            what: what.into(),
+            source: e.into(),
+        })
+    }
+
+    fn with_ctx<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
+        self.map_err(|e| RuntimeError::Context {
+            what: what().into(),
+            source: e.into(),
+        })
+    }
+}
+
+impl<T> Context<T> for Option<T> {
+    fn ctx(self, what: impl Into<String>) -> Result<T> {
+        self.ok_or_else(|| RuntimeError::Invalid(what.into()))
+    }
+
+    fn with_ctx<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
+        self.ok_or_else(|| RuntimeError::Invalid(what().into()))
+    }
+}
+
+impl RuntimeError {
+    /// Wraps a user error.
+    pub fn workload(e: impl Into<BoxError>) -> RuntimeError {
+        RuntimeError::Workload(e.into())
+    }
+}

@@ -1,0 +1,761 @@
+//! [`JobMachine`]: membership, generations and the commit protocol (DESIGN.md section 4).
+//! Recovery from failures is in `recovery.rs`.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use super::recovery::{Failure, Recovery};
+use super::{Action, Input, JobStart, Limits};
+use crate::elastic::protocol::Rendezvous;
+use crate::planning::Plan;
+use crate::runtime::error::RuntimeError;
+use crate::runtime::records::{Event, PipelineLayout, WorkerReport};
+use crate::runtime::spec::TrainingSpec;
+
+/// Where the job is.
+#[derive(Debug)]
+pub(super) enum Phase {
+    /// Waiting for the expected agents to register.
+    Forming,
+    /// Waiting for [`Input::Planned`]; `f` is the fault threshold asked for.
+    Planning {
+        f: u32,
+    },
+    /// The plan went out; waiting for every rank to listen.
+    Rendezvous,
+    /// Collecting the open step's `Ready` reports.
+    Stepping,
+    /// Every step committed; waiting for every worker's `Done`.
+    Finishing,
+    /// A failure is being handled (`recovery.rs`).
+    Recovering(Recovery),
+    Finished,
+    Failed,
+}
+
+/// The running generation: its plan and what its ranks reported.
+#[derive(Debug)]
+pub(super) struct Generation {
+    pub plan: Plan,
+    /// Its nodes, sorted.
+    pub nodes: Vec<u32>,
+    pub world: usize,
+    /// Device 0 of each stage of pipeline 0: the ranks that keep the state to assemble.
+    pub savers: Vec<u32>,
+    pub listening: BTreeMap<u32, String>,
+    /// Ranks ready for the open step: `(loss, grad norm)`.
+    pub ready: BTreeMap<u32, (f64, f64)>,
+    /// Ranks whose step failed, holding the state of a committed step: `(node, step)`.
+    pub broken: BTreeMap<u32, (u32, u64)>,
+    pub exited: BTreeSet<u32>,
+    /// Ranks done: `(their final state, ms waited for commits)`.
+    pub done: BTreeMap<u32, (Option<String>, f64)>,
+    /// Periodic states by step, until every saver's is in.
+    pub states: BTreeMap<u64, BTreeMap<u32, String>>,
+    /// The rendezvous went out: the data plane formed.
+    pub formed: bool,
+    /// Nodes lost and steps run when the generation started.
+    pub lost_before: usize,
+    pub steps_before: u64,
+}
+
+impl Generation {
+    /// The node running `rank`.
+    pub fn node_of(&self, rank: u32) -> Option<u32> {
+        let g = self.plan.devices_per_node;
+        self.plan.pipelines.iter().find_map(|p| {
+            let local = rank.checked_sub(p.first_rank)?;
+            p.nodes.get((local / g) as usize).copied()
+        })
+    }
+}
+
+/// The job's decisions. See the module docs of [`super`].
+#[derive(Debug)]
+pub struct JobMachine {
+    pub(super) spec: TrainingSpec,
+    pub(super) limits: Limits,
+    pub(super) start: JobStart,
+    pub(super) phase: Phase,
+    pub(super) actions: VecDeque<Action>,
+    /// Generation of the plan running or being made.
+    pub(super) generation: u64,
+    /// Nodes the next plan is for (sorted); registered nodes while forming.
+    pub(super) nodes: BTreeSet<u32>,
+    /// Nodes lost during the job, for good.
+    pub(super) lost: BTreeSet<u32>,
+    /// Agent processes of the driver that died.
+    pub(super) dead_agents: usize,
+    pub(super) gen: Option<Generation>,
+    /// The newest committed step.
+    pub(super) committed: u64,
+    /// Steps committed by this job (replays included).
+    pub(super) steps_run: u64,
+    /// Failures since the last generation that committed a step.
+    pub(super) fruitless: u32,
+    /// The checkpoint the next generation starts from.
+    pub(super) resume: Option<String>,
+    /// The newest checkpoint known: `(path, step)`.
+    pub(super) newest: Option<(String, u64)>,
+    /// Checkpoint and evaluation assemblies under way.
+    pub(super) assembling: usize,
+    /// `--inject-failure`s still to fire.
+    pub(super) injections: Vec<(u32, u64)>,
+    /// When the job last heard from any process.
+    pub(super) last_progress: Duration,
+    pub(super) join_deadline: Duration,
+    /// The recovery under way, timed from the failure to the first commit after it.
+    pub(super) timer: Option<super::recovery::Timer>,
+    /// The failure that made planning lower `f`, while it does.
+    pub(super) planning_error: Option<String>,
+}
+
+impl JobMachine {
+    /// A job that waits for `spec.nodes` agents, starting at `start`. `now`: the time now.
+    pub fn new(spec: TrainingSpec, start: JobStart, limits: Limits, now: Duration) -> JobMachine {
+        let injections = spec
+            .inject_failures
+            .iter()
+            .map(|i| (i.node, i.after_step))
+            .collect();
+        JobMachine {
+            generation: start.generation,
+            committed: start.step,
+            resume: start.checkpoint.clone(),
+            newest: start.checkpoint.clone().map(|c| (c, start.step)),
+            spec,
+            limits,
+            start,
+            phase: Phase::Forming,
+            actions: VecDeque::new(),
+            nodes: BTreeSet::new(),
+            lost: BTreeSet::new(),
+            dead_agents: 0,
+            gen: None,
+            steps_run: 0,
+            fruitless: 0,
+            assembling: 0,
+            injections,
+            last_progress: now,
+            join_deadline: now + limits.join,
+            timer: None,
+            planning_error: None,
+        }
+    }
+
+    /// The next thing to do, in order; `None` when there is nothing until the next input.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// The job is over (finished or failed): no input changes anything any more.
+    pub fn is_over(&self) -> bool {
+        matches!(self.phase, Phase::Finished | Phase::Failed)
+    }
+
+    /// The newest committed step.
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// The generation running (or being planned).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// When the driver should send the next [`Input::Tick`] at the latest.
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        match &self.phase {
+            Phase::Forming => Some(self.join_deadline),
+            Phase::Rendezvous | Phase::Stepping | Phase::Finishing => {
+                Some(self.last_progress + self.limits.stall)
+            }
+            Phase::Recovering(r) => Some(r.wake(&self.limits)),
+            Phase::Planning { .. } | Phase::Finished | Phase::Failed => None,
+        }
+    }
+
+    /// Takes one input at time `now`.
+    pub fn handle(&mut self, now: Duration, input: Input) {
+        if self.is_over() {
+            return;
+        }
+        if !matches!(input, Input::Tick) {
+            self.last_progress = now;
+        }
+        if let Phase::Recovering(_) = self.phase {
+            self.recovering(now, input);
+            return;
+        }
+        match input {
+            Input::Tick => self.on_tick(now),
+            Input::Joined { node, addr } => self.on_joined(node, addr),
+            Input::Lost { node, reason } => self.on_node_lost(now, node, reason),
+            Input::AgentExited { which, status } => self.on_agent_exited(now, which, status),
+            Input::Worker {
+                node,
+                generation,
+                report,
+            } => self.on_worker(now, node, generation, report),
+            Input::KillRequested { node } => self.on_kill_requested(node),
+            Input::Planned(result) => self.on_planned(now, result),
+            Input::Unreachable { node, what } => {
+                self.node_failure(now, format!("node {node} did not get {what}"))
+            }
+            Input::Assembled {
+                step,
+                checkpoint,
+                val_loss,
+                duration_s,
+            } => {
+                self.on_assembled(step, checkpoint, val_loss, duration_s);
+                self.maybe_finish();
+            }
+            Input::AssemblyFailed { step, error } => self.fail(RuntimeError::Context {
+                what: format!("the checkpoint or evaluation of step {step} failed"),
+                source: error.into(),
+            }),
+            Input::RescueWritten(_) => {}
+        }
+    }
+
+    pub(super) fn push(&mut self, a: Action) {
+        self.actions.push_back(a);
+    }
+
+    pub(super) fn record(&mut self, e: Event) {
+        self.push(Action::Record(e));
+    }
+
+    pub(super) fn note(&mut self, s: String) {
+        self.push(Action::Note(s));
+    }
+
+    pub(super) fn fail(&mut self, e: RuntimeError) {
+        self.phase = Phase::Failed;
+        self.push(Action::Fail(e));
+    }
+
+    fn on_tick(&mut self, now: Duration) {
+        match self.phase {
+            Phase::Forming if now >= self.join_deadline => self.fail(RuntimeError::NodesMissing {
+                joined: self.nodes.len(),
+                expected: self.spec.nodes as usize,
+                secs: self.limits.join.as_secs(),
+            }),
+            Phase::Rendezvous | Phase::Stepping | Phase::Finishing
+                if now >= self.last_progress + self.limits.stall =>
+            {
+                self.fail(RuntimeError::Stalled {
+                    secs: self.limits.stall.as_secs(),
+                })
+            }
+            _ => {}
+        }
+    }
+
+    fn on_joined(&mut self, node: u32, addr: String) {
+        if !matches!(self.phase, Phase::Forming) {
+            self.record(Event::Join {
+                node,
+                addr: addr.clone(),
+            });
+            return self.fail(RuntimeError::JoinRefused { node });
+        }
+        self.nodes.insert(node);
+        self.record(Event::Join {
+            node,
+            addr: addr.clone(),
+        });
+        if self.start.announce_joins {
+            let n = self.spec.nodes;
+            self.note(format!(
+                "node {node} joined from {addr} ({}/{n})",
+                self.nodes.len()
+            ));
+        }
+        if self.nodes.len() >= self.spec.nodes as usize {
+            self.plan_next(self.spec.fault_threshold);
+        }
+    }
+
+    /// Asks for the plan of the current generation on `self.nodes`.
+    pub(super) fn plan_next(&mut self, f: u32) {
+        let pinned = if self.generation == self.start.generation {
+            self.spec.pipeline_nodes.clone()
+        } else {
+            None
+        };
+        self.phase = Phase::Planning { f };
+        self.push(Action::Plan {
+            nodes: self.nodes.iter().copied().collect(),
+            fault_threshold: f,
+            pinned,
+        });
+    }
+
+    fn on_node_lost(&mut self, now: Duration, node: u32, reason: String) {
+        let first = self.lost.insert(node);
+        if first {
+            self.record(Event::Lost {
+                node,
+                reason: reason.clone(),
+            });
+        }
+        match self.phase {
+            Phase::Forming => self.fail(RuntimeError::LostWhileForming { node, reason }),
+            _ => self.node_failure(now, format!("node {node} was lost ({reason})")),
+        }
+    }
+
+    fn on_agent_exited(&mut self, now: Duration, which: usize, status: String) {
+        self.dead_agents += 1;
+        let what = format!("agent {which} exited early ({status}); its error is above");
+        match self.phase {
+            Phase::Forming => self.fail(RuntimeError::NodeFailure { what }),
+            _ => self.node_failure(now, what),
+        }
+    }
+
+    fn on_kill_requested(&mut self, node: u32) {
+        self.record(Event::KillRequested { node });
+        self.note(format!("killing node {node}, as requested"));
+        self.push(Action::KillNode { node });
+    }
+
+    fn on_planned(&mut self, now: Duration, result: Result<Plan, String>) {
+        let Phase::Planning { f } = self.phase else {
+            return;
+        };
+        let mut plan = match result {
+            Ok(plan) => plan,
+            Err(e) => return self.on_plan_failed(f, e),
+        };
+        if let Some(_original) = self.planning_error.take() {
+            self.note(format!(
+                "{} nodes are left: planning for f = {f} (was {})",
+                self.nodes.len(),
+                self.spec.fault_threshold
+            ));
+        }
+        plan.generation = self.generation;
+        self.phase_done(now, "plan");
+        let nodes: Vec<u32> = self.nodes.iter().copied().collect();
+        let g = plan.devices_per_node;
+        let world = plan
+            .pipelines
+            .iter()
+            .map(|p| p.nodes.len() * g as usize)
+            .sum();
+        let savers = plan
+            .pipelines
+            .first()
+            .map(|p| {
+                (0..p.nodes.len() as u32)
+                    .map(|j| p.first_rank + j * g)
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.record(Event::Plan {
+            generation: plan.generation,
+            pipelines: plan
+                .pipelines
+                .iter()
+                .map(|p| PipelineLayout {
+                    id: p.id,
+                    nodes: p.nodes.clone(),
+                    first_rank: p.first_rank,
+                    microbatches: p.microbatches,
+                })
+                .collect(),
+        });
+        self.push(Action::Deploy {
+            plan: Box::new(plan.clone()),
+            resume: self.resume.clone(),
+        });
+        self.gen = Some(Generation {
+            plan,
+            nodes,
+            world,
+            savers,
+            listening: BTreeMap::new(),
+            ready: BTreeMap::new(),
+            broken: BTreeMap::new(),
+            exited: BTreeSet::new(),
+            done: BTreeMap::new(),
+            states: BTreeMap::new(),
+            formed: false,
+            lost_before: self.lost.len(),
+            steps_before: self.steps_run,
+        });
+        self.phase = Phase::Rendezvous;
+    }
+
+    /// No plan for fault threshold `f`: after a failure, keep as much fault tolerance as the
+    /// nodes allow; at the start, or with f = 0, the job cannot run.
+    fn on_plan_failed(&mut self, f: u32, error: String) {
+        let first = self.generation == self.start.generation;
+        if first || f == 0 || self.spec.fault_threshold == 0 {
+            let reason = self.planning_error.take().unwrap_or(error);
+            return self.fail(RuntimeError::Plan {
+                nodes: self.nodes.len(),
+                reason,
+            });
+        }
+        self.planning_error.get_or_insert(error);
+        self.plan_next(f - 1);
+    }
+
+    fn on_worker(&mut self, now: Duration, node: u32, generation: u64, report: WorkerReport) {
+        if generation != self.generation {
+            // A worker of an earlier generation, stopped by its agent: history.
+            return;
+        }
+        match report {
+            WorkerReport::Listening { rank, addr, pid } => {
+                self.on_listening(now, node, rank, addr, pid)
+            }
+            WorkerReport::Ready {
+                rank,
+                step,
+                loss,
+                grad_norm,
+            } => self.on_step_ready(now, rank, step, loss, grad_norm),
+            WorkerReport::Saved { rank, step, state } => self.on_state_saved(rank, step, state),
+            WorkerReport::Broken { rank, step, error } => {
+                self.on_worker_broken(node, rank, step, error.clone());
+                self.node_failure(
+                    now,
+                    format!(
+                        "worker rank {rank} on node {node} failed in step {} before finishing: \
+                         {error}",
+                        step + 1
+                    ),
+                );
+            }
+            WorkerReport::Done {
+                rank,
+                step,
+                state,
+                commit_wait_ms,
+            } => self.on_worker_done(rank, step, state, commit_wait_ms),
+            WorkerReport::Exited {
+                rank,
+                status,
+                error,
+            } => {
+                self.on_worker_exited(node, rank, status, error.clone());
+                let clean = status.code == Some(0)
+                    && self
+                        .gen
+                        .as_ref()
+                        .is_some_and(|g| g.done.contains_key(&rank));
+                if !clean {
+                    let when = match self.phase {
+                        Phase::Rendezvous => "while the data plane formed",
+                        _ => "before finishing",
+                    };
+                    self.node_failure(
+                        now,
+                        format!(
+                            "worker rank {rank} on node {node} exited ({}) {when}{}",
+                            describe(status.code, status.signal),
+                            because(error.as_deref())
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Book-keeping of a broken worker, in any phase.
+    pub(super) fn on_worker_broken(&mut self, node: u32, rank: u32, step: u64, error: String) {
+        if let Some(g) = self.gen.as_mut() {
+            g.broken.insert(rank, (node, step));
+        }
+        self.record(Event::WorkerBroken {
+            node,
+            rank,
+            step,
+            error,
+        });
+    }
+
+    /// Book-keeping of an exited worker, in any phase.
+    pub(super) fn on_worker_exited(
+        &mut self,
+        node: u32,
+        rank: u32,
+        status: crate::elastic::protocol::ExitStatus,
+        error: Option<String>,
+    ) {
+        if let Some(g) = self.gen.as_mut() {
+            g.broken.remove(&rank);
+            g.exited.insert(rank);
+        }
+        self.record(Event::WorkerExit {
+            node,
+            rank,
+            generation: self.generation,
+            code: status.code,
+            signal: status.signal,
+            error,
+        });
+    }
+
+    fn on_listening(&mut self, now: Duration, node: u32, rank: u32, addr: String, pid: u32) {
+        self.record(Event::Process {
+            role: "worker".into(),
+            pid: Some(pid),
+            host: None,
+            node: Some(node),
+            rank: Some(rank),
+            data_addr: Some(addr.clone()),
+        });
+        let Some(g) = self.gen.as_mut() else { return };
+        g.listening.insert(rank, addr);
+        if !matches!(self.phase, Phase::Rendezvous) || g.listening.len() < g.world {
+            return;
+        }
+        let rendezvous: Vec<Rendezvous> = g
+            .listening
+            .iter()
+            .map(|(&rank, addr)| Rendezvous {
+                rank,
+                addr: addr.clone(),
+            })
+            .collect();
+        g.formed = true;
+        let generation = self.generation;
+        self.record(Event::Rendezvous {
+            generation,
+            addrs: rendezvous.iter().map(|r| r.addr.clone()).collect(),
+        });
+        self.push(Action::Rendezvous {
+            generation,
+            rendezvous,
+        });
+        // Workers started and listening; next they load their state and connect.
+        self.phase_done(now, "spawn");
+        self.phase = if self.committed >= self.spec.steps {
+            Phase::Finishing
+        } else {
+            Phase::Stepping
+        };
+    }
+
+    fn on_step_ready(&mut self, now: Duration, rank: u32, step: u64, loss: f64, norm: f64) {
+        let open = self.committed + 1;
+        if !matches!(self.phase, Phase::Stepping) || step != open {
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("reported step {step} ready while step {open} is open"),
+            });
+        }
+        let Some(g) = self.gen.as_mut() else { return };
+        if g.ready.insert(rank, (loss, norm)).is_some() {
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("reported step {step} ready twice"),
+            });
+        }
+        if g.ready.len() < g.world {
+            return;
+        }
+        let ready = std::mem::take(&mut g.ready);
+        let (pipelines, nodes) = (g.plan.pipelines.len(), g.nodes.len());
+        let (loss, grad_norm) = match agreed(&ready, step) {
+            Ok(v) => v,
+            Err(e) => return self.fail(e),
+        };
+        self.commit(now, step, loss, grad_norm, pipelines, nodes);
+    }
+
+    fn commit(&mut self, now: Duration, step: u64, loss: f64, grad_norm: f64, p: usize, n: usize) {
+        self.push(Action::Commit {
+            step,
+            loss,
+            grad_norm,
+            generation: self.generation,
+            pipelines: p,
+            nodes: n,
+            eval_due: step < self.spec.steps && self.spec.eval_due(step),
+        });
+        self.committed = step;
+        self.steps_run += 1;
+        self.phase_done(now, "load_connect_first_step");
+        if let Some(t) = self.timer.take() {
+            self.record(Event::Resumed {
+                generation: self.generation,
+                step,
+                since_failure_s: now.saturating_sub(t.failed).as_secs_f64(),
+                phases: t.phases,
+            });
+        }
+        while let Some(i) = self.injections.iter().position(|&(_, at)| at == step) {
+            let (node, _) = self.injections.remove(i);
+            self.record(Event::InjectFailure { node, step });
+            self.note(format!(
+                "injecting a failure: killing node {node} after step {step}"
+            ));
+            self.push(Action::KillNode { node });
+        }
+        if step >= self.spec.steps {
+            self.phase = Phase::Finishing;
+        }
+    }
+
+    fn on_state_saved(&mut self, rank: u32, step: u64, state: String) {
+        let Some(g) = self.gen.as_mut() else { return };
+        if !g.savers.contains(&rank) {
+            let savers = g.savers.clone();
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("saved state, but only ranks {savers:?} keep it"),
+            });
+        }
+        let got = g.states.entry(step).or_default();
+        got.insert(rank, state);
+        if got.len() < g.savers.len() {
+            return;
+        }
+        let states = g.states.remove(&step).unwrap_or_default();
+        self.assembling += 1;
+        self.push(Action::Assemble {
+            step,
+            states,
+            checkpoint: self.spec.checkpoint_due(step),
+            eval: self.spec.eval_due(step),
+        });
+    }
+
+    /// A periodic checkpoint or evaluation is in.
+    pub(super) fn on_assembled(
+        &mut self,
+        step: u64,
+        checkpoint: Option<String>,
+        val_loss: Option<f64>,
+        duration_s: f64,
+    ) {
+        self.assembling = self.assembling.saturating_sub(1);
+        if let Some(path) = checkpoint {
+            if self.newest.as_ref().is_none_or(|n| n.1 <= step) {
+                self.newest = Some((path.clone(), step));
+            }
+            self.record(Event::Checkpoint {
+                step,
+                path,
+                duration_s,
+            });
+        }
+        if let Some(v) = val_loss {
+            self.note(format!("step {step}: validation loss {v:.4}"));
+            self.push(Action::ValLoss { step, val_loss: v });
+        }
+    }
+
+    fn on_worker_done(&mut self, rank: u32, step: u64, state: Option<String>, waited: f64) {
+        if step != self.committed {
+            let committed = self.committed;
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("finished at step {step}, the job committed {committed}"),
+            });
+        }
+        if let Some(g) = self.gen.as_mut() {
+            g.done.insert(rank, (state, waited));
+        }
+        self.maybe_finish();
+    }
+
+    fn maybe_finish(&mut self) {
+        let Some(g) = self.gen.as_ref() else { return };
+        if !matches!(self.phase, Phase::Finishing) || g.done.len() < g.world || self.assembling > 0
+        {
+            return;
+        }
+        let states = g
+            .savers
+            .iter()
+            .filter_map(|r| Some((*r, g.done.get(r)?.0.clone()?)))
+            .collect();
+        let commit_wait_ms = g.done.iter().map(|(r, d)| (*r, d.1)).collect();
+        self.phase = Phase::Finished;
+        self.push(Action::Finish {
+            step: self.committed,
+            states,
+            commit_wait_ms,
+        });
+    }
+
+    /// A node or worker of the running generation is gone: recover within `f`, else end.
+    pub(super) fn node_failure(&mut self, now: Duration, what: String) {
+        let Some(g) = self.gen.as_ref() else {
+            return self.fail(RuntimeError::NodeFailure { what });
+        };
+        // A worker that fails while its generation forms, on a node that is still up (it
+        // cannot bind its port, cannot load its state), would fail the same way again.
+        let recoverable = self.spec.fault_threshold > 0
+            && !matches!(self.phase, Phase::Planning { .. })
+            && (g.formed || self.lost.len() > g.lost_before);
+        if !recoverable {
+            return self.fail(RuntimeError::NodeFailure { what });
+        }
+        if self.steps_run > g.steps_before {
+            self.fruitless = 0;
+        }
+        self.fruitless += 1;
+        if self.fruitless > self.limits.max_fruitless_recoveries {
+            return self.fail(RuntimeError::GaveUp {
+                recoveries: self.limits.max_fruitless_recoveries,
+                failure: what,
+            });
+        }
+        self.begin_recovery(now, Failure::new(what, now, self.committed));
+    }
+}
+
+/// Every rank's loss and gradient norm of `step`: they are the same global values (computed by
+/// the same all-reduce and summed in the same order on every rank), so any difference is a bug.
+pub(super) fn agreed(
+    ready: &BTreeMap<u32, (f64, f64)>,
+    step: u64,
+) -> Result<(f64, f64), RuntimeError> {
+    let mut it = ready.iter();
+    let Some((&r0, &(loss, norm))) = it.next() else {
+        return Err(RuntimeError::Invalid(format!(
+            "no rank reported step {step}"
+        )));
+    };
+    for (&r, &(l, g)) in it {
+        let same = |a: f64, b: f64| a == b || (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+        if !same(l, loss) || !same(g, norm) {
+            return Err(RuntimeError::RanksDisagree {
+                step,
+                rank_a: r0,
+                loss_a: loss,
+                norm_a: norm,
+                rank_b: r,
+                loss_b: l,
+                norm_b: g,
+            });
+        }
+    }
+    Ok((loss, norm))
+}
+
+/// `: <what the worker printed>`, or a pointer to the logs when it printed nothing.
+fn because(error: Option<&str>) -> String {
+    match error {
+        Some(e) => format!(":\n{e}"),
+        None => "; see its node's log".into(),
+    }
+}
+
+fn describe(code: Option<i32>, signal: Option<i32>) -> String {
+    match (code, signal) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        (None, None) => "unknown status".into(),
+    }
+}

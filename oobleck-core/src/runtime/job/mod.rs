@@ -1,0 +1,219 @@
+//! The job's decisions, as a pure state machine.
+//!
+//! ```text
+//!   driver ──(now, Input)──► JobMachine::handle ──► queue of Actions ──► driver carries out
+//!      ▲                          │ poll_timeout(): when to send the next Tick   │
+//!      └──────── results of actions (Planned, Assembled, RescueWritten) ◄────────┘
+//! ```
+//!
+//! [`JobMachine`] holds membership, the generation, the committed step and the state of a
+//! recovery. It is told the time (`now`, as a `Duration` since any fixed origin) with every
+//! [`Input`] and never reads a clock, touches a socket or a file, or starts a process: the
+//! driver does that for each [`Action`] it takes from [`JobMachine::poll_action`], the way
+//! raft-rs' `Ready` or quinn-proto's `poll_transmit` work. Its tests are plain tables
+//! (`tests.rs`).
+//!
+//! A job runs through these phases:
+//!
+//! ```text
+//!  Forming ─► Planning ─► Rendezvous ─► Stepping ─► Finishing ─► Finished
+//!                ▲            │ failure      │ failure    │ failure
+//!                │            ▼              ▼            ▼
+//!                └──── Settling ─► (Rescuing ─► Writing) ─► next generation
+//!                          └──────────────────────────────► Failed (beyond what can recover)
+//! ```
+
+mod machine;
+mod recovery;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+pub use machine::JobMachine;
+
+use super::error::RuntimeError;
+use super::records::{Event, WorkerReport};
+use crate::elastic::protocol::Rendezvous;
+use crate::planning::Plan;
+
+/// The bounds of every wait the job makes, so nothing hangs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// After a failure, how long further losses it caused are collected before replanning.
+    pub settle: Duration,
+    /// ...and, where the driver started the agents, the most it waits for each dead agent's
+    /// node to be reported lost.
+    pub loss_wait: Duration,
+    /// ...and the most it waits for every rank on a surviving node to stop its step.
+    pub ranks_wait: Duration,
+    /// How long the survivors of a failure get to write their committed state.
+    pub rescue_wait: Duration,
+    /// The longest the job may go without any report before it is declared stuck (covers
+    /// model build and data-plane setup before step 1).
+    pub stall: Duration,
+    /// How long the agents get to register.
+    pub join: Duration,
+    /// Failures in a row with no committed step in between, after which the job gives up.
+    pub max_fruitless_recoveries: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            settle: Duration::from_secs(1),
+            loss_wait: Duration::from_secs(15),
+            ranks_wait: Duration::from_secs(60),
+            rescue_wait: Duration::from_secs(30),
+            stall: Duration::from_secs(180),
+            join: Duration::from_secs(60),
+            max_fruitless_recoveries: 3,
+        }
+    }
+}
+
+/// Where the job starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStart {
+    /// The committed step the job starts from (0, or a resumed checkpoint's).
+    pub step: u64,
+    /// The checkpoint of `step`, for a resumed job.
+    pub checkpoint: Option<String>,
+    /// The generation of the first plan (after the plans of earlier runs in the directory).
+    pub generation: u64,
+    /// The driver started the agents itself (local processes or ssh): each agent process
+    /// that dies is a node loss to wait for.
+    pub starts_agents: bool,
+    /// Say each join in a progress note (agents started by hand).
+    pub announce_joins: bool,
+}
+
+/// What the driver tells the machine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// Nothing happened; time passed.
+    Tick,
+    /// An agent registered.
+    Joined {
+        node: u32,
+        addr: String,
+    },
+    /// A node's connection closed or its lease ran out.
+    Lost {
+        node: u32,
+        reason: String,
+    },
+    /// An agent process the driver started exited (`which` is the driver's own index).
+    AgentExited {
+        which: usize,
+        status: String,
+    },
+    /// A worker's report, relayed by its node's agent.
+    Worker {
+        node: u32,
+        generation: u64,
+        report: WorkerReport,
+    },
+    /// A tool asked for `node`'s processes to be killed (`oobleck kill-node`).
+    KillRequested {
+        node: u32,
+    },
+    /// The answer to [`Action::Plan`].
+    Planned(Result<Plan, String>),
+    /// A message to `node` could not be delivered; `what` says which and why.
+    Unreachable {
+        node: u32,
+        what: String,
+    },
+    /// The answer to [`Action::Assemble`].
+    Assembled {
+        step: u64,
+        checkpoint: Option<String>,
+        val_loss: Option<f64>,
+        duration_s: f64,
+    },
+    AssemblyFailed {
+        step: u64,
+        error: String,
+    },
+    /// The answer to [`Action::WriteRescue`]: the checkpoint written, or why not.
+    RescueWritten(Result<String, String>),
+}
+
+/// What the machine asks the driver to do, in order.
+#[derive(Debug)]
+pub enum Action {
+    /// Append to `events.jsonl`.
+    Record(Event),
+    /// A line for the person watching.
+    Note(String),
+    /// Plan `nodes` (sorted) with fault threshold `fault_threshold`, pinned pipeline sizes if
+    /// given; answer with [`Input::Planned`].
+    Plan {
+        nodes: Vec<u32>,
+        fault_threshold: u32,
+        pinned: Option<Vec<u32>>,
+    },
+    /// Start the plan's generation: record it in `plan.json`, send the job (with the
+    /// checkpoint to resume from, if any) and the plan to its nodes.
+    Deploy {
+        plan: Box<Plan>,
+        resume: Option<String>,
+    },
+    /// Tell every node where each rank of `generation` listens.
+    Rendezvous {
+        generation: u64,
+        rendezvous: Vec<Rendezvous>,
+    },
+    /// Every rank holds its reduced gradients for `step`: tell them to apply it, and record
+    /// the step (its metrics wait for a validation loss if `eval_due`).
+    Commit {
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        generation: u64,
+        pipelines: usize,
+        nodes: usize,
+        eval_due: bool,
+    },
+    /// Tell `node` to kill its processes, as a crash would.
+    KillNode { node: u32 },
+    /// `node` is lost for good; if its processes still run here, kill them.
+    Fence { node: u32 },
+    /// Ask the workers of `generation` on `nodes` for their state of committed `step`.
+    SaveState {
+        nodes: Vec<u32>,
+        generation: u64,
+        step: u64,
+    },
+    /// Turn the survivors' states (rank -> file) into the checkpoint of `step`; answer with
+    /// [`Input::RescueWritten`].
+    WriteRescue {
+        step: u64,
+        states: BTreeMap<u32, String>,
+    },
+    /// Turn pipeline 0's states after `step` into a checkpoint and/or an evaluation; answer
+    /// with [`Input::Assembled`] or [`Input::AssemblyFailed`].
+    Assemble {
+        step: u64,
+        states: BTreeMap<u32, String>,
+        checkpoint: bool,
+        eval: bool,
+    },
+    /// The validation loss of `step`, for its metrics line.
+    ValLoss { step: u64, val_loss: f64 },
+    /// Write the metrics lines held for validation losses that will not come.
+    ReleaseHeld,
+    /// Drop metrics lines after `step`: those steps will be computed again.
+    TruncateMetrics { after: u64 },
+    /// Every step is committed and every worker done: `states` (rank -> file) hold the final
+    /// state of pipeline 0; `commit_wait_ms` is each rank's time spent waiting for commits.
+    Finish {
+        step: u64,
+        states: BTreeMap<u32, String>,
+        commit_wait_ms: BTreeMap<u32, f64>,
+    },
+    /// The job cannot go on.
+    Fail(RuntimeError),
+}

@@ -1,0 +1,27 @@
+//! The job runtime as a library: train any [`Workload`] on a cluster that loses and gains
+//! nodes, from your own binary.
+//!
+//! ```text
+//!  your main()
+//!    ├─ take_over(factory)       first line: when this process was started as an agent or a
+//!    │                           worker of a job, it runs that role here and exits
+//!    └─ driver::run_job(..)      the master: plans, commits steps, recovers from failures
+//!         ├─ agent (1 per node)  re-runs your binary: registers, spawns one worker per device
+//!         │    └─ worker         re-runs your binary: builds its stage of the workload, trains
+//!         └─ ...
+//! ```
+//!
+//! - [`spec`]: [`Workload`] (your model, its data, evaluation and planner input) and
+//!   [`TrainingSpec`] (steps, batch, `f`, optimizer: what every process of a job shares).
+//! - [`job`]: the job's decisions as a pure state machine, `(state, input, now) -> actions`.
+//! - [`records`]: what workers report, and the typed lines of `events.jsonl` and
+//!   `metrics.jsonl`.
+
+pub mod error;
+pub mod job;
+pub mod records;
+pub mod spec;
+
+pub use error::{BoxError, Context, Result, RuntimeError};
+pub use records::{Event, StepMetrics, WorkerReport};
+pub use spec::{DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, Workload};

@@ -1,0 +1,297 @@
+//! Typed records: what workers report ([`WorkerReport`], carried unchanged by the agent's pipe
+//! and by the control protocol), what a run writes to `events.jsonl` ([`Event`]) and
+//! `metrics.jsonl` ([`StepMetrics`]). The report reads them back with the same types.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::elastic::protocol::ExitStatus;
+
+/// What a worker tells the master about itself. The worker writes it on its stdout (after
+/// [`REPORT_PREFIX`]); its agent wraps it, as it is, in a
+/// [`crate::elastic::Message::Worker`] with the node and the generation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "report", rename_all = "snake_case", deny_unknown_fields)]
+pub enum WorkerReport {
+    /// The worker bound its data-plane port (itself, so nothing can take it in between).
+    Listening { rank: u32, addr: String, pid: u32 },
+    /// The worker holds its reduced gradients for `step` (1-based) and waits for the commit.
+    /// `loss` and `grad_norm` are the step's global values, the same on every rank.
+    Ready {
+        rank: u32,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+    },
+    /// The worker wrote its part of the state after committed `step` to `state`.
+    Saved { rank: u32, step: u64, state: String },
+    /// The step after committed `step` failed (`error`); the worker holds the state of `step`
+    /// and waits for `SaveState` or the end of its generation.
+    Broken { rank: u32, step: u64, error: String },
+    /// The worker applied every step; `state` is where it left its part of the final state.
+    /// `commit_wait_ms`: the time it spent waiting for commits (control-plane overhead).
+    Done {
+        rank: u32,
+        step: u64,
+        state: Option<String>,
+        commit_wait_ms: f64,
+    },
+    /// The worker process ended (reported by its agent). `error`: the end of what a failed
+    /// worker printed, so the master can say why without access to its machine.
+    Exited {
+        rank: u32,
+        status: ExitStatus,
+        error: Option<String>,
+    },
+}
+
+/// Lines of a worker's stdout that carry a [`WorkerReport`] start with this.
+pub const REPORT_PREFIX: &str = "oobleck-report ";
+
+impl WorkerReport {
+    /// The rank the report is about.
+    pub fn rank(&self) -> u32 {
+        match self {
+            WorkerReport::Listening { rank, .. }
+            | WorkerReport::Ready { rank, .. }
+            | WorkerReport::Saved { rank, .. }
+            | WorkerReport::Broken { rank, .. }
+            | WorkerReport::Done { rank, .. }
+            | WorkerReport::Exited { rank, .. } => *rank,
+        }
+    }
+
+    /// The line a worker prints for this report.
+    pub fn line(&self) -> String {
+        let body = serde_json::to_string(self).expect("a report always serialises");
+        format!("{REPORT_PREFIX}{body}")
+    }
+
+    /// Parses a worker's line; `None` for lines that are not reports.
+    pub fn parse(line: &str) -> Option<Result<WorkerReport, String>> {
+        let body = line.strip_prefix(REPORT_PREFIX)?;
+        Some(serde_json::from_str(body).map_err(|e| format!("malformed report line {body:?}: {e}")))
+    }
+}
+
+/// One line of `metrics.jsonl`: a committed step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub samples_per_s: f64,
+    pub tokens_per_s: f64,
+    pub generation: u64,
+    pub pipelines: usize,
+    pub nodes: usize,
+    pub wall_s: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// The start of a run (or of its resumption).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartInfo {
+    pub step: u64,
+    #[serde(default)]
+    pub checkpoint: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub params: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+}
+
+/// One pipeline in a `plan` event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineLayout {
+    pub id: u32,
+    pub nodes: Vec<u32>,
+    pub first_rank: u32,
+    pub microbatches: u32,
+}
+
+/// One line of `events.jsonl`. Times are seconds (`_s`) or milliseconds (`_ms`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Start(StartInfo),
+    Resume(StartInfo),
+    /// A process of the job started: `role` is `agent`, `ssh` or `worker`.
+    Process {
+        role: String,
+        pid: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        host: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        node: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rank: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_addr: Option<String>,
+    },
+    Join {
+        node: u32,
+        addr: String,
+    },
+    Plan {
+        generation: u64,
+        pipelines: Vec<PipelineLayout>,
+    },
+    Rendezvous {
+        generation: u64,
+        addrs: Vec<String>,
+    },
+    Lost {
+        node: u32,
+        reason: String,
+    },
+    WorkerBroken {
+        node: u32,
+        rank: u32,
+        step: u64,
+        error: String,
+    },
+    WorkerExit {
+        node: u32,
+        rank: u32,
+        generation: u64,
+        code: Option<i32>,
+        signal: Option<i32>,
+        error: Option<String>,
+    },
+    KillRequested {
+        node: u32,
+    },
+    InjectFailure {
+        node: u32,
+        step: u64,
+    },
+    /// The running generation failed after committed `step`.
+    Failure {
+        generation: u64,
+        step: u64,
+        reason: String,
+    },
+    /// A lost node that still ran was killed, so it cannot come back.
+    Fenced {
+        node: u32,
+        pid: u32,
+    },
+    /// The survivors' state of committed `step` became a checkpoint.
+    Rescued {
+        step: u64,
+        ranks: Vec<u32>,
+        path: String,
+        duration_s: f64,
+    },
+    Reconfig {
+        generation: u64,
+        lost_nodes: Vec<u32>,
+        nodes: Vec<u32>,
+        failed_in_step: u64,
+        from_step: u64,
+        replayed_steps: u64,
+        detect_s: f64,
+        rescued: bool,
+        checkpoint: Option<String>,
+    },
+    /// The first commit after a failure, with the recovery's phases (`detect_s`, `plan_s`, ...).
+    Resumed {
+        generation: u64,
+        step: u64,
+        since_failure_s: f64,
+        phases: BTreeMap<String, f64>,
+    },
+    Checkpoint {
+        step: u64,
+        path: String,
+        duration_s: f64,
+    },
+    ControlPlane {
+        steps: u64,
+        commit_wait_ms_per_step: f64,
+        step_ms: f64,
+        master_commit_ms_per_step: f64,
+    },
+    Finish {
+        step: u64,
+        wall_s: f64,
+    },
+    Abort {
+        reason: String,
+    },
+}
+
+impl Event {
+    /// The `event` tag, as written.
+    pub fn kind(&self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.get("event").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_round_trip_and_other_lines_are_ignored() {
+        let r = WorkerReport::Ready {
+            rank: 1,
+            step: 3,
+            loss: 1.5,
+            grad_norm: 0.25,
+        };
+        let back = WorkerReport::parse(&r.line())
+            .expect("a report line")
+            .expect("valid");
+        assert_eq!(back, r);
+        assert!(WorkerReport::parse("some log line").is_none());
+        assert!(
+            WorkerReport::parse(&format!("{REPORT_PREFIX}{{\"report\":\"nope\"}}"))
+                .expect("a report line")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn events_keep_the_fields_of_events_jsonl() {
+        let e = Event::Checkpoint {
+            step: 5,
+            path: "c/step-000005".into(),
+            duration_s: 0.25,
+        };
+        let v = serde_json::to_value(&e).expect("json");
+        assert_eq!(
+            v,
+            serde_json::json!({"event": "checkpoint", "step": 5, "path": "c/step-000005",
+                               "duration_s": 0.25})
+        );
+        let start = Event::Start(StartInfo {
+            step: 0,
+            checkpoint: None,
+            model: Some("gpt-mini".into()),
+            params: Some(7),
+            nodes: None,
+            master: None,
+            pid: None,
+        });
+        let v = serde_json::to_value(&start).expect("json");
+        assert_eq!(v["event"], "start");
+        assert_eq!(v["model"], "gpt-mini");
+        let back: Event = serde_json::from_value(v).expect("typed");
+        assert_eq!(back, start);
+        assert_eq!(back.kind(), "start");
+    }
+}

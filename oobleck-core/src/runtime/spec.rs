@@ -1,0 +1,220 @@
+//! What a job trains ([`Workload`], implemented by the user next to its
+//! [`LayeredModel`]) and how ([`TrainingSpec`], the runtime's own settings).
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::error::{BoxError, Result, RuntimeError};
+use crate::model::{LayeredModel, ParamSource, Stage};
+use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::planning::{DeviceSpec, JobSpec, ModelProfile, TemplateMicrobatches};
+
+/// A model and its data, as the runtime trains it on any plan.
+///
+/// The runtime builds one in every worker process (through the factory given to
+/// [`super::take_over`]) and one in the job driver; each must describe the same model and
+/// data. Implementations are used from one thread at a time but must be `Send + Sync`.
+///
+/// The training contract (DESIGN.md section 4) rests on [`Workload::microbatch`]: the data
+/// of `(step, microbatch)` must depend only on the seed, the step and the index, never on
+/// which process asks, so any plan computes the same steps.
+pub trait Workload: Send + Sync {
+    /// A short name for progress lines and the summary (`"gpt-mini"`).
+    fn name(&self) -> String;
+    /// Trainable parameters of the whole model.
+    fn num_params(&self) -> usize;
+    /// The model, as an ordered list of layers.
+    fn model(&self) -> &dyn LayeredModel;
+    /// Parameter values at step 0: a seeded initialisation (the default) or pretrained ones.
+    fn initial_params(&self, seed: u64) -> ParamSource<'_> {
+        ParamSource::Init { seed }
+    }
+    /// Inputs and targets of microbatch `microbatch` (0-based, of the global batch's `B`) of
+    /// step `step` (0-based: the step being computed), on `device`.
+    fn microbatch(
+        &self,
+        seed: u64,
+        step: u64,
+        microbatch: u32,
+        device: &Device,
+    ) -> std::result::Result<(Tensor, Tensor), BoxError>;
+    /// What the planner needs: per-layer times and sizes for microbatches of
+    /// `microbatch_size` samples on `device`. It must have [`LayeredModel::num_layers`] layers.
+    fn profile(
+        &self,
+        device: &DeviceSpec,
+        microbatch_size: u32,
+    ) -> std::result::Result<ModelProfile, BoxError>;
+    /// A held-out loss of the whole model (all layers in `model`); `None`: no evaluation.
+    fn evaluate(&self, model: &Stage) -> std::result::Result<Option<f64>, BoxError> {
+        let _ = model;
+        Ok(None)
+    }
+    /// Tokens per sample, for the tokens/s of the metrics (1 for models without sequences).
+    fn tokens_per_sample(&self) -> usize {
+        1
+    }
+    /// Where the data stream stands after `step` committed steps, for `trainer.json`.
+    fn data_cursor(&self, step: u64) -> serde_json::Value {
+        serde_json::json!({ "step": step })
+    }
+    /// Files written beside the tensors of every checkpoint (`config.json` of the Hugging Face
+    /// layout, for instance): `(file name, bytes)`.
+    fn checkpoint_files(&self) -> Vec<(String, Vec<u8>)> {
+        Vec::new()
+    }
+}
+
+/// Builds a worker's workload from the job's opaque workload settings
+/// ([`JobConfig::workload`]).
+pub type Factory =
+    dyn Fn(&serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError> + Send + Sync;
+
+/// The data plane between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DataPlane {
+    /// TCP, everywhere (CPU workers, or GPUs without NCCL).
+    #[default]
+    Tcp,
+    /// NCCL (feature `nccl`): device `d` of a node uses CUDA device `d`.
+    Nccl,
+}
+
+/// `--inject-failure NODE@STEP`: `node` kills its processes with SIGKILL once `after_step`
+/// is committed (demos and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InjectedFailure {
+    pub node: u32,
+    pub after_step: u64,
+}
+
+/// How the runtime trains: the settings every process of a job shares. One name and one unit
+/// per quantity: the global batch is [`TrainingSpec::global_microbatches`] microbatches of
+/// [`TrainingSpec::microbatch_size`] samples, and everything else derives from those two.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSpec {
+    /// Optimizer steps of the whole run (a resumed run continues to this step).
+    pub steps: u64,
+    /// Seeds the initialisation, the data order and dropout.
+    pub seed: u64,
+    /// `b`: samples per microbatch.
+    pub microbatch_size: u32,
+    /// `B`: microbatches per step; never changes during a run.
+    pub global_microbatches: u32,
+    /// Nodes the job waits for before its first plan.
+    pub nodes: u32,
+    /// `G`: devices (worker processes) per node.
+    pub devices_per_node: u32,
+    /// `f`: the job starts with at least `f + 1` pipelines.
+    pub fault_threshold: u32,
+    /// The device kind the planner models (`cpu`, `a100-80gb`, ...).
+    pub device: String,
+    /// Pin the pipeline sizes of the first generation (node counts in order) instead of
+    /// letting the planner choose.
+    pub pipeline_nodes: Option<Vec<u32>>,
+    pub optimizer: AdamWConfig,
+    pub lr: LrSchedule,
+    /// Clip the global gradient norm to this; `None`: no clipping.
+    pub grad_clip: Option<f64>,
+    /// Write a checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_every: u64,
+    pub data_plane: DataPlane,
+    pub inject_failures: Vec<InjectedFailure>,
+}
+
+impl TrainingSpec {
+    /// Samples per step.
+    pub fn global_batch_samples(&self) -> u64 {
+        u64::from(self.microbatch_size) * u64::from(self.global_microbatches)
+    }
+
+    /// The planner's job spec, with fault threshold `f`.
+    pub fn job_spec(&self, f: u32) -> JobSpec {
+        JobSpec {
+            fault_threshold: f,
+            microbatch_size: self.microbatch_size,
+            global_microbatches: self.global_microbatches,
+            state_bytes_per_param_byte: 4,
+            template_microbatches: TemplateMicrobatches::Auto,
+        }
+    }
+
+    /// A fresh optimizer.
+    pub fn optimizer(&self) -> Result<AdamW> {
+        Ok(AdamW::new(self.optimizer)?)
+    }
+
+    /// The planner's model of the device.
+    pub fn device_spec(&self) -> Result<&'static DeviceSpec> {
+        DeviceSpec::named(&self.device).ok_or_else(|| {
+            RuntimeError::Invalid(format!("the planner knows no device {:?}", self.device))
+        })
+    }
+
+    /// Whether the state after `step` is wanted before the end: a checkpoint or an evaluation.
+    pub fn state_due(&self, step: u64) -> bool {
+        self.checkpoint_due(step) || self.eval_due(step)
+    }
+
+    pub fn checkpoint_due(&self, step: u64) -> bool {
+        self.checkpoint_every > 0 && step % self.checkpoint_every == 0
+    }
+
+    pub fn eval_due(&self, step: u64) -> bool {
+        self.eval_every > 0 && step % self.eval_every == 0
+    }
+
+    /// Refuses settings no job can run with.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(RuntimeError::Invalid(m));
+        if self.steps == 0 {
+            return bad("steps must be at least 1".into());
+        }
+        if self.microbatch_size == 0 || self.global_microbatches == 0 {
+            return bad(format!(
+                "the global batch is {} microbatches of {} samples: both must be at least 1",
+                self.global_microbatches, self.microbatch_size
+            ));
+        }
+        if self.nodes == 0 || self.devices_per_node == 0 {
+            return bad("nodes and devices per node must be at least 1".into());
+        }
+        for i in &self.inject_failures {
+            if i.node >= self.nodes {
+                return bad(format!(
+                    "--inject-failure {}@{}: node {} does not exist; the nodes are 0..{}",
+                    i.node,
+                    i.after_step,
+                    i.node,
+                    self.nodes - 1
+                ));
+            }
+            if i.after_step == 0 || i.after_step >= self.steps {
+                return bad(format!(
+                    "--inject-failure {}@{}: the step must be in 1..{} (the node dies after \
+                     that step is committed)",
+                    i.node,
+                    i.after_step,
+                    self.steps - 1
+                ));
+            }
+        }
+        self.optimizer.validate()?;
+        self.lr.validate()?;
+        Ok(())
+    }
+}
+
+/// Everything a job's processes are told about it: the runtime's settings and the user's
+/// workload settings (opaque here; the factory reads them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    pub training: TrainingSpec,
+    pub workload: serde_json::Value,
+}
