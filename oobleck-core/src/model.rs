@@ -150,9 +150,11 @@ pub fn transformer_layer_name(i: usize, n_blocks: usize) -> String {
 /// Checks that `range` is a non-empty range of layers of a model with `num_layers` layers.
 pub fn check_layer_range(range: &Range<usize>, num_layers: usize) -> Result<()> {
     if range.is_empty() || range.end > num_layers {
-        return Err(Error::Msg(format!(
-            "layer range {range:?} is not a non-empty range inside 0..{num_layers}"
-        )));
+        return Err(Error::LayerRange {
+            start: range.start,
+            end: range.end,
+            layers: num_layers,
+        });
     }
     Ok(())
 }
@@ -191,19 +193,26 @@ pub fn dropout(x: &Tensor, p: f64, ctx: &ForwardCtx, layer: usize, site: u64) ->
         return Ok(x.clone());
     }
     if p >= 1.0 {
-        return Err(Error::Msg(format!(
-            "dropout probability {p} must be below 1"
-        )));
+        return Err(Error::InvalidArgument {
+            op: "dropout",
+            name: "probability",
+            value: p,
+            want: "below 1",
+        });
     }
     let n = x.dims().first().copied().unwrap_or(1);
     let offset = match ctx.rows {
         None => 0,
         Some(r) if r.offset + n <= r.total => r.offset,
         Some(r) => {
-            return Err(Error::Msg(format!(
-                "dropout: {n} rows at offset {} exceed the microbatch's {} rows",
-                r.offset, r.total
-            )))
+            return Err(Error::Shape {
+                what: format!(
+                    "dropout input at row offset {} of a {}-row microbatch",
+                    r.offset, r.total
+                ),
+                found: x.dims().to_vec(),
+                expected: format!("at most {} rows", r.total.saturating_sub(r.offset)),
+            })
         }
     };
     let per_row = x.elem_count().checked_div(n).unwrap_or(0);
@@ -263,17 +272,10 @@ pub struct StageGrads {
 
 impl Stage {
     pub fn new(layers: Vec<Box<dyn Layer>>) -> Result<Self> {
-        for w in layers.windows(2) {
-            if w[1].index() != w[0].index() + 1 {
-                return Err(Error::Msg(format!(
-                    "stage layers must be consecutive, got {} then {}",
-                    w[0].index(),
-                    w[1].index()
-                )));
-            }
-        }
-        if layers.is_empty() {
-            return Err(Error::Msg("a stage needs at least one layer".into()));
+        if layers.is_empty() || layers.windows(2).any(|w| w[1].index() != w[0].index() + 1) {
+            return Err(Error::StageLayers {
+                indices: layers.iter().map(|l| l.index()).collect(),
+            });
         }
         Ok(Self { layers })
     }
@@ -360,11 +362,14 @@ impl Stage {
         on_layer: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<()>,
     ) -> Result<Option<Tensor>> {
         if fwd.cuts.len() != self.layers.len() {
-            return Err(Error::Msg(format!(
-                "backward_layers needs a forward_layered pass of this stage's {} layers, got {} cuts",
-                self.layers.len(),
-                fwd.cuts.len()
-            )));
+            return Err(Error::Schedule {
+                layers: self.range(),
+                reason: format!(
+                    "backward_layers needs a forward_layered pass of this stage's {} layers, got {} cuts",
+                    self.layers.len(),
+                    fwd.cuts.len()
+                ),
+            });
         }
         let mut g: Option<Tensor> = upstream.cloned();
         for (layer, cut) in self.layers.iter().zip(fwd.cuts).rev() {
@@ -430,20 +435,21 @@ fn chain_root(out: &Tensor, upstream: Option<&Tensor>) -> Result<Tensor> {
     match upstream {
         None => {
             if out.rank() != 0 {
-                return Err(Error::Msg(format!(
-                    "the last stage must output a scalar loss, got shape {:?}",
-                    out.dims()
-                )));
+                return Err(Error::Shape {
+                    what: "the last stage's output".into(),
+                    found: out.dims().to_vec(),
+                    expected: "a scalar loss".into(),
+                });
             }
             Ok(out.clone())
         }
         Some(g) => {
             if g.dims() != out.dims() {
-                return Err(Error::Msg(format!(
-                    "upstream gradient shape {:?} does not match stage output {:?}",
-                    g.dims(),
-                    out.dims()
-                )));
+                return Err(Error::Shape {
+                    what: "the upstream gradient".into(),
+                    found: g.dims().to_vec(),
+                    expected: format!("the stage output's shape {:?}", out.dims()),
+                });
             }
             Ok(out.mul(&g.detach())?.sum_all()?)
         }
@@ -470,16 +476,16 @@ pub fn checked_param(
     shape: &[usize],
     device: &Device,
 ) -> Result<Tensor> {
-    let t = tensors.get(name).ok_or_else(|| {
-        Error::Msg(format!(
-            "missing parameter `{name}` (expected shape {shape:?})"
-        ))
+    let t = tensors.get(name).ok_or_else(|| Error::MissingParameter {
+        name: name.to_string(),
+        shape: shape.to_vec(),
     })?;
     if t.dims() != shape {
-        return Err(Error::Msg(format!(
-            "parameter `{name}` has shape {:?}, the model config expects {shape:?}",
-            t.dims()
-        )));
+        return Err(Error::ParameterShape {
+            name: name.to_string(),
+            expected: shape.to_vec(),
+            found: t.dims().to_vec(),
+        });
     }
     Ok(t.to_dtype(DType::F32)?.to_device(device)?)
 }

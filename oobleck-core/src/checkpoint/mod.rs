@@ -170,9 +170,11 @@ fn write_contents(
         config: trainer.config.clone(),
         files,
     };
-    let json = serde_json::to_vec_pretty(&doc)
-        .map_err(|e| Error::Msg(format!("serialising {TRAINER_FILE}: {e}")))?;
     let path = dir.join(TRAINER_FILE);
+    let json = serde_json::to_vec_pretty(&doc).map_err(|source| Error::Encode {
+        path: path.clone(),
+        source,
+    })?;
     let mut file = File::create(&path).map_err(|e| io_err(&path, e))?;
     file.write_all(&json).map_err(|e| io_err(&path, e))?;
     file.sync_all().map_err(|e| io_err(&path, e))?;
@@ -275,9 +277,12 @@ pub fn latest_checkpoint(out_dir: &Path) -> Result<Option<PathBuf>> {
 /// directory under a checkpoint's name.
 pub fn prune(out_dir: &Path, keep_last: usize) -> Result<Vec<PathBuf>> {
     if keep_last == 0 {
-        return Err(Error::Msg(
-            "prune: keep_last must be at least 1".to_string(),
-        ));
+        return Err(Error::InvalidArgument {
+            op: "prune",
+            name: "keep_last",
+            value: 0.0,
+            want: "at least 1",
+        });
     }
     let all = list_checkpoints(out_dir)?;
     let parent = out_dir.join(CHECKPOINTS_DIR);
@@ -334,11 +339,15 @@ fn parse_step_dir(name: &str) -> Option<u64> {
 
 fn named_map<'a>(
     entries: impl Iterator<Item = (&'a String, &'a Tensor)>,
-    file: &str,
+    file: &'static str,
 ) -> Result<HashMap<&'a str, Tensor>> {
     let mut out = HashMap::new();
     for (name, tensor) in entries {
-        let bad = |reason: String| Error::Msg(format!("{file}: tensor `{name}`: {reason}"));
+        let bad = |reason: String| Error::UnsavableTensor {
+            file,
+            name: name.clone(),
+            reason,
+        };
         if name.is_empty() {
             return Err(bad("empty name".to_string()));
         }

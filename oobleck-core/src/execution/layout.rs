@@ -75,55 +75,41 @@ impl Layout {
         total_microbatches: u32,
         pipelines: Vec<PipelineSpec>,
     ) -> Result<Self> {
-        let bad = |m: String| Err(Error::Msg(format!("execution layout: {m}")));
-        if num_layers == 0 {
-            return bad("a model needs at least one layer".into());
-        }
-        if pipelines.is_empty() {
-            return bad("no pipelines".into());
+        if num_layers == 0 || pipelines.is_empty() {
+            return Err(Error::EmptyLayout {
+                num_layers,
+                pipelines: pipelines.len(),
+            });
         }
         let mut ranks = BTreeSet::new();
-        let mut next_mb = 0u32;
         for (p, pipe) in pipelines.iter().enumerate() {
-            if pipe.stages.is_empty() {
-                return bad(format!("pipeline {p} has no stages"));
+            let end = pipe.stages.iter().try_fold(0, |next, st| {
+                (st.layers.start == next && !st.layers.is_empty()).then_some(st.layers.end)
+            });
+            if end != Some(num_layers) {
+                return Err(Error::PipelineLayers {
+                    pipeline: p,
+                    stages: pipe.stages.iter().map(|s| s.layers.clone()).collect(),
+                    num_layers,
+                });
             }
-            let mut next_layer = 0;
             for (s, st) in pipe.stages.iter().enumerate() {
-                if st.layers.start != next_layer || st.layers.is_empty() {
-                    return bad(format!(
-                        "pipeline {p} stage {s} holds layers {:?}; expected a non-empty range starting at {next_layer}",
-                        st.layers
-                    ));
-                }
-                next_layer = st.layers.end;
                 if st.ranks.is_empty() {
-                    return bad(format!("pipeline {p} stage {s} has no devices"));
+                    return Err(Error::NoDevices {
+                        pipeline: p,
+                        stage: s,
+                    });
                 }
-                for &r in &st.ranks {
-                    if !ranks.insert(r) {
-                        return bad(format!("rank {r} holds more than one stage"));
-                    }
+                if let Some(&rank) = st.ranks.iter().find(|&&r| !ranks.insert(r)) {
+                    return Err(Error::DuplicateRank { rank });
                 }
             }
-            if next_layer != num_layers {
-                return bad(format!(
-                    "pipeline {p} ends at layer {next_layer}, the model has {num_layers}"
-                ));
-            }
-            if pipe.microbatches.start != next_mb || pipe.microbatches.is_empty() {
-                return bad(format!(
-                    "pipeline {p} runs microbatches {:?}; expected a non-empty run starting at {next_mb}",
-                    pipe.microbatches
-                ));
-            }
-            next_mb = pipe.microbatches.end;
         }
-        if next_mb != total_microbatches {
-            return bad(format!(
-                "pipelines run {next_mb} microbatches, the global batch has {total_microbatches}"
-            ));
-        }
+        let runs: Vec<Range<u64>> = pipelines
+            .iter()
+            .map(|p| u64::from(p.microbatches.start)..u64::from(p.microbatches.end))
+            .collect();
+        check_microbatch_runs(runs, total_microbatches)?;
         Ok(Self {
             num_layers,
             total_microbatches,
@@ -137,18 +123,26 @@ impl Layout {
     /// `microbatches` microbatches of the global batch.
     pub fn from_plan(plan: &Plan, num_layers: usize) -> Result<Self> {
         let g = plan.devices_per_node as usize;
-        let mut pipelines = Vec::with_capacity(plan.pipelines.len());
-        let mut next_mb = 0u32;
+        // Checked in u64 first, so counts that overflow u32 are reported, not wrapped.
+        let mut runs = Vec::with_capacity(plan.pipelines.len());
+        let mut next_mb = 0u64;
         for p in &plan.pipelines {
+            runs.push(next_mb..next_mb + u64::from(p.microbatches));
+            next_mb += u64::from(p.microbatches);
+        }
+        check_microbatch_runs(runs.clone(), plan.global_microbatches)?;
+        let mut pipelines = Vec::with_capacity(plan.pipelines.len());
+        for (p, run) in plan.pipelines.iter().zip(runs) {
             let t = plan
                 .templates
                 .iter()
                 .find(|t| t.nodes == p.template_nodes)
-                .ok_or_else(|| {
-                    Error::Msg(format!(
-                        "plan: pipeline {} uses a template of {} nodes the plan does not have",
-                        p.id, p.template_nodes
-                    ))
+                .ok_or_else(|| Error::PlanPipeline {
+                    pipeline: p.id,
+                    reason: format!(
+                        "uses a template of {} nodes the plan does not have",
+                        p.template_nodes
+                    ),
                 })?;
             let stages = t
                 .stages
@@ -157,13 +151,15 @@ impl Layout {
                     let base =
                         p.first_rank as usize + s.node as usize * g + s.first_device as usize;
                     if s.first_device + s.devices > plan.devices_per_node {
-                        return Err(Error::Msg(format!(
-                            "plan: a stage of pipeline {} uses devices {}..{} of a {}-device node",
-                            p.id,
-                            s.first_device,
-                            s.first_device + s.devices,
-                            plan.devices_per_node
-                        )));
+                        return Err(Error::PlanPipeline {
+                            pipeline: p.id,
+                            reason: format!(
+                                "has a stage on devices {}..{} of a {}-device node",
+                                s.first_device,
+                                s.first_device + s.devices,
+                                plan.devices_per_node
+                            ),
+                        });
                     }
                     Ok(StageSpec {
                         layers: s.layer_start..s.layer_end,
@@ -171,14 +167,11 @@ impl Layout {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let end = next_mb
-                .checked_add(p.microbatches)
-                .ok_or_else(|| Error::Msg("plan: microbatch counts overflow".into()))?;
+            // check_microbatch_runs bounded every run by the u32 total.
             pipelines.push(PipelineSpec {
                 stages,
-                microbatches: next_mb..end,
+                microbatches: run.start as u32..run.end as u32,
             });
-            next_mb = end;
         }
         Self::new(num_layers, plan.global_microbatches, pipelines)
     }
@@ -270,18 +263,28 @@ impl Layout {
     /// any of them, ascending, and the rank that counts it in the global norm (the holder of
     /// its first layer in pipeline 0).
     pub fn tied_group(&self, layers: &[usize]) -> Result<(Vec<Rank>, Rank)> {
-        let Some(&first) = layers.first() else {
-            return Err(Error::Msg("a tied parameter lists no layers".into()));
+        let bad = || Error::TiedLayers {
+            layers: layers.to_vec(),
+            num_layers: self.num_layers,
         };
-        if let Some(&l) = layers.iter().find(|&&l| l >= self.num_layers) {
-            return Err(Error::Msg(format!(
-                "a tied parameter names layer {l}; the model has {}",
-                self.num_layers
-            )));
+        let &first = layers.first().ok_or_else(bad)?;
+        if layers.iter().any(|&l| l >= self.num_layers) {
+            return Err(bad());
         }
         let set: BTreeSet<Rank> = layers.iter().flat_map(|&l| self.holders(l)).collect();
         Ok((set.into_iter().collect(), self.holders(first)[0]))
     }
+}
+
+/// Checks that `runs` partition `0..total` in order with at least one microbatch each.
+fn check_microbatch_runs(runs: Vec<Range<u64>>, total: u32) -> Result<()> {
+    let end = runs.iter().try_fold(0, |next, r| {
+        (r.start == next && !r.is_empty()).then_some(r.end)
+    });
+    if end != Some(u64::from(total)) {
+        return Err(Error::PipelineMicrobatches { runs, total });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -352,17 +355,29 @@ mod tests {
             stages,
             microbatches,
         };
-        // A gap between stages.
-        assert!(Layout::new(4, 1, vec![p(vec![st(0..1, 0), st(2..4, 1)], 0..1)]).is_err());
-        // Short of the last layer.
+        // A gap between stages: the error lists the pipeline's stages.
+        let err = Layout::new(4, 1, vec![p(vec![st(0..1, 0), st(2..4, 1)], 0..1)]).unwrap_err();
+        assert!(
+            matches!(&err, Error::PipelineLayers { pipeline: 0, stages, num_layers: 4 }
+                if *stages == [0..1, 2..4]),
+            "{err}"
+        );
+        // Short of the last layer, an empty stage, no stages at all.
         assert!(Layout::new(4, 1, vec![p(vec![st(0..3, 0)], 0..1)]).is_err());
+        assert!(Layout::new(2, 1, vec![p(vec![st(0..2, 0), st(2..2, 1)], 0..1)]).is_err());
+        assert!(Layout::new(2, 1, vec![p(vec![], 0..1)]).is_err());
+        assert!(matches!(
+            Layout::new(0, 1, vec![p(vec![], 0..1)]),
+            Err(Error::EmptyLayout { num_layers: 0, .. })
+        ));
         // A rank twice.
-        assert!(Layout::new(
+        let err = Layout::new(
             2,
             2,
-            vec![p(vec![st(0..2, 0)], 0..1), p(vec![st(0..2, 0)], 1..2)]
+            vec![p(vec![st(0..2, 0)], 0..1), p(vec![st(0..2, 0)], 1..2)],
         )
-        .is_err());
+        .unwrap_err();
+        assert!(matches!(err, Error::DuplicateRank { rank: 0 }), "{err}");
         // Microbatch runs that overlap, miss some, or are empty.
         let two = |a: Range<u32>, b: Range<u32>, total| {
             Layout::new(
@@ -371,7 +386,11 @@ mod tests {
                 vec![p(vec![st(0..2, 0)], a), p(vec![st(0..2, 1)], b)],
             )
         };
-        assert!(two(0..2, 1..3, 3).is_err());
+        let err = two(0..2, 1..3, 3).unwrap_err();
+        assert!(
+            matches!(&err, Error::PipelineMicrobatches { runs, total: 3 } if *runs == [0..2, 1..3]),
+            "{err}"
+        );
         assert!(two(0..1, 1..2, 3).is_err());
         assert!(two(0..0, 0..2, 2).is_err());
         assert!(two(0..1, 1..3, 3).is_ok());

@@ -47,10 +47,10 @@ pub fn buf_to_tensor(b: &TensorBuf, device: &Device) -> Result<Tensor> {
 /// The values of an f32 buffer.
 pub(crate) fn buf_f32(b: &TensorBuf) -> Result<Vec<f32>> {
     if b.dtype() != DType::F32 {
-        return Err(Error::Msg(format!(
-            "expected an f32 tensor from the data plane, got {:?}",
-            b.dtype()
-        )));
+        return Err(Error::DataPlaneDType {
+            expected: DType::F32,
+            found: b.dtype(),
+        });
     }
     Ok(b.as_bytes()
         .chunks_exact(4)

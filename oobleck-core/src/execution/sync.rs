@@ -59,9 +59,12 @@ pub fn sync_gradients(
     let _span = debug_span!("grad_sync", rank = worker.rank).entered();
     if let Some(m) = max_grad_norm {
         if !(m.is_finite() && m > 0.0) {
-            return Err(Error::Msg(format!(
-                "max grad norm {m} must be finite and > 0"
-            )));
+            return Err(Error::InvalidArgument {
+                op: "gradient sync",
+                name: "max_grad_norm",
+                value: m,
+                want: "finite and > 0",
+            });
         }
     }
     let t = worker.cfg.timeout;
@@ -174,9 +177,10 @@ fn lo(x: f64) -> f32 {
 }
 
 fn missing(name: &str) -> Error {
-    Error::Msg(format!(
-        "no gradient for parameter `{name}` after the iteration"
-    ))
+    Error::MissingGradient {
+        name: name.to_string(),
+        when: "after the iteration",
+    }
 }
 
 /// A gradient bucket of one rank: consecutive layers of its stage with the same holders,

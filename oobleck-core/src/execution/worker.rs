@@ -98,22 +98,23 @@ impl StageWorker {
         cfg: WorkerConfig,
     ) -> Result<Self> {
         if layout.num_layers() != model.num_layers() {
-            return Err(Error::Msg(format!(
-                "layout has {} layers, the model {}",
-                layout.num_layers(),
-                model.num_layers()
-            )));
+            return Err(Error::LayoutDepth {
+                layout_layers: layout.num_layers(),
+                model_layers: model.num_layers(),
+            });
         }
         let pos = layout
             .position(rank)
-            .ok_or_else(|| Error::Msg(format!("rank {rank} holds no stage in the layout")))?;
+            .ok_or(Error::RankNotInLayout { rank })?;
         let pipe = &layout.pipelines()[pos.pipeline];
         let devices: Vec<u32> = pipe.stages.iter().map(|s| s.ranks.len() as u32).collect();
-        if let Some(&g) = devices.iter().find(|&&g| g > cfg.microbatch_size) {
-            return Err(Error::Msg(format!(
-                "pipeline {} has a stage of {g} devices; a microbatch of {} samples cannot give each a row",
-                pos.pipeline, cfg.microbatch_size
-            )));
+        if let Some(stage) = devices.iter().position(|&g| g > cfg.microbatch_size) {
+            return Err(Error::StageTooWide {
+                pipeline: pos.pipeline,
+                stage,
+                devices: devices[stage] as usize,
+                microbatch_size: cfg.microbatch_size,
+            });
         }
         let spec = layout.stage(pos);
         let stage = Stage::new(model.build_layers(spec.layers.clone(), device, source)?)?;
@@ -207,7 +208,7 @@ impl StageWorker {
         let mut grads = HashMap::new();
         let mut loss = 0.0;
         let missing = |what: &str, mb: u32| {
-            Error::Msg(format!(
+            self.broken(format!(
                 "1F1B stream: {what} of microbatch {mb} missing (a broken schedule)"
             ))
         };
@@ -382,7 +383,7 @@ impl StageWorker {
             if let Some(h) = background {
                 let done = h
                     .join()
-                    .map_err(|_| Error::Msg("the gradient all-reduce thread panicked".into()))??;
+                    .map_err(|_| self.broken("the gradient all-reduce thread panicked".into()))??;
                 for (layers, g, t0, t1) in done {
                     overlap.collective += t1 - t0;
                     overlap.hidden += main_done.min(t1).saturating_duration_since(t0);
@@ -436,19 +437,20 @@ impl StageWorker {
                 let bucket = &buckets[next];
                 let mut part = HashMap::with_capacity(bucket.names.len());
                 for n in &bucket.names {
-                    let t = grads.get(n).ok_or_else(|| {
-                        Error::Msg(format!("no gradient for parameter `{n}` in its bucket"))
+                    let t = grads.get(n).ok_or_else(|| Error::MissingGradient {
+                        name: n.clone(),
+                        when: "in its bucket",
                     })?;
                     part.insert(n.clone(), t.clone());
                 }
                 tx.send((bucket.clone(), part))
-                    .map_err(|_| Error::Msg("the gradient all-reduce thread stopped".into()))?;
+                    .map_err(|_| self.broken("the gradient all-reduce thread stopped".into()))?;
                 next += 1;
             }
             Ok(())
         })?;
         if next != buckets.len() {
-            return Err(Error::Msg(format!(
+            return Err(self.broken(format!(
                 "{} gradient buckets were never final in the backward (a broken layout)",
                 buckets.len() - next
             )));
@@ -466,30 +468,39 @@ impl StageWorker {
     ) -> Result<Tensor> {
         let mut parts = Vec::with_capacity(peers.len());
         for p in peers {
-            let src = *ranks.get(p.device as usize).ok_or_else(|| {
-                Error::Msg(format!(
-                    "neighbour device {} is not in the layout",
-                    p.device
-                ))
-            })?;
+            let src = *ranks
+                .get(p.device as usize)
+                .ok_or_else(|| self.no_neighbour(p.device))?;
             let buf = comm.recv(src, tag, self.cfg.timeout)?;
             let part = buf_to_tensor(&buf, &self.device)?;
             if part.dims().first() != Some(&((p.end - p.start) as usize)) {
-                return Err(Error::Msg(format!(
-                    "rank {src} sent shape {:?}; expected {} rows",
-                    part.dims(),
-                    p.end - p.start
-                )));
+                return Err(Error::Shape {
+                    what: format!("the rows rank {src} sent"),
+                    found: part.dims().to_vec(),
+                    expected: format!("{} rows", p.end - p.start),
+                });
             }
             parts.push(part);
         }
         match parts.len() {
-            0 => Err(Error::Msg(
-                "a receive with no peers (a broken schedule)".into(),
-            )),
+            0 => Err(self.broken("a receive with no peers (a broken schedule)".into())),
             1 => Ok(parts.pop().expect("one part")),
             _ => Ok(Tensor::cat(&parts, 0)?),
         }
+    }
+
+    /// An invariant of this stage's schedule or gradient sync that does not hold.
+    fn broken(&self, reason: String) -> Error {
+        Error::Schedule {
+            layers: self.stage.range(),
+            reason,
+        }
+    }
+
+    fn no_neighbour(&self, device: u32) -> Error {
+        self.broken(format!(
+            "neighbour device {device} is not in the layout (a broken schedule)"
+        ))
     }
 
     /// Sends each neighbour device the rows it handles out of this device's rows `[lo, ..)`.
@@ -503,12 +514,9 @@ impl StageWorker {
         tag: u64,
     ) -> Result<()> {
         for p in peers {
-            let dst = *ranks.get(p.device as usize).ok_or_else(|| {
-                Error::Msg(format!(
-                    "neighbour device {} is not in the layout",
-                    p.device
-                ))
-            })?;
+            let dst = *ranks
+                .get(p.device as usize)
+                .ok_or_else(|| self.no_neighbour(p.device))?;
             let part = t.narrow(0, (p.start - lo) as usize, (p.end - p.start) as usize)?;
             comm.send(dst, tag, &tensor_to_buf(&part)?, self.cfg.timeout)?;
         }
@@ -519,10 +527,11 @@ impl StageWorker {
 /// Rows `[lo, hi)` of a whole microbatch, after checking it has `b` rows.
 fn own_rows(t: &Tensor, b: u32, lo: u32, hi: u32) -> Result<Tensor> {
     if t.dims().first() != Some(&(b as usize)) {
-        return Err(Error::Msg(format!(
-            "the data source gave a microbatch of shape {:?}; expected {b} rows",
-            t.dims()
-        )));
+        return Err(Error::Shape {
+            what: "the data source's microbatch".into(),
+            found: t.dims().to_vec(),
+            expected: format!("{b} rows"),
+        });
     }
     if lo == 0 && hi == b {
         return Ok(t.clone());

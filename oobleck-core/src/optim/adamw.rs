@@ -78,10 +78,13 @@ impl Default for AdamWConfig {
 impl AdamWConfig {
     /// Rejects values PyTorch would reject (negative rates, betas outside `[0, 1)`, ...).
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, value: f64, want: &str| {
-            Err(Error::Msg(format!(
-                "AdamW config: {field} = {value} must be {want}"
-            )))
+        let bad = |name, value, want| {
+            Err(Error::InvalidArgument {
+                op: "AdamW config",
+                name,
+                value,
+                want,
+            })
         };
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad("lr", self.lr, "finite and >= 0");
@@ -216,9 +219,12 @@ impl AdamW {
         lr: f64,
     ) -> Result<()> {
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(Error::Msg(format!(
-                "AdamW step: learning rate {lr} must be finite and >= 0"
-            )));
+            return Err(Error::InvalidArgument {
+                op: "AdamW step",
+                name: "learning rate",
+                value: lr,
+                want: "finite and >= 0",
+            });
         }
         let params = unique_params(params)?;
         // Validate everything before touching anything, so a rejected step changes nothing.

@@ -39,9 +39,12 @@ pub fn global_grad_norm(grads: &HashMap<String, Tensor>) -> Result<f64> {
 /// gradients untouched: the caller decides whether to skip the step.
 pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm > 0.0) {
-        return Err(Error::Msg(format!(
-            "clip_grad_norm: max_norm {max_norm} must be finite and > 0"
-        )));
+        return Err(Error::InvalidArgument {
+            op: "clip_grad_norm",
+            name: "max_norm",
+            value: max_norm,
+            want: "finite and > 0",
+        });
     }
     let norm = global_grad_norm(grads)?;
     if !norm.is_finite() {

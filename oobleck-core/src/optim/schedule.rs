@@ -49,23 +49,23 @@ impl LrSchedule {
 
     /// Checks `0 <= min_lr <= max_lr` (finite) and `warmup_steps <= total_steps`.
     pub fn validate(&self) -> Result<()> {
+        let bad = |reason| {
+            Err(Error::LrSchedule {
+                reason,
+                max_lr: self.max_lr,
+                min_lr: self.min_lr,
+                warmup_steps: self.warmup_steps,
+                total_steps: self.total_steps,
+            })
+        };
         if !(self.max_lr.is_finite() && self.min_lr.is_finite()) {
-            return Err(Error::Msg(format!(
-                "lr schedule: max_lr {} and min_lr {} must be finite",
-                self.max_lr, self.min_lr
-            )));
+            return bad("max_lr and min_lr must be finite");
         }
         if !(0.0 <= self.min_lr && self.min_lr <= self.max_lr) {
-            return Err(Error::Msg(format!(
-                "lr schedule: need 0 <= min_lr ({}) <= max_lr ({})",
-                self.min_lr, self.max_lr
-            )));
+            return bad("need 0 <= min_lr <= max_lr");
         }
         if self.warmup_steps > self.total_steps {
-            return Err(Error::Msg(format!(
-                "lr schedule: warmup_steps ({}) exceeds total_steps ({})",
-                self.warmup_steps, self.total_steps
-            )));
+            return bad("warmup_steps exceeds total_steps");
         }
         Ok(())
     }
@@ -116,7 +116,19 @@ mod tests {
         assert_eq!(c.lr_at(0), 3e-4);
         assert_eq!(c.lr_at(123), 3e-4);
         assert!(LrSchedule::new(1e-3, 2e-3, 0, 10).is_err());
-        assert!(LrSchedule::new(1e-3, 0.0, 11, 10).is_err());
+        let err = LrSchedule::new(1e-3, 0.0, 11, 10).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                crate::Error::LrSchedule {
+                    warmup_steps: 11,
+                    total_steps: 10,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("warmup_steps 11"), "{err}");
         assert!(LrSchedule::new(f64::NAN, 0.0, 0, 10).is_err());
         let json = r#"{"max_lr":1e-3,"min_lr":1e-4,"warmup_steps":5,"total_steps":50}"#;
         let s: LrSchedule = serde_json::from_str(json).unwrap();
