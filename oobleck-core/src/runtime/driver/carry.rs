@@ -1,0 +1,403 @@
+//! The driver's loop: feed the machine its inputs, carry out its actions.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+
+use super::agents::AgentSet;
+use super::assemble::Assembler;
+use super::rundir::RunFiles;
+use super::{next_input, plan_for, JobSummary, Observer};
+use crate::elastic::protocol::Rendezvous;
+use crate::elastic::{Master, Message};
+use crate::planning::{ModelProfile, Plan};
+use crate::runtime::error::{Context, Result, RuntimeError};
+use crate::runtime::job::{Action, Input, JobMachine};
+use crate::runtime::records::{Event, StepMetrics};
+use crate::runtime::spec::{DataPlane, JobConfig, TrainingSpec};
+
+pub(super) struct Parts<'a> {
+    pub spec: TrainingSpec,
+    pub config: JobConfig,
+    pub out: PathBuf,
+    pub profile: ModelProfile,
+    pub files: RunFiles,
+    pub master: &'a mut Master,
+    pub agents: &'a mut AgentSet,
+    pub observer: &'a mut dyn Observer,
+    pub assembler: Assembler,
+    pub machine: JobMachine,
+    pub t0: Instant,
+}
+
+/// What the final step left: `(step, pipeline 0's states, each rank's commit wait)`.
+type Finished = (u64, BTreeMap<u32, String>, BTreeMap<u32, f64>);
+
+pub(super) struct Driver<'a> {
+    p: Parts<'a>,
+    /// Checkpoints, evaluations and rescue writes running on blocking threads.
+    background: Vec<JoinHandle<Input>>,
+    /// This job's committed steps (replays included), first and last loss.
+    steps_run: u64,
+    first_loss: Option<f64>,
+    last_loss: Option<f64>,
+    /// The running generation's stepping: when it started, from which step, the last commit.
+    stepping: Instant,
+    gen_start_step: u64,
+    last_step_at: Instant,
+    commit_ns: u128,
+    /// The last step's metrics, written once its validation loss is in.
+    final_metrics: Option<StepMetrics>,
+    finished: Option<Finished>,
+}
+
+impl<'a> Driver<'a> {
+    pub fn new(p: Parts<'a>) -> Driver<'a> {
+        let now = Instant::now();
+        Driver {
+            p,
+            background: Vec::new(),
+            steps_run: 0,
+            first_loss: None,
+            last_loss: None,
+            stepping: now,
+            gen_start_step: 0,
+            last_step_at: now,
+            commit_ns: 0,
+            final_metrics: None,
+            finished: None,
+        }
+    }
+
+    pub fn into_files(self) -> RunFiles {
+        self.p.files
+    }
+
+    fn now(&self) -> Duration {
+        self.p.t0.elapsed()
+    }
+
+    fn feed(&mut self, input: Input) {
+        let now = self.now();
+        self.p.machine.handle(now, input);
+    }
+
+    /// Runs until the machine finishes (then writes the final checkpoint) or fails.
+    pub async fn run(&mut self) -> Result<JobSummary> {
+        loop {
+            while let Some(a) = self.p.machine.poll_action() {
+                self.carry(a).await?;
+            }
+            if let Some(done) = self.finished.take() {
+                return self.finish(done).await;
+            }
+            for (which, status) in self.p.agents.exited()? {
+                self.feed(Input::AgentExited { which, status });
+            }
+            let mut i = 0;
+            while i < self.background.len() {
+                if self.background[i].is_finished() {
+                    let task = self.background.remove(i);
+                    let input = task.await.ctx("a checkpoint or evaluation task")?;
+                    self.feed(input);
+                } else {
+                    i += 1;
+                }
+            }
+            let input = next_input(self.p.master).await?;
+            if let Input::Worker {
+                node,
+                report: crate::runtime::WorkerReport::Listening { pid, .. },
+                ..
+            } = &input
+            {
+                self.p.agents.worker_started(*node, *pid);
+            }
+            self.feed(input);
+            self.feed(Input::Tick);
+        }
+    }
+
+    async fn carry(&mut self, a: Action) -> Result<()> {
+        match a {
+            Action::Record(e) => self.p.files.event(&e)?,
+            Action::Note(s) => self.p.observer.note(&s),
+            Action::Plan {
+                nodes,
+                fault_threshold,
+                pinned,
+            } => {
+                let plan = plan_for(
+                    &self.p.spec,
+                    &self.p.profile,
+                    &nodes,
+                    fault_threshold,
+                    pinned.as_deref(),
+                );
+                self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
+            }
+            Action::Deploy { plan, resume } => self.deploy(&plan, resume).await?,
+            Action::Rendezvous {
+                generation,
+                rendezvous,
+            } => self.rendezvous(generation, rendezvous).await,
+            Action::Commit {
+                step,
+                loss,
+                grad_norm,
+                generation,
+                pipelines,
+                nodes,
+                eval_due,
+            } => {
+                let started = Instant::now();
+                let missed = self.p.master.commit_step(step, 0.0).await;
+                self.commit_ns += started.elapsed().as_nanos();
+                if let Some((node, e)) = missed.into_iter().next() {
+                    let what = format!("the commit of step {step}: {e}");
+                    self.feed(Input::Unreachable { node, what });
+                }
+                let dt = self.last_step_at.elapsed().as_secs_f64().max(1e-9);
+                self.last_step_at = Instant::now();
+                let samples = self.p.spec.global_batch_samples() as f64;
+                let tokens = samples * self.p.assembler.workload.tokens_per_sample() as f64;
+                let m = StepMetrics {
+                    step,
+                    loss,
+                    lr: self.p.spec.lr.lr_at(step - 1),
+                    grad_norm,
+                    samples_per_s: samples / dt,
+                    tokens_per_s: tokens / dt,
+                    generation,
+                    pipelines,
+                    nodes,
+                    wall_s: self.p.t0.elapsed().as_secs_f64(),
+                    val_loss: None,
+                };
+                self.steps_run += 1;
+                self.first_loss.get_or_insert(loss);
+                self.last_loss = Some(loss);
+                self.p.master.record_commit(step, m.samples_per_s);
+                self.p.observer.step(&m, self.p.spec.steps);
+                if step >= self.p.spec.steps {
+                    self.final_metrics = Some(m);
+                } else {
+                    self.p.files.metrics(m, eval_due)?;
+                }
+            }
+            Action::KillNode { node } => {
+                if let Err(e) = self
+                    .p
+                    .master
+                    .send_to(node, Message::KillNode { node })
+                    .await
+                {
+                    tracing::warn!(node, error = %e, "could not tell the node to die");
+                }
+            }
+            Action::Fence { node } => {
+                if let Some(pid) = self.p.agents.fence(node).await {
+                    self.p.files.event(&Event::Fenced { node, pid })?;
+                }
+            }
+            Action::SaveState {
+                nodes,
+                generation,
+                step,
+            } => {
+                let dir = self
+                    .p
+                    .out
+                    .join("cluster")
+                    .join(format!("rescue-g{generation}"));
+                for node in nodes {
+                    let ask = Message::SaveState {
+                        generation,
+                        step,
+                        dir: dir.display().to_string(),
+                    };
+                    if let Err(e) = self.p.master.send_to(node, ask).await {
+                        let what = format!("the request for its state: {e}");
+                        self.feed(Input::Unreachable { node, what });
+                    }
+                }
+            }
+            Action::WriteRescue { step, states } => {
+                let a = self.p.assembler.clone();
+                self.background.push(tokio::task::spawn_blocking(move || {
+                    let written = a
+                        .merge(&states)
+                        .and_then(|(params, opt)| a.save(&params, opt, step));
+                    Input::RescueWritten(
+                        written
+                            .map(|p| p.display().to_string())
+                            .map_err(|e| e.to_string()),
+                    )
+                }));
+            }
+            Action::Assemble {
+                step,
+                states,
+                checkpoint,
+                eval,
+            } => {
+                let a = self.p.assembler.clone();
+                self.background.push(tokio::task::spawn_blocking(move || {
+                    match a.periodic(step, &states, checkpoint, eval) {
+                        Ok(r) => Input::Assembled {
+                            step,
+                            checkpoint: r.checkpoint.map(|p| p.display().to_string()),
+                            val_loss: r.val_loss,
+                            duration_s: r.duration_s,
+                        },
+                        Err(e) => Input::AssemblyFailed {
+                            step,
+                            error: e.to_string(),
+                        },
+                    }
+                }));
+            }
+            Action::ValLoss { step, val_loss } => self.p.files.val_loss(step, val_loss)?,
+            Action::ReleaseHeld => self.p.files.release()?,
+            Action::TruncateMetrics { after } => self.p.files.truncate_after(after)?,
+            Action::Finish {
+                step,
+                states,
+                commit_wait_ms,
+            } => self.finished = Some((step, states, commit_wait_ms)),
+            Action::Fail(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// Starts a generation: `plan.json`, then the job and the plan to every node of it.
+    async fn deploy(&mut self, plan: &Plan, resume: Option<String>) -> Result<()> {
+        self.p.files.plan(plan)?;
+        let job = Message::Job {
+            run_dir: self.p.out.display().to_string(),
+            config: serde_json::to_value(&self.p.config).ctx("encoding the job")?,
+            resume,
+        };
+        let mut nodes: Vec<u32> = plan
+            .pipelines
+            .iter()
+            .flat_map(|p| p.nodes.clone())
+            .collect();
+        nodes.sort_unstable();
+        for node in nodes {
+            if let Err(e) = self.p.master.send_to(node, job.clone()).await {
+                let what = format!("the job: {e}");
+                self.feed(Input::Unreachable { node, what });
+                return Ok(());
+            }
+        }
+        let unreachable = self
+            .p
+            .master
+            .assign_plan(plan, Vec::new(), nccl_unique_id(self.p.spec.data_plane)?)
+            .await
+            .ctx("assigning the plan")?;
+        if let Some((node, e)) = unreachable.into_iter().next() {
+            let what = format!("the plan: {e}");
+            self.feed(Input::Unreachable { node, what });
+            return Ok(());
+        }
+        let status = self.p.master.status();
+        self.p.observer.plan(&status);
+        Ok(())
+    }
+
+    async fn rendezvous(&mut self, generation: u64, rendezvous: Vec<Rendezvous>) {
+        let missed = self
+            .p
+            .master
+            .broadcast(&Message::RendezvousList {
+                generation,
+                rendezvous,
+            })
+            .await;
+        if let Some((node, e)) = missed.into_iter().next() {
+            let what = format!("the rendezvous: {e}");
+            self.feed(Input::Unreachable { node, what });
+        }
+        let now = Instant::now();
+        self.stepping = now;
+        self.last_step_at = now;
+        self.gen_start_step = self.p.machine.committed();
+    }
+
+    /// The last step is committed and every worker done: the control plane's cost, the final
+    /// checkpoint and evaluation, the summary.
+    async fn finish(&mut self, (step, states, waits): Finished) -> Result<JobSummary> {
+        for task in self.background.drain(..) {
+            let _ = task.await;
+        }
+        let ran = (step - self.gen_start_step).max(1) as f64;
+        let train_s = self
+            .last_step_at
+            .duration_since(self.stepping)
+            .as_secs_f64();
+        // The rank that waited least for its commits was the last to be ready in most steps:
+        // its wait is the round trip the commit protocol adds (ready -> agent -> master ->
+        // agent -> worker), an upper bound on the control plane's cost per step.
+        let overhead_ms = waits.values().copied().fold(f64::INFINITY, f64::min) / ran;
+        let step_ms = 1e3 * train_s / ran;
+        self.p.files.event(&Event::ControlPlane {
+            steps: step - self.gen_start_step,
+            commit_wait_ms_per_step: overhead_ms,
+            step_ms,
+            master_commit_ms_per_step: self.commit_ns as f64 / 1e6 / ran,
+        })?;
+        self.p.observer.note(&format!(
+            "control plane: {overhead_ms:.2} ms per step waiting for commits ({:.2}% of a \
+             {step_ms:.0} ms step)",
+            100.0 * overhead_ms / step_ms.max(1e-9)
+        ));
+        let assembling = Instant::now();
+        let a = self.p.assembler.clone();
+        let (ckpt, val) = tokio::task::spawn_blocking(move || -> Result<(PathBuf, Option<f64>)> {
+            let (params, opt) = a.merge(&states)?;
+            let ckpt = a.save(&params, opt, step)?;
+            Ok((ckpt, a.evaluate(&params)?))
+        })
+        .await
+        .ctx("the final checkpoint task")??;
+        let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
+        self.p.files.event(&Event::Checkpoint {
+            step,
+            path: ckpt.display().to_string(),
+            duration_s: assembling.elapsed().as_secs_f64(),
+        })?;
+        if let Some(mut m) = self.final_metrics.take() {
+            m.val_loss = val;
+            self.p.files.metrics(m, false)?;
+        }
+        let wall_s = self.p.t0.elapsed().as_secs_f64();
+        let tokens = self.p.spec.global_batch_samples() as f64
+            * self.p.assembler.workload.tokens_per_sample() as f64;
+        Ok(JobSummary {
+            steps: step,
+            first_loss: self.first_loss,
+            final_loss: self.last_loss,
+            final_val_loss: val,
+            tokens_per_s: tokens * self.steps_run as f64 / wall_s.max(1e-9),
+            wall_s: wall_s.max(1e-9),
+            checkpoint: Some(ckpt),
+        })
+    }
+}
+
+/// A fresh NCCL unique id for a generation, with the NCCL data plane.
+fn nccl_unique_id(plane: DataPlane) -> Result<Option<Vec<u8>>> {
+    if plane != DataPlane::Nccl {
+        return Ok(None);
+    }
+    let id = oobleck_comm::NcclId::new().map_err(|e| {
+        RuntimeError::Invalid(format!(
+            "making the NCCL unique id (is NCCL installed on the master's machine?): {e}"
+        ))
+    })?;
+    Ok(Some(id.0.to_vec()))
+}

@@ -1,0 +1,361 @@
+//! The job driver (master side): binds the control plane, starts or waits for the agents, and
+//! carries out what the pure [`super::job::JobMachine`] decides: plans, commits, checkpoints,
+//! recoveries. It owns every clock read, socket, file and process of the master.
+//!
+//! ```text
+//!   Master events, agent exits, finished background work ──► Input ──► JobMachine
+//!   JobMachine ──► Action ──► carry(): send, write, spawn_blocking, kill ──► (results as Input)
+//! ```
+
+mod agents;
+mod assemble;
+mod carry;
+mod plan;
+mod rundir;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use agents::Started;
+pub use plan::{pinned_pipelines, plan_for};
+pub use rundir::truncate_metrics_after;
+
+use self::agents::{AgentSet, EXIT_GRACE};
+use self::assemble::Assembler;
+use self::rundir::RunFiles;
+use super::error::{Context, Result, RuntimeError};
+use super::job::{Input, JobMachine, JobStart, Limits};
+use super::records::{Event, StartInfo, StepMetrics};
+use super::spec::{JobConfig, Workload};
+use crate::elastic::master::MasterEvent;
+use crate::elastic::protocol::ClusterStatus;
+use crate::elastic::{ElasticError, Master, Token};
+
+/// How often the driver looks at its agents and background work between events.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Starts agents over ssh (or any other way) once the master listens at the address given.
+pub type LaunchFn = Box<
+    dyn FnOnce(SocketAddr) -> Pin<Box<dyn Future<Output = Result<Vec<Started>>> + Send>> + Send,
+>;
+
+/// How a job's agents come to be.
+pub enum Launch {
+    /// `spec.nodes` agent processes of `exe` (this binary) on this machine.
+    Local { exe: PathBuf },
+    /// Agents started by hand (`oobleck agent --master ADDR`) with the same token.
+    Listen,
+    /// Agents the caller starts, e.g. over ssh.
+    Custom(LaunchFn),
+}
+
+/// What the driver needs besides the workload.
+pub struct JobOptions {
+    pub config: JobConfig,
+    /// The run directory (absolute: agents and workers get it as it is).
+    pub run_dir: PathBuf,
+    /// A resumed job: the checkpoint and its step.
+    pub resume: Option<(PathBuf, u64)>,
+    /// Plans of earlier runs in the directory (`plan.json`), kept and appended to.
+    pub plans: Vec<serde_json::Value>,
+    /// The run's configuration, echoed in every checkpoint's `trainer.json`.
+    pub echo: serde_json::Value,
+    /// The control plane's address (port 0: any).
+    pub bind: SocketAddr,
+    pub token: Token,
+    pub launch: Launch,
+    pub limits: Limits,
+}
+
+/// Whoever watches the job: progress lines, the plan, the status files of `oobleck status`.
+pub trait Observer: Send {
+    /// The master listens at `addr`.
+    fn listening(&mut self, addr: SocketAddr, token: &Token) -> Result<()> {
+        let _ = (addr, token);
+        Ok(())
+    }
+    /// A generation's plan went out.
+    fn plan(&mut self, status: &ClusterStatus) {
+        let _ = status;
+    }
+    /// A step was committed (`total`: the job's steps).
+    fn step(&mut self, m: &StepMetrics, total: u64) {
+        let _ = (m, total);
+    }
+    /// A line for the person watching.
+    fn note(&mut self, line: &str) {
+        let _ = line;
+    }
+}
+
+/// What a finished job reports.
+#[derive(Debug, Clone)]
+pub struct JobSummary {
+    pub steps: u64,
+    pub first_loss: Option<f64>,
+    pub final_loss: Option<f64>,
+    pub final_val_loss: Option<f64>,
+    /// Over this job's wall time, replayed steps included.
+    pub tokens_per_s: f64,
+    pub wall_s: f64,
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// Runs the job to its last step, through failures within `f`. Blocks; builds its own tokio
+/// runtime. On any error every process of the job is killed and the error says what failed.
+pub fn run_job(
+    workload: Arc<dyn Workload>,
+    opts: JobOptions,
+    observer: &mut dyn Observer,
+) -> Result<JobSummary> {
+    if let Some(role) = super::role() {
+        return Err(RuntimeError::NotEntered { role });
+    }
+    opts.config.training.validate()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .ctx("starting the master's runtime")?;
+    rt.block_on(drive(workload, opts, observer))
+}
+
+async fn drive(
+    workload: Arc<dyn Workload>,
+    opts: JobOptions,
+    observer: &mut dyn Observer,
+) -> Result<JobSummary> {
+    let spec = opts.config.training.clone();
+    let profile = workload
+        .profile(spec.device_spec()?, spec.microbatch_size)
+        .map_err(RuntimeError::Workload)?;
+    let layers = workload.model().num_layers();
+    if profile.layers.len() != layers {
+        return Err(RuntimeError::Invalid(format!(
+            "the profile of {} has {} layers, the model {layers}: the workload's profile() must \
+             describe every layer of its model()",
+            workload.name(),
+            profile.layers.len()
+        )));
+    }
+    let mut files = RunFiles::open(&opts.run_dir, opts.plans.clone())?;
+    let mut master = Master::bind(opts.bind, opts.token.clone(), spec.nodes)
+        .await
+        .with_ctx(|| format!("starting the master on {}", opts.bind))?;
+    let start_step = opts.resume.as_ref().map_or(0, |r| r.1);
+    let info = StartInfo {
+        step: start_step,
+        checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
+        model: Some(workload.name()),
+        params: Some(workload.num_params()),
+        nodes: Some(spec.nodes as usize),
+        master: Some(master.local_addr().to_string()),
+        pid: Some(std::process::id()),
+    };
+    files.event(&match opts.resume {
+        Some(_) => Event::Resume(info),
+        None => Event::Start(info),
+    })?;
+    observer.listening(master.local_addr(), &opts.token)?;
+    let local = matches!(opts.launch, Launch::Local { .. });
+    observer.note(&format!(
+        "training {} ({:.2}M parameters, {layers} layers) on {} of {} nodes x {} devices (f = \
+         {}): {} steps of {} samples x {} tokens; run directory {}",
+        workload.name(),
+        workload.num_params() as f64 / 1e6,
+        if local {
+            "a local cluster"
+        } else {
+            "a cluster"
+        },
+        spec.nodes,
+        spec.devices_per_node,
+        spec.fault_threshold,
+        spec.steps,
+        spec.global_batch_samples(),
+        workload.tokens_per_sample(),
+        opts.run_dir.display()
+    ));
+    let mut agents = AgentSet::default();
+    let announce_joins = matches!(opts.launch, Launch::Listen);
+    let launched = launch(
+        opts.launch,
+        &mut agents,
+        &mut files,
+        &master,
+        &opts.token,
+        spec.nodes,
+        observer,
+    )
+    .await;
+    if let Err(e) = launched {
+        agents.kill_all().await;
+        return Err(e);
+    }
+    let start = JobStart {
+        step: start_step,
+        checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
+        generation: opts
+            .plans
+            .iter()
+            .filter_map(|p| p["generation"].as_u64())
+            .max()
+            .map_or(0, |g| g + 1),
+        starts_agents: !agents.is_empty(),
+        announce_joins,
+    };
+    let mut limits = opts.limits;
+    if announce_joins {
+        // Agents started by hand may take a while.
+        limits.join = limits.join.max(Duration::from_secs(600));
+    }
+    let t0 = Instant::now();
+    let machine = JobMachine::new(spec.clone(), start, limits, Duration::ZERO);
+    let assembler = Assembler {
+        workload: workload.clone(),
+        out: opts.run_dir.clone(),
+        seed: spec.seed,
+        echo: opts.echo.clone(),
+    };
+    let mut d = carry::Driver::new(carry::Parts {
+        spec,
+        config: opts.config,
+        out: opts.run_dir.clone(),
+        profile,
+        files,
+        master: &mut master,
+        agents: &mut agents,
+        observer,
+        assembler,
+        machine,
+        t0,
+    });
+    // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
+    // than reporting the workers it killed.
+    let result = tokio::select! {
+        biased;
+        _ = tokio::signal::ctrl_c() => {
+            let newest = crate::checkpoint::latest_checkpoint(&opts.run_dir).ok().flatten();
+            Err(RuntimeError::Invalid(format!(
+                "interrupted (Ctrl-C); {}",
+                match newest {
+                    Some(c) => format!("the newest checkpoint is {}", c.display()),
+                    None => "no checkpoint was written yet".into(),
+                }
+            )))
+        }
+        r = d.run() => r,
+    };
+    let mut files = d.into_files();
+    match result {
+        Ok(summary) => {
+            let unheard = master.shutdown("training finished", EXIT_GRACE).await;
+            for (node, e) in unheard {
+                tracing::warn!(node, error = %e, "agent did not get the shutdown");
+            }
+            let bad = agents.wait_all(EXIT_GRACE).await;
+            if !bad.is_empty() {
+                return Err(RuntimeError::Invalid(format!(
+                    "agents did not exit cleanly after the job: {}",
+                    bad.join("; ")
+                )));
+            }
+            files.event(&Event::Finish {
+                step: summary.steps,
+                wall_s: summary.wall_s,
+            })?;
+            Ok(summary)
+        }
+        Err(e) => {
+            let reason = e.to_string();
+            let _ = files.event(&Event::Abort {
+                reason: reason.clone(),
+            });
+            let _ = master
+                .shutdown(&format!("job failed: {reason}"), Duration::from_secs(2))
+                .await;
+            agents.kill_all().await;
+            Err(e)
+        }
+    }
+}
+
+/// Starts the agents as `launch` says and records their processes.
+async fn launch(
+    launch: Launch,
+    agents: &mut AgentSet,
+    files: &mut RunFiles,
+    master: &Master,
+    token: &Token,
+    nodes: u32,
+    observer: &mut dyn Observer,
+) -> Result<()> {
+    let addr = master.local_addr();
+    match launch {
+        Launch::Local { exe } => {
+            for pid in agents.spawn_local(nodes as usize, &exe, addr, token)? {
+                files.event(&process("agent", pid, None))?;
+            }
+        }
+        Launch::Listen => observer.note(&format!(
+            "master listening on {addr}: start `oobleck agent --master {addr}` (with \
+             OOBLECK_TOKEN set to the job's token) on each of the {nodes} nodes"
+        )),
+        Launch::Custom(start) => {
+            for s in start(addr).await? {
+                files.event(&process("ssh", s.child.id(), s.host.clone()))?;
+                agents.adopt(s);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn process(role: &str, pid: Option<u32>, host: Option<String>) -> Event {
+    Event::Process {
+        role: role.into(),
+        pid,
+        host,
+        node: None,
+        rank: None,
+        data_addr: None,
+    }
+}
+
+/// The machine's view of a membership event.
+fn input_of(ev: MasterEvent) -> Option<Input> {
+    Some(match ev {
+        MasterEvent::Joined { node, addr, .. } => Input::Joined {
+            node,
+            addr: addr.to_string(),
+        },
+        MasterEvent::Lost { node, reason } => Input::Lost {
+            node,
+            reason: format!("{reason:?}"),
+        },
+        MasterEvent::KillRequested { node } => Input::KillRequested { node },
+        MasterEvent::Worker {
+            node,
+            generation,
+            report,
+        } => Input::Worker {
+            node,
+            generation,
+            report,
+        },
+        _ => return None,
+    })
+}
+
+/// The next membership event as an input, or a tick after `POLL`.
+async fn next_input(master: &mut Master) -> Result<Input> {
+    match master.next_event(POLL).await {
+        Ok(ev) => Ok(input_of(ev).unwrap_or(Input::Tick)),
+        Err(ElasticError::Timeout { .. }) => Ok(Input::Tick),
+        Err(e) => Err(e).ctx("the master's event stream"),
+    }
+}

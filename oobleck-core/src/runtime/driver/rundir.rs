@@ -1,0 +1,115 @@
+//! The files a job writes in its run directory as it goes: `events.jsonl`, `metrics.jsonl`
+//! (in step order, a line waiting for its validation loss holding back the ones after it)
+//! and `plan.json` (every plan of the run, one per generation).
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::planning::Plan;
+use crate::runtime::error::{Context, Result};
+use crate::runtime::records::{Event, StepMetrics};
+
+pub(super) struct RunFiles {
+    dir: PathBuf,
+    events: std::fs::File,
+    metrics: std::fs::File,
+    /// Metrics lines not written yet, and whether each still waits for its validation loss.
+    held: VecDeque<(StepMetrics, bool)>,
+    /// Every plan of the run directory so far, earlier runs' included.
+    plans: Vec<serde_json::Value>,
+}
+
+fn append(path: &Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_ctx(|| format!("opening {}", path.display()))
+}
+
+impl RunFiles {
+    pub fn open(dir: &Path, plans: Vec<serde_json::Value>) -> Result<RunFiles> {
+        Ok(RunFiles {
+            dir: dir.to_path_buf(),
+            events: append(&dir.join("events.jsonl"))?,
+            metrics: append(&dir.join("metrics.jsonl"))?,
+            held: VecDeque::new(),
+            plans,
+        })
+    }
+
+    pub fn event(&mut self, e: &Event) -> Result<()> {
+        let line = serde_json::to_string(e).ctx("encoding an event")?;
+        writeln!(self.events, "{line}").ctx("writing events.jsonl")
+    }
+
+    /// Appends `plan` to `plan.json`.
+    pub fn plan(&mut self, plan: &Plan) -> Result<()> {
+        self.plans
+            .push(serde_json::to_value(plan).ctx("encoding the plan")?);
+        let text = serde_json::to_string_pretty(&self.plans).ctx("encoding plan.json")?;
+        std::fs::write(self.dir.join("plan.json"), text).ctx("writing plan.json")
+    }
+
+    /// A committed step's metrics; with `wait`, held until its validation loss comes.
+    pub fn metrics(&mut self, m: StepMetrics, wait: bool) -> Result<()> {
+        self.held.push_back((m, wait));
+        self.flush()
+    }
+
+    pub fn val_loss(&mut self, step: u64, v: f64) -> Result<()> {
+        if let Some((m, waiting)) = self.held.iter_mut().find(|(m, _)| m.step == step) {
+            m.val_loss = Some(v);
+            *waiting = false;
+        }
+        self.flush()
+    }
+
+    /// Writes every held line without waiting any more.
+    pub fn release(&mut self) -> Result<()> {
+        for (_, waiting) in self.held.iter_mut() {
+            *waiting = false;
+        }
+        self.flush()
+    }
+
+    /// Writes the lines that wait for nothing, in step order.
+    fn flush(&mut self) -> Result<()> {
+        while self.held.front().is_some_and(|(_, waiting)| !waiting) {
+            let (m, _) = self.held.pop_front().expect("checked");
+            let line = serde_json::to_string(&m).ctx("encoding metrics")?;
+            writeln!(self.metrics, "{line}").ctx("writing metrics.jsonl")?;
+        }
+        Ok(())
+    }
+
+    /// Drops the metrics after `step` (those steps are computed again).
+    pub fn truncate_after(&mut self, step: u64) -> Result<()> {
+        self.held.retain(|(m, _)| m.step <= step);
+        self.flush()?;
+        truncate_metrics_after(&self.dir, step)?;
+        self.metrics = append(&self.dir.join("metrics.jsonl"))?;
+        Ok(())
+    }
+}
+
+/// Keeps the lines of `<run>/metrics.jsonl` up to `step`.
+pub fn truncate_metrics_after(run: &Path, step: u64) -> Result<()> {
+    let path = run.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .collect();
+    let mut body = kept.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    std::fs::write(&path, body).with_ctx(|| format!("rewriting {}", path.display()))
+}
