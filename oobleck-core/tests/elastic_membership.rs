@@ -9,6 +9,7 @@ use oobleck_core::elastic::master::LossReason;
 use oobleck_core::elastic::protocol::{self, ExitStatus, Message, Rendezvous};
 use oobleck_core::elastic::{Agent, ElasticError, Master, MasterConfig, MasterEvent, Token};
 use oobleck_core::planning::{Pipeline, Plan};
+use oobleck_core::runtime::WorkerReport;
 use tokio::net::TcpStream;
 
 const T: Duration = Duration::from_secs(5);
@@ -338,5 +339,73 @@ async fn shutdown_reaches_every_agent_before_the_connections_close() {
         );
         let err = agent.recv(T).await.unwrap_err();
         assert!(matches!(err, ElasticError::Closed { .. }), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn worker_reports_reach_the_driver_as_sent_and_a_report_for_another_node_is_a_violation() {
+    let token = Token::random();
+    let mut master = fast_master(&token, 2).await;
+    let honest = Agent::connect(master.local_addr(), &token, T)
+        .await
+        .unwrap();
+    let liar = Agent::connect(master.local_addr(), &token, T)
+        .await
+        .unwrap();
+    joined(&mut master).await;
+    joined(&mut master).await;
+    let node = honest.node();
+    let reports = [
+        WorkerReport::Ready {
+            rank: 1,
+            step: 4,
+            loss: 2.5,
+            grad_norm: 0.75,
+        },
+        WorkerReport::Exited {
+            rank: 1,
+            status: ExitStatus {
+                code: Some(1),
+                signal: None,
+            },
+            error: Some("Error: rank 1: step 5: rank 0 lost".into()),
+        },
+    ];
+    for report in reports {
+        let msg = Message::Worker {
+            node,
+            generation: 3,
+            report: report.clone(),
+        };
+        honest.send(msg, T).await.unwrap();
+        assert_eq!(
+            master.next_event(T).await.unwrap(),
+            MasterEvent::Worker {
+                node,
+                generation: 3,
+                report,
+            }
+        );
+    }
+    // A node speaks only for itself: a report under another node id ends its connection.
+    let msg = Message::Worker {
+        node,
+        generation: 3,
+        report: WorkerReport::Listening {
+            rank: 0,
+            addr: "127.0.0.1:9".into(),
+            pid: 1,
+        },
+    };
+    liar.send(msg, T).await.unwrap();
+    match master.next_event(T).await.unwrap() {
+        MasterEvent::Lost {
+            node: lost,
+            reason: LossReason::Protocol(why),
+        } => {
+            assert_eq!(lost, liar.node());
+            assert!(why.contains("unexpected worker"), "{why}");
+        }
+        other => panic!("expected the liar lost, got {other:?}"),
     }
 }

@@ -20,6 +20,7 @@ use super::master::{LossReason, MasterConfig, MasterEvent, BINARY_VERSION};
 use super::protocol::{
     self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, PROTOCOL_VERSION,
 };
+use crate::runtime::records::WorkerReport;
 
 /// Messages queued per connection before [`super::master::Master::send_to`] waits.
 const OUTBOX: usize = 64;
@@ -429,6 +430,24 @@ async fn serve_agent(
                 state,
                 commit_wait_ms,
             }),
+            Message::Worker {
+                node: n,
+                generation,
+                report,
+            } if n == node => {
+                if let WorkerReport::Exited { rank, status, .. } = &report {
+                    if status.code == Some(0) {
+                        debug!(node, rank, "worker exited cleanly");
+                    } else {
+                        warn!(node, rank, ?status, "worker exited");
+                    }
+                }
+                shared.emit(MasterEvent::Worker {
+                    node,
+                    generation,
+                    report,
+                });
+            }
             Message::StatusRequest => {
                 let status = Message::StatusResponse {
                     status: shared.status(),

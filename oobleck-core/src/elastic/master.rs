@@ -24,6 +24,7 @@ use super::protocol::{
     ClusterStatus, ExitStatus, Message, NodeStatus, PipelineStatus, Rendezvous, StageStatus,
 };
 use crate::planning::Plan;
+use crate::runtime::records::WorkerReport;
 
 /// The binary version peers must match.
 pub const BINARY_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -132,6 +133,14 @@ pub enum MasterEvent {
         generation: u64,
         step: u64,
         error: String,
+    },
+    /// What worker `report.rank()` of `node` said about itself, or that it ended
+    /// ([`Message::Worker`]).
+    Worker {
+        node: u32,
+        /// The plan generation the worker runs.
+        generation: u64,
+        report: WorkerReport,
     },
     /// A worker finished its steps ([`Message::WorkerDone`]).
     WorkerDone {

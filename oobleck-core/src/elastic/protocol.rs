@@ -33,6 +33,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::error::{ElasticError, ElasticResult};
 use crate::planning::Plan;
+use crate::runtime::records::WorkerReport;
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
@@ -247,6 +248,14 @@ pub enum Message {
         state: Option<String>,
         commit_wait_ms: f64,
     },
+    /// Agent -> master: what worker `report.rank()` of this node, of plan generation
+    /// `generation`, says about itself (listening, ready, saved, broken, done), or that it
+    /// ended (`Exited`). The report travels as the worker wrote it on its pipe.
+    Worker {
+        node: u32,
+        generation: u64,
+        report: WorkerReport,
+    },
     /// Client -> master.
     StatusRequest,
     /// Master -> client.
@@ -278,6 +287,7 @@ impl Message {
             Message::WorkerDone { .. } => "worker_done",
             Message::WorkerBroken { .. } => "worker_broken",
             Message::SaveState { .. } => "save_state",
+            Message::Worker { .. } => "worker",
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
             Message::KillNode { .. } => "kill_node",
@@ -523,6 +533,28 @@ mod tests {
                 state: Some("/tmp/x".into()),
                 commit_wait_ms: 1.5,
             },
+            Message::Worker {
+                node: 1,
+                generation: 2,
+                report: WorkerReport::Ready {
+                    rank: 2,
+                    step: 7,
+                    loss: 3.25,
+                    grad_norm: 0.5,
+                },
+            },
+            Message::Worker {
+                node: 1,
+                generation: 2,
+                report: WorkerReport::Exited {
+                    rank: 4,
+                    status: ExitStatus {
+                        code: Some(1),
+                        signal: None,
+                    },
+                    error: Some("Error: rank 3 lost".into()),
+                },
+            },
         ]
     }
 
@@ -531,6 +563,47 @@ mod tests {
         for msg in samples() {
             let frame = encode_frame(&msg).unwrap();
             assert_eq!(decode_all(&frame).unwrap(), Some(msg));
+        }
+    }
+
+    #[test]
+    fn a_worker_report_travels_inside_one_message_as_the_worker_wrote_it() {
+        let reports = [
+            WorkerReport::Listening {
+                rank: 3,
+                addr: "10.0.0.2:41000".into(),
+                pid: 77,
+            },
+            WorkerReport::Saved {
+                rank: 3,
+                step: 4,
+                state: "/runs/x/cluster/step-000004/rank-3.safetensors".into(),
+            },
+            WorkerReport::Broken {
+                rank: 3,
+                step: 4,
+                error: "rank 3: step 5: rank 1 lost".into(),
+            },
+            WorkerReport::Done {
+                rank: 3,
+                step: 9,
+                state: None,
+                commit_wait_ms: 2.5,
+            },
+        ];
+        for report in reports {
+            let msg = Message::Worker {
+                node: 2,
+                generation: 5,
+                report: report.clone(),
+            };
+            let frame = encode_frame(&msg).unwrap();
+            assert_eq!(decode_all(&frame).unwrap(), Some(msg.clone()));
+            // The report keeps its own tag inside the message's: the pipe's line, unchanged.
+            let v = serde_json::to_value(&msg).unwrap();
+            assert_eq!(v["type"], "worker");
+            assert_eq!(v["report"], serde_json::to_value(&report).unwrap());
+            assert_eq!(msg.kind(), "worker");
         }
     }
 
