@@ -19,6 +19,7 @@
 
 pub mod error;
 pub mod job;
+pub mod pipe;
 pub mod records;
 pub mod spec;
 

@@ -1,0 +1,160 @@
+//! The pipe between a node's agent and each of its workers.
+//!
+//! ```text
+//!  agent ──stdin──► worker     1 line: WorkerAssignment (JSON)
+//!                              then ToWorker lines: Rendezvous, then Commit per step,
+//!                              SaveState after a failure
+//!  agent ◄─stdout── worker     WorkerReport lines, after records::REPORT_PREFIX; any other
+//!                              line is the worker's own output, passed on to the agent's stderr
+//! ```
+//!
+//! The worker exits when its stdin closes: the agent that started it is gone, so nobody would
+//! commit a step or collect its results. The agent wraps each report, as it is, in a
+//! [`crate::elastic::Message::Worker`] with its node and the generation.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::{Context, Result};
+use super::spec::JobConfig;
+use crate::elastic::protocol::Rendezvous;
+use crate::planning::Plan;
+
+/// What an agent gives each of its workers (the first JSON line on the worker's stdin).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerAssignment {
+    pub generation: u64,
+    pub rank: u32,
+    pub node: u32,
+    pub plan: Plan,
+    /// The IP the worker binds its data-plane port on.
+    pub host: String,
+    /// The job's run directory (outputs).
+    pub run_dir: PathBuf,
+    /// The job, as the master resolved it.
+    pub job: JobConfig,
+    /// The NCCL unique id of this generation (`DataPlane::Nccl`), 128 bytes.
+    pub nccl_id: Option<Vec<u8>>,
+    /// A resumed job: the checkpoint this worker's layers, optimizer state and step come from.
+    #[serde(default)]
+    pub resume: Option<PathBuf>,
+}
+
+/// What an agent tells a worker after its assignment, one JSON object per stdin line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "to_worker", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ToWorker {
+    /// Where every rank of the generation listens.
+    Rendezvous { rendezvous: Vec<Rendezvous> },
+    /// Every holder has its reduced gradient for `step` (1-based): apply it.
+    Commit { step: u64 },
+    /// After a failed step: write the state of committed `step` into `dir`.
+    SaveState { step: u64, dir: PathBuf },
+}
+
+/// Resolves `HOST:PORT` (a name or an IP) to its first address.
+pub fn resolve(addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .with_ctx(|| format!("resolving {addr:?} (expected HOST:PORT)"))?
+        .next()
+        .with_ctx(|| format!("{addr:?} resolves to no address"))
+}
+
+/// The ranks a node runs under `plan`: device `d` of node `j` of a pipeline is rank
+/// `first_rank + j * G + d` (the numbering of `planning::Pipeline`).
+pub fn ranks_of_node(plan: &Plan, node: u32) -> Vec<u32> {
+    let g = plan.devices_per_node;
+    plan.pipelines
+        .iter()
+        .flat_map(|p| {
+            p.nodes
+                .iter()
+                .enumerate()
+                .filter(move |(_, &n)| n == node)
+                .flat_map(move |(j, _)| (0..g).map(move |d| p.first_rank + j as u32 * g + d))
+        })
+        .collect()
+}
+
+/// Number of ranks (devices) the plan uses.
+pub fn world_size(plan: &Plan) -> u32 {
+    plan.pipelines
+        .iter()
+        .map(|p| p.nodes.len() as u32 * plan.devices_per_node)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planning::Pipeline;
+
+    /// Two pipelines over nodes `[3, 5]` and `[4]`, two devices per node.
+    fn plan() -> Plan {
+        let pipeline = |id, nodes: Vec<u32>, first_rank| Pipeline {
+            id,
+            template_nodes: nodes.len() as u32,
+            nodes,
+            first_rank,
+            microbatches: 2,
+            predicted_ns: 1_000,
+        };
+        Plan {
+            generation: 2,
+            devices_per_node: 2,
+            fault_threshold: 1,
+            global_microbatches: 4,
+            min_nodes: 1,
+            templates: Vec::new(),
+            pipelines: vec![pipeline(0, vec![3, 5], 0), pipeline(1, vec![4], 4)],
+            compute_ns: 1_000,
+            sync_ns: 0,
+            sync_model_ns: 0,
+            layer_state_bytes: vec![64],
+            iteration_ns: 1_000,
+        }
+    }
+
+    #[test]
+    fn a_node_runs_the_devices_of_its_place_in_each_pipeline() {
+        let plan = plan();
+        assert_eq!(ranks_of_node(&plan, 3), vec![0, 1]);
+        assert_eq!(ranks_of_node(&plan, 5), vec![2, 3]);
+        assert_eq!(ranks_of_node(&plan, 4), vec![4, 5]);
+        assert!(ranks_of_node(&plan, 9).is_empty());
+        assert_eq!(world_size(&plan), 6);
+    }
+
+    #[test]
+    fn addresses_resolve_and_bad_ones_say_what_was_expected() {
+        let a = resolve("127.0.0.1:7000").expect("an IP resolves");
+        assert_eq!(a, "127.0.0.1:7000".parse::<SocketAddr>().expect("literal"));
+        let e = resolve("no-port-here").expect_err("no port").to_string();
+        assert!(e.contains("expected HOST:PORT"), "{e}");
+    }
+
+    #[test]
+    fn pipe_messages_round_trip_as_json_lines() {
+        for msg in [
+            ToWorker::Rendezvous {
+                rendezvous: vec![Rendezvous {
+                    rank: 0,
+                    addr: "127.0.0.1:9".into(),
+                }],
+            },
+            ToWorker::Commit { step: 3 },
+            ToWorker::SaveState {
+                step: 2,
+                dir: "/runs/x/cluster/rescue".into(),
+            },
+        ] {
+            let line = serde_json::to_string(&msg).expect("json");
+            assert!(!line.contains('\n'));
+            assert_eq!(serde_json::from_str::<ToWorker>(&line).expect("back"), msg);
+        }
+        assert!(serde_json::from_str::<ToWorker>(r#"{"to_worker":"explode"}"#).is_err());
+    }
+}
