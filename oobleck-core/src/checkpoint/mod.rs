@@ -9,6 +9,8 @@
 //!         optimizer.safetensors     AdamW state: <param>.exp_avg, <param>.exp_avg_sq, <param>.step
 //!         trainer.json              format_version, step, seed, data_cursor, config, and the
 //!                                   byte size + sha256 of both safetensors files
+//!         config.json, ...          optional files of the caller (e.g. the HF config, so
+//!                                   `from_pretrained(dir)` works); not read back here
 //!     .tmp-step-000140-<pid>-<n>/   a save in progress (or a crashed one): never read
 //! ```
 //!
@@ -112,12 +114,28 @@ pub fn save_checkpoint(
     optimizer_state: &[(String, Tensor)],
     trainer: &TrainerState,
 ) -> Result<PathBuf> {
+    save_checkpoint_with(out_dir, params, optimizer_state, trainer, &[])
+}
+
+/// [`save_checkpoint`] with extra files `(name, bytes)` written into the checkpoint before it
+/// is renamed into place, so they appear with it or not at all. Their names must be plain file
+/// names other than the checkpoint's own; they are not checksummed (loading never reads them).
+pub fn save_checkpoint_with(
+    out_dir: &Path,
+    params: &BTreeMap<String, Tensor>,
+    optimizer_state: &[(String, Tensor)],
+    trainer: &TrainerState,
+    extra_files: &[(&str, Vec<u8>)],
+) -> Result<PathBuf> {
     let final_path = checkpoint_path(out_dir, trainer.step);
     if final_path.exists() {
         return Err(Error::CheckpointExists { path: final_path });
     }
     let model = named_map(params.iter(), MODEL_FILE)?;
     let optimizer = named_map(optimizer_state.iter().map(|(n, t)| (n, t)), OPTIMIZER_FILE)?;
+    for (name, _) in extra_files {
+        check_extra_name(&final_path, name)?;
+    }
 
     let parent = out_dir.join(CHECKPOINTS_DIR);
     if !parent.is_dir() {
@@ -126,15 +144,17 @@ pub fn save_checkpoint(
     }
     let temp = parent.join(temp_name("step", trainer.step));
     fs::create_dir(&temp).map_err(|e| io_err(&temp, e))?;
-    let written = write_contents(&temp, &model, &optimizer, trainer).and_then(|()| {
-        if final_path.exists() {
-            return Err(Error::CheckpointExists {
-                path: final_path.clone(),
-            });
-        }
-        fs::rename(&temp, &final_path).map_err(|e| io_err(&final_path, e))?;
-        sync_dir(&parent)
-    });
+    let written = write_extra_files(&temp, extra_files)
+        .and_then(|()| write_contents(&temp, &model, &optimizer, trainer))
+        .and_then(|()| {
+            if final_path.exists() {
+                return Err(Error::CheckpointExists {
+                    path: final_path.clone(),
+                });
+            }
+            fs::rename(&temp, &final_path).map_err(|e| io_err(&final_path, e))?;
+            sync_dir(&parent)
+        });
     if let Err(e) = written {
         // Best effort: the directory is ignored by readers either way.
         if let Err(rm) = fs::remove_dir_all(&temp) {
@@ -144,6 +164,34 @@ pub fn save_checkpoint(
     }
     tracing::info!(step = trainer.step, path = %final_path.display(), "checkpoint written");
     Ok(final_path)
+}
+
+/// A caller's extra file must be a plain name that does not shadow a checkpoint file.
+fn check_extra_name(checkpoint: &Path, name: &str) -> Result<()> {
+    let plain = Path::new(name).file_name().and_then(|n| n.to_str()) == Some(name);
+    let reserved = [MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE].contains(&name);
+    if plain && !reserved && !name.starts_with(TEMP_PREFIX) {
+        return Ok(());
+    }
+    let reason = format!(
+        "extra checkpoint file `{name}` must be a plain file name other than {MODEL_FILE}, \
+         {OPTIMIZER_FILE} and {TRAINER_FILE}"
+    );
+    Err(io_err(
+        &checkpoint.join(name),
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, reason),
+    ))
+}
+
+/// Writes and fsyncs the caller's extra files (the directory is synced with the rest).
+fn write_extra_files(dir: &Path, files: &[(&str, Vec<u8>)]) -> Result<()> {
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        let mut file = File::create(&path).map_err(|e| io_err(&path, e))?;
+        file.write_all(bytes).map_err(|e| io_err(&path, e))?;
+        file.sync_all().map_err(|e| io_err(&path, e))?;
+    }
+    Ok(())
 }
 
 fn write_contents(
