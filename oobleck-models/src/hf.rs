@@ -258,6 +258,14 @@ fn normalise(
     Ok(out)
 }
 
+/// The bytes of the HF `config.json` of `config` (pretty JSON, as [`save_pretrained`] writes
+/// it): beside a checkpoint's `model.safetensors` it lets `from_pretrained` load the directory.
+pub fn config_json(config: &ModelConfig) -> Vec<u8> {
+    serde_json::to_string_pretty(&config.to_hf_json())
+        .expect("a JSON value always serialises")
+        .into_bytes()
+}
+
 /// Writes `params` as an HF-layout model directory (`config.json` + `model.safetensors`), e.g.
 /// to export a trained model or to make test fixtures.
 pub fn save_pretrained(
@@ -269,9 +277,8 @@ pub fn save_pretrained(
         path: dir.into(),
         source,
     })?;
-    let json = serde_json::to_string_pretty(&config.to_hf_json()).expect("config serialises");
     let cfg_path = dir.join("config.json");
-    std::fs::write(&cfg_path, json).map_err(|source| Error::Io {
+    std::fs::write(&cfg_path, config_json(config)).map_err(|source| Error::Io {
         path: cfg_path,
         source,
     })?;
