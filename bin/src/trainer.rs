@@ -388,16 +388,12 @@ impl Trainer {
     }
 }
 
-/// `(inputs, targets)` as `[b, t]` u32 tensors.
+/// `(inputs, targets)` as `[b, t]` u32 tensors (see [`oobleck_models::workload::to_tensors`]).
 pub fn to_tensors(
     batch: &oobleck_models::data::Batch,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let shape = (batch.batch_size, batch.seq_len);
-    Ok((
-        Tensor::from_slice(&batch.inputs, shape, device)?,
-        Tensor::from_slice(&batch.targets, shape, device)?,
-    ))
+    Ok(oobleck_models::workload::to_tensors(batch, device)?)
 }
 
 /// The run directory of a job and, with `resume` (`--resume PATH`), the checkpoint it goes on
