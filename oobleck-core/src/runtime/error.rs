@@ -61,7 +61,7 @@ pub enum RuntimeError {
     Plan { nodes: usize, reason: String },
     /// The user's workload failed.
     #[error("the workload: {0}")]
-    Workload(BoxError),
+    Workload(#[source] BoxError),
     /// The process was started as an agent or worker of a job, but its `main` went on to
     /// something else: it did not call [`super::take_over`] first.
     #[error(

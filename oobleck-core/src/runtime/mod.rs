@@ -17,12 +17,16 @@
 //! - [`records`]: what workers report, and the typed lines of `events.jsonl` and
 //!   `metrics.jsonl`.
 
+pub mod agent;
+mod entry;
 pub mod error;
 pub mod job;
 pub mod pipe;
 pub mod records;
 pub mod spec;
+pub mod worker;
 
+pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
 pub use records::{Event, StepMetrics, WorkerReport};
 pub use spec::{DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, Workload};

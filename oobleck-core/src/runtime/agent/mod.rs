@@ -1,0 +1,427 @@
+//! The node agent (`OOBLECK_ROLE=agent`): one node's supervisor, whatever the workload.
+//! Registers with the master, receives the job and each generation's plan, starts one worker
+//! per device of the plan on this node, relays between the workers' pipes and the control
+//! protocol, and stops its workers on `Shutdown`, when the master goes away, or (with
+//! `exit_with_parent`) when its stdin closes.
+//!
+//! ```text
+//!  master ──Job, PlanAssignment, RendezvousList, StepCommitted, SaveState──► agent
+//!  agent  ──WorkerAssignment, ToWorker lines──► worker stdin
+//!  worker stdout ──WorkerReport lines──► agent ──Message::Worker{node, generation, report}──► master
+//!  worker exit ──► agent ──Message::Worker{.., report: Exited}──► master
+//! ```
+
+mod spawn;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use self::spawn::{spawn_worker, stop_workers, tell_all, Worker};
+use super::error::{Context, Result, RuntimeError};
+use super::pipe::{ranks_of_node, resolve, ToWorker, WorkerAssignment};
+use super::records::WorkerReport;
+use super::spec::JobConfig;
+use crate::elastic::protocol::{ExitStatus, Rendezvous};
+use crate::elastic::{Agent, ElasticError, Message, Token};
+use crate::planning::Plan;
+
+/// Bound of the registration and of every message to the master or a worker.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the agent looks at its workers between master messages.
+const POLL: Duration = Duration::from_millis(20);
+/// How long finished workers get to exit after `Shutdown` before they are killed.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// How a node agent finds and joins its job.
+#[derive(Clone)]
+pub struct AgentOptions {
+    /// The master's control address, `HOST:PORT` (a name or an IP).
+    pub master: String,
+    /// The job's shared secret (never sent over the network; the master checks it by
+    /// challenge-response).
+    pub token: String,
+    /// The IP this node's workers bind their data-plane ports on. `None`: the address this
+    /// machine reaches the master from.
+    pub host: Option<String>,
+    /// Exit (stopping the workers) when stdin closes: for agents started by the job's own
+    /// process or over ssh, so none outlives its parent.
+    pub exit_with_parent: bool,
+    /// How long to keep retrying while the master cannot be reached (it may start later).
+    pub wait: Duration,
+}
+
+impl std::fmt::Debug for AgentOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentOptions")
+            .field("master", &self.master)
+            .field("token", &"<redacted>")
+            .field("host", &self.host)
+            .field("exit_with_parent", &self.exit_with_parent)
+            .field("wait", &self.wait)
+            .finish()
+    }
+}
+
+/// Things the agent's loop hears besides the master.
+pub(super) enum Local {
+    /// `(generation, rank, report)`: reports of an earlier generation's workers are dropped.
+    Report(u64, u32, std::result::Result<WorkerReport, String>),
+    StdinClosed,
+}
+
+/// Runs one node of a job until the master shuts it down (`Ok`) or something fails. Builds
+/// its own (single-threaded) tokio runtime.
+pub fn run_agent(opts: &AgentOptions) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ctx("starting the agent's runtime")?;
+    rt.block_on(drive(opts))
+}
+
+async fn drive(opts: &AgentOptions) -> Result<()> {
+    let (local_tx, mut local_rx) = mpsc::unbounded_channel::<Local>();
+    if opts.exit_with_parent {
+        watch_stdin(local_tx.clone());
+    }
+    let token = Token::new(&opts.token).ctx("the job token")?;
+    let master = resolve(&opts.master)?;
+    let conn = register(master, &token, opts.wait).await?;
+    let node = conn.node();
+    let host = match &opts.host {
+        Some(h) => h.clone(),
+        None => conn.local_addr().ip().to_string(),
+    };
+    tracing::info!(node, %master, data_host = %host, "agent registered");
+    let mut agent = NodeAgent {
+        node,
+        host,
+        conn,
+        local_tx,
+        job: None,
+        generation: 0,
+        workers: Vec::new(),
+        exited: Vec::new(),
+    };
+    let result = agent.serve(&mut local_rx).await;
+    let grace = if result.is_ok() {
+        GRACE
+    } else {
+        Duration::ZERO
+    };
+    stop_workers(&mut agent.workers, grace).await;
+    result
+}
+
+/// Tells the loop when stdin closes: the process that started this agent is gone.
+fn watch_stdin(tx: mpsc::UnboundedSender<Local>) {
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let stdin = std::io::stdin();
+        let mut lock = stdin.lock();
+        let mut sink = String::new();
+        loop {
+            sink.clear();
+            match lock.read_line(&mut sink) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = tx.send(Local::StdinClosed);
+    });
+}
+
+/// Registers with the master. A master that is not up yet (agents and master started in any
+/// order) is waited for, up to `wait`; a refusal (wrong token, other version) is final.
+async fn register(master: std::net::SocketAddr, token: &Token, wait: Duration) -> Result<Agent> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut told = false;
+    loop {
+        match Agent::connect(master, token, CONTROL_TIMEOUT).await {
+            Ok(a) => return Ok(a),
+            Err(e @ (ElasticError::Io { .. } | ElasticError::Timeout { .. }))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                if !told {
+                    eprintln!(
+                        "oobleck agent: no master at {master} yet ({e}); retrying for up to {} s",
+                        wait.as_secs()
+                    );
+                    told = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => {
+                return Err(e).with_ctx(|| format!("registering with the master at {master}"))
+            }
+        }
+    }
+}
+
+/// What the master said the job is: its run directory, settings and resumed checkpoint.
+struct Job {
+    run_dir: PathBuf,
+    config: JobConfig,
+    resume: Option<PathBuf>,
+}
+
+/// Whether the agent goes on after a master message.
+enum Flow {
+    Continue,
+    Shutdown,
+}
+
+/// A registered agent and its workers.
+struct NodeAgent {
+    node: u32,
+    /// The IP its workers bind their data-plane ports on.
+    host: String,
+    conn: Agent,
+    local_tx: mpsc::UnboundedSender<Local>,
+    job: Option<Job>,
+    /// The generation whose workers run (0: none yet).
+    generation: u64,
+    workers: Vec<Worker>,
+    /// Exits seen but not yet told, so that a worker's last reports reach the master first.
+    exited: Vec<WorkerReport>,
+}
+
+impl NodeAgent {
+    fn error(&self, what: String) -> RuntimeError {
+        RuntimeError::Protocol {
+            who: format!("node {}", self.node),
+            what,
+        }
+    }
+
+    /// The agent's loop: local events first, then exits, then the master or a worker,
+    /// whichever speaks first.
+    async fn serve(&mut self, local_rx: &mut mpsc::UnboundedReceiver<Local>) -> Result<()> {
+        // A local event that woke the loop below, handled first on the next turn.
+        let mut woke: Option<Local> = None;
+        loop {
+            while let Some(ev) = woke.take().or_else(|| local_rx.try_recv().ok()) {
+                self.on_local(ev).await?;
+            }
+            for report in std::mem::take(&mut self.exited) {
+                self.send_report(report)
+                    .await
+                    .ctx("reporting a worker exit")?;
+            }
+            self.reap_workers().await?;
+            // A worker's `Ready` goes out at once: every rank's commit waits for the slowest
+            // report.
+            let incoming = tokio::select! {
+                ev = local_rx.recv() => {
+                    woke = ev;
+                    continue;
+                }
+                m = self.conn.recv(POLL) => m,
+            };
+            match incoming {
+                Ok(msg) => {
+                    if let Flow::Shutdown = self.on_message(msg).await? {
+                        return Ok(());
+                    }
+                }
+                Err(ElasticError::Timeout { .. }) => {}
+                Err(e) => {
+                    return Err(e).with_ctx(|| format!("node {}: the master connection", self.node))
+                }
+            }
+        }
+    }
+
+    async fn send_report(&self, report: WorkerReport) -> std::result::Result<(), ElasticError> {
+        let msg = Message::Worker {
+            node: self.node,
+            generation: self.generation,
+            report,
+        };
+        self.conn.send(msg, CONTROL_TIMEOUT).await
+    }
+
+    async fn on_local(&mut self, ev: Local) -> Result<()> {
+        match ev {
+            Local::StdinClosed => {
+                Err(self.error("the process that started this agent is gone".into()))
+            }
+            Local::Report(g, _, _) if g != self.generation => Ok(()),
+            Local::Report(_, rank, r) => {
+                let report = r.map_err(|e| self.error(format!("worker rank {rank}: {e}")))?;
+                if report.rank() != rank || matches!(report, WorkerReport::Exited { .. }) {
+                    return Err(self.error(format!(
+                        "worker rank {rank} sent {report:?}, which is not a report of its own"
+                    )));
+                }
+                self.send_report(report)
+                    .await
+                    .ctx("relaying a worker's report to the master")
+            }
+        }
+    }
+
+    /// Notes the workers that exited; their exits go out on the next turn, after the reports
+    /// their relays read last.
+    async fn reap_workers(&mut self) -> Result<()> {
+        let mut i = 0;
+        while i < self.workers.len() {
+            let Some(st) = self.workers[i].child.try_wait().ctx("polling a worker")? else {
+                i += 1;
+                continue;
+            };
+            let w = self.workers.remove(i);
+            // Its relay ends at the EOF of its stdout; the reports it read are then queued.
+            let _ = tokio::time::timeout(GRACE, w.relay).await;
+            let tail = tokio::time::timeout(GRACE, w.errors)
+                .await
+                .ok()
+                .and_then(std::result::Result::ok)
+                .unwrap_or_default();
+            let error = (!st.success() && !tail.is_empty()).then(|| tail.join("\n"));
+            self.exited.push(WorkerReport::Exited {
+                rank: w.rank,
+                status: ExitStatus {
+                    code: st.code(),
+                    signal: st.signal(),
+                },
+                error,
+            });
+        }
+        Ok(())
+    }
+
+    async fn on_message(&mut self, msg: Message) -> Result<Flow> {
+        match msg {
+            Message::Job {
+                run_dir,
+                config,
+                resume,
+            } => self.on_job(run_dir, config, resume)?,
+            Message::PlanAssignment {
+                generation,
+                plan,
+                nccl_unique_id,
+                ..
+            } => self.on_plan(generation, &plan, nccl_unique_id).await?,
+            Message::RendezvousList {
+                generation,
+                rendezvous,
+            } if generation == self.generation => self.on_rendezvous(rendezvous).await?,
+            Message::StepCommitted { step, generation } if generation == self.generation => {
+                tell_all(self.node, &mut self.workers, &ToWorker::Commit { step }).await?;
+            }
+            Message::SaveState {
+                generation,
+                step,
+                dir,
+            } if generation == self.generation => self.on_save_state(step, dir).await,
+            Message::KillNode { node } if node == self.node => return Err(self.on_kill()),
+            Message::Shutdown { reason } => {
+                tracing::info!(node = self.node, %reason, "shutdown");
+                return Ok(Flow::Shutdown);
+            }
+            other => {
+                tracing::debug!(node = self.node, kind = other.kind(), "ignored a message");
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn on_job(
+        &mut self,
+        run_dir: String,
+        config: serde_json::Value,
+        resume: Option<String>,
+    ) -> Result<()> {
+        let config: JobConfig = serde_json::from_value(config).ctx(
+            "the master sent a job this agent cannot read (another version of the program?)",
+        )?;
+        self.job = Some(Job {
+            run_dir: PathBuf::from(run_dir),
+            config,
+            resume: resume.map(PathBuf::from),
+        });
+        Ok(())
+    }
+
+    /// A new generation: this node's workers of the old one go at once (their step was not
+    /// committed; the new generation replays it), and nothing of theirs is reported any more;
+    /// then one worker per device of the plan on this node.
+    async fn on_plan(&mut self, g: u64, plan: &Plan, nccl_id: Option<Vec<u8>>) -> Result<()> {
+        let (node, generation) = (self.node, self.generation);
+        if g <= generation && !self.workers.is_empty() {
+            return Err(self.error(format!(
+                "a plan of generation {g} arrived while generation {generation} runs"
+            )));
+        }
+        if !self.workers.is_empty() {
+            tracing::info!(node, from = generation, to = g, "stopping workers");
+            stop_workers(&mut self.workers, Duration::ZERO).await;
+        }
+        self.exited.clear();
+        let Some(job) = &self.job else {
+            return Err(self.error("the master sent a plan before the job".into()));
+        };
+        self.generation = g;
+        for rank in ranks_of_node(plan, node) {
+            let a = WorkerAssignment {
+                generation: g,
+                rank,
+                node,
+                plan: plan.clone(),
+                host: self.host.clone(),
+                run_dir: job.run_dir.clone(),
+                job: job.config.clone(),
+                nccl_id: nccl_id.clone(),
+                resume: job.resume.clone(),
+            };
+            self.workers
+                .push(spawn_worker(&a, self.local_tx.clone()).await?);
+        }
+        Ok(())
+    }
+
+    async fn on_rendezvous(&mut self, rendezvous: Vec<Rendezvous>) -> Result<()> {
+        tell_all(
+            self.node,
+            &mut self.workers,
+            &ToWorker::Rendezvous { rendezvous },
+        )
+        .await
+    }
+
+    /// Workers that already exited cannot answer; the master falls back to a checkpoint when
+    /// a state it asked for does not come.
+    async fn on_save_state(&mut self, step: u64, dir: String) {
+        let msg = ToWorker::SaveState {
+            step,
+            dir: PathBuf::from(dir),
+        };
+        let node = self.node;
+        for w in self.workers.iter_mut() {
+            if let Err(e) = tell_all(node, std::slice::from_mut(w), &msg).await {
+                tracing::warn!(node, error = %e, "asking for the state");
+            }
+        }
+    }
+
+    /// A failure injected for a demo or test: this node dies as a machine would, its workers
+    /// and this agent by SIGKILL, with no goodbye to anyone. Returns only if that failed.
+    fn on_kill(&mut self) -> RuntimeError {
+        tracing::warn!(
+            node = self.node,
+            "killing this node's processes (injected failure)"
+        );
+        for w in self.workers.iter_mut() {
+            let _ = w.child.start_kill();
+        }
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &std::process::id().to_string()])
+            .status();
+        self.error("could not SIGKILL itself for the injected failure".into())
+    }
+}

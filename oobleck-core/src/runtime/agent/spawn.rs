@@ -1,0 +1,210 @@
+//! An agent's worker processes: started by re-running this binary as `OOBLECK_ROLE=worker`,
+//! fed through their stdin, heard through their stdout (reports) and stderr (their log, whose
+//! last lines explain a failure), and stopped.
+//!
+//! The agent is a process role, like a binary's `main`: a worker's log goes on to the agent's
+//! stderr, so this module prints.
+
+use std::collections::VecDeque;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+use super::{Local, CONTROL_TIMEOUT, GRACE};
+use crate::elastic::auth::TOKEN_ENV;
+use crate::runtime::entry::{
+    AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV, WORKER,
+};
+use crate::runtime::error::{Context, Result, RuntimeError};
+use crate::runtime::pipe::{ToWorker, WorkerAssignment};
+use crate::runtime::records::WorkerReport;
+
+/// Lines of a worker's stderr kept to explain its failure to the master.
+const ERROR_LINES: usize = 40;
+
+/// One running worker of this node.
+pub(super) struct Worker {
+    pub(super) rank: u32,
+    pub(super) child: Child,
+    /// The worker's stdin: its messages, and it exits when this closes.
+    stdin: ChildStdin,
+    /// Relays its stdout; done once the worker closed it.
+    pub(super) relay: tokio::task::JoinHandle<()>,
+    /// Relays its stderr and returns its last lines; done once the worker closed it.
+    pub(super) errors: tokio::task::JoinHandle<Vec<String>>,
+}
+
+/// Writes `msg` to every worker's stdin.
+pub(super) async fn tell_all(node: u32, workers: &mut [Worker], msg: &ToWorker) -> Result<()> {
+    let mut line = serde_json::to_string(msg).ctx("encoding a message for the workers")?;
+    line.push('\n');
+    for w in workers.iter_mut() {
+        tokio::time::timeout(CONTROL_TIMEOUT, w.stdin.write_all(line.as_bytes()))
+            .await
+            .map_err(|_| RuntimeError::Protocol {
+                who: format!("node {node}"),
+                what: format!("timed out writing to worker rank {}", w.rank),
+            })?
+            .with_ctx(|| format!("writing to worker rank {}", w.rank))?;
+    }
+    Ok(())
+}
+
+/// Starts the worker of assignment `a`, hands it the assignment, and relays its reports to
+/// `reports` as [`Local::Report`].
+pub(super) async fn spawn_worker(
+    a: &WorkerAssignment,
+    reports: mpsc::UnboundedSender<Local>,
+) -> Result<Worker> {
+    let exe = std::env::current_exe().ctx("locating this program's binary")?;
+    let mut cmd = Command::new(&exe);
+    // A worker's error (a lost peer, most often) is reported without an anyhow backtrace of
+    // the user's code, which RUST_BACKTRACE=1 would otherwise print by the screenful; panics
+    // keep theirs.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        cmd.env("RUST_LIB_BACKTRACE", "0");
+    }
+    // The agent's own settings, the token first, are none of a worker's business.
+    for var in [
+        TOKEN_ENV,
+        MASTER_ENV,
+        HOST_ENV,
+        AGENT_WAIT_ENV,
+        EXIT_WITH_PARENT_ENV,
+    ] {
+        cmd.env_remove(var);
+    }
+    let mut child = cmd
+        .env(ROLE_ENV, WORKER)
+        .env(RANK_ENV, a.rank.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_ctx(|| format!("starting worker rank {} ({})", a.rank, exe.display()))?;
+    let stderr = child.stderr.take().ctx("worker stderr")?;
+    let mut stdin = child.stdin.take().ctx("worker stdin")?;
+    let stdout = child.stdout.take().ctx("worker stdout")?;
+    let mut line = serde_json::to_string(a).ctx("encoding a worker's assignment")?;
+    line.push('\n');
+    tokio::time::timeout(CONTROL_TIMEOUT, stdin.write_all(line.as_bytes()))
+        .await
+        .map_err(|_| RuntimeError::Protocol {
+            who: format!("node {}", a.node),
+            what: format!("timed out handing worker rank {} its assignment", a.rank),
+        })?
+        .ctx("handing a worker its assignment")?;
+    let (rank, generation) = (a.rank, a.generation);
+    // Relay the worker's reports; anything else it prints goes to our stderr.
+    let relay = tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            match WorkerReport::parse(&l) {
+                Some(r) => {
+                    if reports.send(Local::Report(generation, rank, r)).is_err() {
+                        break;
+                    }
+                }
+                None => eprintln!("[rank {rank}] {l}"),
+            }
+        }
+    });
+    let errors = tokio::spawn(pass_stderr(stderr));
+    Ok(Worker {
+        rank,
+        child,
+        stdin,
+        relay,
+        errors,
+    })
+}
+
+/// Passes a worker's stderr on, keeping the last lines: the master is told them if it fails.
+async fn pass_stderr(stderr: tokio::process::ChildStderr) -> Vec<String> {
+    let mut tail: VecDeque<String> = VecDeque::new();
+    let mut in_backtrace = false;
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(l)) = lines.next_line().await {
+        eprintln!("{l}");
+        // A backtrace (RUST_BACKTRACE=1) would push the message itself out of the tail.
+        if l.starts_with("Stack backtrace:") {
+            in_backtrace = true;
+        } else if l.starts_with("Error:") {
+            in_backtrace = false;
+        }
+        if in_backtrace {
+            continue;
+        }
+        if tail.len() == ERROR_LINES {
+            tail.pop_front();
+        }
+        tail.push_back(l);
+    }
+    error_lines(tail.into_iter().collect())
+}
+
+/// The part of a failed worker's last stderr lines (backtraces left out) that says why: from
+/// its last `Error:` line (the runtime's report) on; else all of them. Blank lines are dropped.
+pub(super) fn error_lines(tail: Vec<String>) -> Vec<String> {
+    let start = tail
+        .iter()
+        .rposition(|l| l.starts_with("Error:"))
+        .unwrap_or(0);
+    tail[start..]
+        .iter()
+        .filter(|l| !l.trim().is_empty())
+        .cloned()
+        .collect()
+}
+
+/// Waits up to `grace` for the workers to exit by themselves, then kills the rest.
+pub(super) async fn stop_workers(workers: &mut Vec<Worker>, grace: Duration) {
+    let deadline = tokio::time::Instant::now() + grace;
+    for w in workers.iter_mut() {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if tokio::time::timeout(left, w.child.wait()).await.is_err() {
+            let _ = w.child.start_kill();
+            let _ = tokio::time::timeout(GRACE, w.child.wait()).await;
+        }
+    }
+    workers.clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(s: &[&str]) -> Vec<String> {
+        s.iter().map(|l| l.to_string()).collect()
+    }
+
+    #[test]
+    fn a_failed_workers_explanation_starts_at_its_last_error_line() {
+        let tail = lines(&[
+            "some progress",
+            "Error: first try",
+            "",
+            "Error: rank 1: step 3: rank 2 lost",
+            "",
+            "Caused by:",
+            "    0: peer closed",
+        ]);
+        assert_eq!(
+            error_lines(tail),
+            lines(&[
+                "Error: rank 1: step 3: rank 2 lost",
+                "Caused by:",
+                "    0: peer closed"
+            ])
+        );
+        // No error line (a panic, a signal): everything it said, blank lines dropped.
+        assert_eq!(
+            error_lines(lines(&["thread 'main' panicked", "", "at src/x.rs"])),
+            lines(&["thread 'main' panicked", "at src/x.rs"])
+        );
+    }
+}

@@ -1,0 +1,268 @@
+//! The entry point of a user's binary: one call at the top of `main` that takes over when the
+//! process was started as a node agent or a worker of a job, the way MPI programs re-run the
+//! same binary. The runtime starts those processes by re-executing the binary
+//! ([`std::env::current_exe`]) with no arguments (the binary's flags are its own) and says
+//! what each is in the environment:
+//!
+//! | variable                   | role   | meaning                                          |
+//! |----------------------------|--------|--------------------------------------------------|
+//! | `OOBLECK_ROLE`             | both   | `agent` or `worker`; unset: the user's process    |
+//! | `OOBLECK_MASTER`           | agent  | the master's control address, `HOST:PORT`        |
+//! | `OOBLECK_TOKEN`            | agent  | the job's shared secret                           |
+//! | `OOBLECK_HOST`             | agent  | optional: the IP its workers bind their data plane on |
+//! | `OOBLECK_AGENT_WAIT`       | agent  | optional: seconds to wait for the master (120)    |
+//! | `OOBLECK_EXIT_WITH_PARENT` | agent  | `1`: exit when stdin closes                        |
+//! | `OOBLECK_RANK`             | worker | the worker's global rank                          |
+//!
+//! This module ends the process for those roles, so it prints: the error on stderr, in the
+//! `Error: ...` form whose lines an agent sends the master when its worker fails.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use super::agent::{run_agent, AgentOptions};
+use super::error::{BoxError, Result, RuntimeError};
+use super::spec::Workload;
+use super::worker::run_worker;
+use crate::elastic::auth::TOKEN_ENV;
+use crate::elastic::Token;
+
+/// What this process was started as.
+pub const ROLE_ENV: &str = "OOBLECK_ROLE";
+/// The master's control address of an agent.
+pub const MASTER_ENV: &str = "OOBLECK_MASTER";
+/// The data-plane IP of an agent's workers.
+pub const HOST_ENV: &str = "OOBLECK_HOST";
+/// Seconds an agent waits for its master.
+pub const AGENT_WAIT_ENV: &str = "OOBLECK_AGENT_WAIT";
+/// `1`: the agent exits when its stdin closes.
+pub const EXIT_WITH_PARENT_ENV: &str = "OOBLECK_EXIT_WITH_PARENT";
+/// A worker's global rank.
+pub const RANK_ENV: &str = "OOBLECK_RANK";
+
+/// `OOBLECK_ROLE` of a node agent.
+pub const AGENT: &str = "agent";
+/// `OOBLECK_ROLE` of a worker.
+pub const WORKER: &str = "worker";
+
+/// How long an agent waits for its master when `OOBLECK_AGENT_WAIT` is unset.
+const DEFAULT_AGENT_WAIT_S: u64 = 120;
+
+/// Exit code of a role that failed.
+const FAILED: i32 = 1;
+/// Exit code of a process started with a role this library does not have.
+const UNKNOWN_ROLE: i32 = 2;
+
+/// The role this process was started with (`OOBLECK_ROLE`), `None` for a user's own process.
+pub fn role() -> Option<String> {
+    std::env::var_os(ROLE_ENV).map(|r| r.to_string_lossy().into_owned())
+}
+
+/// The first call of a user's `main`: when this process was started as an agent or a worker
+/// of a job, runs that role here and exits the process (0, or 1 after printing the error);
+/// otherwise returns at once. `factory` builds the workload in each worker from the job's
+/// workload settings ([`super::JobConfig::workload`]).
+pub fn take_over<F>(factory: F)
+where
+    F: Fn(&serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError>
+        + Send
+        + Sync
+        + 'static,
+{
+    let Some(role) = role() else {
+        return;
+    };
+    let result = match role.as_str() {
+        AGENT => agent_options_from_env().and_then(|opts| run_agent(&opts)),
+        WORKER => rank_from_env().and_then(|rank| run_worker(rank, &factory)),
+        other => {
+            eprintln!(
+                "Error: {ROLE_ENV}={other:?} is not a role of the oobleck runtime (it starts \
+                 its processes with {AGENT:?} or {WORKER:?}); unset {ROLE_ENV} to run this \
+                 program yourself"
+            );
+            std::process::exit(UNKNOWN_ROLE);
+        }
+    };
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("{}", error_report(&e));
+            std::process::exit(FAILED);
+        }
+    }
+}
+
+/// The command that starts a local agent of the master at `master` from binary `exe`: it
+/// exits when its stdin (piped) closes, and is killed when the returned child is dropped.
+pub fn agent_command(
+    exe: &Path,
+    master: SocketAddr,
+    token: &Token,
+    wait_s: u64,
+) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.env(ROLE_ENV, AGENT)
+        .env(MASTER_ENV, master.to_string())
+        .env(TOKEN_ENV, token.expose())
+        .env(AGENT_WAIT_ENV, wait_s.to_string())
+        .env(EXIT_WITH_PARENT_ENV, "1")
+        .env_remove(RANK_ENV)
+        .env_remove(HOST_ENV)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// An error in the environment a role was started with.
+fn bad_env(role: &str, what: String) -> RuntimeError {
+    RuntimeError::Protocol {
+        who: format!("{ROLE_ENV}={role}"),
+        what,
+    }
+}
+
+fn env_var(name: &str, role: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(bad_env(role, format!("{name} is not valid UTF-8")))
+        }
+    }
+}
+
+fn required(name: &str, role: &str) -> Result<String> {
+    env_var(name, role)?.ok_or_else(|| {
+        bad_env(
+            role,
+            format!("{name} is not set; the runtime sets it when it starts this process"),
+        )
+    })
+}
+
+/// An agent's options from its environment.
+fn agent_options_from_env() -> Result<AgentOptions> {
+    let wait_s = match env_var(AGENT_WAIT_ENV, AGENT)? {
+        None => DEFAULT_AGENT_WAIT_S,
+        Some(s) => s.trim().parse().map_err(|_| {
+            bad_env(
+                AGENT,
+                format!("{AGENT_WAIT_ENV}={s:?} is not a whole number of seconds"),
+            )
+        })?,
+    };
+    let exit_with_parent = match env_var(EXIT_WITH_PARENT_ENV, AGENT)?.as_deref() {
+        None | Some("0") | Some("") => false,
+        Some("1") => true,
+        Some(other) => {
+            return Err(bad_env(
+                AGENT,
+                format!("{EXIT_WITH_PARENT_ENV}={other:?} must be 1 or 0"),
+            ))
+        }
+    };
+    Ok(AgentOptions {
+        master: required(MASTER_ENV, AGENT)?,
+        token: required(TOKEN_ENV, AGENT)?,
+        host: env_var(HOST_ENV, AGENT)?.filter(|h| !h.trim().is_empty()),
+        exit_with_parent,
+        wait: Duration::from_secs(wait_s),
+    })
+}
+
+/// A worker's rank from its environment.
+fn rank_from_env() -> Result<u32> {
+    let s = required(RANK_ENV, WORKER)?;
+    s.trim().parse().map_err(|_| {
+        bad_env(
+            WORKER,
+            format!("{RANK_ENV}={s:?} is not a rank (a whole number)"),
+        )
+    })
+}
+
+/// The messages of `e` and of its sources, skipping a source whose text an outer message
+/// already includes (most of this crate's errors print their source).
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    let mut lines = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !lines.iter().any(|l| l.contains(&text)) {
+            lines.push(text);
+        }
+        source = s.source();
+    }
+    lines
+}
+
+/// `Error: {e}`, then its other causes (as `anyhow` prints the error of `main`).
+fn error_report(e: &RuntimeError) -> String {
+    let chain = error_chain(e);
+    let mut out = format!("Error: {}", chain[0]);
+    if chain.len() > 1 {
+        out.push_str("\n\nCaused by:");
+        for (i, c) in chain[1..].iter().enumerate() {
+            out.push_str(&format!("\n    {i}: {c}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("disk full")]
+    struct Inner;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("writing the state")]
+    struct Outer(#[source] Inner);
+
+    #[test]
+    fn an_error_report_lists_each_cause_once() {
+        // Context prints its source; the chain must not repeat it.
+        let e = RuntimeError::Context {
+            what: "rank 1: step 3".into(),
+            source: Box::new(Inner),
+        };
+        assert_eq!(error_report(&e), "Error: rank 1: step 3: disk full");
+        // A source the message leaves out is listed below it.
+        let e = RuntimeError::workload(Outer(Inner));
+        assert_eq!(
+            error_report(&e),
+            "Error: the workload: writing the state\n\nCaused by:\n    0: disk full"
+        );
+    }
+
+    #[test]
+    fn the_agent_command_names_the_role_and_everything_the_agent_reads() {
+        let token = Token::new("s3cret").expect("token");
+        let master: SocketAddr = "127.0.0.1:7000".parse().expect("literal");
+        let cmd = agent_command(Path::new("/bin/true"), master, &token, 10);
+        let envs: Vec<(String, Option<String>)> = cmd
+            .as_std()
+            .get_envs()
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.map(|v| v.to_string_lossy().into_owned()),
+                )
+            })
+            .collect();
+        let get = |k: &str| envs.iter().find(|e| e.0 == k).and_then(|e| e.1.clone());
+        assert_eq!(get(ROLE_ENV).as_deref(), Some(AGENT));
+        assert_eq!(get(MASTER_ENV).as_deref(), Some("127.0.0.1:7000"));
+        assert_eq!(get(TOKEN_ENV).as_deref(), Some("s3cret"));
+        assert_eq!(get(AGENT_WAIT_ENV).as_deref(), Some("10"));
+        assert_eq!(get(EXIT_WITH_PARENT_ENV).as_deref(), Some("1"));
+        assert_eq!(cmd.as_std().get_args().count(), 0);
+    }
+}

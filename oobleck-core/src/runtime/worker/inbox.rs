@@ -1,0 +1,104 @@
+//! The worker's ends of its pipe: the agent's lines on stdin, the reports on stdout.
+//!
+//! This module owns the process's stdin and stdout (the pipe protocol of [`crate::runtime::pipe`]),
+//! so it prints: the worker's stderr is its log, which the agent passes on.
+
+use std::io::{BufRead, Write};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use crate::runtime::error::{Context, Result, RuntimeError};
+use crate::runtime::pipe::{ToWorker, WorkerAssignment};
+use crate::runtime::records::WorkerReport;
+
+/// How long a worker waits for its assignment on stdin.
+const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Exit code of a worker whose agent closed its stdin.
+const ORPHANED: i32 = 3;
+
+fn protocol(rank: u32, what: String) -> RuntimeError {
+    RuntimeError::Protocol {
+        who: format!("rank {rank}"),
+        what,
+    }
+}
+
+/// The worker's stdin: the assignment, then the agent's messages. A thread reads it and ends
+/// the process when it closes: the agent that started us is gone, so nobody would ever
+/// commit a step or collect our results.
+pub(super) struct Inbox {
+    rank: u32,
+    rx: mpsc::Receiver<Result<ToWorker>>,
+}
+
+impl Inbox {
+    /// Starts reading stdin; returns the assignment (its first line) and the rest.
+    pub(super) fn start(rank: u32) -> Result<(WorkerAssignment, Inbox)> {
+        let (first_tx, first_rx) = mpsc::channel();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || read_stdin(rank, first_tx, tx));
+        let line = first_rx
+            .recv_timeout(ASSIGNMENT_TIMEOUT)
+            .map_err(|_| {
+                protocol(
+                    rank,
+                    format!("no assignment on stdin within {ASSIGNMENT_TIMEOUT:?}"),
+                )
+            })?
+            .ctx("reading the assignment from stdin")?;
+        let a = serde_json::from_str(line.trim()).ctx("parsing the assignment from stdin")?;
+        Ok((a, Inbox { rank, rx }))
+    }
+
+    /// The next message from the agent, waiting at most `timeout`.
+    pub(super) fn next(&self, timeout: Duration, waiting_for: &str) -> Result<ToWorker> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(m) => m,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(protocol(
+                self.rank,
+                format!("no {waiting_for} from the agent within {timeout:?}"),
+            )),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(protocol(self.rank, "the agent's stdin closed".into()))
+            }
+        }
+    }
+}
+
+fn read_stdin(
+    rank: u32,
+    first: mpsc::Sender<std::io::Result<String>>,
+    rest: mpsc::Sender<Result<ToWorker>>,
+) {
+    let stdin = std::io::stdin();
+    let mut lock = stdin.lock();
+    let mut line = String::new();
+    let _ = first.send(lock.read_line(&mut line).map(|_| line.clone()));
+    loop {
+        line.clear();
+        match lock.read_line(&mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                let msg = serde_json::from_str::<ToWorker>(line.trim()).map_err(|e| {
+                    protocol(
+                        rank,
+                        format!("malformed message from the agent: {:?}: {e}", line.trim()),
+                    )
+                });
+                if rest.send(msg).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    eprintln!("oobleck worker: its agent closed stdin; exiting");
+    std::process::exit(ORPHANED);
+}
+
+/// Writes `r` on stdout for the agent.
+pub(super) fn report(r: &WorkerReport) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", r.line()).ctx("writing a report to stdout")?;
+    out.flush().ctx("flushing stdout")
+}

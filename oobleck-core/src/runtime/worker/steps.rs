@@ -1,0 +1,202 @@
+//! A generation's steps: iteration and gradient sync, `Ready`, the master's commit, the
+//! optimizer; and what a worker does once a step failed.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor, Var};
+
+use super::inbox::{report, Inbox};
+use super::{protocol, state_path, state_path_at, Generation, COMMIT_TIMEOUT};
+use crate::execution::sync_gradients;
+use crate::optim::AdamW;
+use crate::runtime::entry::error_chain;
+use crate::runtime::error::{Context, Result, RuntimeError};
+use crate::runtime::pipe::ToWorker;
+use crate::runtime::records::WorkerReport;
+use crate::runtime::spec::Workload;
+
+/// How long a worker whose step failed waits for the master's instructions.
+const BROKEN_WAIT: Duration = Duration::from_secs(120);
+
+impl Generation<'_> {
+    /// Runs every step left and reports `Done`. When a step fails, the peers are failed fast
+    /// (instead of into their timeouts) and this worker waits with its committed state.
+    pub(super) fn run(&mut self, workload: &dyn Workload, inbox: &Inbox) -> Result<()> {
+        match self.train(workload, inbox) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.comm.abort();
+                self.broken(inbox, e)
+            }
+        }
+    }
+
+    fn train(&mut self, workload: &dyn Workload, inbox: &Inbox) -> Result<()> {
+        let (rank, training) = (self.a.rank, &self.a.job.training);
+        let params: Vec<(String, Var)> = self.worker.params();
+        // Pipeline 0 holds every layer once: its ranks (device 0 of each stage) leave the
+        // state the master assembles into checkpoints and evaluates.
+        let pos = self.worker.position();
+        let saves_state = pos.pipeline == 0 && pos.device == 0;
+        let mut commit_wait = Duration::ZERO;
+        for step in self.committed..training.steps {
+            commit_wait += self.step(workload, inbox, &params, step)?;
+            let s = step + 1;
+            self.committed = s;
+            if saves_state && s < training.steps && training.state_due(s) {
+                let path = state_path_at(&self.a.run_dir, s, rank);
+                save_state(&params, &self.opt, &path)?;
+                report(&WorkerReport::Saved {
+                    rank,
+                    step: s,
+                    state: path.display().to_string(),
+                })?;
+            }
+        }
+        let mut state = None;
+        if saves_state {
+            let path = state_path(&self.a.run_dir, rank);
+            save_state(&params, &self.opt, &path)?;
+            state = Some(path.display().to_string());
+        }
+        report(&WorkerReport::Done {
+            rank,
+            step: training.steps,
+            state,
+            commit_wait_ms: commit_wait.as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Step `step + 1` (0-based `step`): computes, reports `Ready`, waits for the commit and
+    /// applies it. Returns the time spent waiting for the commit.
+    fn step(
+        &mut self,
+        workload: &dyn Workload,
+        inbox: &Inbox,
+        params: &[(String, Var)],
+        step: u64,
+    ) -> Result<Duration> {
+        let (rank, training) = (self.a.rank, &self.a.job.training);
+        let seed = training.seed;
+        let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
+            let mb = u32::try_from(mb)
+                .map_err(|_| crate::Error::workload(format!("microbatch {mb} is past u32")))?;
+            workload
+                .microbatch(seed, step, mb, &Device::Cpu)
+                .map_err(|e| {
+                    let why = error_chain(e.as_ref()).join(": ");
+                    crate::Error::workload(format!("microbatch {mb}: {why}"))
+                })
+        };
+        let out = self
+            .worker
+            .run_iteration(self.comm.as_ref(), step, &mut batch)
+            .with_ctx(|| format!("rank {rank}: step {}", step + 1))?;
+        let (grads, sync) =
+            sync_gradients(&self.worker, self.comm.as_ref(), out, training.grad_clip)
+                .with_ctx(|| format!("rank {rank}: gradient sync of step {}", step + 1))?;
+        report(&WorkerReport::Ready {
+            rank,
+            step: step + 1,
+            loss: sync.loss,
+            grad_norm: sync.grad_norm,
+        })?;
+        let waited = Instant::now();
+        self.wait_commit(inbox, params, step)?;
+        let waited = waited.elapsed();
+        self.opt
+            .step(params, &grads, training.lr.lr_at(step))
+            .with_ctx(|| format!("rank {rank}: optimizer step {}", step + 1))?;
+        Ok(waited)
+    }
+
+    /// Waits for the commit of step `step + 1`, answering `SaveState` for `step` meanwhile
+    /// (the step failed elsewhere; this rank still holds the state of `step`).
+    fn wait_commit(&self, inbox: &Inbox, params: &[(String, Var)], step: u64) -> Result<()> {
+        let rank = self.a.rank;
+        loop {
+            match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
+                ToWorker::Commit { step: s } if s == step + 1 => return Ok(()),
+                ToWorker::SaveState { step: s, dir } if s == step => {
+                    save_for_rescue(rank, params, &self.opt, s, &dir)?;
+                }
+                other => {
+                    return Err(protocol(
+                        rank,
+                        format!(
+                            "waits for the commit of step {}, the agent sent {other:?}",
+                            step + 1
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// After a failed step: this worker still holds the parameters and optimizer state of
+    /// step `committed` (the optimizer applies only on commit). It says so and waits: the
+    /// master may ask for that state (`SaveState`), so the next generation loses no committed
+    /// step. Ends with `error` when its agent stops it (stdin closes) or nothing comes.
+    fn broken(&self, inbox: &Inbox, error: RuntimeError) -> Result<()> {
+        let rank = self.a.rank;
+        let said = report(&WorkerReport::Broken {
+            rank,
+            step: self.committed,
+            error: error_chain(&error).join(": "),
+        });
+        if said.is_err() {
+            return Err(error);
+        }
+        let params: Vec<(String, Var)> = self.worker.params();
+        loop {
+            match inbox.next(BROKEN_WAIT, "the master's word after a failed step") {
+                Ok(ToWorker::SaveState { step, dir }) if step == self.committed => {
+                    save_for_rescue(rank, &params, &self.opt, step, &dir)?;
+                }
+                Ok(other) => {
+                    tracing::debug!(rank, ?other, "ignored after a failed step");
+                }
+                Err(_) => return Err(error),
+            }
+        }
+    }
+}
+
+/// Writes a rank's parameters (`param/NAME`) and optimizer state (`opt/ENTRY`) to `path`.
+fn save_state(params: &[(String, Var)], opt: &AdamW, path: &Path) -> Result<()> {
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, var) in params {
+        tensors.insert(format!("param/{name}"), var.as_tensor().clone());
+    }
+    for (name, t) in opt.export_state()? {
+        tensors.insert(format!("opt/{name}"), t);
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| RuntimeError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    candle_core::safetensors::save(&tensors, path)
+        .with_ctx(|| format!("writing {}", path.display()))
+}
+
+/// Answers the master's `SaveState` after a failure: this rank's state of committed `step`,
+/// written under `dir` and reported.
+fn save_for_rescue(
+    rank: u32,
+    params: &[(String, Var)],
+    opt: &AdamW,
+    step: u64,
+    dir: &Path,
+) -> Result<()> {
+    let path = dir.join(format!("rank-{rank:05}.safetensors"));
+    save_state(params, opt, &path)?;
+    report(&WorkerReport::Saved {
+        rank,
+        step,
+        state: path.display().to_string(),
+    })
+}
