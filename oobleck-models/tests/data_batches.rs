@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use oobleck_models::data::{
-    default_corpus_path, default_tokenizer_dir, BatchSpec, DataCursor, DataError, Dataset,
-    Gpt2Tokenizer, Split, VALIDATION_PER_MILLE,
+    default_tokenizer_dir, BatchSpec, DataCursor, DataError, Dataset, Gpt2Tokenizer, Split,
+    EMBEDDED_CORPUS, VALIDATION_PER_MILLE,
 };
 
 const SEED: u64 = 42;
@@ -18,7 +18,7 @@ fn tokenizer() -> Arc<Gpt2Tokenizer> {
 /// A temp folder with `corpus.txt` (real English text) and a `cache/` folder.
 fn small_corpus(bytes: usize) -> (tempfile::TempDir, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(default_corpus_path()).unwrap();
+    let text = EMBEDDED_CORPUS;
     let end = text[..bytes].rfind('\n').unwrap() + 1;
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(&corpus, &text[..end]).unwrap();
@@ -187,7 +187,7 @@ fn too_small_datasets_and_bad_requests_give_the_numbers() {
 fn stale_and_corrupt_caches_are_rebuilt() {
     let (_dir, corpus, cache) = small_corpus(20_000);
     let ds = open(&corpus, &cache);
-    let path = ds.cache_path().to_path_buf();
+    let path = ds.cache_path().unwrap().to_path_buf();
     assert_eq!(path, cache.join("corpus.txt.tokens"));
     let before = ds.num_tokens();
     drop(ds);
@@ -283,9 +283,10 @@ fn missing_unreadable_or_unwritable_inputs_are_clear_errors() {
 fn default_cache_lives_next_to_the_corpus_unless_overridden() {
     let (_dir, corpus, _cache) = small_corpus(2_000);
     let ds = Dataset::open_with(&corpus, tokenizer(), None).unwrap();
+    let path = ds.cache_path().unwrap();
     match std::env::var_os("OOBLECK_CACHE_DIR").filter(|d| !d.is_empty()) {
-        None => assert_eq!(ds.cache_path(), corpus.with_file_name("corpus.txt.tokens")),
-        Some(dir) => assert!(ds.cache_path().starts_with(dir)),
+        None => assert_eq!(path, corpus.with_file_name("corpus.txt.tokens")),
+        Some(dir) => assert!(path.starts_with(dir)),
     }
-    assert!(ds.cache_path().is_file());
+    assert!(path.is_file());
 }

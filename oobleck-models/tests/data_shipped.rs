@@ -1,15 +1,13 @@
-//! The shipped corpus and tokenizer are found without flags, tokenize, and serve batches.
-//! Uses the default cache location, so the first run here writes `datasets/shakespeare.txt.tokens`
-//! (git-ignored) and later runs, and `train`, reuse it.
+//! The shipped corpus and tokenizer, built into the library, open without paths, tokenize, and
+//! serve batches. Uses the default cache location (`$OOBLECK_CACHE_DIR`, else the user cache
+//! folder), so the first run here writes `shakespeare.txt-<hash>.tokens` there and later runs,
+//! and `train`, reuse it.
 
-use oobleck_models::data::{
-    default_corpus_path, default_tokenizer_dir, BatchSpec, Dataset, Split, GPT2_VOCAB_SIZE,
-};
+use oobleck_models::data::{open_dataset, BatchSpec, Split, EMBEDDED_CORPUS, GPT2_VOCAB_SIZE};
 
 #[test]
 fn shipped_corpus_opens_with_the_default_paths_and_decodes_back() {
-    let corpus = default_corpus_path();
-    let ds = Dataset::open(&corpus, &default_tokenizer_dir(), None).unwrap();
+    let ds = open_dataset(None, None).unwrap();
     ds.tokenizer().check_vocab(GPT2_VOCAB_SIZE).unwrap();
     // tiktoken's GPT-2 encoding of the same file gives these 1,562,739 ids (u16 LE, hashed);
     // see datasets/README.md for the command.
@@ -19,7 +17,7 @@ fn shipped_corpus_opens_with_the_default_paths_and_decodes_back() {
         "1413959d6fb94ab7d408e11a8cbb5ddc96c609ec5d114b7fac8904efb92f6c9a"
     );
 
-    let text = std::fs::read_to_string(&corpus).unwrap();
+    let text = EMBEDDED_CORPUS;
     let train = ds.split(Split::Train);
     let first = train.sequential_batch(256, 1, 0).unwrap();
     let decoded = ds.tokenizer().decode(&first.inputs).unwrap();

@@ -138,13 +138,9 @@ pub struct Dataset {
 impl Dataset {
     /// Opens `corpus` (a UTF-8 text file) with the tokenizer at `tokenizer` (see
     /// [`Gpt2Tokenizer::from_path`]), tokenizing it once into the cache (see [`TokenCache`]).
+    /// For "this path or the built-in one" use [`super::open_dataset`].
     pub fn open(corpus: &Path, tokenizer: &Path, cache_dir: Option<&Path>) -> Result<Self> {
-        if !corpus.exists() {
-            return Err(DataError::NotFound {
-                what: "corpus",
-                path: corpus.to_path_buf(),
-            });
-        }
+        Self::check_corpus_exists(corpus)?;
         let tokenizer = Gpt2Tokenizer::from_path(tokenizer)?;
         Self::open_with(corpus, Arc::new(tokenizer), cache_dir)
     }
@@ -156,16 +152,43 @@ impl Dataset {
         cache_dir: Option<&Path>,
     ) -> Result<Self> {
         let tokens = TokenCache::open(corpus, &tokenizer, cache_dir)?;
+        Ok(Self::from_tokens(corpus, tokenizer, tokens))
+    }
+
+    /// The corpus compiled into the library ([`super::EMBEDDED_CORPUS`]) with `tokenizer`.
+    /// Its cache goes to `cache_dir` or the shared cache folders, else stays in memory (see
+    /// [`TokenCache::open_bytes`]); [`Self::corpus`] is [`super::EMBEDDED_CORPUS_NAME`].
+    pub fn open_embedded(tokenizer: Arc<Gpt2Tokenizer>, cache_dir: Option<&Path>) -> Result<Self> {
+        let label = Path::new(super::EMBEDDED_CORPUS_NAME);
+        let bytes = super::EMBEDDED_CORPUS.as_bytes();
+        let tokens = TokenCache::open_bytes(label, bytes, &tokenizer, cache_dir)?;
+        Ok(Self::from_tokens(label, tokenizer, tokens))
+    }
+
+    /// [`DataError::NotFound`] unless `corpus` exists (checked before a tokenizer is loaded,
+    /// so that a mistyped corpus path is the error reported).
+    pub(crate) fn check_corpus_exists(corpus: &Path) -> Result<()> {
+        if corpus.exists() {
+            Ok(())
+        } else {
+            Err(DataError::NotFound {
+                what: "corpus",
+                path: corpus.to_path_buf(),
+            })
+        }
+    }
+
+    fn from_tokens(corpus: &Path, tokenizer: Arc<Gpt2Tokenizer>, tokens: TokenCache) -> Self {
         let n = tokens.len();
         let validation_len = n * VALIDATION_PER_MILLE / 1000;
-        Ok(Self {
+        Self {
             corpus: corpus.to_path_buf(),
             tokenizer,
             train: 0..n - validation_len,
             validation: n - validation_len..n,
             tokens,
             order: Mutex::new(None),
-        })
+        }
     }
 
     /// The tokenizer the corpus was encoded with.
@@ -173,13 +196,13 @@ impl Dataset {
         &self.tokenizer
     }
 
-    /// The corpus file.
+    /// The corpus file ([`super::EMBEDDED_CORPUS_NAME`] for the built-in corpus).
     pub fn corpus(&self) -> &Path {
         &self.corpus
     }
 
-    /// The token cache file in use.
-    pub fn cache_path(&self) -> &Path {
+    /// The token cache file in use; `None` when the tokens are held in memory.
+    pub fn cache_path(&self) -> Option<&Path> {
         self.tokens.path()
     }
 

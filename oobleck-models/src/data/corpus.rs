@@ -20,11 +20,21 @@
 //! [`default_cache_dirs`] that already holds a valid cache, else the first that is writable:
 //! `$OOBLECK_CACHE_DIR` (alone, if set), next to the corpus (`<corpus>.tokens`),
 //! `$XDG_CACHE_HOME/oobleck-rs` (or `~/.cache/oobleck-rs`), then the system temp folder. So a
-//! read-only checkout still works.
+//! read-only checkout still works. The built-in corpus (which has no folder) skips "next to the
+//! corpus" ([`shared_cache_dirs`]). When no default place is writable the tokens are kept in
+//! memory for this process (logged at debug level); an explicit folder that is not writable is
+//! an error instead, since the caller asked for it.
+//!
+//! Several workers of a local cluster start at once and may all miss the cache: each tokenizes,
+//! writes its own uniquely named temporary file and renames it over the cache name. The files
+//! are identical, so whichever rename lands last, every reader maps a complete, valid cache; a
+//! writer whose rename fails uses the cache another one published, if valid.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use memmap2::Mmap;
@@ -58,10 +68,13 @@ struct Header {
     tokens_sha256: String,
 }
 
-/// Token ids of one corpus, memory-mapped from the cache file.
+/// Token ids of one corpus, memory-mapped from the cache file (or, with no writable cache
+/// place, held in memory).
 pub struct TokenCache {
-    path: PathBuf,
-    map: Mmap,
+    /// The cache file; `None` when the tokens are held in memory.
+    path: Option<PathBuf>,
+    bytes: CacheBytes,
+    /// Where the token data starts in `bytes`.
     offset: usize,
     num_tokens: usize,
     tokens_sha256: String,
@@ -72,7 +85,23 @@ impl std::fmt::Debug for TokenCache {
         f.debug_struct("TokenCache")
             .field("path", &self.path)
             .field("num_tokens", &self.num_tokens)
+            .field("in_memory", &matches!(self.bytes, CacheBytes::Owned(_)))
             .finish()
+    }
+}
+
+/// The bytes of a cache file: mapped, or built in memory when no cache place was writable.
+enum CacheBytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl CacheBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            CacheBytes::Mapped(map) => map,
+            CacheBytes::Owned(bytes) => bytes,
+        }
     }
 }
 
@@ -80,21 +109,46 @@ impl std::fmt::Debug for TokenCache {
 /// with whether the file name must carry the corpus hash (shared folders may hold caches of
 /// several corpora with the same file name).
 pub fn default_cache_dirs(corpus: &Path) -> Vec<(PathBuf, bool)> {
+    let shared = shared_cache_dirs();
+    if std::env::var_os("OOBLECK_CACHE_DIR").is_some_and(|d| !d.is_empty()) {
+        return shared.into_iter().map(|d| (d, true)).collect();
+    }
+    let parent = corpus.parent().filter(|p| !p.as_os_str().is_empty());
+    let mut dirs = vec![(parent.unwrap_or(Path::new(".")).to_path_buf(), false)];
+    dirs.extend(shared.into_iter().map(|d| (d, true)));
+    dirs
+}
+
+/// The cache folders that are not beside a corpus, in order: `$OOBLECK_CACHE_DIR` alone if
+/// set; else `$XDG_CACHE_HOME/oobleck-rs` (or `~/.cache/oobleck-rs`), then the temp folder.
+/// Used for the built-in corpus, whose cache file names always carry its hash.
+pub fn shared_cache_dirs() -> Vec<PathBuf> {
     if let Some(dir) = std::env::var_os("OOBLECK_CACHE_DIR").filter(|d| !d.is_empty()) {
-        return vec![(PathBuf::from(dir), true)];
+        return vec![PathBuf::from(dir)];
     }
     let mut dirs = Vec::new();
-    let parent = corpus.parent().filter(|p| !p.as_os_str().is_empty());
-    dirs.push((parent.unwrap_or(Path::new(".")).to_path_buf(), false));
     let xdg = std::env::var_os("XDG_CACHE_HOME")
         .filter(|d| !d.is_empty())
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
     if let Some(xdg) = xdg {
-        dirs.push((xdg.join("oobleck-rs"), true));
+        dirs.push(xdg.join("oobleck-rs"));
     }
-    dirs.push((std::env::temp_dir().join("oobleck-rs-cache"), true));
+    dirs.push(std::env::temp_dir().join("oobleck-rs-cache"));
     dirs
+}
+
+/// The corpus a cache is built from: its bytes, its name in messages and where its cache may go.
+struct Source<'a> {
+    /// The corpus path, or [`super::EMBEDDED_CORPUS_NAME`] for the built-in one.
+    label: &'a Path,
+    bytes: Cow<'a, [u8]>,
+    sha256: String,
+    /// Cache files to try, in order.
+    candidates: Vec<PathBuf>,
+    /// Whether, with no candidate writable, the tokens may be kept in memory (default places
+    /// only: an explicit folder the caller named must work).
+    in_memory_ok: bool,
 }
 
 impl TokenCache {
@@ -111,69 +165,121 @@ impl TokenCache {
             });
         }
         let bytes = read_input(corpus, "corpus")?;
-        let corpus_sha256 = hex::encode(Sha256::digest(&bytes));
+        let sha256 = hex::encode(Sha256::digest(&bytes));
         let name = corpus
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "corpus".into());
-        let candidates: Vec<PathBuf> = match cache_dir {
+        let candidates = match cache_dir {
             Some(dir) => vec![dir.join(format!("{name}.tokens"))],
             None => default_cache_dirs(corpus)
                 .into_iter()
                 .map(|(dir, hashed)| {
                     if hashed {
-                        dir.join(format!("{name}-{}.tokens", &corpus_sha256[..16]))
+                        dir.join(hashed_name(&name, &sha256))
                     } else {
                         dir.join(format!("{name}.tokens"))
                     }
                 })
                 .collect(),
         };
+        Self::open_source(
+            Source {
+                label: corpus,
+                bytes: Cow::Owned(bytes),
+                sha256,
+                candidates,
+                in_memory_ok: cache_dir.is_none(),
+            },
+            tokenizer,
+        )
+    }
+
+    /// Opens the token cache of a corpus compiled into the binary (`label` names it in
+    /// messages and, by its file name, in the cache's name). It never goes beside a source
+    /// file: `cache_dir` or the [`shared_cache_dirs`], else memory.
+    pub fn open_bytes(
+        label: &Path,
+        bytes: &[u8],
+        tokenizer: &Gpt2Tokenizer,
+        cache_dir: Option<&Path>,
+    ) -> Result<Self> {
+        let sha256 = hex::encode(Sha256::digest(bytes));
+        let name = label
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "corpus".into());
+        let dirs = match cache_dir {
+            Some(dir) => vec![dir.to_path_buf()],
+            None => shared_cache_dirs(),
+        };
+        let candidates = dirs
+            .into_iter()
+            .map(|d| d.join(hashed_name(&name, &sha256)))
+            .collect();
+        Self::open_source(
+            Source {
+                label,
+                bytes: Cow::Borrowed(bytes),
+                sha256,
+                candidates,
+                in_memory_ok: cache_dir.is_none(),
+            },
+            tokenizer,
+        )
+    }
+
+    fn open_source(src: Source<'_>, tokenizer: &Gpt2Tokenizer) -> Result<Self> {
         let want = |h: &Header| {
-            h.corpus_sha256 == corpus_sha256
+            h.corpus_sha256 == src.sha256
                 && h.tokenizer_sha256 == tokenizer.hash()
                 && h.vocab_size == tokenizer.vocab_size() as u64
         };
-        for path in &candidates {
+        for path in &src.candidates {
             if let Some(cache) = Self::load_if_valid(path, &want) {
                 tracing::debug!(path = %path.display(), tokens = cache.num_tokens, "token cache hit");
                 return Ok(cache);
             }
         }
 
-        let ids = tokenize_corpus(corpus, &bytes, tokenizer)?;
-        let tokens: Vec<u8> = ids
-            .iter()
-            .flat_map(|&id| (id as u16).to_le_bytes())
-            .collect();
-        let header = Header {
-            corpus_sha256: corpus_sha256.clone(),
-            corpus_bytes: bytes.len() as u64,
-            tokenizer_sha256: tokenizer.hash().to_owned(),
-            vocab_size: tokenizer.vocab_size() as u64,
-            num_tokens: ids.len() as u64,
-            tokens_sha256: hex::encode(Sha256::digest(&tokens)),
-        };
-        let file = encode_file(&header, &tokens);
+        let (file, header) = build_file(&src, tokenizer)?;
         let mut tried = Vec::new();
-        for path in &candidates {
-            match write_atomic(path, &file) {
-                Ok(()) => {
-                    tracing::info!(path = %path.display(), tokens = ids.len(), "wrote token cache");
-                    return Self::load_if_valid(path, &want).ok_or_else(|| DataError::Io {
-                        path: path.clone(),
-                        source: std::io::Error::other("token cache unreadable right after writing"),
-                    });
-                }
-                Err(e) => {
-                    tracing::debug!(path = %path.display(), error = %e, "cache location not usable");
-                    tried.push(format!("{} ({e})", path.display()));
-                }
-            }
+        for path in &src.candidates {
+            let problem = match write_atomic(path, &file) {
+                Ok(()) => match Self::load_if_valid(path, &want) {
+                    Some(cache) => {
+                        tracing::info!(path = %path.display(), tokens = cache.num_tokens, "wrote token cache");
+                        return Ok(cache);
+                    }
+                    None => "unreadable right after writing".to_owned(),
+                },
+                Err(e) => match Self::load_if_valid(path, &want) {
+                    // Another process published the same cache while this one tokenized.
+                    Some(cache) => return Ok(cache),
+                    None => e.to_string(),
+                },
+            };
+            tracing::debug!(path = %path.display(), problem, "cache location not usable");
+            tried.push(format!("{} ({problem})", path.display()));
         }
-        Err(DataError::NoWritableCache {
-            corpus: corpus.to_path_buf(),
-            tried: tried.join(", "),
+        if !src.in_memory_ok {
+            return Err(DataError::NoWritableCache {
+                corpus: src.label.to_path_buf(),
+                tried: tried.join(", "),
+            });
+        }
+        tracing::debug!(
+            corpus = %src.label.display(),
+            tried = tried.join(", "),
+            "no writable token cache location; keeping the tokens in memory"
+        );
+        let num_tokens = header.num_tokens as usize;
+        Ok(Self {
+            path: None,
+            offset: file.len() - 2 * num_tokens,
+            bytes: CacheBytes::Owned(file),
+            num_tokens,
+            tokens_sha256: header.tokens_sha256,
         })
     }
 
@@ -200,8 +306,8 @@ impl TokenCache {
                     return None;
                 }
                 Some(Self {
-                    path: path.to_path_buf(),
-                    map,
+                    path: Some(path.to_path_buf()),
+                    bytes: CacheBytes::Mapped(map),
                     offset,
                     num_tokens,
                     tokens_sha256: header.tokens_sha256,
@@ -218,9 +324,9 @@ impl TokenCache {
         }
     }
 
-    /// The cache file in use.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The cache file in use; `None` when the tokens are held in memory (no writable place).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     /// SHA-256 (hex) of the token data (`num_tokens` u16 LE ids), as checked on open.
@@ -241,18 +347,42 @@ impl TokenCache {
     /// Token `i`. Panics if `i >= len()`: callers index within checked ranges.
     pub fn get(&self, i: usize) -> u32 {
         let at = self.offset + 2 * i;
-        u16::from_le_bytes([self.map[at], self.map[at + 1]]) as u32
+        let bytes = self.bytes.as_slice();
+        u16::from_le_bytes([bytes[at], bytes[at + 1]]) as u32
     }
 
     /// Appends tokens `[start, start + n)` to `out`. Panics if the range is out of bounds.
     pub fn extend_into(&self, start: usize, n: usize, out: &mut Vec<u32>) {
-        let bytes = &self.map[self.offset + 2 * start..self.offset + 2 * (start + n)];
+        let bytes = &self.bytes.as_slice()[self.offset + 2 * start..self.offset + 2 * (start + n)];
         out.extend(
             bytes
                 .chunks_exact(2)
                 .map(|p| u16::from_le_bytes([p[0], p[1]]) as u32),
         );
     }
+}
+
+/// `<name>-<first 16 hex digits of the corpus hash>.tokens`: the name in shared folders.
+fn hashed_name(name: &str, corpus_sha256: &str) -> String {
+    format!("{name}-{}.tokens", &corpus_sha256[..16])
+}
+
+/// Tokenizes the corpus and lays out the whole cache file; also returns its header.
+fn build_file(src: &Source<'_>, tokenizer: &Gpt2Tokenizer) -> Result<(Vec<u8>, Header)> {
+    let ids = tokenize_corpus(src.label, &src.bytes, tokenizer)?;
+    let tokens: Vec<u8> = ids
+        .iter()
+        .flat_map(|&id| (id as u16).to_le_bytes())
+        .collect();
+    let header = Header {
+        corpus_sha256: src.sha256.clone(),
+        corpus_bytes: src.bytes.len() as u64,
+        tokenizer_sha256: tokenizer.hash().to_owned(),
+        vocab_size: tokenizer.vocab_size() as u64,
+        num_tokens: ids.len() as u64,
+        tokens_sha256: hex::encode(Sha256::digest(&tokens)),
+    };
+    Ok((encode_file(&header, &tokens), header))
 }
 
 fn tokenize_corpus(path: &Path, bytes: &[u8], tokenizer: &Gpt2Tokenizer) -> Result<Vec<u32>> {
@@ -326,18 +456,30 @@ fn parse(bytes: &[u8]) -> std::result::Result<(Header, usize), String> {
 }
 
 /// Writes `bytes` to `path` via a temporary file in the same folder: write, fsync, rename,
-/// fsync the folder. Creates the folder if needed.
+/// fsync the folder. Creates the folder if needed. The temporary name is unique to this
+/// process and call (process id, a counter, the clock) and created exclusively, so concurrent writers,
+/// in one process or several, never write into each other's file.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    static WRITES: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let nth = WRITES.fetch_add(1, Ordering::Relaxed);
+    // The clock only keeps a file left by a crashed process of a reused id out of the way.
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
     let file_name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = dir.join(format!(".{file_name}.tmp-{}-{nanos}", std::process::id()));
+    let tmp = dir.join(format!(
+        ".{file_name}.tmp-{}-{nth}-{nanos}",
+        std::process::id()
+    ));
     let result = (|| {
-        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+        let mut f = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(io_err(&tmp))?;
         f.write_all(bytes).map_err(io_err(&tmp))?;
         f.sync_all().map_err(io_err(&tmp))?;
         drop(f);

@@ -1,5 +1,9 @@
 //! Corpus, GPT-2 tokenizer, on-disk token cache and deterministic batches.
 //!
+//! [`open_dataset`] / [`open_tokenizer`] take a user's path or `None` for the built-in corpus
+//! and tokenizer, which are compiled in from `datasets/` (embedded.rs): a node running the
+//! default job needs no files beside its binary.
+//!
 //! ```text
 //!  datasets/shakespeare.txt ──┐
 //!                             ├─ tokenize once ─> <corpus>.tokens (u16 LE, header with the
@@ -18,10 +22,14 @@
 
 mod batches;
 mod corpus;
+mod embedded;
 mod tokenizer;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
-pub use corpus::{default_cache_dirs, TokenCache, CACHE_FORMAT_VERSION};
+pub use corpus::{default_cache_dirs, shared_cache_dirs, TokenCache, CACHE_FORMAT_VERSION};
+pub use embedded::{
+    open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
+};
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 
 use std::path::{Path, PathBuf};
@@ -88,6 +96,10 @@ pub type Result<T> = std::result::Result<T, DataError>;
 
 /// `datasets/` of this workspace: the compile-time location when it still exists (so
 /// `cargo run` from anywhere finds it), else `./datasets` relative to the working directory.
+///
+/// This and the two functions below name the source files, for tests and tools that read the
+/// files themselves (the tokenizer's reference ids, path-based loading, slices of the corpus).
+/// Running code uses [`open_dataset`] / [`open_tokenizer`], which need no `datasets/`.
 pub fn default_datasets_dir() -> PathBuf {
     let compiled = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
@@ -99,12 +111,14 @@ pub fn default_datasets_dir() -> PathBuf {
     }
 }
 
-/// The shipped corpus, `datasets/shakespeare.txt` (see `datasets/README.md`).
+/// The shipped corpus's source file, `datasets/shakespeare.txt` (see `datasets/README.md`);
+/// kept for tests and tools that need the file (see [`default_datasets_dir`]).
 pub fn default_corpus_path() -> PathBuf {
     default_datasets_dir().join(DEFAULT_CORPUS_FILE)
 }
 
-/// The shipped GPT-2 tokenizer folder, `datasets/gpt2-tokenizer/`.
+/// The shipped GPT-2 tokenizer's source folder, `datasets/gpt2-tokenizer/`; kept for tests and
+/// tools that need the files (see [`default_datasets_dir`]).
 pub fn default_tokenizer_dir() -> PathBuf {
     default_datasets_dir().join(DEFAULT_TOKENIZER_DIR)
 }

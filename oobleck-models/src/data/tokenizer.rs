@@ -1,5 +1,6 @@
 //! The GPT-2 byte-level BPE tokenizer, built with the `tokenizers` crate from OpenAI's original
-//! `encoder.json` + `vocab.bpe` (shipped in `datasets/gpt2-tokenizer/`, see its README).
+//! `encoder.json` + `vocab.bpe` (shipped in `datasets/gpt2-tokenizer/`, see its README, and
+//! compiled into the library: [`Gpt2Tokenizer::embedded`]).
 //!
 //! Matches OpenAI's `gpt-2/src/encoder.py` and tiktoken's `gpt2` encoding id for id (checked
 //! against `datasets/gpt2-tokenizer/reference_ids.json` by the tests). One difference, the same
@@ -9,10 +10,11 @@
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
-use tokenizers::models::bpe::BPE;
+use tokenizers::models::bpe::{Merges, Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
+use super::embedded::{EMBEDDED_ENCODER_JSON, EMBEDDED_TOKENIZER_NAME, EMBEDDED_VOCAB_BPE};
 use super::{read_input, DataError, Result};
 
 /// Vocabulary size of GPT-2 (and GPT-3, OPT-compatible presets): 50,000 merges + 256 bytes +
@@ -90,18 +92,38 @@ impl Gpt2Tokenizer {
     pub fn from_vocab_and_merges(vocab_path: &Path, merges_path: &Path) -> Result<Self> {
         let vocab_bytes = read_input(vocab_path, "tokenizer vocabulary")?;
         let merges_bytes = read_input(merges_path, "tokenizer merges")?;
-        let vocab_size = validate_vocab(vocab_path, &vocab_bytes)?;
-        validate_merges(merges_path, &merges_bytes)?;
+        let source = vocab_path.parent().unwrap_or(vocab_path).to_path_buf();
+        Self::from_bpe_bytes(
+            (vocab_path, &vocab_bytes),
+            (merges_path, &merges_bytes),
+            source,
+        )
+    }
 
-        let utf8_path = |p: &Path| {
-            p.to_str()
-                .map(str::to_owned)
-                .ok_or(DataError::BadTokenizer {
-                    path: p.to_path_buf(),
-                    problem: "path is not valid UTF-8".into(),
-                })
-        };
-        let bpe = BPE::from_file(&utf8_path(vocab_path)?, &utf8_path(merges_path)?)
+    /// The GPT-2 tokenizer compiled into the library (the bytes of `datasets/gpt2-tokenizer/`,
+    /// so its [`Self::hash`] and ids equal those of [`Self::from_path`] on that folder).
+    pub fn embedded() -> Self {
+        let dir = Path::new(EMBEDDED_TOKENIZER_NAME);
+        Self::from_bpe_bytes(
+            (&dir.join("encoder.json"), EMBEDDED_ENCODER_JSON),
+            (&dir.join("vocab.bpe"), EMBEDDED_VOCAB_BPE),
+            dir.to_path_buf(),
+        )
+        .expect("the built-in tokenizer files are the shipped ones, which the tests load")
+    }
+
+    /// GPT-2's byte-level BPE from the bytes of a vocabulary and a merges file; the paths name
+    /// them in errors.
+    fn from_bpe_bytes(
+        (vocab_path, vocab_bytes): (&Path, &[u8]),
+        (merges_path, merges_bytes): (&Path, &[u8]),
+        source: PathBuf,
+    ) -> Result<Self> {
+        let vocab = parse_vocab(vocab_path, vocab_bytes)?;
+        let vocab_size = vocab.len();
+        let merges = parse_merges(merges_path, merges_bytes)?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
             .build()
             .map_err(|e| DataError::BadTokenizer {
                 path: vocab_path.to_path_buf(),
@@ -116,12 +138,12 @@ impl Gpt2Tokenizer {
         let mut h = Sha256::new();
         h.update(b"oobleck gpt2 byte-level bpe v1\0");
         h.update((vocab_bytes.len() as u64).to_le_bytes());
-        h.update(&vocab_bytes);
-        h.update(&merges_bytes);
+        h.update(vocab_bytes);
+        h.update(merges_bytes);
         Ok(Self {
             vocab_size: inner.get_vocab_size(true).max(vocab_size),
             inner,
-            source: vocab_path.parent().unwrap_or(vocab_path).to_path_buf(),
+            source,
             hash: hex::encode(h.finalize()),
         })
     }
@@ -210,8 +232,8 @@ impl Gpt2Tokenizer {
     }
 }
 
-/// Checks that `bytes` is a JSON object of `token -> id` whose ids are exactly `0..n`; returns n.
-fn validate_vocab(path: &Path, bytes: &[u8]) -> Result<usize> {
+/// The `token -> id` JSON object in `bytes`, checked to use exactly the ids `0..n`.
+fn parse_vocab(path: &Path, bytes: &[u8]) -> Result<Vocab> {
     let bad = |problem: String| DataError::BadTokenizer {
         path: path.to_path_buf(),
         problem,
@@ -219,7 +241,8 @@ fn validate_vocab(path: &Path, bytes: &[u8]) -> Result<usize> {
     let map: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(bytes).map_err(|e| bad(format!("not a JSON object: {e}")))?;
     let mut seen = vec![false; map.len()];
-    for (token, id) in &map {
+    let mut vocab = Vocab::with_capacity(map.len());
+    for (token, id) in map.iter() {
         let id = id
             .as_u64()
             .filter(|&id| (id as usize) < map.len())
@@ -232,31 +255,38 @@ fn validate_vocab(path: &Path, bytes: &[u8]) -> Result<usize> {
         if std::mem::replace(&mut seen[id as usize], true) {
             return Err(bad(format!("id {id} is used twice")));
         }
+        // In range: id < map.len(), and a JSON object of 2^32 entries cannot be in memory.
+        vocab.insert(token.clone(), id as u32);
     }
-    if map.is_empty() {
+    if vocab.is_empty() {
         return Err(bad("vocabulary is empty".into()));
     }
-    Ok(map.len())
+    Ok(vocab)
 }
 
-/// Checks that every non-header line of a merges file is two space-separated symbols.
-fn validate_merges(path: &Path, bytes: &[u8]) -> Result<()> {
+/// The merges of a merges file in rank order: every line but a `#version` header and blank
+/// lines is two space-separated symbols.
+fn parse_merges(path: &Path, bytes: &[u8]) -> Result<Merges> {
     let text = std::str::from_utf8(bytes).map_err(|e| DataError::NotUtf8 {
         path: path.to_path_buf(),
         offset: e.valid_up_to(),
     })?;
+    let mut merges = Merges::new();
     for (i, line) in text.lines().enumerate() {
         if line.starts_with("#version") || line.is_empty() {
             continue;
         }
-        if line.split(' ').count() != 2 {
-            return Err(DataError::BadTokenizer {
-                path: path.to_path_buf(),
-                problem: format!("line {}: expected two symbols, got {line:?}", i + 1),
-            });
+        match line.split_once(' ') {
+            Some((a, b)) if !b.contains(' ') => merges.push((a.to_owned(), b.to_owned())),
+            _ => {
+                return Err(DataError::BadTokenizer {
+                    path: path.to_path_buf(),
+                    problem: format!("line {}: expected two symbols, got {line:?}", i + 1),
+                })
+            }
         }
     }
-    Ok(())
+    Ok(merges)
 }
 
 /// Byte offsets, roughly every `chunk` bytes, where cutting `text` cannot change GPT-2's
@@ -320,7 +350,7 @@ mod tests {
     }
 
     fn shipped() -> Gpt2Tokenizer {
-        Gpt2Tokenizer::from_path(&crate::data::default_tokenizer_dir()).unwrap()
+        Gpt2Tokenizer::embedded()
     }
 
     fn whole(tok: &Gpt2Tokenizer, text: &str) -> Vec<u32> {
@@ -351,8 +381,7 @@ mod tests {
     #[test]
     fn chunked_encoding_equals_one_pass_on_the_corpus() {
         let tok = shipped();
-        let corpus = std::fs::read_to_string(crate::data::default_corpus_path()).unwrap();
-        let text = &corpus[..600_000];
+        let text = &crate::data::EMBEDDED_CORPUS[..600_000];
         assert!(cut_points(text, CHUNK_BYTES).len() >= 2);
         assert_eq!(tok.encode(text).unwrap(), whole(&tok, text));
     }
