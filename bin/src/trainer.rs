@@ -14,9 +14,7 @@ use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
-use oobleck_models::data::{
-    default_corpus_path, default_tokenizer_dir, BatchSpec, DataCursor, Dataset, Split,
-};
+use oobleck_models::data::{self, BatchSpec, DataCursor, Dataset, Split};
 use oobleck_models::{hf, ModelConfig};
 use serde::Serialize;
 
@@ -86,15 +84,18 @@ pub fn model_config(cfg: &TrainConfig) -> Result<(ModelConfig, Option<HashMap<St
     Ok((ModelConfig::preset(&cfg.model)?, None))
 }
 
-/// Opens the job's corpus with its tokenizer (the shipped ones by default).
+/// Opens the job's corpus with its tokenizer (the built-in ones by default: nothing is read
+/// from `datasets/`, so a node needs only the binary; a `--dataset` path every node must have).
 pub fn open_dataset(cfg: &TrainConfig) -> Result<Dataset> {
-    let corpus = cfg.dataset.clone().unwrap_or_else(default_corpus_path);
-    let tok = cfg.tokenizer.clone().unwrap_or_else(default_tokenizer_dir);
-    Dataset::open(&corpus, &tok, None).with_context(|| {
+    let named = |path: &Option<PathBuf>, built_in: &str| {
+        path.as_ref()
+            .map_or_else(|| built_in.to_owned(), |p| p.display().to_string())
+    };
+    data::open_dataset(cfg.dataset.as_deref(), cfg.tokenizer.as_deref()).with_context(|| {
         format!(
             "opening dataset {} with tokenizer {}",
-            corpus.display(),
-            tok.display()
+            named(&cfg.dataset, data::EMBEDDED_CORPUS_NAME),
+            named(&cfg.tokenizer, data::EMBEDDED_TOKENIZER_NAME)
         )
     })
 }

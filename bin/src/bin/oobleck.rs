@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use oobleck_cli::generate::{sample, whole_model, Sampling};
 use oobleck_core::checkpoint;
-use oobleck_models::data::{default_tokenizer_dir, Gpt2Tokenizer};
+use oobleck_models::data::open_tokenizer;
 use oobleck_models::{preset_names, ModelConfig};
 
 /// Tools for Oobleck-rs training jobs.
@@ -188,12 +188,7 @@ fn generate(a: &GenerateArgs) -> Result<()> {
     let model = model_cfg.build()?;
     let params: HashMap<_, _> = ck.params.into_iter().collect();
     let stage = whole_model(model.as_ref(), &params)?;
-    let tok_path = a
-        .tokenizer
-        .clone()
-        .or(cfg.tokenizer.clone())
-        .unwrap_or_else(default_tokenizer_dir);
-    let tok = Gpt2Tokenizer::from_path(&tok_path)?;
+    let tok = open_tokenizer(a.tokenizer.as_deref().or(cfg.tokenizer.as_deref()))?;
     tok.check_vocab(model_cfg.vocab_size())?;
     println!("checkpoint {} (step {})", ckpt.display(), ck.trainer.step);
     for i in 0..a.samples {
