@@ -4,6 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use oobleck_core::model::LayeredModel;
+use oobleck_core::planning::TransformerShape;
 use serde::{Deserialize, Serialize};
 
 use crate::gpt2::{Gpt, GptConfig};
@@ -130,6 +131,40 @@ impl ModelConfig {
     /// `L = blocks + 2`.
     pub fn num_layers(&self) -> usize {
         self.dims().0 + 2
+    }
+
+    /// The shape the planner's analytical profile needs, for samples of `seq_len` tokens (pass
+    /// [`Self::max_seq_len`] to plan at the model's full context).
+    ///
+    /// OPT-350m's 512-wide token embedding, projected into its 1024-wide blocks, is modelled at
+    /// the block width: the blocks, which dominate time and memory, are exact, and the
+    /// embedding and head layers are overestimated (by about 25M parameters, of 331M), which errs
+    /// on the side of memory that fits.
+    pub fn planner_shape(&self, seq_len: usize) -> Result<TransformerShape> {
+        if seq_len == 0 || seq_len > self.max_seq_len() {
+            return Err(Error::Invalid(format!(
+                "sequence length {seq_len} must be between 1 and the model's context {}",
+                self.max_seq_len()
+            )));
+        }
+        let u = |v: usize, what: &str| {
+            u32::try_from(v)
+                .map_err(|_| Error::Invalid(format!("{what} {v} does not fit the planner (u32)")))
+        };
+        let (blocks, d, heads, ffn) = self.dims();
+        let tied = match self {
+            Self::Gpt(c) => c.tie_word_embeddings,
+            Self::Opt(c) => c.tie_word_embeddings,
+        };
+        Ok(TransformerShape {
+            n_blocks: u(blocks, "blocks")?,
+            d_model: u(d, "width")?,
+            n_heads: u(heads, "heads")?,
+            ffn: u(ffn, "feed-forward width")?,
+            vocab: u(self.vocab_size(), "vocabulary")?,
+            seq_len: u(seq_len, "sequence length")?,
+            tied_embedding: tied,
+        })
     }
 
     /// The `config.json` HF would write for this model (enough for `from_hf_json` and for
