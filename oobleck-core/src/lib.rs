@@ -1,6 +1,10 @@
 //! The Oobleck-rs engine: everything between a model and a cluster.
 //!
 //! ```text
+//!   your main() ── take_over(factory) ── runtime::driver::run_job(workload, options)
+//!                                           │ master: job::JobMachine decides, the driver acts;
+//!                                           │ agents and workers: your binary, re-run
+//!                                           ▼
 //!   profiles ──► planning ──► Plan (templates, pipelines, batch split)
 //!                   │                      │
 //!   failures/joins ─┴──► reconfig ──► ReconfigPlan (new pipelines, layer copies, new split)
@@ -12,6 +16,12 @@
 //!                                     checkpoint (safetensors + trainer.json, atomic)
 //! ```
 //!
+//! - [`runtime`] trains any [`runtime::Workload`] (a [`model::LayeredModel`] with its data,
+//!   evaluation and planner profile) on a cluster that loses nodes, from the user's own
+//!   binary: [`runtime::take_over`] first in `main`, then [`runtime::driver::run_job`]. The
+//!   job's decisions are a pure state machine ([`runtime::job`]); its workers run
+//!   [`execution`] (stages, gradient sync) and talk to the master over [`elastic`] (the
+//!   authenticated control plane). `examples/residual_mlp` trains a model of its own this way.
 //! - [`planning`], [`reconfig`] and [`schedule`] are pure: no Candle, no I/O, no clock, no
 //!   global RNG. The same input gives the same output, byte for byte.
 //! - [`model`] is the contract a model implements (an ordered list of layers with named
