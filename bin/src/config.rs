@@ -38,9 +38,11 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Peak learning rate (after warmup). 2e-3 suits models of width 128; big presets use less.
     pub lr: f64,
-    /// Floor of the cosine decay; default lr/10 (nanoGPT's choice).
+    /// Floor of the cosine decay; default lr/10 (nanoGPT's choice). Resolved to a number when
+    /// the job is resolved, so `config.json` records what the run used.
     pub min_lr: Option<f64>,
-    /// Linear warmup steps; default 10% of the steps.
+    /// Linear warmup steps; default 10% of the steps. Resolved to a number when the job is
+    /// resolved, so a run extended with a larger `steps` keeps the warmup it started with.
     pub warmup_steps: Option<u64>,
     /// AdamW decoupled weight decay on matrices (0.1 as in GPT-3).
     pub weight_decay: f64,
@@ -277,6 +279,7 @@ impl TrainArgs {
         if !self.inject_failure.is_empty() {
             c.inject_failure = self.inject_failure.clone();
         }
+        let c = c.with_derived();
         c.validate()?;
         Ok(c)
     }
@@ -330,6 +333,14 @@ impl TrainConfig {
     /// `B`: microbatches per step.
     pub fn num_microbatches(&self) -> usize {
         self.global_batch_size / self.microbatch_size
+    }
+
+    /// The values other fields imply (warmup from `steps`, `min_lr` from `lr`) written in, so
+    /// that changing `steps` later, to extend a run, changes nothing else.
+    pub fn with_derived(mut self) -> Self {
+        self.warmup_steps = Some(self.warmup());
+        self.min_lr = Some(self.final_lr());
+        self
     }
 
     pub fn warmup(&self) -> u64 {
@@ -394,19 +405,22 @@ pub fn parse_failure(spec: &str) -> Result<(usize, u64)> {
     Ok((node, step))
 }
 
-/// Writes `config.json` into the run directory.
+/// Writes `config.json` into the run directory, derived values resolved.
 pub fn save_resolved(cfg: &TrainConfig, out: &Path) -> Result<()> {
     let path = out.join("config.json");
-    let text = serde_json::to_string_pretty(cfg)?;
+    let text = serde_json::to_string_pretty(&cfg.clone().with_derived())?;
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Reads a run's `config.json`.
+/// Reads a run's `config.json`. Files written before derived values were stored hold `null`
+/// for them: they are derived from the saved `steps` and `lr`, as that run derived them.
 pub fn load_resolved(run: &Path) -> Result<TrainConfig> {
     let path = run.join("config.json");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{} is not a run config", path.display()))
+    let cfg: TrainConfig = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a run config", path.display()))?;
+    Ok(cfg.with_derived())
 }
 
 #[cfg(test)]
@@ -424,6 +438,26 @@ mod tests {
         let c = args.resolve().unwrap();
         assert_eq!((c.steps, c.lr, c.seq_len), (9, 0.01, 32));
         assert_eq!(c.model, "gpt-mini");
+    }
+
+    #[test]
+    fn derived_values_are_stored_resolved_and_old_nulls_come_from_the_saved_steps() {
+        let c = TrainArgs::parse_from(["train", "--steps", "200", "--lr", "0.01"])
+            .resolve()
+            .unwrap();
+        assert_eq!((c.warmup_steps, c.min_lr), (Some(20), Some(0.001)));
+        let dir = tempfile::tempdir().unwrap();
+        save_resolved(&TrainConfig::default(), dir.path()).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+        assert!(text.contains("\"warmup_steps\": 15"), "{text}");
+        // A config.json of a run made before: nulls, 200 steps.
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["steps"] = 200.into();
+        v["warmup_steps"] = serde_json::Value::Null;
+        v["min_lr"] = serde_json::Value::Null;
+        std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+        let old = load_resolved(dir.path()).unwrap();
+        assert_eq!((old.warmup_steps, old.min_lr), (Some(20), Some(2e-4)));
     }
 
     #[test]

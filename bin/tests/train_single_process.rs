@@ -258,3 +258,52 @@ fn bad_input_gives_clear_errors() {
     let (ok, _, stderr) = run_train(&["--model", "gpt-tiny", "--resume", o.to_str().unwrap()]);
     assert!(!ok && stderr.contains("model.safetensors"), "{stderr}");
 }
+
+/// The README's `--resume runs/long --steps 400`: a run started without `--warmup-steps` can
+/// be extended (its warmup was stored as a number), and the cosine decay then ends at the new
+/// step count.
+#[test]
+fn a_run_can_be_extended_with_more_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let out = out.to_str().unwrap();
+    let tiny = [
+        "--nodes",
+        "1",
+        "--model",
+        "gpt-tiny",
+        "--seq-len",
+        "16",
+        "--microbatch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--sample",
+        "0",
+    ];
+    let (ok, _, stderr) = run_train(&[&tiny[..], &["--steps", "10", "--out", out]].concat());
+    assert!(ok, "{stderr}");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(Path::new(out).join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["warmup_steps"], 1, "{saved}");
+
+    let (ok, _, stderr) = run_train(&[&tiny[..], &["--steps", "20", "--resume", out]].concat());
+    assert!(ok, "{stderr}");
+    let metrics: Vec<serde_json::Value> =
+        std::fs::read_to_string(Path::new(out).join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let steps: Vec<u64> = metrics
+        .iter()
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=20).collect::<Vec<_>>());
+    // With the old horizon of 10 steps, step 11 would already be at the floor (lr / 10).
+    let lr11 = metrics[10]["lr"].as_f64().unwrap();
+    assert!(lr11 > 2.0 * 2e-4, "lr at step 11 is {lr11}");
+}
