@@ -37,6 +37,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, Rank, TcpCommunicator, TcpConfig, TensorBuf};
 use oobleck_core::elastic::{Agent, Master, MasterConfig, MasterEvent, Message, Token};
+use oobleck_core::runtime::WorkerReport;
 use oobleck_core::execution::{
     buf_to_tensor, sync_gradients, tensor_to_buf, Layout, PipelineSpec, StageSpec, StageWorker,
     WorkerConfig, BUCKET_ELEMS,
@@ -872,8 +873,8 @@ fn run_config(
 }
 
 /// The commit round trip with the real control plane: `agents` agents register with a master on
-/// 127.0.0.1; per step every agent sends `StepReady`, the driver waits for all of their
-/// `MasterEvent::StepReady`, calls `commit_step`, and every agent receives `StepCommitted`.
+/// 127.0.0.1; per step every agent sends a `Ready` report, the driver waits for all of their
+/// `MasterEvent::Worker`s, calls `commit_step`, and every agent receives `StepCommitted`.
 /// Timed from the first send to the last `StepCommitted` received.
 pub fn control_plane(agents: usize, steps: usize, timeout: Duration) -> Result<ControlPlane> {
     if agents == 0 || steps == 0 {
@@ -899,24 +900,29 @@ pub fn control_plane(agents: usize, steps: usize, timeout: Duration) -> Result<C
         let mut samples = Vec::with_capacity(steps);
         for step in 0..steps as u64 + 1 {
             let t0 = Instant::now();
-            // Ready leg: every agent sends `StepReady` (as the cluster's agents do for their
-            // workers); the master's connection tasks turn each into a `MasterEvent::StepReady`
-            // for the driver, which commits once it has heard from all of them.
+            // Ready leg: every agent relays a `Ready` report (as the cluster's agents do for
+            // their workers); the master's connection tasks turn each into a
+            // `MasterEvent::Worker` for the driver, which commits once it has heard from all.
             for (rank, a) in ags.iter().enumerate() {
-                let msg = Message::StepReady {
+                let msg = Message::Worker {
                     node: a.node(),
-                    rank: rank as u32,
                     generation: 0,
-                    step,
-                    loss: 0.0,
-                    grad_norm: 0.0,
+                    report: WorkerReport::Ready {
+                        rank: rank as u32,
+                        step,
+                        loss: 0.0,
+                        grad_norm: 0.0,
+                    },
                 };
                 a.send(msg, timeout).await?;
             }
             let mut ready = 0;
             while ready < agents {
                 match master.next_event(timeout).await? {
-                    MasterEvent::StepReady { step: s, .. } if s == step => ready += 1,
+                    MasterEvent::Worker {
+                        report: WorkerReport::Ready { step: s, .. },
+                        ..
+                    } if s == step => ready += 1,
                     MasterEvent::Joined { .. } => {}
                     other => bail!("expected StepReady({step}) events, got {other:?}"),
                 }
@@ -940,7 +946,7 @@ pub fn control_plane(agents: usize, steps: usize, timeout: Duration) -> Result<C
         Ok(ControlPlane {
             agents,
             steps,
-            ready_leg: "StepReady -> MasterEvent::StepReady -> commit_step -> StepCommitted".into(),
+            ready_leg: "Worker(Ready) -> MasterEvent::Worker -> commit_step -> StepCommitted".into(),
             round_trip_ms: median(&samples),
             p90_ms: percentile(&samples, 0.9),
         })

@@ -21,22 +21,8 @@ use serde::Serialize;
 use crate::config::{load_resolved, save_resolved, TrainConfig};
 use crate::progress::Progress;
 
-/// One line of `metrics.jsonl`: a committed step.
-#[derive(Clone, Debug, Serialize)]
-pub struct StepMetrics {
-    pub step: u64,
-    pub loss: f64,
-    pub lr: f64,
-    pub grad_norm: f64,
-    pub samples_per_s: f64,
-    pub tokens_per_s: f64,
-    pub generation: u64,
-    pub pipelines: usize,
-    pub nodes: usize,
-    pub wall_s: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub val_loss: Option<f64>,
-}
+/// One line of `metrics.jsonl`: a committed step (the runtime's record).
+pub use oobleck_core::runtime::StepMetrics;
 
 /// What a finished run reports (`--json` prints it).
 #[derive(Clone, Debug, Serialize)]
@@ -453,23 +439,4 @@ pub fn find_checkpoint(path: &Path) -> Result<(PathBuf, PathBuf)> {
     }
 }
 
-/// A resumed run may have logged steps past its last checkpoint before it stopped: they are
-/// replayed, so their lines in `run/metrics.jsonl` go (and nothing is counted twice).
-pub fn truncate_metrics_after(run: &Path, step: u64) -> Result<()> {
-    let path = run.join("metrics.jsonl");
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|l| {
-            serde_json::from_str::<serde_json::Value>(l)
-                .ok()
-                .and_then(|v| v["step"].as_u64())
-                .is_some_and(|s| s <= step)
-        })
-        .collect();
-    let mut body = kept.join("\n");
-    if !body.is_empty() {
-        body.push('\n');
-    }
-    std::fs::write(&path, body).with_context(|| format!("rewriting {}", path.display()))
-}
+pub use oobleck_core::runtime::driver::truncate_metrics_after;

@@ -158,12 +158,14 @@ async fn messages_flow_both_ways_and_an_agent_sees_its_master_go() {
         .unwrap();
     assert_eq!(
         master.next_event(T).await.unwrap(),
-        MasterEvent::WorkerExited {
+        MasterEvent::Worker {
             node,
-            rank: 5,
             generation: 1,
-            status,
-            error: Some("out of memory".into()),
+            report: WorkerReport::Exited {
+                rank: 5,
+                status,
+                error: Some("out of memory".into()),
+            },
         }
     );
     assert!(matches!(

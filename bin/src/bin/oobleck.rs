@@ -41,16 +41,13 @@ enum Cmd {
     KillNode(oobleck_cli::cluster::status::KillNodeArgs),
     /// Run one node of a multi-machine job: `oobleck agent --master HOST:PORT` with the job's
     /// OOBLECK_TOKEN (the master is `train --listen`; `train --nodes N` starts its own agents).
-    Agent(oobleck_cli::cluster::agent::AgentArgs),
+    Agent(oobleck_cli::cluster::agent_cmd::AgentArgs),
     /// (Re)write a run directory's report.html (loss, throughput, plan timeline, events) and
     /// print its path.
     Report {
         /// The run directory (the `--out` of `train`).
         dir: PathBuf,
     },
-    /// One worker of a cluster job (started by `oobleck agent`).
-    #[command(hide = true)]
-    Worker(oobleck_cli::cluster::worker::WorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -90,6 +87,8 @@ struct GenerateArgs {
 }
 
 fn main() -> Result<()> {
+    // Started as a worker of a job (by `oobleck agent`): that role runs here.
+    oobleck_core::runtime::take_over(oobleck_models::workload::GptWorkload::factory);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -105,8 +104,7 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
-        Cmd::Agent(a) => oobleck_cli::cluster::agent::run(&a),
-        Cmd::Worker(a) => oobleck_cli::cluster::worker::run(&a),
+        Cmd::Agent(a) => oobleck_cli::cluster::agent_cmd::run(&a),
         Cmd::Report { dir } => {
             let path = oobleck_cli::report::write_report(&dir)?;
             println!("{}", path.display());

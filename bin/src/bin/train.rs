@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use oobleck_cli::cluster::hostfile::parse_hostfile;
-use oobleck_cli::cluster::master::Launch;
+use oobleck_cli::cluster::job::Launch;
 use oobleck_cli::cluster::resolve;
 use oobleck_cli::config::TrainArgs;
 use std::collections::HashMap;
@@ -17,6 +17,8 @@ use oobleck_core::checkpoint::load_checkpoint;
 use oobleck_core::elastic::Token;
 
 fn main() -> Result<()> {
+    // Started as an agent or a worker of a job (by another `train`): that role runs here.
+    oobleck_core::runtime::take_over(oobleck_models::workload::GptWorkload::factory);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -24,6 +26,12 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // `train agent --master HOST:PORT`: one node of a multi-machine job, from this binary.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "agent") {
+        use oobleck_cli::cluster::agent_cmd::{run, TrainAgentCli};
+        let cli = TrainAgentCli::parse_from(std::env::args_os().skip(1));
+        return run(&cli.args);
+    }
     let args = TrainArgs::parse();
     let mut cfg = args.resolve()?;
     let launch = match (&args.listen, &args.hostfile) {
@@ -68,7 +76,7 @@ fn main() -> Result<()> {
     };
     if let Some(launch) = launch {
         let summary =
-            oobleck_cli::cluster::master::run(cfg.clone(), launch, args.resume.as_deref())?;
+            oobleck_cli::cluster::job::run(cfg.clone(), launch, args.resume.as_deref())?;
         eprintln!(
             "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
             summary.steps,

@@ -20,6 +20,7 @@ use super::auth::Token;
 use super::error::{ElasticError, ElasticResult};
 use super::master::BINARY_VERSION;
 use super::protocol::{self, ClusterStatus, ExitStatus, Message, PeerRole, PROTOCOL_VERSION};
+use crate::runtime::records::WorkerReport;
 
 /// Messages queued before [`Agent::send`] waits.
 const OUTBOX: usize = 64;
@@ -229,12 +230,14 @@ impl Agent {
         error: Option<String>,
         timeout: Duration,
     ) -> ElasticResult<()> {
-        let msg = Message::WorkerExited {
+        let msg = Message::Worker {
             node: self.node,
-            rank,
             generation,
-            status,
-            error,
+            report: WorkerReport::Exited {
+                rank,
+                status,
+                error,
+            },
         };
         self.send(msg, timeout).await
     }

@@ -21,7 +21,7 @@ use super::auth::Token;
 use super::conn::{accept_loop, Outgoing, Shared};
 use super::error::{ElasticError, ElasticResult};
 use super::protocol::{
-    ClusterStatus, ExitStatus, Message, NodeStatus, PipelineStatus, Rendezvous, StageStatus,
+    ClusterStatus, Message, NodeStatus, PipelineStatus, Rendezvous, StageStatus,
 };
 use crate::planning::Plan;
 use crate::runtime::records::WorkerReport;
@@ -87,52 +87,9 @@ pub enum MasterEvent {
         node: u32,
         reason: LossReason,
     },
-    WorkerExited {
-        node: u32,
-        rank: u32,
-        /// The plan generation the worker ran.
-        generation: u64,
-        status: ExitStatus,
-        /// What the worker last printed, when it failed.
-        error: Option<String>,
-    },
     /// A tool asked for `node`'s processes to be killed.
     KillRequested {
         node: u32,
-    },
-    /// A worker bound its data-plane port ([`Message::WorkerListening`]).
-    WorkerListening {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        addr: String,
-        pid: u32,
-    },
-    /// A worker holds its reduced gradients for `step` ([`Message::StepReady`]).
-    StepReady {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        loss: f64,
-        grad_norm: f64,
-    },
-    /// A worker saved its state after a committed step ([`Message::StateSaved`]).
-    StateSaved {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        state: String,
-    },
-    /// A worker failed in a step and waits with its committed state
-    /// ([`Message::WorkerBroken`]).
-    WorkerBroken {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        error: String,
     },
     /// What worker `report.rank()` of `node` said about itself, or that it ended
     /// ([`Message::Worker`]).
@@ -141,15 +98,6 @@ pub enum MasterEvent {
         /// The plan generation the worker runs.
         generation: u64,
         report: WorkerReport,
-    },
-    /// A worker finished its steps ([`Message::WorkerDone`]).
-    WorkerDone {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        state: Option<String>,
-        commit_wait_ms: f64,
     },
 }
 

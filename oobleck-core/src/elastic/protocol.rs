@@ -38,7 +38,7 @@ use crate::runtime::records::WorkerReport;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 12;
 /// Largest body accepted: far above any plan, small enough that a corrupt length cannot make
@@ -163,17 +163,6 @@ pub enum Message {
         /// The NCCL unique id of this generation (feature `nccl`), 128 bytes.
         nccl_unique_id: Option<Vec<u8>>,
     },
-    /// Agent -> master: a worker of this node ended. `error`: the end of what a failed worker
-    /// printed (its error message), so the master can say why without access to this machine.
-    WorkerExited {
-        node: u32,
-        rank: u32,
-        /// The generation the worker belonged to: exits of an earlier one are history.
-        #[serde(default)]
-        generation: u64,
-        status: ExitStatus,
-        error: Option<String>,
-    },
     /// Master -> agents: every holder has its reduced gradient for `step`; apply it.
     StepCommitted { step: u64, generation: u64 },
     /// Master -> agent, before its first plan: what the job runs, opaque to this layer (the
@@ -186,48 +175,10 @@ pub enum Message {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         resume: Option<String>,
     },
-    /// Agent -> master: worker `rank` of this node listens for its data-plane peers at `addr`
-    /// (it bound the port itself, so no other process can take it in between).
-    WorkerListening {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        addr: String,
-        pid: u32,
-    },
     /// Master -> agents, once every rank of `generation` listens: where each one is.
     RendezvousList {
         generation: u64,
         rendezvous: Vec<Rendezvous>,
-    },
-    /// Agent -> master: worker `rank` holds its reduced gradients for `step` and waits for the
-    /// commit. `loss` and `grad_norm` are the step's global values (the same on every rank).
-    StepReady {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        loss: f64,
-        grad_norm: f64,
-    },
-    /// Agent -> master: worker `rank` wrote its part of the state after committed `step` to
-    /// `state` (for a periodic checkpoint or evaluation, which the master assembles).
-    StateSaved {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        state: String,
-    },
-    /// Agent -> master: worker `rank` could not finish the step after committed `step` (a
-    /// peer is gone, most often) and waits, holding the state of `step`, for `SaveState` or
-    /// the end of its generation.
-    WorkerBroken {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        error: String,
     },
     /// Master -> agent, after a failure: the workers of `generation` that still live write
     /// their state of committed `step` under `dir` (reported with `StateSaved`), so the next
@@ -236,17 +187,6 @@ pub enum Message {
         generation: u64,
         step: u64,
         dir: String,
-    },
-    /// Agent -> master: worker `rank` finished the run at `step`; `state` is where it left its
-    /// final parameters and optimizer state, if it keeps a part of the checkpoint.
-    /// `commit_wait_ms` is the time it spent waiting for commits (control-plane overhead).
-    WorkerDone {
-        node: u32,
-        rank: u32,
-        generation: u64,
-        step: u64,
-        state: Option<String>,
-        commit_wait_ms: f64,
     },
     /// Agent -> master: what worker `report.rank()` of this node, of plan generation
     /// `generation`, says about itself (listening, ready, saved, broken, done), or that it
@@ -277,15 +217,9 @@ impl Message {
             Message::Refused { .. } => "refused",
             Message::Heartbeat { .. } => "heartbeat",
             Message::PlanAssignment { .. } => "plan_assignment",
-            Message::WorkerExited { .. } => "worker_exited",
             Message::StepCommitted { .. } => "step_committed",
             Message::Job { .. } => "job",
-            Message::WorkerListening { .. } => "worker_listening",
             Message::RendezvousList { .. } => "rendezvous_list",
-            Message::StepReady { .. } => "step_ready",
-            Message::StateSaved { .. } => "state_saved",
-            Message::WorkerDone { .. } => "worker_done",
-            Message::WorkerBroken { .. } => "worker_broken",
             Message::SaveState { .. } => "save_state",
             Message::Worker { .. } => "worker",
             Message::StatusRequest => "status_request",
@@ -491,23 +425,6 @@ mod tests {
                 nonce: vec![7; 32],
             },
             Message::Heartbeat { node: 3, seq: 9 },
-            Message::WorkerExited {
-                node: 1,
-                rank: 4,
-                generation: 2,
-                status: ExitStatus {
-                    code: None,
-                    signal: Some(9),
-                },
-                error: Some("killed".into()),
-            },
-            Message::WorkerBroken {
-                node: 1,
-                rank: 4,
-                generation: 2,
-                step: 17,
-                error: "rank 3 lost".into(),
-            },
             Message::SaveState {
                 generation: 2,
                 step: 17,
@@ -516,22 +433,6 @@ mod tests {
             Message::StatusRequest,
             Message::Refused {
                 reason: "bad token".into(),
-            },
-            Message::StepReady {
-                node: 1,
-                rank: 2,
-                generation: 0,
-                step: 7,
-                loss: 3.25,
-                grad_norm: 0.5,
-            },
-            Message::WorkerDone {
-                node: 1,
-                rank: 2,
-                generation: 0,
-                step: 7,
-                state: Some("/tmp/x".into()),
-                commit_wait_ms: 1.5,
             },
             Message::Worker {
                 node: 1,

@@ -18,6 +18,7 @@
 //!   `metrics.jsonl`.
 
 pub mod agent;
+pub mod driver;
 mod entry;
 pub mod error;
 pub mod job;

@@ -70,11 +70,14 @@ impl Assembler {
             config: Some(self.echo.clone()),
         };
         let opt: Vec<(String, Tensor)> = opt.into_iter().collect();
-        let dir = checkpoint::save_checkpoint(&self.out, params, &opt, &state)?;
-        for (name, bytes) in self.workload.checkpoint_files() {
-            write_atomic(&dir.join(&name), &bytes)?;
-        }
-        Ok(dir)
+        let files = self.workload.checkpoint_files();
+        let extra: Vec<(&str, Vec<u8>)> = files
+            .iter()
+            .map(|(name, bytes)| (name.as_str(), bytes.clone()))
+            .collect();
+        Ok(checkpoint::save_checkpoint_with(
+            &self.out, params, &opt, &state, &extra,
+        )?)
     }
 
     /// The workload's evaluation of the whole model with `params`.
@@ -121,11 +124,4 @@ impl Assembler {
             duration_s: started.elapsed().as_secs_f64(),
         })
     }
-}
-
-/// Writes `bytes` to `path` through a temporary name, so a reader never sees half a file.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_ctx(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_ctx(|| format!("renaming {} into place", path.display()))
 }

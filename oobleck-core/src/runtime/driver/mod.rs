@@ -327,8 +327,8 @@ fn process(role: &str, pid: Option<u32>, host: Option<String>) -> Event {
 }
 
 /// The machine's view of a membership event.
-fn input_of(ev: MasterEvent) -> Option<Input> {
-    Some(match ev {
+fn input_of(ev: MasterEvent) -> Input {
+    match ev {
         MasterEvent::Joined { node, addr, .. } => Input::Joined {
             node,
             addr: addr.to_string(),
@@ -347,14 +347,13 @@ fn input_of(ev: MasterEvent) -> Option<Input> {
             generation,
             report,
         },
-        _ => return None,
-    })
+    }
 }
 
 /// The next membership event as an input, or a tick after `POLL`.
 async fn next_input(master: &mut Master) -> Result<Input> {
     match master.next_event(POLL).await {
-        Ok(ev) => Ok(input_of(ev).unwrap_or(Input::Tick)),
+        Ok(ev) => Ok(input_of(ev)),
         Err(ElasticError::Timeout { .. }) => Ok(Input::Tick),
         Err(e) => Err(e).ctx("the master's event stream"),
     }

@@ -1,0 +1,83 @@
+//! `oobleck agent` / `train agent`: run one node of a multi-machine job. The node supervisor
+//! itself is `oobleck_core::runtime::agent`; this is its command line.
+
+use std::io::BufRead;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use oobleck_core::runtime::agent::{run_agent, AgentOptions};
+
+/// How long `--token-stdin` waits for the token line.
+const TOKEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Run one node of a cluster job: `oobleck agent --master HOST:PORT` on each machine of a
+/// multi-machine job (see `train --listen`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentArgs {
+    /// The master's control address (`train --listen` prints it).
+    #[arg(long)]
+    pub master: String,
+    /// The job's shared secret (never sent over the network; the master checks it by
+    /// challenge-response).
+    #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Read the token from the first line of stdin instead (how `train --hostfile` passes it,
+    /// so it never shows in a process list).
+    #[arg(long, conflicts_with = "token")]
+    pub token_stdin: bool,
+    /// The IP this node's workers bind their data-plane ports on. Default: the address this
+    /// machine reaches the master from.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Exit (killing the workers) when stdin closes: for agents started by `train` or ssh.
+    #[arg(long)]
+    pub exit_with_parent: bool,
+    /// Seconds to keep retrying while the master cannot be reached (it may start later).
+    #[arg(long, default_value_t = 120)]
+    pub wait: u64,
+}
+
+/// `train agent ...`: the same command, from the `train` binary.
+#[derive(Debug, clap::Parser)]
+#[command(name = "train agent")]
+pub struct TrainAgentCli {
+    #[command(flatten)]
+    pub args: AgentArgs,
+}
+
+pub fn run(args: &AgentArgs) -> Result<()> {
+    let token = match (args.token_stdin, &args.token) {
+        (true, _) => read_token_line()?,
+        (false, Some(t)) => t.clone(),
+        (false, None) => bail!(
+            "the agent needs the job's token: --token, the OOBLECK_TOKEN environment variable, \
+             or --token-stdin"
+        ),
+    };
+    let opts = AgentOptions {
+        master: args.master.clone(),
+        token,
+        host: args.host.clone(),
+        exit_with_parent: args.exit_with_parent,
+        wait: Duration::from_secs(args.wait),
+    };
+    Ok(run_agent(&opts)?)
+}
+
+/// The first line of stdin, read on a thread so a silent parent cannot hang the agent.
+fn read_token_line() -> Result<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = tx.send(std::io::stdin().lock().read_line(&mut line).map(|_| line));
+    });
+    let line = rx
+        .recv_timeout(TOKEN_TIMEOUT)
+        .map_err(|_| anyhow::anyhow!("--token-stdin: no token on stdin within {TOKEN_TIMEOUT:?}"))?
+        .context("--token-stdin: reading stdin")?;
+    let token = line.trim().to_string();
+    if token.is_empty() {
+        bail!("--token-stdin: stdin closed before a token line");
+    }
+    Ok(token)
+}

@@ -1,0 +1,286 @@
+//! The cluster job of `train --nodes N` (and `--listen`, `--hostfile`): turns the resolved
+//! [`TrainConfig`] into the runtime's [`TrainingSpec`] and the GPT workload's settings, opens
+//! the run directory, starts the agents as asked and hands over to
+//! `oobleck_core::runtime::driver::run_job`, which owns the job from there.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use oobleck_core::checkpoint;
+use oobleck_core::elastic::protocol::ClusterStatus;
+use oobleck_core::elastic::Token;
+use oobleck_core::optim::LrSchedule;
+use oobleck_core::runtime::driver::{self, JobOptions, Observer, Started};
+use oobleck_core::runtime::job::Limits;
+use oobleck_core::runtime::{
+    DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
+};
+use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use super::hostfile::{self, HostEntry};
+use crate::config::{parse_failure, TrainConfig};
+use crate::progress::Progress;
+use crate::trainer::{open_run, truncate_metrics_after, Summary};
+
+/// Bound of starting each ssh and handing it the token.
+const SSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How a job's agents come to be.
+pub enum Launch {
+    /// `--nodes N`: N agent processes on this machine, the master on 127.0.0.1.
+    Local,
+    /// `--listen ADDR --expect-nodes N`: the master listens on `addr` and waits for agents
+    /// started by hand (`oobleck agent --master ADDR`) with the same token.
+    Listen { addr: SocketAddr, token: Token },
+    /// `--hostfile FILE --listen ADDR`: like `Listen`, and the master starts one agent per host
+    /// over ssh itself (`cluster::hostfile`), pointing them at `addr`.
+    Hostfile {
+        addr: SocketAddr,
+        token: Token,
+        hosts: Vec<HostEntry>,
+    },
+}
+
+/// The runtime's settings of the job: one name and one unit per quantity.
+pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
+    let u = |v: usize, what: &str| u32::try_from(v).with_context(|| format!("{what} {v}"));
+    let mut inject_failures = Vec::new();
+    for spec in &cfg.inject_failure {
+        let (node, after_step) = parse_failure(spec)?;
+        let node = u(node, "--inject-failure node")?;
+        inject_failures.push(InjectedFailure { node, after_step });
+    }
+    let pipeline_nodes = match &cfg.pipeline_nodes {
+        Some(sizes) => Some(
+            sizes
+                .iter()
+                .map(|&s| u(s, "--pipeline-nodes"))
+                .collect::<Result<Vec<u32>>>()?,
+        ),
+        None => None,
+    };
+    Ok(TrainingSpec {
+        steps: cfg.steps,
+        seed: cfg.seed,
+        microbatch_size: u(cfg.microbatch_size, "--microbatch-size")?,
+        global_microbatches: u(cfg.num_microbatches(), "microbatches")?,
+        nodes: u(cfg.nodes, "--nodes")?,
+        devices_per_node: u(cfg.devices_per_node, "--devices-per-node")?,
+        fault_threshold: u(cfg.fault_threshold, "--fault-threshold")?,
+        device: "cpu".into(),
+        pipeline_nodes,
+        optimizer: *cfg.optimizer()?.config(),
+        lr: LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?,
+        grad_clip: (cfg.grad_clip > 0.0).then_some(cfg.grad_clip),
+        checkpoint_every: cfg.checkpoint_every,
+        eval_every: cfg.eval_every,
+        data_plane: match cfg.data_plane.as_str() {
+            "nccl" => DataPlane::Nccl,
+            _ => DataPlane::Tcp,
+        },
+        inject_failures,
+    })
+}
+
+/// The GPT workload's settings of the job.
+pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
+    GptWorkloadConfig {
+        model: cfg.model.clone(),
+        init_from: cfg.init_from.clone(),
+        seq_len: cfg.seq_len,
+        microbatch_size: cfg.microbatch_size,
+        num_microbatches: cfg.num_microbatches(),
+        eval_batches: cfg.eval_batches,
+        dataset: cfg.dataset.clone(),
+        tokenizer: cfg.tokenizer.clone(),
+    }
+}
+
+/// Runs the job with agents started as `launch` says. With `resume` (a run or checkpoint
+/// directory, as `--resume` takes), the run continues from that checkpoint in its own
+/// directory, on whatever nodes this job has: any plan computes the same steps.
+pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Summary> {
+    if cfg.nodes < 2 {
+        bail!(
+            "the local cluster needs --nodes 2 or more (got {})",
+            cfg.nodes
+        );
+    }
+    let spec = training_spec(&cfg)?;
+    spec.validate()?;
+    let workload = GptWorkload::new(workload_config(&cfg))?;
+    // Validate the plan (pinned sizes included) before anything is spawned or written.
+    let profile = workload
+        .profile(spec.device_spec()?, spec.microbatch_size)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let ids: Vec<u32> = (0..spec.nodes).collect();
+    driver::plan_for(
+        &spec,
+        &profile,
+        &ids,
+        spec.fault_threshold,
+        spec.pipeline_nodes.as_deref(),
+    )?;
+    let (out, ckpt) = open_run(&cfg, resume)?;
+    let abs = |p: &Path| {
+        p.canonicalize()
+            .with_context(|| format!("resolving {}", p.display()))
+    };
+    let out = abs(&out)?;
+    let resume = match ckpt {
+        Some(ckpt) => {
+            let step = checkpoint::verify_checkpoint(&ckpt)?.step;
+            if step >= cfg.steps {
+                bail!(
+                    "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \
+                     pass a larger --steps to train further",
+                    ckpt.display(),
+                    cfg.steps
+                );
+            }
+            truncate_metrics_after(&out, step)?;
+            Some((abs(&ckpt)?, step))
+        }
+        None => None,
+    };
+    let plans = match std::fs::read_to_string(out.join("plan.json")) {
+        Ok(text) if resume.is_some() => serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{}: expected an array of plans, one per generation",
+                out.join("plan.json").display()
+            )
+        })?,
+        _ => Vec::new(),
+    };
+    let (bind, token, launch) = match launch {
+        Launch::Local => (
+            "127.0.0.1:0".parse().context("master address")?,
+            Token::random(),
+            driver::Launch::Local {
+                exe: agent_exe()?,
+            },
+        ),
+        Launch::Listen { addr, token } => (addr, token, driver::Launch::Listen),
+        Launch::Hostfile { addr, token, hosts } => {
+            let secret = token.expose().to_string();
+            (addr, token, driver::Launch::Custom(ssh_launcher(hosts, secret)))
+        }
+    };
+    let opts = JobOptions {
+        config: JobConfig {
+            training: spec.clone(),
+            workload: serde_json::to_value(workload_config(&cfg))?,
+        },
+        run_dir: out.clone(),
+        resume,
+        plans,
+        echo: serde_json::to_value(&cfg)?,
+        bind,
+        token,
+        launch,
+        limits: Limits::default(),
+    };
+    let start = opts.resume.as_ref().map_or(0, |r| r.1);
+    let mut watch = Watch {
+        progress: Progress::new(cfg.steps, start),
+        run: out.clone(),
+    };
+    let result = driver::run_job(Arc::new(workload), opts, &mut watch);
+    watch.progress.finish();
+    super::status::unpublish(&out);
+    let result = result
+        .map(|s| Summary {
+            out: out.clone(),
+            model: cfg.model.clone(),
+            params: watch_params(&cfg),
+            steps: s.steps,
+            first_loss: s.first_loss,
+            final_loss: s.final_loss,
+            first_val_loss: None,
+            final_val_loss: s.final_val_loss,
+            tokens_per_s: s.tokens_per_s,
+            wall_s: s.wall_s,
+            checkpoint: s.checkpoint,
+            report: None,
+        })
+        .map_err(anyhow::Error::from);
+    crate::report::finish_run(&out, result)
+}
+
+fn watch_params(cfg: &TrainConfig) -> usize {
+    crate::trainer::model_config(cfg)
+        .map(|(m, _)| m.num_params())
+        .unwrap_or(0)
+}
+
+/// The binary local agents run: this one (it takes the agent role when started as one), or
+/// `$OOBLECK_BIN`.
+fn agent_exe() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("OOBLECK_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    std::env::current_exe().context("locating the train binary")
+}
+
+/// Starts one agent per host over ssh once the master listens, and passes on whatever each
+/// prints on stdout so its pipe never fills.
+fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> driver::LaunchFn {
+    Box::new(move |addr: SocketAddr| {
+        Box::pin(async move {
+            let addr = addr.to_string();
+            eprintln!(
+                "master listening on {addr}; starting {} agents over ssh",
+                hosts.len()
+            );
+            let launched = hostfile::launch(&hosts, &addr, &token, SSH_TIMEOUT)
+                .await
+                .map_err(|e| oobleck_core::runtime::RuntimeError::Invalid(format!("{e:#}")))?;
+            let mut started = Vec::with_capacity(launched.len());
+            for l in launched {
+                let host = l.entry.to_string();
+                let mut lines = BufReader::new(l.stdout).lines();
+                let tag = host.clone();
+                tokio::spawn(async move {
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        eprintln!("[{tag}] {line}");
+                    }
+                });
+                started.push(Started {
+                    child: l.child,
+                    stdin: Some(l.stdin),
+                    host: Some(host),
+                });
+            }
+            Ok(started)
+        })
+    })
+}
+
+/// What `train` shows of a running job: the progress line, the plan, the status files.
+struct Watch {
+    progress: Progress,
+    run: PathBuf,
+}
+
+impl Observer for Watch {
+    fn listening(&mut self, addr: SocketAddr, token: &Token) -> oobleck_core::runtime::Result<()> {
+        super::status::publish(&self.run, addr, token)
+            .map_err(|e| oobleck_core::runtime::RuntimeError::Invalid(format!("{e:#}")))
+    }
+
+    fn plan(&mut self, status: &ClusterStatus) {
+        self.progress.note(&super::status::render_plan(status));
+    }
+
+    fn step(&mut self, m: &StepMetrics, total: u64) {
+        self.progress.step(m, total);
+    }
+
+    fn note(&mut self, line: &str) {
+        self.progress.note(line);
+    }
+}
