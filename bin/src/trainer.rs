@@ -279,11 +279,14 @@ impl Trainer {
             data_cursor: serde_json::to_value(self.cursor(self.step))?,
             config: Some(serde_json::to_value(&self.cfg)?),
         };
-        let path = checkpoint::save_checkpoint(
+        // The HF config beside model.safetensors makes the directory loadable with
+        // `from_pretrained`; it is written before the checkpoint is renamed into place.
+        let path = checkpoint::save_checkpoint_with(
             &self.out,
             &self.params(),
             &self.opt.export_state()?,
             &state,
+            &[(hf::CONFIG_FILE, hf::config_json(&self.model_cfg))],
         )?;
         self.event(serde_json::json!({
             "event": "checkpoint",

@@ -266,6 +266,33 @@ pub fn config_json(config: &ModelConfig) -> Vec<u8> {
         .into_bytes()
 }
 
+/// The file name `transformers` reads a model's config from.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// Writes `dir/config.json` for `config` through a temporary name and a rename, so a reader
+/// (or a crash) never sees half a file. Beside a checkpoint's `model.safetensors` it makes the
+/// checkpoint directory loadable with `from_pretrained(dir)`.
+pub fn write_config(dir: &Path, config: &ModelConfig) -> Result<()> {
+    let path = dir.join(CONFIG_FILE);
+    let tmp = dir.join(format!(".{CONFIG_FILE}.tmp-{}", std::process::id()));
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            std::io::Write::write_all(&mut f, &config_json(config))?;
+            f.sync_all()
+        })
+        .map_err(io(&tmp))
+        .and_then(|()| std::fs::rename(&tmp, &path).map_err(io(&path)));
+    if written.is_err() {
+        // Best effort: a stray temporary file is harmless, but do not leave one behind.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// Writes `params` as an HF-layout model directory (`config.json` + `model.safetensors`), e.g.
 /// to export a trained model or to make test fixtures.
 pub fn save_pretrained(
