@@ -25,6 +25,7 @@
 
 mod machine;
 mod recovery;
+mod steps;
 #[cfg(test)]
 mod tests;
 

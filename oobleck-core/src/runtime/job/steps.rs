@@ -1,0 +1,247 @@
+//! The commit protocol of a generation (DESIGN.md section 4): the rendezvous, every rank's
+//! `Ready`, the commit, periodic states and the end of the run.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::machine::{JobMachine, Phase};
+use super::Action;
+use crate::elastic::protocol::Rendezvous;
+use crate::runtime::error::RuntimeError;
+use crate::runtime::records::Event;
+
+impl JobMachine {
+    pub(super) fn on_listening(
+        &mut self,
+        now: Duration,
+        node: u32,
+        rank: u32,
+        addr: String,
+        pid: u32,
+    ) {
+        self.record(Event::Process {
+            role: "worker".into(),
+            pid: Some(pid),
+            host: None,
+            node: Some(node),
+            rank: Some(rank),
+            data_addr: Some(addr.clone()),
+        });
+        let Some(g) = self.gen.as_mut() else { return };
+        g.listening.insert(rank, addr);
+        if !matches!(self.phase, Phase::Rendezvous) || g.listening.len() < g.world {
+            return;
+        }
+        let rendezvous: Vec<Rendezvous> = g
+            .listening
+            .iter()
+            .map(|(&rank, addr)| Rendezvous {
+                rank,
+                addr: addr.clone(),
+            })
+            .collect();
+        g.formed = true;
+        let generation = self.generation;
+        self.record(Event::Rendezvous {
+            generation,
+            addrs: rendezvous.iter().map(|r| r.addr.clone()).collect(),
+        });
+        self.push(Action::Rendezvous {
+            generation,
+            rendezvous,
+        });
+        // Workers started and listening; next they load their state and connect.
+        self.phase_done(now, "spawn");
+        self.phase = if self.committed >= self.spec.steps {
+            Phase::Finishing
+        } else {
+            Phase::Stepping
+        };
+    }
+
+    pub(super) fn on_step_ready(
+        &mut self,
+        now: Duration,
+        rank: u32,
+        step: u64,
+        loss: f64,
+        norm: f64,
+    ) {
+        let open = self.committed + 1;
+        if !matches!(self.phase, Phase::Stepping) || step != open {
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("reported step {step} ready while step {open} is open"),
+            });
+        }
+        let Some(g) = self.gen.as_mut() else { return };
+        if g.ready.insert(rank, (loss, norm)).is_some() {
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("reported step {step} ready twice"),
+            });
+        }
+        if g.ready.len() < g.world {
+            return;
+        }
+        let ready = std::mem::take(&mut g.ready);
+        let (pipelines, nodes) = (g.plan.pipelines.len(), g.nodes.len());
+        let (loss, grad_norm) = match agreed(&ready, step) {
+            Ok(v) => v,
+            Err(e) => return self.fail(e),
+        };
+        self.commit(now, step, loss, grad_norm, pipelines, nodes);
+    }
+
+    fn commit(&mut self, now: Duration, step: u64, loss: f64, grad_norm: f64, p: usize, n: usize) {
+        self.push(Action::Commit {
+            step,
+            loss,
+            grad_norm,
+            generation: self.generation,
+            pipelines: p,
+            nodes: n,
+            eval_due: step < self.spec.steps && self.spec.eval_due(step),
+        });
+        self.committed = step;
+        self.steps_run += 1;
+        self.phase_done(now, "load_connect_first_step");
+        if let Some(t) = self.timer.take() {
+            self.record(Event::Resumed {
+                generation: self.generation,
+                step,
+                since_failure_s: now.saturating_sub(t.failed).as_secs_f64(),
+                phases: t.phases,
+            });
+        }
+        while let Some(i) = self.injections.iter().position(|&(_, at)| at == step) {
+            let (node, _) = self.injections.remove(i);
+            self.record(Event::InjectFailure { node, step });
+            self.note(format!(
+                "injecting a failure: killing node {node} after step {step}"
+            ));
+            self.push(Action::KillNode { node });
+        }
+        if step >= self.spec.steps {
+            self.phase = Phase::Finishing;
+        }
+    }
+
+    pub(super) fn on_state_saved(&mut self, rank: u32, step: u64, state: String) {
+        let Some(g) = self.gen.as_mut() else { return };
+        if !g.savers.contains(&rank) {
+            let savers = g.savers.clone();
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("saved state, but only ranks {savers:?} keep it"),
+            });
+        }
+        let got = g.states.entry(step).or_default();
+        got.insert(rank, state);
+        if got.len() < g.savers.len() {
+            return;
+        }
+        let states = g.states.remove(&step).unwrap_or_default();
+        self.assembling += 1;
+        self.push(Action::Assemble {
+            step,
+            states,
+            checkpoint: self.spec.checkpoint_due(step),
+            eval: self.spec.eval_due(step),
+        });
+    }
+
+    /// A periodic checkpoint or evaluation is in.
+    pub(super) fn on_assembled(
+        &mut self,
+        step: u64,
+        checkpoint: Option<String>,
+        val_loss: Option<f64>,
+        duration_s: f64,
+    ) {
+        self.assembling = self.assembling.saturating_sub(1);
+        if let Some(path) = checkpoint {
+            if self.newest.as_ref().is_none_or(|n| n.1 <= step) {
+                self.newest = Some((path.clone(), step));
+            }
+            self.record(Event::Checkpoint {
+                step,
+                path,
+                duration_s,
+            });
+        }
+        if let Some(v) = val_loss {
+            self.note(format!("step {step}: validation loss {v:.4}"));
+            self.push(Action::ValLoss { step, val_loss: v });
+        }
+    }
+
+    pub(super) fn on_worker_done(
+        &mut self,
+        rank: u32,
+        step: u64,
+        state: Option<String>,
+        waited: f64,
+    ) {
+        if step != self.committed {
+            let committed = self.committed;
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("finished at step {step}, the job committed {committed}"),
+            });
+        }
+        if let Some(g) = self.gen.as_mut() {
+            g.done.insert(rank, (state, waited));
+        }
+        self.maybe_finish();
+    }
+
+    pub(super) fn maybe_finish(&mut self) {
+        let Some(g) = self.gen.as_ref() else { return };
+        if !matches!(self.phase, Phase::Finishing) || g.done.len() < g.world || self.assembling > 0
+        {
+            return;
+        }
+        let states = g
+            .savers
+            .iter()
+            .filter_map(|r| Some((*r, g.done.get(r)?.0.clone()?)))
+            .collect();
+        let commit_wait_ms = g.done.iter().map(|(r, d)| (*r, d.1)).collect();
+        self.phase = Phase::Finished;
+        self.push(Action::Finish {
+            step: self.committed,
+            states,
+            commit_wait_ms,
+        });
+    }
+}
+
+/// Every rank's loss and gradient norm of `step`: they are the same global values (computed by
+/// the same all-reduce and summed in the same order on every rank), so any difference is a bug.
+pub(super) fn agreed(
+    ready: &BTreeMap<u32, (f64, f64)>,
+    step: u64,
+) -> Result<(f64, f64), RuntimeError> {
+    let mut it = ready.iter();
+    let Some((&r0, &(loss, norm))) = it.next() else {
+        return Err(RuntimeError::Invalid(format!(
+            "no rank reported step {step}"
+        )));
+    };
+    for (&r, &(l, g)) in it {
+        let same = |a: f64, b: f64| a == b || (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+        if !same(l, loss) || !same(g, norm) {
+            return Err(RuntimeError::RanksDisagree {
+                step,
+                rank_a: r0,
+                loss_a: loss,
+                norm_a: norm,
+                rank_b: r,
+                loss_b: l,
+                norm_b: g,
+            });
+        }
+    }
+    Ok((loss, norm))
+}
