@@ -37,13 +37,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, Rank, TcpCommunicator, TcpConfig, TensorBuf};
 use oobleck_core::elastic::{Agent, Master, MasterConfig, MasterEvent, Message, Token};
-use oobleck_core::runtime::WorkerReport;
 use oobleck_core::execution::{
     buf_to_tensor, sync_gradients, tensor_to_buf, Layout, PipelineSpec, StageSpec, StageWorker,
     WorkerConfig, BUCKET_ELEMS,
 };
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::optim::{AdamW, AdamWConfig};
+use oobleck_core::runtime::WorkerReport;
 use oobleck_core::schedule::{simulate, StageTimes};
 use oobleck_models::ModelConfig;
 use rand::{Rng, SeedableRng};
@@ -946,7 +946,8 @@ pub fn control_plane(agents: usize, steps: usize, timeout: Duration) -> Result<C
         Ok(ControlPlane {
             agents,
             steps,
-            ready_leg: "Worker(Ready) -> MasterEvent::Worker -> commit_step -> StepCommitted".into(),
+            ready_leg: "Worker(Ready) -> MasterEvent::Worker -> commit_step -> StepCommitted"
+                .into(),
             round_trip_ms: median(&samples),
             p90_ms: percentile(&samples, 0.9),
         })

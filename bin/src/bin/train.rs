@@ -75,8 +75,7 @@ fn main() -> Result<()> {
         (None, _) => None,
     };
     if let Some(launch) = launch {
-        let summary =
-            oobleck_cli::cluster::job::run(cfg.clone(), launch, args.resume.as_deref())?;
+        let summary = oobleck_cli::cluster::job::run(cfg.clone(), launch, args.resume.as_deref())?;
         eprintln!(
             "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
             summary.steps,

@@ -160,14 +160,16 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         Launch::Local => (
             "127.0.0.1:0".parse().context("master address")?,
             Token::random(),
-            driver::Launch::Local {
-                exe: agent_exe()?,
-            },
+            driver::Launch::Local { exe: agent_exe()? },
         ),
         Launch::Listen { addr, token } => (addr, token, driver::Launch::Listen),
         Launch::Hostfile { addr, token, hosts } => {
             let secret = token.expose().to_string();
-            (addr, token, driver::Launch::Custom(ssh_launcher(hosts, secret)))
+            (
+                addr,
+                token,
+                driver::Launch::Custom(ssh_launcher(hosts, secret)),
+            )
         }
     };
     let opts = JobOptions {
