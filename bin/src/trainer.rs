@@ -401,6 +401,11 @@ pub fn open_run(cfg: &TrainConfig, resume: Option<&Path>) -> Result<(PathBuf, Op
                 path.display()
             );
         }
+        if cfg.steps != saved.steps {
+            // An extended run: its config.json says how far it goes now, so a later plain
+            // `--resume RUN` continues the same schedule.
+            save_resolved(cfg, &run)?;
+        }
         return Ok((run, Some(ckpt)));
     }
     let out = out_dir(cfg);

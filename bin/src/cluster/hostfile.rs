@@ -245,14 +245,13 @@ pub fn ssh_command(ssh: &OsStr, entry: &HostEntry, remote_oobleck: &str, master:
     cmd
 }
 
-/// The local `oobleck` binary's absolute path (`$OOBLECK_BIN`, else next to the running
-/// executable): the remote default for hosts without `oobleck=`.
+/// The binary the remote hosts run as their agent, by its local absolute path: `$OOBLECK_BIN`,
+/// else the running `train` itself (`train agent` is the agent): the remote default for hosts
+/// without `oobleck=`.
 pub fn local_oobleck() -> Result<String> {
     let path = match std::env::var_os("OOBLECK_BIN") {
         Some(p) => std::path::PathBuf::from(p),
-        None => std::env::current_exe()
-            .context("locating the running binary")?
-            .with_file_name(format!("oobleck{}", std::env::consts::EXE_SUFFIX)),
+        None => std::env::current_exe().context("locating the running binary")?,
     };
     let abs = std::path::absolute(&path)
         .with_context(|| format!("making {} absolute", path.display()))?;
