@@ -245,14 +245,18 @@ pub fn ssh_command(ssh: &OsStr, entry: &HostEntry, remote_oobleck: &str, master:
     cmd
 }
 
-/// The binary the remote hosts run as their agent, by its local absolute path: `$OOBLECK_BIN`,
-/// else the running `train` itself (`train agent` is the agent): the remote default for hosts
-/// without `oobleck=`.
+/// The binary agents run: `$OOBLECK_BIN`, else the running `train` itself (`train agent` is
+/// the agent, and a local cluster's agents are this process's children).
+pub fn agent_binary() -> Result<std::path::PathBuf> {
+    match std::env::var_os("OOBLECK_BIN") {
+        Some(p) => Ok(std::path::PathBuf::from(p)),
+        None => std::env::current_exe().context("locating the running binary"),
+    }
+}
+
+/// [`agent_binary`] by its absolute path: the remote default for hosts without `oobleck=`.
 pub fn local_oobleck() -> Result<String> {
-    let path = match std::env::var_os("OOBLECK_BIN") {
-        Some(p) => std::path::PathBuf::from(p),
-        None => std::env::current_exe().context("locating the running binary")?,
-    };
+    let path = agent_binary()?;
     let abs = std::path::absolute(&path)
         .with_context(|| format!("making {} absolute", path.display()))?;
     abs.into_os_string().into_string().map_err(|p| {

@@ -156,11 +156,22 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         })?,
         _ => Vec::new(),
     };
+    let params = workload.num_params();
+    // Agents started by hand may take a while to come up.
+    let limits = match launch {
+        Launch::Listen { .. } => Limits {
+            join: Duration::from_secs(600),
+            ..Limits::default()
+        },
+        _ => Limits::default(),
+    };
     let (bind, token, launch) = match launch {
         Launch::Local => (
             "127.0.0.1:0".parse().context("master address")?,
             Token::random(),
-            driver::Launch::Local { exe: agent_exe()? },
+            driver::Launch::Local {
+                exe: hostfile::agent_binary()?,
+            },
         ),
         Launch::Listen { addr, token } => (addr, token, driver::Launch::Listen),
         Launch::Hostfile { addr, token, hosts } => {
@@ -184,7 +195,7 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         bind,
         token,
         launch,
-        limits: Limits::default(),
+        limits,
     };
     let start = opts.resume.as_ref().map_or(0, |r| r.1);
     let mut watch = Watch {
@@ -198,7 +209,7 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         .map(|s| Summary {
             out: out.clone(),
             model: cfg.model.clone(),
-            params: watch_params(&cfg),
+            params,
             steps: s.steps,
             first_loss: s.first_loss,
             final_loss: s.final_loss,
@@ -211,21 +222,6 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         })
         .map_err(anyhow::Error::from);
     crate::report::finish_run(&out, result)
-}
-
-fn watch_params(cfg: &TrainConfig) -> usize {
-    crate::trainer::model_config(cfg)
-        .map(|(m, _)| m.num_params())
-        .unwrap_or(0)
-}
-
-/// The binary local agents run: this one (it takes the agent role when started as one), or
-/// `$OOBLECK_BIN`.
-fn agent_exe() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("OOBLECK_BIN") {
-        return Ok(PathBuf::from(p));
-    }
-    std::env::current_exe().context("locating the train binary")
 }
 
 /// Starts one agent per host over ssh once the master listens, and passes on whatever each

@@ -208,11 +208,7 @@ async fn drive(
         starts_agents: !agents.is_empty(),
         announce_joins,
     };
-    let mut limits = opts.limits;
-    if announce_joins {
-        // Agents started by hand may take a while.
-        limits.join = limits.join.max(Duration::from_secs(600));
-    }
+    let limits = opts.limits;
     let t0 = Instant::now();
     let machine = JobMachine::new(spec.clone(), start, limits, Duration::ZERO);
     let assembler = Assembler {
