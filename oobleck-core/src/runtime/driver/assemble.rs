@@ -30,11 +30,11 @@ pub(super) struct Assembled {
 }
 
 /// Parameters and optimizer state by name.
-pub(super) type State = (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
+type State = (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
 
 impl Assembler {
     /// Reads every saver's state (rank -> file): parameters and optimizer state, by name.
-    pub fn merge(&self, states: &BTreeMap<u32, String>) -> Result<State> {
+    fn merge(&self, states: &BTreeMap<u32, String>) -> Result<State> {
         let mut params = BTreeMap::new();
         let mut opt = BTreeMap::new();
         for (rank, path) in states {
@@ -57,7 +57,7 @@ impl Assembler {
 
     /// Writes `checkpoints/step-NNNNNN`, laid out as the single-process trainer's, with the
     /// workload's own files beside the tensors.
-    pub fn save(
+    fn save(
         &self,
         params: &BTreeMap<String, Tensor>,
         opt: BTreeMap<String, Tensor>,
@@ -81,7 +81,7 @@ impl Assembler {
     }
 
     /// The workload's evaluation of the whole model with `params`.
-    pub fn evaluate(&self, params: &BTreeMap<String, Tensor>) -> Result<Option<f64>> {
+    fn evaluate(&self, params: &BTreeMap<String, Tensor>) -> Result<Option<f64>> {
         let model = self.workload.model();
         let params: HashMap<String, Tensor> =
             params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -96,18 +96,18 @@ impl Assembler {
             .map_err(RuntimeError::Workload)
     }
 
-    /// The periodic work after `step`: a checkpoint and/or an evaluation; removes the states
-    /// it read.
-    pub fn periodic(
+    /// Pipeline 0's states after `step` (rank -> file) as a checkpoint and/or an evaluation;
+    /// removes the states it read. The one path of periodic checkpoints, rescues and the end.
+    pub fn assemble(
         &self,
         step: u64,
         states: &BTreeMap<u32, String>,
-        ckpt: bool,
+        checkpoint: bool,
         eval: bool,
     ) -> Result<Assembled> {
         let started = Instant::now();
         let (params, opt) = self.merge(states)?;
-        let checkpoint = match ckpt {
+        let checkpoint = match checkpoint {
             true => Some(self.save(&params, opt, step)?),
             false => None,
         };

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 use super::agents::AgentSet;
-use super::assemble::Assembler;
+use super::assemble::{Assembled, Assembler};
 use super::rundir::RunFiles;
 use super::{next_input, plan_for, JobSummary, Observer};
 use crate::elastic::protocol::Rendezvous;
@@ -19,7 +19,6 @@ use crate::runtime::records::{Event, StepMetrics};
 use crate::runtime::spec::{DataPlane, JobConfig, TrainingSpec};
 
 pub(super) struct Parts<'a> {
-    pub spec: TrainingSpec,
     pub config: JobConfig,
     pub out: PathBuf,
     pub profile: ModelProfile,
@@ -39,8 +38,7 @@ pub(super) struct Driver<'a> {
     p: Parts<'a>,
     /// Checkpoints, evaluations and rescue writes running on blocking threads.
     background: Vec<JoinHandle<Input>>,
-    /// This job's committed steps (replays included), first and last loss.
-    steps_run: u64,
+    /// This job's first and last loss.
     first_loss: Option<f64>,
     last_loss: Option<f64>,
     /// The running generation's stepping: when it started, from which step, the last commit.
@@ -59,7 +57,6 @@ impl<'a> Driver<'a> {
         Driver {
             p,
             background: Vec::new(),
-            steps_run: 0,
             first_loss: None,
             last_loss: None,
             stepping: now,
@@ -84,6 +81,20 @@ impl<'a> Driver<'a> {
         self.p.machine.handle(now, input);
     }
 
+    fn spec(&self) -> &TrainingSpec {
+        &self.p.config.training
+    }
+
+    /// A message to `node` did not go out.
+    fn unreachable(&mut self, node: u32, what: String) {
+        self.feed(Input::Unreachable { node, what });
+    }
+
+    fn tokens_per_step(&self) -> f64 {
+        let samples = self.spec().global_batch_samples() as f64;
+        samples * self.p.assembler.workload.tokens_per_sample() as f64
+    }
+
     /// Runs until the machine finishes (then writes the final checkpoint) or fails.
     pub async fn run(&mut self) -> Result<JobSummary> {
         loop {
@@ -96,15 +107,13 @@ impl<'a> Driver<'a> {
             for (which, status) in self.p.agents.exited()? {
                 self.feed(Input::AgentExited { which, status });
             }
-            let mut i = 0;
-            while i < self.background.len() {
-                if self.background[i].is_finished() {
-                    let task = self.background.remove(i);
-                    let input = task.await.ctx("a checkpoint or evaluation task")?;
-                    self.feed(input);
-                } else {
-                    i += 1;
-                }
+            let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.background)
+                .into_iter()
+                .partition(|t| t.is_finished());
+            self.background = running;
+            for task in done {
+                let input = task.await.ctx("a checkpoint or evaluation task")?;
+                self.feed(input);
             }
             let input = next_input(self.p.master).await?;
             if let Input::Worker {
@@ -116,7 +125,6 @@ impl<'a> Driver<'a> {
                 self.p.agents.worker_started(*node, *pid);
             }
             self.feed(input);
-            self.feed(Input::Tick);
         }
     }
 
@@ -130,7 +138,7 @@ impl<'a> Driver<'a> {
                 pinned,
             } => {
                 let plan = plan_for(
-                    &self.p.spec,
+                    self.spec(),
                     &self.p.profile,
                     &nodes,
                     fault_threshold,
@@ -152,48 +160,12 @@ impl<'a> Driver<'a> {
                 nodes,
                 eval_due,
             } => {
-                let started = Instant::now();
-                let missed = self.p.master.commit_step(step, 0.0).await;
-                self.commit_ns += started.elapsed().as_nanos();
-                if let Some((node, e)) = missed.into_iter().next() {
-                    let what = format!("the commit of step {step}: {e}");
-                    self.feed(Input::Unreachable { node, what });
-                }
-                let dt = self.last_step_at.elapsed().as_secs_f64().max(1e-9);
-                self.last_step_at = Instant::now();
-                let samples = self.p.spec.global_batch_samples() as f64;
-                let tokens = samples * self.p.assembler.workload.tokens_per_sample() as f64;
-                let m = StepMetrics {
-                    step,
-                    loss,
-                    lr: self.p.spec.lr.lr_at(step - 1),
-                    grad_norm,
-                    samples_per_s: samples / dt,
-                    tokens_per_s: tokens / dt,
-                    generation,
-                    pipelines,
-                    nodes,
-                    wall_s: self.p.t0.elapsed().as_secs_f64(),
-                    val_loss: None,
-                };
-                self.steps_run += 1;
-                self.first_loss.get_or_insert(loss);
-                self.last_loss = Some(loss);
-                self.p.master.record_commit(step, m.samples_per_s);
-                self.p.observer.step(&m, self.p.spec.steps);
-                if step >= self.p.spec.steps {
-                    self.final_metrics = Some(m);
-                } else {
-                    self.p.files.metrics(m, eval_due)?;
-                }
+                let m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
+                self.commit(m, eval_due).await?;
             }
             Action::KillNode { node } => {
-                if let Err(e) = self
-                    .p
-                    .master
-                    .send_to(node, Message::KillNode { node })
-                    .await
-                {
+                let kill = Message::KillNode { node };
+                if let Err(e) = self.p.master.send_to(node, kill).await {
                     tracing::warn!(node, error = %e, "could not tell the node to die");
                 }
             }
@@ -206,59 +178,30 @@ impl<'a> Driver<'a> {
                 nodes,
                 generation,
                 step,
-            } => {
-                let dir = self
-                    .p
-                    .out
-                    .join("cluster")
-                    .join(format!("rescue-g{generation}"));
-                for node in nodes {
-                    let ask = Message::SaveState {
-                        generation,
-                        step,
-                        dir: dir.display().to_string(),
-                    };
-                    if let Err(e) = self.p.master.send_to(node, ask).await {
-                        let what = format!("the request for its state: {e}");
-                        self.feed(Input::Unreachable { node, what });
-                    }
-                }
-            }
+            } => self.save_state(nodes, generation, step).await,
             Action::WriteRescue { step, states } => {
-                let a = self.p.assembler.clone();
-                self.background.push(tokio::task::spawn_blocking(move || {
-                    let written = a
-                        .merge(&states)
-                        .and_then(|(params, opt)| a.save(&params, opt, step));
-                    Input::RescueWritten(
-                        written
-                            .map(|p| p.display().to_string())
-                            .map_err(|e| e.to_string()),
-                    )
-                }));
+                self.assemble(step, states, true, false, |a| match a {
+                    Ok(a) => Input::RescueWritten(Ok(shown(a.checkpoint))),
+                    Err(e) => Input::RescueWritten(Err(e.to_string())),
+                })
             }
             Action::Assemble {
                 step,
                 states,
                 checkpoint,
                 eval,
-            } => {
-                let a = self.p.assembler.clone();
-                self.background.push(tokio::task::spawn_blocking(move || {
-                    match a.periodic(step, &states, checkpoint, eval) {
-                        Ok(r) => Input::Assembled {
-                            step,
-                            checkpoint: r.checkpoint.map(|p| p.display().to_string()),
-                            val_loss: r.val_loss,
-                            duration_s: r.duration_s,
-                        },
-                        Err(e) => Input::AssemblyFailed {
-                            step,
-                            error: e.to_string(),
-                        },
-                    }
-                }));
-            }
+            } => self.assemble(step, states, checkpoint, eval, move |a| match a {
+                Ok(a) => Input::Assembled {
+                    step,
+                    checkpoint: a.checkpoint.map(|p| p.display().to_string()),
+                    val_loss: a.val_loss,
+                    duration_s: a.duration_s,
+                },
+                Err(e) => Input::AssemblyFailed {
+                    step,
+                    error: e.to_string(),
+                },
+            }),
             Action::ValLoss { step, val_loss } => self.p.files.val_loss(step, val_loss)?,
             Action::ReleaseHeld => self.p.files.release()?,
             Action::TruncateMetrics { after } => self.p.files.truncate_after(after)?,
@@ -270,6 +213,88 @@ impl<'a> Driver<'a> {
             Action::Fail(e) => return Err(e),
         }
         Ok(())
+    }
+
+    /// The metrics line of committed `step`, timed since the previous commit.
+    fn metrics(
+        &mut self,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        generation: u64,
+        pipelines: usize,
+        nodes: usize,
+    ) -> StepMetrics {
+        let dt = self.last_step_at.elapsed().as_secs_f64().max(1e-9);
+        self.last_step_at = Instant::now();
+        StepMetrics {
+            step,
+            loss,
+            lr: self.spec().lr.lr_at(step - 1),
+            grad_norm,
+            samples_per_s: self.spec().global_batch_samples() as f64 / dt,
+            tokens_per_s: self.tokens_per_step() / dt,
+            generation,
+            pipelines,
+            nodes,
+            wall_s: self.p.t0.elapsed().as_secs_f64(),
+            val_loss: None,
+        }
+    }
+
+    /// Tells every rank to apply the step, and records it.
+    async fn commit(&mut self, m: StepMetrics, eval_due: bool) -> Result<()> {
+        let started = Instant::now();
+        let missed = self.p.master.commit_step(m.step, m.samples_per_s).await;
+        self.commit_ns += started.elapsed().as_nanos();
+        if let Some((node, e)) = missed.into_iter().next() {
+            self.unreachable(node, format!("the commit of step {}: {e}", m.step));
+        }
+        self.first_loss.get_or_insert(m.loss);
+        self.last_loss = Some(m.loss);
+        let total = self.spec().steps;
+        self.p.observer.step(&m, total);
+        if m.step >= total {
+            self.final_metrics = Some(m);
+            return Ok(());
+        }
+        self.p.files.metrics(m, eval_due)
+    }
+
+    /// Asks the workers on `nodes` for their state of committed `step`, under the run
+    /// directory (the nodes share it).
+    async fn save_state(&mut self, nodes: Vec<u32>, generation: u64, step: u64) {
+        let dir = self
+            .p
+            .out
+            .join("cluster")
+            .join(format!("rescue-g{generation}"));
+        for node in nodes {
+            let ask = Message::SaveState {
+                generation,
+                step,
+                dir: dir.display().to_string(),
+            };
+            if let Err(e) = self.p.master.send_to(node, ask).await {
+                self.unreachable(node, format!("the request for its state: {e}"));
+            }
+        }
+    }
+
+    /// Assembles `states` on a blocking thread; `answer` turns the result into the input the
+    /// machine gets when it is done.
+    fn assemble(
+        &mut self,
+        step: u64,
+        states: BTreeMap<u32, String>,
+        checkpoint: bool,
+        eval: bool,
+        answer: impl FnOnce(Result<Assembled>) -> Input + Send + 'static,
+    ) {
+        let a = self.p.assembler.clone();
+        self.background.push(tokio::task::spawn_blocking(move || {
+            answer(a.assemble(step, &states, checkpoint, eval))
+        }));
     }
 
     /// Starts a generation: `plan.json`, then the job and the plan to every node of it.
@@ -288,20 +313,18 @@ impl<'a> Driver<'a> {
         nodes.sort_unstable();
         for node in nodes {
             if let Err(e) = self.p.master.send_to(node, job.clone()).await {
-                let what = format!("the job: {e}");
-                self.feed(Input::Unreachable { node, what });
+                self.unreachable(node, format!("the job: {e}"));
                 return Ok(());
             }
         }
         let unreachable = self
             .p
             .master
-            .assign_plan(plan, Vec::new(), nccl_unique_id(self.p.spec.data_plane)?)
+            .assign_plan(plan, Vec::new(), nccl_unique_id(self.spec().data_plane)?)
             .await
             .ctx("assigning the plan")?;
         if let Some((node, e)) = unreachable.into_iter().next() {
-            let what = format!("the plan: {e}");
-            self.feed(Input::Unreachable { node, what });
+            self.unreachable(node, format!("the plan: {e}"));
             return Ok(());
         }
         let status = self.p.master.status();
@@ -319,8 +342,7 @@ impl<'a> Driver<'a> {
             })
             .await;
         if let Some((node, e)) = missed.into_iter().next() {
-            let what = format!("the rendezvous: {e}");
-            self.feed(Input::Unreachable { node, what });
+            self.unreachable(node, format!("the rendezvous: {e}"));
         }
         let now = Instant::now();
         self.stepping = now;
@@ -355,34 +377,32 @@ impl<'a> Driver<'a> {
              {step_ms:.0} ms step)",
             100.0 * overhead_ms / step_ms.max(1e-9)
         ));
-        let assembling = Instant::now();
         let a = self.p.assembler.clone();
-        let (ckpt, val) = tokio::task::spawn_blocking(move || -> Result<(PathBuf, Option<f64>)> {
-            let (params, opt) = a.merge(&states)?;
-            let ckpt = a.save(&params, opt, step)?;
-            Ok((ckpt, a.evaluate(&params)?))
-        })
-        .await
-        .ctx("the final checkpoint task")??;
+        let done = tokio::task::spawn_blocking(move || a.assemble(step, &states, true, true))
+            .await
+            .ctx("the final checkpoint task")??;
         let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
+        let ckpt = done
+            .checkpoint
+            .ctx("the final assembly wrote no checkpoint")?;
+        let val = done.val_loss;
         self.p.files.event(&Event::Checkpoint {
             step,
             path: ckpt.display().to_string(),
-            duration_s: assembling.elapsed().as_secs_f64(),
+            duration_s: done.duration_s,
         })?;
         if let Some(mut m) = self.final_metrics.take() {
             m.val_loss = val;
             self.p.files.metrics(m, false)?;
         }
         let wall_s = self.p.t0.elapsed().as_secs_f64();
-        let tokens = self.p.spec.global_batch_samples() as f64
-            * self.p.assembler.workload.tokens_per_sample() as f64;
+        let steps_run = self.p.machine.steps_run() as f64;
         Ok(JobSummary {
             steps: step,
             first_loss: self.first_loss,
             final_loss: self.last_loss,
             final_val_loss: val,
-            tokens_per_s: tokens * self.steps_run as f64 / wall_s.max(1e-9),
+            tokens_per_s: self.tokens_per_step() * steps_run / wall_s.max(1e-9),
             wall_s: wall_s.max(1e-9),
             checkpoint: Some(ckpt),
         })
@@ -400,4 +420,9 @@ fn nccl_unique_id(plane: DataPlane) -> Result<Option<Vec<u8>>> {
         ))
     })?;
     Ok(Some(id.0.to_vec()))
+}
+
+/// A written checkpoint's path, for the machine.
+fn shown(path: Option<PathBuf>) -> String {
+    path.map(|p| p.display().to_string()).unwrap_or_default()
 }

@@ -218,7 +218,6 @@ async fn drive(
         echo: opts.echo.clone(),
     };
     let mut d = carry::Driver::new(carry::Parts {
-        spec,
         config: opts.config,
         out: opts.run_dir.clone(),
         profile,

@@ -157,21 +157,14 @@ impl JobMachine {
         self.committed
     }
 
+    /// Steps committed by this job, replays included.
+    pub fn steps_run(&self) -> u64 {
+        self.steps_run
+    }
+
     /// The generation running (or being planned).
     pub fn generation(&self) -> u64 {
         self.generation
-    }
-
-    /// When the driver should send the next [`Input::Tick`] at the latest.
-    pub fn poll_timeout(&self) -> Option<Duration> {
-        match &self.phase {
-            Phase::Forming => Some(self.join_deadline),
-            Phase::Rendezvous | Phase::Stepping | Phase::Finishing => {
-                Some(self.last_progress + self.limits.stall)
-            }
-            Phase::Recovering(r) => Some(r.wake(&self.limits)),
-            Phase::Planning { .. } | Phase::Finished | Phase::Failed => None,
-        }
     }
 
     /// Takes one input at time `now`.

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!   driver ──(now, Input)──► JobMachine::handle ──► queue of Actions ──► driver carries out
-//!      ▲                          │ poll_timeout(): when to send the next Tick   │
+//!      ▲        (a Tick at least every poll, so deadlines are seen)               │
 //!      └──────── results of actions (Planned, Assembled, RescueWritten) ◄────────┘
 //! ```
 //!

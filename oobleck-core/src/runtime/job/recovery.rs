@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
-use super::{Action, Input, Limits};
+use super::{Action, Input};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::records::{Event, WorkerReport};
 
@@ -61,17 +61,6 @@ pub(super) struct Rescue {
     /// The nodes the savers run on.
     nodes: BTreeSet<u32>,
     started: Duration,
-}
-
-impl Recovery {
-    /// When the machine wants its next tick at the latest.
-    pub fn wake(&self, limits: &Limits) -> Duration {
-        match self {
-            Recovery::Settling { failure } => failure.detected + limits.settle,
-            Recovery::Rescuing { deadline, .. } => *deadline,
-            Recovery::Writing { rescue } => rescue.started + limits.stall,
-        }
-    }
 }
 
 impl JobMachine {
