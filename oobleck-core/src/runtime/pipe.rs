@@ -79,6 +79,25 @@ pub fn ranks_of_node(plan: &Plan, node: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The lead (device 0) of each stage of pipeline `pipeline`, in stage order: the stage of
+/// node `j` of the template that starts on device `d` is led by rank `first_rank + j * G + d`.
+/// The leads of pipeline 0, which holds every layer once, keep the state the master assembles.
+/// A node runs several stages when its template's stages use fewer than `G` devices, so this
+/// is not one rank per node. Empty when the plan has no such pipeline; panics, as
+/// [`Plan::template_of`] does, when the pipeline's template is not in the plan (a plan
+/// `execution::Layout::from_plan` refuses).
+pub fn stage_leads(plan: &Plan, pipeline: usize) -> Vec<u32> {
+    let Some(p) = plan.pipelines.get(pipeline) else {
+        return Vec::new();
+    };
+    let g = plan.devices_per_node;
+    plan.template_of(p)
+        .stages
+        .iter()
+        .map(|s| p.first_rank + s.node * g + s.first_device)
+        .collect()
+}
+
 /// Number of ranks (devices) the plan uses.
 pub fn world_size(plan: &Plan) -> u32 {
     plan.pipelines
@@ -90,7 +109,8 @@ pub fn world_size(plan: &Plan) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planning::Pipeline;
+    use crate::execution::Layout;
+    use crate::planning::{Pipeline, Stage, Template};
 
     /// Two pipelines over nodes `[3, 5]` and `[4]`, two devices per node.
     fn plan() -> Plan {
@@ -126,6 +146,62 @@ mod tests {
         assert_eq!(ranks_of_node(&plan, 4), vec![4, 5]);
         assert!(ranks_of_node(&plan, 9).is_empty());
         assert_eq!(world_size(&plan), 6);
+    }
+
+    /// Two devices per node. Pipeline 0: one node (3) whose two stages use one device each;
+    /// pipeline 1: two nodes (4, 5) with one two-device stage each.
+    fn plan_with_stages() -> Plan {
+        let stage = |layers: std::ops::Range<usize>, node, first_device, devices| Stage {
+            layer_start: layers.start,
+            layer_end: layers.end,
+            node,
+            first_device,
+            devices,
+            forward_ns: 1,
+            backward_ns: 1,
+            p2p_ns: 0,
+            memory_bytes: 1,
+        };
+        let template = |nodes, stages| Template {
+            nodes,
+            devices_per_node: 2,
+            stages,
+            microbatches: 2,
+            t1_ns: 2,
+            t3_ns: 2,
+            bottleneck_stage: 0,
+            bottleneck_ns: 2,
+            iteration_ns: 4,
+            peak_memory_bytes: 1,
+        };
+        let mut p = plan();
+        p.templates = vec![
+            template(1, vec![stage(0..2, 0, 0, 1), stage(2..4, 0, 1, 1)]),
+            template(2, vec![stage(0..2, 0, 0, 2), stage(2..4, 1, 0, 2)]),
+        ];
+        p.pipelines[0].nodes = vec![3];
+        p.pipelines[0].template_nodes = 1;
+        p.pipelines[1].nodes = vec![4, 5];
+        p.pipelines[1].template_nodes = 2;
+        p.pipelines[1].first_rank = 2;
+        p
+    }
+
+    #[test]
+    fn stage_leads_are_device_0_of_each_stage_even_with_two_stages_on_a_node() {
+        let plan = plan_with_stages();
+        assert_eq!(stage_leads(&plan, 0), vec![0, 1]);
+        assert_eq!(stage_leads(&plan, 1), vec![2, 4]);
+        assert!(stage_leads(&plan, 2).is_empty());
+        // The same ranks the execution layout puts at device 0 of a stage.
+        let layout = Layout::from_plan(&plan, 4).expect("layout");
+        for rank in 0..world_size(&plan) {
+            let pos = layout
+                .position(rank as usize)
+                .expect("every rank has a place");
+            let lead = stage_leads(&plan, pos.pipeline).contains(&rank);
+            assert_eq!(lead, pos.device == 0, "rank {rank} at {pos:?}");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::execution::sync_gradients;
 use crate::optim::AdamW;
 use crate::runtime::entry::error_chain;
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::pipe::ToWorker;
+use crate::runtime::pipe::{stage_leads, ToWorker};
 use crate::runtime::records::WorkerReport;
 use crate::runtime::spec::Workload;
 
@@ -36,10 +36,9 @@ impl Generation<'_> {
     fn train(&mut self, workload: &dyn Workload, inbox: &Inbox) -> Result<()> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
         let params: Vec<(String, Var)> = self.worker.params();
-        // Pipeline 0 holds every layer once: its ranks (device 0 of each stage) leave the
-        // state the master assembles into checkpoints and evaluates.
-        let pos = self.worker.position();
-        let saves_state = pos.pipeline == 0 && pos.device == 0;
+        // The leads of pipeline 0's stages leave the state the master assembles into
+        // checkpoints and evaluates; the master expects it from the same ranks.
+        let saves_state = stage_leads(&self.a.plan, 0).contains(&rank);
         let mut commit_wait = Duration::ZERO;
         for step in self.committed..training.steps {
             commit_wait += self.step(workload, inbox, &params, step)?;
