@@ -7,7 +7,8 @@ use std::io::{BufRead, Write};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use crate::runtime::error::{Context, Result, RuntimeError};
+use super::protocol;
+use crate::runtime::error::{Context, Result};
 use crate::runtime::pipe::{ToWorker, WorkerAssignment};
 use crate::runtime::records::WorkerReport;
 
@@ -16,13 +17,6 @@ const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Exit code of a worker whose agent closed its stdin.
 const ORPHANED: i32 = 3;
-
-fn protocol(rank: u32, what: String) -> RuntimeError {
-    RuntimeError::Protocol {
-        who: format!("rank {rank}"),
-        what,
-    }
-}
 
 /// The worker's stdin: the assignment, then the agent's messages. A thread reads it and ends
 /// the process when it closes: the agent that started us is gone, so nobody would ever
