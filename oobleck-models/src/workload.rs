@@ -18,9 +18,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use oobleck_core::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
-use oobleck_core::planning::{
-    analytical_profile, DeviceSpec, Dtype, ModelProfile, TransformerShape,
-};
+use oobleck_core::planning::{analytical_profile, DeviceSpec, Dtype, ModelProfile};
 use oobleck_core::runtime::{BoxError, Workload};
 use serde::{Deserialize, Serialize};
 
@@ -197,18 +195,7 @@ impl GptWorkload {
         device: &DeviceSpec,
         microbatch_size: u32,
     ) -> Result<ModelProfile> {
-        let (blocks, d, heads, _) = self.model_cfg.dims();
-        let u = |v: usize, what: &str| {
-            u32::try_from(v)
-                .map_err(|_| Error::Invalid(format!("{what} {v} does not fit the planner (u32)")))
-        };
-        let shape = TransformerShape::gpt(
-            u(blocks, "blocks")?,
-            u(d, "width")?,
-            u(heads, "heads")?,
-            u(self.model_cfg.vocab_size(), "vocabulary")?,
-            u(self.cfg.seq_len, "seq_len")?,
-        );
+        let shape = self.model_cfg.planner_shape(self.cfg.seq_len)?;
         let profile =
             analytical_profile(&self.cfg.model, &shape, device, microbatch_size, Dtype::F32);
         if profile.layers.len() != self.model.num_layers() {
@@ -494,6 +481,9 @@ mod tests {
         let p = w.profile(cpu, 2).expect("profile");
         assert_eq!(p.layers.len(), w.model().num_layers());
         p.validate().expect("a valid profile");
+        // The model's own planner shape: for a preset, GPT's (ffn = 4d, tied embedding).
+        let gpt = oobleck_core::planning::TransformerShape::gpt(2, 64, 4, 50257, 16);
+        assert_eq!(p, analytical_profile("gpt-tiny", &gpt, cpu, 2, Dtype::F32));
     }
 
     #[test]
