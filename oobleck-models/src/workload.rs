@@ -362,6 +362,14 @@ mod tests {
         t.to_vec2::<u32>().expect("a [b, t] u32 tensor")
     }
 
+    /// The message of `GptWorkload::new(cfg)`, which must fail.
+    fn refusal(cfg: GptWorkloadConfig) -> String {
+        match GptWorkload::new(cfg) {
+            Ok(_) => panic!("the workload should have been refused"),
+            Err(e) => e.to_string(),
+        }
+    }
+
     #[test]
     fn microbatches_are_the_datasets_across_an_epoch_boundary() {
         let (_dir, corpus) = small_corpus(20_000);
@@ -429,7 +437,7 @@ mod tests {
             seq_len: 65,
             ..tiny(&corpus)
         };
-        let err = GptWorkload::new(cfg).err().expect("too long").to_string();
+        let err = refusal(cfg);
         assert!(
             err.contains("--seq-len 65 exceeds the context of gpt-tiny (64 positions)"),
             "{err}"
@@ -443,7 +451,7 @@ mod tests {
             model: "gpt-huge".into(),
             ..tiny(&corpus)
         };
-        let err = GptWorkload::new(cfg).err().expect("unknown").to_string();
+        let err = refusal(cfg);
         assert!(
             err.contains("gpt-huge") && err.contains("gpt-mini"),
             "{err}"
@@ -457,16 +465,13 @@ mod tests {
             eval_batches: 1000,
             ..tiny(&corpus)
         };
-        let err = GptWorkload::new(many_evals).err().expect("few").to_string();
+        let err = refusal(many_evals);
         assert!(err.contains("fewer than --eval-batches 1000"), "{err}");
         let huge_batch = GptWorkloadConfig {
             num_microbatches: 100_000,
             ..tiny(&corpus)
         };
-        let err = GptWorkload::new(huge_batch)
-            .err()
-            .expect("small")
-            .to_string();
+        let err = refusal(huge_batch);
         assert!(
             err.contains("one global batch needs 200000 samples"),
             "{err}"
