@@ -1,22 +1,21 @@
 //! The worker: one device's process of a job (`OOBLECK_ROLE=worker`, always a child of its
-//! node's agent). It trains its stage of the user's [`Workload`], one generation after another:
+//! node's agent). It trains its stage of the user's [`Workload`] in one generation:
 //!
 //! ```text
-//!  stdin: WorkerAssignment ──► for each generation:
-//!                                 bind the data-plane port ──► Listening
-//!                                 check the plan against the job, build the stage
-//!                                 (initial parameters, or the resumed checkpoint)
-//!                                 Rendezvous ──► connect the communicators
-//!                                 per step: 1F1B iteration + gradient sync ──► Ready
-//!                                           wait for Commit ──► optimizer step
-//!                                           (periodic state ──► Saved)
-//!                                 all steps ──► Done    a failed step ──► Broken, then
-//!                                                        answer SaveState until stopped
+//!  stdin: WorkerAssignment ──► bind the data-plane port ──► Listening
+//!                              check the plan against the job, build the stage
+//!                              (initial parameters, or the resumed checkpoint)
+//!                              Rendezvous ──► connect the communicators
+//!                              per step: 1F1B iteration + gradient sync ──► Ready
+//!                                        wait for Commit ──► optimizer step
+//!                                        (periodic state ──► Saved)
+//!                              all steps ──► Done    a failed step ──► Broken, then
+//!                                                     answer SaveState until stopped
 //! ```
 //!
 //! Today each generation starts fresh worker processes, so a worker runs exactly one
-//! generation; the loop is where keeping workers alive across reconfigurations will plug in.
-//! A worker exits when its stdin closes (its agent is gone).
+//! generation ([`run_worker`] says where keeping workers alive across reconfigurations would
+//! plug in). A worker exits when its stdin closes (its agent is gone).
 
 mod inbox;
 mod steps;
@@ -71,39 +70,29 @@ fn protocol(rank: u32, what: String) -> RuntimeError {
 }
 
 /// Runs worker `rank` of a job: reads its assignment from stdin, builds the workload with
-/// `factory` from the job's workload settings, and trains every generation it is given.
-/// Returns once its last step is applied and reported.
+/// `factory` from the job's workload settings, and trains its generation. Returns once its
+/// last step is applied and reported.
+///
+/// Every generation starts fresh worker processes today, so a worker runs exactly one. Workers
+/// kept alive across reconfigurations would loop here: read the next generation's assignment,
+/// bind, and `Generation::form` it from what this worker holds, with the same workload.
 pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
-    let (first, inbox) = Inbox::start(rank)?;
-    let mut workload: Option<Box<dyn Workload>> = None;
-    let mut next = Some(first);
-    while let Some(a) = next.take() {
-        if a.rank != rank {
-            return Err(protocol(
-                rank,
-                format!(
-                    "assignment is for rank {}, this worker was started as rank {rank}",
-                    a.rank
-                ),
-            ));
-        }
-        let listening = Listening::bind(&a)?;
-        // Built once per process, after the port is reported: the master gathers the
-        // generation's addresses while its workers build their workloads.
-        if workload.is_none() {
-            workload = Some(factory(&a.job.workload).map_err(RuntimeError::Workload)?);
-        }
-        let w = workload
-            .as_deref()
-            .expect("the workload was built just above");
-        let mut generation = Generation::form(&a, w, listening, &inbox)?;
-        generation.run(w, &inbox)?;
-        // Every generation starts fresh worker processes today, so no second assignment
-        // comes and the agent ends this process. Workers kept alive across reconfigurations
-        // get the next generation's assignment here, and `Generation::form` rebuilds the
-        // stage and communicators from it and from what this worker holds.
+    let (a, inbox) = Inbox::start(rank)?;
+    if a.rank != rank {
+        return Err(protocol(
+            rank,
+            format!(
+                "assignment is for rank {}, this worker was started as rank {rank}",
+                a.rank
+            ),
+        ));
     }
-    Ok(())
+    let listening = Listening::bind(&a)?;
+    // Built after the port is reported: the master gathers the generation's addresses while
+    // its workers build their workloads.
+    let workload = factory(&a.job.workload).map_err(RuntimeError::Workload)?;
+    let mut generation = Generation::form(&a, workload.as_ref(), listening, &inbox)?;
+    generation.run(workload.as_ref(), &inbox)
 }
 
 /// The data-plane port a worker bound itself (so nothing can take it before the rendezvous),
