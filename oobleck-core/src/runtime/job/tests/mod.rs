@@ -1,0 +1,300 @@
+//! The job machine as tables: inputs in, actions out, no processes and no clock. This file is
+//! the harness; `steps.rs` has the commit protocol's cases, `recovery.rs` the failures'.
+
+mod recovery;
+mod steps;
+
+use std::time::Duration;
+
+use super::*;
+use crate::elastic::protocol::ExitStatus;
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::planning::{Pipeline, Plan};
+use crate::runtime::spec::{DataPlane, InjectedFailure, TrainingSpec};
+
+pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
+    TrainingSpec {
+        steps,
+        seed: 7,
+        microbatch_size: 2,
+        global_microbatches: 4,
+        nodes,
+        devices_per_node: 1,
+        fault_threshold: f,
+        device: "cpu".into(),
+        pipeline_nodes: None,
+        optimizer: AdamWConfig::default(),
+        lr: LrSchedule::constant(1e-3).expect("lr"),
+        grad_clip: None,
+        checkpoint_every: 0,
+        eval_every: 0,
+        data_plane: DataPlane::Tcp,
+        inject_failures: Vec::new(),
+    }
+}
+
+/// A plan with one device per node: pipeline `i` runs on `pipes[i]`, ranks in order.
+pub(super) fn plan(pipes: &[&[u32]]) -> Plan {
+    let mut first_rank = 0;
+    let pipelines = pipes
+        .iter()
+        .enumerate()
+        .map(|(i, nodes)| {
+            let p = Pipeline {
+                id: i as u32,
+                template_nodes: nodes.len() as u32,
+                nodes: nodes.to_vec(),
+                first_rank,
+                microbatches: 1,
+                predicted_ns: 1,
+            };
+            first_rank += nodes.len() as u32;
+            p
+        })
+        .collect();
+    Plan {
+        generation: 0,
+        devices_per_node: 1,
+        fault_threshold: 1,
+        global_microbatches: 4,
+        min_nodes: 1,
+        templates: Vec::new(),
+        pipelines,
+        compute_ns: 1,
+        sync_ns: 0,
+        sync_model_ns: 0,
+        layer_state_bytes: Vec::new(),
+        iteration_ns: 1,
+    }
+}
+
+pub(super) fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
+
+/// Drives a machine: every call returns the actions the input caused.
+pub(super) struct H {
+    pub m: JobMachine,
+    pub now: Duration,
+}
+
+impl H {
+    pub(super) fn new(spec: TrainingSpec) -> H {
+        let start = JobStart {
+            step: 0,
+            checkpoint: None,
+            generation: 0,
+            starts_agents: true,
+            announce_joins: false,
+        };
+        H {
+            m: JobMachine::new(spec, start, Limits::default(), Duration::ZERO),
+            now: Duration::ZERO,
+        }
+    }
+
+    pub(super) fn at(&mut self, t: f64, input: Input) -> Vec<Action> {
+        self.now = secs(t);
+        self.m.handle(self.now, input);
+        std::iter::from_fn(|| self.m.poll_action()).collect()
+    }
+
+    pub(super) fn worker(&mut self, t: f64, node: u32, report: WorkerReport) -> Vec<Action> {
+        let generation = self.m.generation();
+        self.at(
+            t,
+            Input::Worker {
+                node,
+                generation,
+                report,
+            },
+        )
+    }
+
+    /// Joins `n` nodes, answers the plan with `p`, and forms the data plane: the job steps.
+    pub(super) fn running(spec: TrainingSpec, p: Plan) -> H {
+        let n = spec.nodes;
+        let mut h = H::new(spec);
+        for node in 0..n {
+            h.at(0.0, joined(node));
+        }
+        h.at(0.1, Input::Planned(Ok(p)));
+        h.listen_all(0.2);
+        h
+    }
+
+    pub(super) fn listen_all(&mut self, t: f64) {
+        let ranks = self.world();
+        for rank in 0..ranks {
+            let node = self.node_of(rank);
+            self.worker(
+                t,
+                node,
+                WorkerReport::Listening {
+                    rank,
+                    addr: format!("127.0.0.1:{}", 9000 + rank),
+                    pid: 100 + rank,
+                },
+            );
+        }
+    }
+
+    pub(super) fn world(&self) -> u32 {
+        self.m.gen.as_ref().expect("a generation").world as u32
+    }
+
+    pub(super) fn node_of(&self, rank: u32) -> u32 {
+        let g = self.m.gen.as_ref().expect("a generation");
+        g.node_of(rank).expect("a rank of the plan")
+    }
+
+    pub(super) fn ready(&mut self, t: f64, rank: u32, step: u64) -> Vec<Action> {
+        let node = self.node_of(rank);
+        self.worker(
+            t,
+            node,
+            WorkerReport::Ready {
+                rank,
+                step,
+                loss: 2.5,
+                grad_norm: 0.5,
+            },
+        )
+    }
+
+    /// Every rank reports `step` ready: returns the actions of the last report.
+    pub(super) fn step(&mut self, t: f64, step: u64) -> Vec<Action> {
+        let mut last = Vec::new();
+        for rank in 0..self.world() {
+            last = self.ready(t, rank, step);
+        }
+        last
+    }
+
+    pub(super) fn broken(&mut self, t: f64, rank: u32, step: u64) -> Vec<Action> {
+        let node = self.node_of(rank);
+        self.worker(
+            t,
+            node,
+            WorkerReport::Broken {
+                rank,
+                step,
+                error: "peer lost".into(),
+            },
+        )
+    }
+
+    /// Rank `rank` wrote its state of committed `step`.
+    pub(super) fn saved(&mut self, t: f64, rank: u32, step: u64) -> Vec<Action> {
+        let node = self.node_of(rank);
+        let state = format!("state/rank-{rank}");
+        self.worker(t, node, WorkerReport::Saved { rank, step, state })
+    }
+
+    /// The periodic checkpoint of `step` is written.
+    pub(super) fn checkpointed(&mut self, t: f64, step: u64) -> Vec<Action> {
+        self.at(
+            t,
+            Input::Assembled {
+                step,
+                checkpoint: Some(format!("ckpt-{step}")),
+                val_loss: None,
+                duration_s: 0.1,
+            },
+        )
+    }
+
+    /// Commits steps `1..=last`, one a second.
+    pub(super) fn steps_to(&mut self, last: u64) {
+        for step in 1..=last {
+            self.step(step as f64, step);
+        }
+    }
+
+    /// Ticks every 0.1 s from `from` to `to`, collecting actions.
+    pub(super) fn ticks(&mut self, from: f64, to: f64) -> Vec<Action> {
+        let mut out = Vec::new();
+        let mut t = from;
+        while t <= to + 1e-9 {
+            out.extend(self.at(t, Input::Tick));
+            t += 0.1;
+        }
+        out
+    }
+}
+
+pub(super) fn joined(node: u32) -> Input {
+    Input::Joined {
+        node,
+        addr: format!("127.0.0.1:{}", 5000 + node),
+    }
+}
+
+pub(super) fn lost(node: u32) -> Input {
+    Input::Lost {
+        node,
+        reason: "Closed".into(),
+    }
+}
+
+pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .map(|a| match a {
+            Action::Record(e) => format!("record:{}", e.kind()),
+            Action::Note(_) => "note".into(),
+            Action::Plan { .. } => "plan".into(),
+            Action::Deploy { .. } => "deploy".into(),
+            Action::Rendezvous { .. } => "rendezvous".into(),
+            Action::Commit { step, .. } => format!("commit:{step}"),
+            Action::KillNode { node } => format!("kill:{node}"),
+            Action::Fence { node } => format!("fence:{node}"),
+            Action::SaveState { nodes, step, .. } => format!("save:{nodes:?}@{step}"),
+            Action::WriteRescue { step, .. } => format!("write_rescue:{step}"),
+            Action::Assemble { step, .. } => format!("assemble:{step}"),
+            Action::ValLoss { step, .. } => format!("val:{step}"),
+            Action::ReleaseHeld => "release".into(),
+            Action::TruncateMetrics { after } => format!("truncate:{after}"),
+            Action::Finish { step, .. } => format!("finish:{step}"),
+            Action::Fail(_) => "fail".into(),
+        })
+        .collect()
+}
+
+pub(super) fn has(actions: &[Action], kind: &str) -> bool {
+    kinds(actions).iter().any(|k| k == kind)
+}
+
+pub(super) fn failure(actions: &[Action]) -> String {
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Fail(e) => Some(e.to_string()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no failure in {:?}", kinds(actions)))
+}
+
+pub(super) fn plan_request(actions: &[Action]) -> (Vec<u32>, u32) {
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Plan {
+                nodes,
+                fault_threshold,
+                ..
+            } => Some((nodes.clone(), *fault_threshold)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no plan request in {:?}", kinds(actions)))
+}
+
+pub(super) fn reconfig(actions: &[Action]) -> Event {
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Record(e @ Event::Reconfig { .. }) => Some(e.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no reconfig in {:?}", kinds(actions)))
+}

@@ -1,0 +1,202 @@
+//! The commit protocol: forming, the rendezvous, steps, periodic states, the end.
+
+use super::*;
+
+#[test]
+fn plans_once_every_expected_node_joined() {
+    let mut h = H::new(spec(3, 1, 4));
+    assert!(!has(&h.at(0.0, joined(0)), "plan"));
+    assert!(!has(&h.at(0.0, joined(1)), "plan"));
+    let a = h.at(0.0, joined(2));
+    assert_eq!(plan_request(&a), (vec![0, 1, 2], 1));
+    let a = h.at(0.1, Input::Planned(Ok(plan(&[&[0], &[1, 2]]))));
+    assert_eq!(kinds(&a), ["record:plan", "deploy"]);
+}
+
+#[test]
+fn forming_gives_up_after_the_join_timeout() {
+    let mut h = H::new(spec(3, 1, 4));
+    h.at(0.0, joined(0));
+    let a = h.at(61.0, Input::Tick);
+    assert!(failure(&a).contains("only 1 of 3 agents registered"));
+}
+
+#[test]
+fn the_rendezvous_goes_out_once_every_rank_listens() {
+    let mut h = H::new(spec(2, 1, 4));
+    h.at(0.0, joined(0));
+    h.at(0.0, joined(1));
+    h.at(0.1, Input::Planned(Ok(plan(&[&[0], &[1]]))));
+    let a = h.worker(
+        0.2,
+        0,
+        WorkerReport::Listening {
+            rank: 0,
+            addr: "127.0.0.1:9000".into(),
+            pid: 1,
+        },
+    );
+    assert!(!has(&a, "rendezvous"));
+    let a = h.worker(
+        0.2,
+        1,
+        WorkerReport::Listening {
+            rank: 1,
+            addr: "127.0.0.1:9001".into(),
+            pid: 2,
+        },
+    );
+    assert_eq!(
+        kinds(&a),
+        ["record:process", "record:rendezvous", "rendezvous"]
+    );
+}
+
+#[test]
+fn a_step_commits_once_every_rank_is_ready_and_not_before() {
+    let mut h = H::running(spec(2, 1, 4), plan(&[&[0], &[1]]));
+    assert!(h.ready(1.0, 0, 1).is_empty());
+    let a = h.ready(1.0, 1, 1);
+    assert_eq!(kinds(&a), ["commit:1"]);
+    assert_eq!(h.m.committed(), 1);
+}
+
+#[test]
+fn ranks_that_disagree_on_the_loss_end_the_job() {
+    let mut h = H::running(spec(2, 1, 4), plan(&[&[0], &[1]]));
+    h.ready(1.0, 0, 1);
+    let a = h.worker(
+        1.0,
+        1,
+        WorkerReport::Ready {
+            rank: 1,
+            step: 1,
+            loss: 9.0,
+            grad_norm: 0.5,
+        },
+    );
+    assert!(failure(&a).contains("ranks disagree on step 1"));
+}
+
+#[test]
+fn a_report_for_the_wrong_step_ends_the_job() {
+    let mut h = H::running(spec(2, 1, 4), plan(&[&[0], &[1]]));
+    let a = h.ready(1.0, 0, 2);
+    assert!(failure(&a).contains("reported step 2 ready while step 1 is open"));
+}
+
+#[test]
+fn the_job_finishes_with_pipeline_zeros_states_once_every_worker_is_done() {
+    let mut h = H::running(spec(3, 1, 2), plan(&[&[0], &[1, 2]]));
+    h.step(1.0, 1);
+    h.step(2.0, 2);
+    let mut last = Vec::new();
+    for rank in 0..3 {
+        let state = (rank == 0).then(|| "rank-0.safetensors".to_string());
+        last = h.worker(
+            3.0,
+            h.node_of(rank),
+            WorkerReport::Done {
+                rank,
+                step: 2,
+                state,
+                commit_wait_ms: 1.0,
+            },
+        );
+    }
+    let Some(Action::Finish { step, states, .. }) = last.first() else {
+        panic!("{:?}", kinds(&last));
+    };
+    assert_eq!(*step, 2);
+    assert_eq!(states.keys().copied().collect::<Vec<_>>(), [0]);
+    assert!(h.m.is_over());
+}
+
+#[test]
+fn periodic_states_are_assembled_and_checkpoints_remembered() {
+    let mut s = spec(2, 1, 4);
+    s.checkpoint_every = 2;
+    let mut h = H::running(s, plan(&[&[0], &[1]]));
+    h.step(1.0, 1);
+    h.step(2.0, 2);
+    let a = h.saved(2.1, 0, 2);
+    assert_eq!(kinds(&a), ["assemble:2"]);
+    let a = h.at(
+        2.5,
+        Input::Assembled {
+            step: 2,
+            checkpoint: Some("ckpt-2".into()),
+            val_loss: None,
+            duration_s: 0.1,
+        },
+    );
+    assert_eq!(kinds(&a), ["record:checkpoint"]);
+    assert_eq!(h.m.newest, Some(("ckpt-2".into(), 2)));
+}
+
+#[test]
+fn a_worker_failing_while_its_generation_forms_ends_the_job() {
+    let mut h = H::new(spec(2, 1, 10));
+    h.at(0.0, joined(0));
+    h.at(0.0, joined(1));
+    h.at(0.1, Input::Planned(Ok(plan(&[&[0], &[1]]))));
+    let a = h.worker(
+        0.5,
+        1,
+        WorkerReport::Exited {
+            rank: 1,
+            status: ExitStatus {
+                code: Some(1),
+                signal: None,
+            },
+            error: Some("cannot bind a data-plane port on 203.0.113.7".into()),
+        },
+    );
+    let e = failure(&a);
+    assert!(
+        e.contains("exited (exit code 1) while the data plane formed") && e.contains("203.0.113.7"),
+        "{e}"
+    );
+}
+
+#[test]
+fn no_report_for_the_stall_timeout_ends_the_job() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    assert!(h.at(100.0, Input::Tick).is_empty());
+    let a = h.at(181.0, Input::Tick);
+    assert!(failure(&a).contains("no progress for 180 s"));
+}
+
+#[test]
+fn a_node_joining_a_running_job_is_refused() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    let a = h.at(1.0, joined(5));
+    assert!(failure(&a).contains("node 5 joined during the job"));
+}
+
+#[test]
+fn no_plan_at_the_start_ends_the_job() {
+    let mut h = H::new(spec(1, 1, 10));
+    h.at(0.0, joined(0));
+    let a = h.at(
+        0.1,
+        Input::Planned(Err("1 node cannot hold 2 pipelines".into())),
+    );
+    assert!(failure(&a).contains("1 node cannot hold 2 pipelines"));
+}
+
+#[test]
+fn an_injected_failure_kills_its_node_after_its_step() {
+    let mut s = spec(2, 1, 10);
+    s.inject_failures = vec![InjectedFailure {
+        node: 1,
+        after_step: 2,
+    }];
+    let mut h = H::running(s, plan(&[&[0], &[1]]));
+    assert!(!has(&h.step(1.0, 1), "kill:1"));
+    let a = h.step(2.0, 2);
+    assert_eq!(
+        kinds(&a),
+        ["commit:2", "record:inject_failure", "note", "kill:1"]
+    );
+}
