@@ -105,11 +105,9 @@ struct Listening {
 impl Listening {
     fn bind(a: &WorkerAssignment) -> Result<Listening> {
         let rank = a.rank;
-        let bind: SocketAddr = match format!("{}:0", a.host).parse() {
-            Ok(addr) => addr,
-            Err(_) => resolve(&format!("{}:0", a.host))
-                .with_ctx(|| format!("data-plane address {:?}", a.host))?,
-        };
+        // An IP is taken as it is; a name is looked up.
+        let bind = resolve(&format!("{}:0", a.host))
+            .with_ctx(|| format!("data-plane address {:?}", a.host))?;
         let listener = TcpListener::bind(bind).with_ctx(|| {
             format!(
                 "rank {rank} cannot bind a data-plane port on {} (is that an address of this \
