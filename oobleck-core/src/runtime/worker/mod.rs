@@ -47,7 +47,7 @@ pub const DATA_TIMEOUT: Duration = Duration::from_secs(60);
 pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Where rank `rank` leaves its final parameters and optimizer state.
-pub fn state_path(run_dir: &Path, rank: u32) -> PathBuf {
+fn state_path(run_dir: &Path, rank: u32) -> PathBuf {
     run_dir
         .join("cluster")
         .join(format!("rank-{rank}.safetensors"))
@@ -55,7 +55,7 @@ pub fn state_path(run_dir: &Path, rank: u32) -> PathBuf {
 
 /// Where rank `rank` leaves its state after committed step `step` for a periodic checkpoint
 /// or evaluation (the master removes it once assembled).
-pub fn state_path_at(run_dir: &Path, step: u64, rank: u32) -> PathBuf {
+fn state_path_at(run_dir: &Path, step: u64, rank: u32) -> PathBuf {
     run_dir
         .join("cluster")
         .join(format!("step-{step:06}"))
@@ -324,7 +324,7 @@ fn peer_addrs(rank: u32, rendezvous: &[Rendezvous], world: usize) -> Result<Vec<
 
 /// Every group a step's collectives use: the holders of each gradient bucket, of each tied
 /// parameter, and all ranks (the loss and norm). Every rank computes the same list.
-pub fn collective_groups(layout: &Layout, model: &dyn LayeredModel) -> Result<Vec<Vec<Rank>>> {
+fn collective_groups(layout: &Layout, model: &dyn LayeredModel) -> Result<Vec<Vec<Rank>>> {
     let mut groups: Vec<Vec<Rank>> = layout.buckets().into_iter().map(|b| b.holders).collect();
     for tp in model.tied_params() {
         groups.push(layout.tied_group(&tp.layers)?.0);
