@@ -403,7 +403,7 @@ impl NodeAgent {
         };
         let node = self.node;
         for w in self.workers.iter_mut() {
-            if let Err(e) = tell_all(node, std::slice::from_mut(w), &msg).await {
+            if let Err(e) = w.tell(node, &msg).await {
                 tracing::warn!(node, error = %e, "asking for the state");
             }
         }

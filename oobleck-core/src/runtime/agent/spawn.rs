@@ -37,18 +37,43 @@ pub(super) struct Worker {
     pub(super) errors: tokio::task::JoinHandle<Vec<String>>,
 }
 
-/// Writes `msg` to every worker's stdin.
-pub(super) async fn tell_all(node: u32, workers: &mut [Worker], msg: &ToWorker) -> Result<()> {
-    let mut line = serde_json::to_string(msg).ctx("encoding a message for the workers")?;
+/// `v` as one line of a worker's stdin.
+fn json_line(v: &impl serde::Serialize, what: &str) -> Result<String> {
+    let mut line = serde_json::to_string(v).with_ctx(|| format!("encoding {what}"))?;
     line.push('\n');
+    Ok(line)
+}
+
+/// Writes `line` (`what` it is) to the stdin of worker `rank` of node `node`.
+async fn send_line(
+    node: u32,
+    rank: u32,
+    stdin: &mut ChildStdin,
+    line: &str,
+    what: &str,
+) -> Result<()> {
+    tokio::time::timeout(CONTROL_TIMEOUT, stdin.write_all(line.as_bytes()))
+        .await
+        .map_err(|_| RuntimeError::Protocol {
+            who: format!("node {node}"),
+            what: format!("timed out handing worker rank {rank} {what}"),
+        })?
+        .with_ctx(|| format!("handing worker rank {rank} {what}"))
+}
+
+impl Worker {
+    /// Writes `msg` to this worker's stdin.
+    pub(super) async fn tell(&mut self, node: u32, msg: &ToWorker) -> Result<()> {
+        let line = json_line(msg, "a message for a worker")?;
+        send_line(node, self.rank, &mut self.stdin, &line, "a message").await
+    }
+}
+
+/// Writes `msg` to every worker's stdin, stopping at the first that cannot take it.
+pub(super) async fn tell_all(node: u32, workers: &mut [Worker], msg: &ToWorker) -> Result<()> {
+    let line = json_line(msg, "a message for the workers")?;
     for w in workers.iter_mut() {
-        tokio::time::timeout(CONTROL_TIMEOUT, w.stdin.write_all(line.as_bytes()))
-            .await
-            .map_err(|_| RuntimeError::Protocol {
-                who: format!("node {node}"),
-                what: format!("timed out writing to worker rank {}", w.rank),
-            })?
-            .with_ctx(|| format!("writing to worker rank {}", w.rank))?;
+        send_line(node, w.rank, &mut w.stdin, &line, "a message").await?;
     }
     Ok(())
 }
@@ -89,15 +114,8 @@ pub(super) async fn spawn_worker(
     let stderr = child.stderr.take().ctx("worker stderr")?;
     let mut stdin = child.stdin.take().ctx("worker stdin")?;
     let stdout = child.stdout.take().ctx("worker stdout")?;
-    let mut line = serde_json::to_string(a).ctx("encoding a worker's assignment")?;
-    line.push('\n');
-    tokio::time::timeout(CONTROL_TIMEOUT, stdin.write_all(line.as_bytes()))
-        .await
-        .map_err(|_| RuntimeError::Protocol {
-            who: format!("node {}", a.node),
-            what: format!("timed out handing worker rank {} its assignment", a.rank),
-        })?
-        .ctx("handing a worker its assignment")?;
+    let line = json_line(a, "a worker's assignment")?;
+    send_line(a.node, a.rank, &mut stdin, &line, "its assignment").await?;
     let (rank, generation) = (a.rank, a.generation);
     // Relay the worker's reports; anything else it prints goes to our stderr.
     let relay = tokio::spawn(async move {
