@@ -9,18 +9,13 @@ use oobleck_comm::Rank;
 ///
 /// Variants carry the ids and numbers a reader needs (which parameter, which pipeline and
 /// stage, which layers, the value given and the one wanted), so a log line says what to fix.
-/// The planner's, the control plane's and the data plane's own errors are wrapped whole.
+/// Candle's and the data plane's own errors are wrapped whole. (The planner's and the control
+/// plane's errors reach users through [`crate::runtime::RuntimeError`], not through this type.)
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A tensor operation failed inside Candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    /// The planner found no plan, or was given an unusable profile.
-    #[error(transparent)]
-    Plan(#[from] crate::planning::PlanError),
-    /// The elastic control plane failed (framing, authentication, membership).
-    #[error(transparent)]
-    Elastic(#[from] crate::elastic::ElasticError),
     /// A data-plane operation failed (timeout, lost peer, abort): the step cannot commit.
     #[error(transparent)]
     Comm(#[from] oobleck_comm::CommError),
