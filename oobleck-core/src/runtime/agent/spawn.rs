@@ -86,12 +86,6 @@ pub(super) async fn spawn_worker(
 ) -> Result<Worker> {
     let exe = std::env::current_exe().ctx("locating this program's binary")?;
     let mut cmd = Command::new(&exe);
-    // A worker's error (a lost peer, most often) is reported without an anyhow backtrace of
-    // the user's code, which RUST_BACKTRACE=1 would otherwise print by the screenful; panics
-    // keep theirs.
-    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
-        cmd.env("RUST_LIB_BACKTRACE", "0");
-    }
     // The agent's own settings, the token first, are none of a worker's business.
     for var in [
         TOKEN_ENV,
@@ -144,19 +138,9 @@ pub(super) async fn spawn_worker(
 /// Passes a worker's stderr on, keeping the last lines: the master is told them if it fails.
 async fn pass_stderr(stderr: tokio::process::ChildStderr) -> Vec<String> {
     let mut tail: VecDeque<String> = VecDeque::new();
-    let mut in_backtrace = false;
     let mut lines = BufReader::new(stderr).lines();
     while let Ok(Some(l)) = lines.next_line().await {
         eprintln!("{l}");
-        // A backtrace (RUST_BACKTRACE=1) would push the message itself out of the tail.
-        if l.starts_with("Stack backtrace:") {
-            in_backtrace = true;
-        } else if l.starts_with("Error:") {
-            in_backtrace = false;
-        }
-        if in_backtrace {
-            continue;
-        }
         if tail.len() == ERROR_LINES {
             tail.pop_front();
         }
@@ -165,8 +149,9 @@ async fn pass_stderr(stderr: tokio::process::ChildStderr) -> Vec<String> {
     error_lines(tail.into_iter().collect())
 }
 
-/// The part of a failed worker's last stderr lines (backtraces left out) that says why: from
-/// its last `Error:` line (the runtime's report) on; else all of them. Blank lines are dropped.
+/// The part of a failed worker's last stderr lines that says why: from its last `Error:` line
+/// (the runtime's report, which is the worker's last output) on; else all of them. Blank lines
+/// are dropped.
 pub(super) fn error_lines(tail: Vec<String>) -> Vec<String> {
     let start = tail
         .iter()
