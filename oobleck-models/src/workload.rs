@@ -76,6 +76,17 @@ impl Default for GptWorkloadConfig {
     }
 }
 
+impl GptWorkloadConfig {
+    /// The model these settings name, without its weights or its corpus (for a tool that
+    /// loads a checkpoint's weights instead): `init_from`'s HF config, else the preset.
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        match &self.init_from {
+            Some(src) => Ok(hf::locate(src)?.config),
+            None => ModelConfig::preset(&self.model),
+        }
+    }
+}
+
 /// A GPT/OPT model with its corpus, checked to fit each other (see [`GptWorkload::new`]).
 /// `Send + Sync`: the dataset and the model are shared read-only.
 pub struct GptWorkload {
@@ -284,7 +295,7 @@ fn resolve_model(
         let w = hf::load_weights(&pre.dir, &pre.config)?;
         return Ok((pre.config, Some(w)));
     }
-    Ok((ModelConfig::preset(&cfg.model)?, None))
+    Ok((cfg.model_config()?, None))
 }
 
 /// Opens the corpus and checks it and the batch shape against the model; returns the dataset,
@@ -561,6 +572,11 @@ mod tests {
             init_from: Some(hf_dir.display().to_string()),
             ..tiny(&corpus)
         };
+        assert_eq!(
+            cfg.model_config().unwrap(),
+            preset,
+            "the config without the weights"
+        );
         let w = GptWorkload::new(cfg).unwrap();
         let ParamSource::Tensors(got) = w.initial_params(SEED) else {
             panic!("init_from must give the pretrained tensors");

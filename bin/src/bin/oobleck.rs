@@ -182,7 +182,9 @@ fn generate(a: &GenerateArgs) -> Result<()> {
                 ckpt.display()
             )
         })?;
-    let (model_cfg, _) = oobleck_cli::trainer::model_config(&cfg)?;
+    // The model of the run without its starting weights (the checkpoint has the trained ones)
+    // or its corpus (only the tokenizer is needed).
+    let model_cfg = oobleck_cli::cluster::job::workload_config(&cfg).model_config()?;
     let model = model_cfg.build()?;
     let params: HashMap<_, _> = ck.params.into_iter().collect();
     let stage = whole_model(model.as_ref(), &params)?;
