@@ -179,6 +179,16 @@ pub enum Error {
         name: String,
         reason: String,
     },
+    /// A caller's extra file for checkpoint `checkpoint` is named so that it would land outside
+    /// the checkpoint's directory, shadow one of its own files or look like a save in progress.
+    #[error(
+        "{checkpoint}: extra checkpoint file `{name}` must be a plain file name other than {}, \
+         {} and {}, not starting with `.tmp-`",
+        crate::checkpoint::MODEL_FILE,
+        crate::checkpoint::OPTIMIZER_FILE,
+        crate::checkpoint::TRAINER_FILE
+    )]
+    ExtraFileName { checkpoint: PathBuf, name: String },
     /// A checkpoint file's bytes do not hash to the checksum recorded for it.
     #[error("{path}: checksum mismatch: expected sha256 {expected}, found {actual}")]
     Checksum {

@@ -173,14 +173,10 @@ fn check_extra_name(checkpoint: &Path, name: &str) -> Result<()> {
     if plain && !reserved && !name.starts_with(TEMP_PREFIX) {
         return Ok(());
     }
-    let reason = format!(
-        "extra checkpoint file `{name}` must be a plain file name other than {MODEL_FILE}, \
-         {OPTIMIZER_FILE} and {TRAINER_FILE}"
-    );
-    Err(io_err(
-        &checkpoint.join(name),
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, reason),
-    ))
+    Err(Error::ExtraFileName {
+        checkpoint: checkpoint.to_path_buf(),
+        name: name.to_string(),
+    })
 }
 
 /// Writes and fsyncs the caller's extra files (the directory is synced with the rest).
