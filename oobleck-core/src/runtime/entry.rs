@@ -47,6 +47,10 @@ pub const AGENT: &str = "agent";
 /// `OOBLECK_ROLE` of a worker.
 pub const WORKER: &str = "worker";
 
+/// The first word of the error a role prints when it fails; an agent explains a failed
+/// worker to the master from the worker's last line that starts with it.
+pub(crate) const ERROR_TAG: &str = "Error:";
+
 /// How long an agent waits for its master when `OOBLECK_AGENT_WAIT` is unset.
 const DEFAULT_AGENT_WAIT_S: u64 = 120;
 
@@ -79,7 +83,7 @@ where
         WORKER => rank_from_env().and_then(|rank| run_worker(rank, &factory)),
         other => {
             eprintln!(
-                "Error: {ROLE_ENV}={other:?} is not a role of the oobleck runtime (it starts \
+                "{ERROR_TAG} {ROLE_ENV}={other:?} is not a role of the oobleck runtime (it starts \
                  its processes with {AGENT:?} or {WORKER:?}); unset {ROLE_ENV} to run this \
                  program yourself"
             );
@@ -204,7 +208,7 @@ pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> Vec<String> 
 /// `Error: {e}`, then its other causes (as `anyhow` prints the error of `main`).
 fn error_report(e: &RuntimeError) -> String {
     let chain = error_chain(e);
-    let mut out = format!("Error: {}", chain[0]);
+    let mut out = format!("{ERROR_TAG} {}", chain[0]);
     if chain.len() > 1 {
         out.push_str("\n\nCaused by:");
         for (i, c) in chain[1..].iter().enumerate() {

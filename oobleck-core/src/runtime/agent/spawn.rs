@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 use super::{Local, CONTROL_TIMEOUT, GRACE};
 use crate::elastic::auth::TOKEN_ENV;
 use crate::runtime::entry::{
-    AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV, WORKER,
+    AGENT_WAIT_ENV, ERROR_TAG, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
+    WORKER,
 };
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::pipe::{ToWorker, WorkerAssignment};
@@ -149,13 +150,13 @@ async fn pass_stderr(stderr: tokio::process::ChildStderr) -> Vec<String> {
     error_lines(tail.into_iter().collect())
 }
 
-/// The part of a failed worker's last stderr lines that says why: from its last `Error:` line
-/// (the runtime's report, which is the worker's last output) on; else all of them. Blank lines
-/// are dropped.
+/// The part of a failed worker's last stderr lines that says why: from its last line that
+/// starts with [`ERROR_TAG`] (the runtime's report, the worker's last output) on; else all of
+/// them. Blank lines are dropped.
 pub(super) fn error_lines(tail: Vec<String>) -> Vec<String> {
     let start = tail
         .iter()
-        .rposition(|l| l.starts_with("Error:"))
+        .rposition(|l| l.starts_with(ERROR_TAG))
         .unwrap_or(0);
     tail[start..]
         .iter()
