@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
 use oobleck_core::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
-use oobleck_models::data::Gpt2Tokenizer;
+use oobleck_models::data::{Gpt2Tokenizer, Split};
+use oobleck_models::workload::GptWorkload;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -78,15 +79,17 @@ fn pick(logits: &Tensor, s: Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
     Ok(order[order.len() - 1] as u32)
 }
 
-/// Prints `cfg.sample` continuations of fixed validation snippets: what the end of every
-/// `train` run shows, in one process or on a cluster.
+/// Prints `cfg.sample` continuations of fixed validation snippets of the workload's corpus,
+/// its context the model's: what the end of every `train` run shows, in one process or on a
+/// cluster.
 pub fn print_samples(
     stage: &Stage,
-    data: &oobleck_models::data::Dataset,
-    max_context: usize,
+    workload: &GptWorkload,
     cfg: &crate::config::TrainConfig,
 ) -> Result<()> {
-    let val = data.split(oobleck_models::data::Split::Validation);
+    let data = workload.dataset();
+    let max_context = workload.model_config().max_seq_len();
+    let val = data.split(Split::Validation);
     for i in 0..cfg.sample {
         let b = val.sequential_batch(16, 1, i * 7)?;
         let prompt = data.tokenizer().decode(&b.inputs)?;

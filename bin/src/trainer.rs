@@ -6,18 +6,19 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
-use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
+use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
-use oobleck_models::data::{self, BatchSpec, DataCursor, Dataset, Split};
-use oobleck_models::{hf, ModelConfig};
+use oobleck_core::runtime::Workload;
+use oobleck_models::hf;
+use oobleck_models::workload::{to_tensors, GptWorkload};
 use serde::Serialize;
 
+use crate::cluster::job::workload_config;
 use crate::config::{load_resolved, save_resolved, TrainConfig};
 use crate::progress::Progress;
 
@@ -45,83 +46,18 @@ pub struct Summary {
 /// Everything a run holds while it trains.
 pub struct Trainer {
     pub cfg: TrainConfig,
-    pub model_cfg: ModelConfig,
-    pub model: Arc<dyn LayeredModel>,
+    /// The model (a preset or `--init-from`) and its corpus, checked against each other: what
+    /// the cluster job trains (built from the same [`workload_config`]), so data, evaluation
+    /// and checkpoint files are the same code on one process and on many.
+    pub workload: GptWorkload,
     pub stage: Stage,
     pub opt: AdamW,
     pub sched: LrSchedule,
-    pub data: Dataset,
-    pub spec: BatchSpec,
     pub step: u64,
     pub out: PathBuf,
     device: Device,
-    iters_per_epoch: usize,
     metrics: std::fs::File,
     events: std::fs::File,
-}
-
-/// Resolves the model: a preset name, or a directory / hub id with an HF config.
-pub fn model_config(cfg: &TrainConfig) -> Result<(ModelConfig, Option<HashMap<String, Tensor>>)> {
-    if let Some(src) = &cfg.init_from {
-        let pre = hf::locate(src).with_context(|| format!("--init-from {src}"))?;
-        let w = hf::load_weights(&pre.dir, &pre.config)?;
-        return Ok((pre.config, Some(w)));
-    }
-    Ok((ModelConfig::preset(&cfg.model)?, None))
-}
-
-/// Opens the job's corpus with its tokenizer (the built-in ones by default: nothing is read
-/// from `datasets/`, so a node needs only the binary; a `--dataset` path every node must have).
-pub fn open_dataset(cfg: &TrainConfig) -> Result<Dataset> {
-    let named = |path: &Option<PathBuf>, built_in: &str| {
-        path.as_ref()
-            .map_or_else(|| built_in.to_owned(), |p| p.display().to_string())
-    };
-    data::open_dataset(cfg.dataset.as_deref(), cfg.tokenizer.as_deref()).with_context(|| {
-        format!(
-            "opening dataset {} with tokenizer {}",
-            named(&cfg.dataset, data::EMBEDDED_CORPUS_NAME),
-            named(&cfg.tokenizer, data::EMBEDDED_TOKENIZER_NAME)
-        )
-    })
-}
-
-/// Checks the job against the model and the data before anything starts: the sequence fits
-/// the context, the tokenizer fits the vocabulary, the corpus holds a global batch and the
-/// validation split the evaluation batches. Returns the dataset, the batch shape and the
-/// iterations per epoch.
-pub fn prepare_data(
-    cfg: &TrainConfig,
-    model_cfg: &ModelConfig,
-) -> Result<(Dataset, BatchSpec, usize)> {
-    if cfg.seq_len > model_cfg.max_seq_len() {
-        bail!(
-            "--seq-len {} exceeds the context of {} ({} positions)",
-            cfg.seq_len,
-            cfg.model,
-            model_cfg.max_seq_len()
-        );
-    }
-    let data = open_dataset(cfg)?;
-    data.tokenizer().check_vocab(model_cfg.vocab_size())?;
-    let spec = BatchSpec {
-        seq_len: cfg.seq_len,
-        microbatch_size: cfg.microbatch_size,
-        num_microbatches: cfg.num_microbatches(),
-    };
-    let iters_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
-    let val = data.split(Split::Validation);
-    if val.num_sequential_batches(cfg.seq_len, cfg.microbatch_size) < cfg.eval_batches {
-        bail!(
-            "the validation split has {} samples of {} tokens: fewer than --eval-batches {} x \
-             --microbatch-size {}",
-            val.num_samples(cfg.seq_len),
-            cfg.seq_len,
-            cfg.eval_batches,
-            cfg.microbatch_size
-        );
-    }
-    Ok((data, spec, iters_per_epoch))
 }
 
 /// `--out`, or `runs/<model>-<unix seconds>`.
@@ -142,12 +78,11 @@ pub fn out_dir(cfg: &TrainConfig) -> PathBuf {
 impl Trainer {
     /// A fresh run in a new directory, or a resumed one from `resume`.
     pub fn start(cfg: TrainConfig, resume: Option<&Path>) -> Result<Self> {
-        let (model_cfg, pretrained) = model_config(&cfg)?;
-        let (data, spec, iters_per_epoch) = prepare_data(&cfg, &model_cfg)?;
+        let workload = GptWorkload::new(workload_config(&cfg))?;
         let device = Device::Cpu;
-        let model = model_cfg.build()?;
         let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
         let mut opt = cfg.optimizer()?;
+        let model = workload.layered_model();
         let l = model.num_layers();
 
         let (out, ckpt) = open_run(&cfg, resume)?;
@@ -161,11 +96,8 @@ impl Trainer {
                 (Stage::new(layers)?, ck.trainer.step)
             }
             None => {
-                let source = match &pretrained {
-                    Some(w) => ParamSource::Tensors(w),
-                    None => ParamSource::Init { seed: cfg.seed },
-                };
-                let layers = model.build_layers(0..l, &device, source)?;
+                let layers =
+                    model.build_layers(0..l, &device, workload.initial_params(cfg.seed))?;
                 (Stage::new(layers)?, 0)
             }
         };
@@ -180,23 +112,19 @@ impl Trainer {
             metrics: append("metrics.jsonl")?,
             events: append("events.jsonl")?,
             cfg,
-            model_cfg,
-            model,
+            workload,
             stage,
             opt,
             sched,
-            data,
-            spec,
             step,
             out,
             device,
-            iters_per_epoch,
         };
         t.event(serde_json::json!({
             "event": if resume.is_some() { "resume" } else { "start" },
             "step": step,
             "model": t.cfg.model,
-            "params": t.model_cfg.num_params(),
+            "params": t.workload.num_params(),
         }))?;
         Ok(t)
     }
@@ -205,19 +133,13 @@ impl Trainer {
         writeln!(self.events, "{v}").context("writing events.jsonl")
     }
 
-    fn cursor(&self, step: u64) -> DataCursor {
-        DataCursor::at_step(step, self.iters_per_epoch)
-    }
-
     /// One optimizer step over the global batch. Returns (mean loss, pre-clip grad norm, lr).
     pub fn train_step(&mut self) -> Result<(f64, f64, f64)> {
-        let cursor = self.cursor(self.step);
-        let train = self.data.split(Split::Train);
-        let nb = self.spec.num_microbatches;
+        let nb = self.workload.batch_spec().num_microbatches;
         let mut grads = HashMap::new();
         let mut loss = 0.0;
         for k in 0..nb {
-            let batch = train.microbatch_at(&self.spec, self.cfg.seed, cursor, k)?;
+            let batch = self.workload.train_batch(self.cfg.seed, self.step, k)?;
             let (inp, tgt) = to_tensors(&batch, &self.device)?;
             let ctx = ForwardCtx {
                 targets: Some(&tgt),
@@ -248,18 +170,7 @@ impl Trainer {
 
     /// Mean loss over the first `eval_batches` validation microbatches (corpus order).
     pub fn validation_loss(&self) -> Result<f64> {
-        let val = self.data.split(Split::Validation);
-        let mut total = 0.0;
-        for i in 0..self.cfg.eval_batches {
-            let batch = val.sequential_batch(self.cfg.seq_len, self.cfg.microbatch_size, i)?;
-            let (inp, tgt) = to_tensors(&batch, &self.device)?;
-            let ctx = ForwardCtx {
-                targets: Some(&tgt),
-                ..ForwardCtx::inference()
-            };
-            total += f64::from(self.stage.forward(&inp, &ctx)?.output.to_scalar::<f32>()?);
-        }
-        Ok(total / self.cfg.eval_batches as f64)
+        Ok(self.workload.validation_loss(&self.stage)?)
     }
 
     /// Parameters by name (the tied embedding once), for checkpoints and comparisons.
@@ -276,7 +187,7 @@ impl Trainer {
         let state = TrainerState {
             step: self.step,
             seed: self.cfg.seed,
-            data_cursor: serde_json::to_value(self.cursor(self.step))?,
+            data_cursor: self.workload.data_cursor(self.step),
             config: Some(serde_json::to_value(&self.cfg)?),
         };
         // The HF config beside model.safetensors makes the directory loadable with
@@ -286,7 +197,10 @@ impl Trainer {
             &self.params(),
             &self.opt.export_state()?,
             &state,
-            &[(hf::CONFIG_FILE, hf::config_json(&self.model_cfg))],
+            &[(
+                hf::CONFIG_FILE,
+                hf::config_json(self.workload.model_config()),
+            )],
         )?;
         self.event(serde_json::json!({
             "event": "checkpoint",
@@ -364,7 +278,7 @@ impl Trainer {
         Ok(Summary {
             out: self.out.clone(),
             model: self.cfg.model.clone(),
-            params: self.model_cfg.num_params(),
+            params: self.workload.num_params(),
             steps: self.step,
             first_loss,
             final_loss: last_loss,
@@ -376,14 +290,6 @@ impl Trainer {
             report: None,
         })
     }
-}
-
-/// `(inputs, targets)` as `[b, t]` u32 tensors (see [`oobleck_models::workload::to_tensors`]).
-pub fn to_tensors(
-    batch: &oobleck_models::data::Batch,
-    device: &Device,
-) -> Result<(Tensor, Tensor)> {
-    Ok(oobleck_models::workload::to_tensors(batch, device)?)
 }
 
 /// The run directory of a job and, with `resume` (`--resume PATH`), the checkpoint it goes on

@@ -9,12 +9,14 @@ use oobleck_cli::config::TrainArgs;
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
+use oobleck_cli::cluster::job::workload_config;
 use oobleck_cli::generate::{print_samples, whole_model};
 use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
-use oobleck_cli::trainer::{model_config, open_dataset};
 use oobleck_core::checkpoint::load_checkpoint;
 use oobleck_core::elastic::Token;
+use oobleck_core::runtime::Workload;
+use oobleck_models::workload::GptWorkload;
 
 fn main() -> Result<()> {
     // Started as an agent or a worker of a job (by another `train`): that role runs here.
@@ -88,14 +90,13 @@ fn main() -> Result<()> {
         if let Some(c) = &summary.checkpoint {
             eprintln!("checkpoint: {}", c.display());
             if cfg.sample > 0 {
-                let (model_cfg, _) = model_config(&cfg)?;
+                let workload = GptWorkload::new(workload_config(&cfg))?;
                 let params: HashMap<String, Tensor> = load_checkpoint(c, &Device::Cpu)?
                     .params
                     .into_iter()
                     .collect();
-                let model = model_cfg.build()?;
-                let stage = whole_model(model.as_ref(), &params)?;
-                print_samples(&stage, &open_dataset(&cfg)?, model_cfg.max_seq_len(), &cfg)?;
+                let stage = whole_model(workload.model(), &params)?;
+                print_samples(&stage, &workload, &cfg)?;
             }
         }
         if let Some(r) = &summary.report {
@@ -120,8 +121,8 @@ fn main() -> Result<()> {
         "training {} ({:.2}M parameters, {} layers) on 1 CPU process: {} steps of {} samples x {} \
          tokens; run directory {}",
         t.cfg.model,
-        t.model_cfg.num_params() as f64 / 1e6,
-        t.model_cfg.num_layers(),
+        t.workload.num_params() as f64 / 1e6,
+        t.workload.model_config().num_layers(),
         t.cfg.steps,
         t.cfg.global_batch_size,
         t.cfg.seq_len,
@@ -143,7 +144,7 @@ fn main() -> Result<()> {
         eprintln!("checkpoint: {}", c.display());
     }
     if t.cfg.sample > 0 {
-        print_samples(&t.stage, &t.data, t.model_cfg.max_seq_len(), &t.cfg)?;
+        print_samples(&t.stage, &t.workload, &t.cfg)?;
     }
     if let Some(r) = &summary.report {
         eprintln!("report: {}", r.display());
