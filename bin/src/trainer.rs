@@ -13,7 +13,8 @@ use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
-use oobleck_core::runtime::Workload;
+use oobleck_core::runtime::records::StartInfo;
+use oobleck_core::runtime::{Event, Workload};
 use oobleck_models::hf;
 use oobleck_models::workload::{to_tensors, GptWorkload};
 use serde::Serialize;
@@ -108,6 +109,15 @@ impl Trainer {
                 .open(out.join(name))
                 .with_context(|| format!("opening {}", out.join(name).display()))
         };
+        let info = StartInfo {
+            step,
+            checkpoint: None,
+            model: Some(cfg.model.clone()),
+            params: Some(workload.num_params()),
+            nodes: None,
+            master: None,
+            pid: None,
+        };
         let mut t = Self {
             metrics: append("metrics.jsonl")?,
             events: append("events.jsonl")?,
@@ -120,17 +130,16 @@ impl Trainer {
             out,
             device,
         };
-        t.event(serde_json::json!({
-            "event": if resume.is_some() { "resume" } else { "start" },
-            "step": step,
-            "model": t.cfg.model,
-            "params": t.workload.num_params(),
-        }))?;
+        t.event(&match resume {
+            Some(_) => Event::Resume(info),
+            None => Event::Start(info),
+        })?;
         Ok(t)
     }
 
-    fn event(&mut self, v: serde_json::Value) -> Result<()> {
-        writeln!(self.events, "{v}").context("writing events.jsonl")
+    fn event(&mut self, e: &Event) -> Result<()> {
+        let line = serde_json::to_string(e).context("an event serialises")?;
+        writeln!(self.events, "{line}").context("writing events.jsonl")
     }
 
     /// One optimizer step over the global batch. Returns (mean loss, pre-clip grad norm, lr).
@@ -202,12 +211,11 @@ impl Trainer {
                 hf::config_json(self.workload.model_config()),
             )],
         )?;
-        self.event(serde_json::json!({
-            "event": "checkpoint",
-            "step": self.step,
-            "path": path,
-            "duration_s": started.elapsed().as_secs_f64(),
-        }))?;
+        self.event(&Event::Checkpoint {
+            step: self.step,
+            path: path.display().to_string(),
+            duration_s: started.elapsed().as_secs_f64(),
+        })?;
         Ok(path)
     }
 
@@ -274,7 +282,10 @@ impl Trainer {
         }
         progress.finish();
         let wall_s = started.elapsed().as_secs_f64();
-        self.event(serde_json::json!({"event": "finish", "step": self.step, "wall_s": wall_s}))?;
+        self.event(&Event::Finish {
+            step: self.step,
+            wall_s,
+        })?;
         Ok(Summary {
             out: self.out.clone(),
             model: self.cfg.model.clone(),
