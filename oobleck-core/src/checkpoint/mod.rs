@@ -182,12 +182,16 @@ fn check_extra_name(checkpoint: &Path, name: &str) -> Result<()> {
 /// Writes and fsyncs the caller's extra files (the directory is synced with the rest).
 fn write_extra_files(dir: &Path, files: &[(&str, Vec<u8>)]) -> Result<()> {
     for (name, bytes) in files {
-        let path = dir.join(name);
-        let mut file = File::create(&path).map_err(|e| io_err(&path, e))?;
-        file.write_all(bytes).map_err(|e| io_err(&path, e))?;
-        file.sync_all().map_err(|e| io_err(&path, e))?;
+        write_synced(&dir.join(name), bytes)?;
     }
     Ok(())
+}
+
+/// Creates `path` holding `bytes`, fsynced.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut file = File::create(path).map_err(|e| io_err(path, e))?;
+    file.write_all(bytes).map_err(|e| io_err(path, e))?;
+    file.sync_all().map_err(|e| io_err(path, e))
 }
 
 fn write_contents(
@@ -219,9 +223,7 @@ fn write_contents(
         path: path.clone(),
         source,
     })?;
-    let mut file = File::create(&path).map_err(|e| io_err(&path, e))?;
-    file.write_all(&json).map_err(|e| io_err(&path, e))?;
-    file.sync_all().map_err(|e| io_err(&path, e))?;
+    write_synced(&path, &json)?;
     sync_dir(dir)
 }
 
