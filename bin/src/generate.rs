@@ -1,7 +1,5 @@
 //! Sampling continuations from a trained model, so a person can see what it learned.
 
-use std::collections::HashMap;
-
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
 use oobleck_core::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
@@ -21,13 +19,14 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// Builds the whole model from named parameters.
-pub fn whole_model(model: &dyn LayeredModel, params: &HashMap<String, Tensor>) -> Result<Stage> {
-    let layers = model.build_layers(
-        0..model.num_layers(),
-        &Device::Cpu,
-        ParamSource::Tensors(params),
-    )?;
+/// Builds every layer of `model` into one stage on `device`, its parameters from `source`
+/// (named tensors, such as a checkpoint's, or a seeded initialisation).
+pub fn whole_model(
+    model: &dyn LayeredModel,
+    device: &Device,
+    source: ParamSource<'_>,
+) -> Result<Stage> {
+    let layers = model.build_layers(0..model.num_layers(), device, source)?;
     Ok(Stage::new(layers)?)
 }
 

@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use crate::cluster::job::workload_config;
 use crate::config::{load_resolved, save_resolved, TrainConfig};
+use crate::generate::whole_model;
 use crate::progress::Progress;
 
 /// One line of `metrics.jsonl`: a committed step (the runtime's record).
@@ -83,24 +84,22 @@ impl Trainer {
         let device = Device::Cpu;
         let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
         let mut opt = cfg.optimizer()?;
-        let model = workload.layered_model();
-        let l = model.num_layers();
+        let model = workload.model();
 
         let (out, ckpt) = open_run(&cfg, resume)?;
         let (stage, step) = match ckpt {
             Some(ckpt) => {
                 let ck = checkpoint::load_checkpoint(&ckpt, &device)?;
                 let params: HashMap<String, Tensor> = ck.params.into_iter().collect();
-                let layers = model.build_layers(0..l, &device, ParamSource::Tensors(&params))?;
+                let stage = whole_model(model, &device, ParamSource::Tensors(&params))?;
                 opt.import_state(&ck.optimizer)?;
                 truncate_metrics_after(&out, ck.trainer.step)?;
-                (Stage::new(layers)?, ck.trainer.step)
+                (stage, ck.trainer.step)
             }
-            None => {
-                let layers =
-                    model.build_layers(0..l, &device, workload.initial_params(cfg.seed))?;
-                (Stage::new(layers)?, 0)
-            }
+            None => (
+                whole_model(model, &device, workload.initial_params(cfg.seed))?,
+                0,
+            ),
         };
         let append = |name: &str| {
             std::fs::OpenOptions::new()

@@ -17,7 +17,7 @@ use oobleck_cli::generate::whole_model;
 use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
 use oobleck_core::checkpoint::{load_checkpoint, save_checkpoint, verify_checkpoint, TrainerState};
-use oobleck_core::model::{ForwardCtx, ParamSource, Stage};
+use oobleck_core::model::{ForwardCtx, ParamSource};
 use oobleck_models::{hf, ModelConfig};
 
 /// Token ids of the comparison: arbitrary, below both vocabularies, 12 positions.
@@ -55,7 +55,7 @@ fn our_logits(ckpt: &Path, cfg: &ModelConfig) -> Tensor {
     let ck = load_checkpoint(ckpt, &Device::Cpu).unwrap();
     let params: HashMap<String, Tensor> = ck.params.into_iter().collect();
     let model = cfg.build().unwrap();
-    let stage = whole_model(model.as_ref(), &params).unwrap();
+    let stage = whole_model(model.as_ref(), &Device::Cpu, ParamSource::Tensors(&params)).unwrap();
     let ids = Tensor::new(&IDS, &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
@@ -140,14 +140,7 @@ fn write_config_makes_an_opt_checkpoint_loadable() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = ModelConfig::preset("opt-tiny").unwrap();
     let model = cfg.build().unwrap();
-    let layers = model
-        .build_layers(
-            0..model.num_layers(),
-            &Device::Cpu,
-            ParamSource::Init { seed: 5 },
-        )
-        .unwrap();
-    let params = Stage::new(layers)
+    let params = whole_model(model.as_ref(), &Device::Cpu, ParamSource::Init { seed: 5 })
         .unwrap()
         .params()
         .into_iter()

@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use oobleck_cli::generate::{sample, whole_model, Sampling};
 use oobleck_core::checkpoint;
+use oobleck_core::model::ParamSource;
 use oobleck_models::data::open_tokenizer;
 use oobleck_models::{preset_names, ModelConfig};
 
@@ -187,7 +188,11 @@ fn generate(a: &GenerateArgs) -> Result<()> {
     let model_cfg = oobleck_cli::cluster::job::workload_config(&cfg).model_config()?;
     let model = model_cfg.build()?;
     let params: HashMap<_, _> = ck.params.into_iter().collect();
-    let stage = whole_model(model.as_ref(), &params)?;
+    let stage = whole_model(
+        model.as_ref(),
+        &candle_core::Device::Cpu,
+        ParamSource::Tensors(&params),
+    )?;
     let tok = open_tokenizer(a.tokenizer.as_deref().or(cfg.tokenizer.as_deref()))?;
     tok.check_vocab(model_cfg.vocab_size())?;
     println!("checkpoint {} (step {})", ckpt.display(), ck.trainer.step);

@@ -15,6 +15,7 @@ use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
 use oobleck_core::checkpoint::load_checkpoint;
 use oobleck_core::elastic::Token;
+use oobleck_core::model::ParamSource;
 use oobleck_core::runtime::Workload;
 use oobleck_models::workload::GptWorkload;
 
@@ -95,7 +96,11 @@ fn main() -> Result<()> {
                     .params
                     .into_iter()
                     .collect();
-                let stage = whole_model(workload.model(), &params)?;
+                let stage = whole_model(
+                    workload.model(),
+                    &Device::Cpu,
+                    ParamSource::Tensors(&params),
+                )?;
                 print_samples(&stage, &workload, &cfg)?;
             }
         }
