@@ -136,16 +136,6 @@ impl GptWorkload {
         &self.model_cfg
     }
 
-    /// The model as a shared layer list (the runtime's [`Workload::model`] borrows it).
-    pub fn layered_model(&self) -> &Arc<dyn LayeredModel> {
-        &self.model
-    }
-
-    /// The HF weights of `init_from`, if any.
-    pub fn pretrained(&self) -> Option<&HashMap<String, Tensor>> {
-        self.pretrained.as_ref()
-    }
-
     pub fn dataset(&self) -> &Dataset {
         &self.data
     }
