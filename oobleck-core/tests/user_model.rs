@@ -12,20 +12,16 @@ mod model;
 #[path = "../examples/residual_mlp/run.rs"]
 mod run;
 
-use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
-use oobleck_core::runtime::driver::{run_job, Observer};
+use oobleck_core::runtime::driver::Observer;
 use oobleck_core::runtime::job::Limits;
-use oobleck_core::runtime::{BoxError, Event, Workload};
+use oobleck_core::runtime::{BoxError, Event};
 
 use model::MlpWorkload;
 
 const NAME: &str = "a_user_model_survives_a_node_failure_and_matches_one_process";
-const TOL: f64 = 1e-5;
 /// The whole test, job and reference; it takes a few seconds on 2 cores.
 const LIMIT: Duration = Duration::from_secs(90);
 /// How long the job's processes get to be gone once `run_job` returned.
@@ -77,10 +73,6 @@ fn main() -> ExitCode {
 
 /// Runs the job and the reference; the largest parameter difference.
 fn user_model_trains_through_a_failure() -> Result<f64, BoxError> {
-    let cfg = run::config();
-    let spec = run::training_spec(&cfg)?;
-    let workload: Arc<dyn Workload> = Arc::new(MlpWorkload::new(cfg)?);
-    let dir = tempfile::tempdir()?;
     let limits = Limits {
         loss_wait: Duration::from_secs(10),
         ranks_wait: Duration::from_secs(20),
@@ -89,11 +81,11 @@ fn user_model_trains_through_a_failure() -> Result<f64, BoxError> {
         join: Duration::from_secs(30),
         ..Limits::default()
     };
-    let opts = run::job_options(&cfg, &spec, dir.path(), limits)?;
     let mut notes = Notes::default();
-    let summary = run_job(workload.clone(), opts, &mut notes)
+    let job = run::run_the_job(limits, &mut notes)
         .map_err(|e| format!("the job failed: {e}; its notes: {:?}", notes.0))?;
-    let events = events(dir.path())?;
+    let (spec, summary) = (&job.spec, &job.summary);
+    let events: Vec<serde_json::Value> = run::jsonl(&job.dir.path().join("events.jsonl"))?;
     processes_are_gone(&events)?;
 
     let kinds: Vec<&str> = events.iter().map(kind).collect();
@@ -104,15 +96,15 @@ fn user_model_trains_through_a_failure() -> Result<f64, BoxError> {
         format!("{} steps", summary.steps)
     })?;
 
-    let one = run::train_in_one_process(workload.as_ref(), &spec)?;
-    let metrics = run::metrics(dir.path())?;
+    let one = run::train_in_one_process(job.workload.as_ref(), spec)?;
+    let metrics = job.metrics()?;
     let steps: Vec<u64> = metrics.iter().map(|m| m.step).collect();
     let want: Vec<u64> = (1..=spec.steps).collect();
     ensure(steps == want, || {
         format!("metrics.jsonl has steps {steps:?}, want each of {want:?} once")
     })?;
     for (m, want) in metrics.iter().zip(&one.losses) {
-        ensure((m.loss - want).abs() < TOL, || {
+        ensure((m.loss - want).abs() < run::TOL, || {
             format!("step {}: loss {} vs {want} in one process", m.step, m.loss)
         })?;
     }
@@ -124,25 +116,15 @@ fn user_model_trains_through_a_failure() -> Result<f64, BoxError> {
         )
     })?;
 
-    let ckpt = run::final_checkpoint(dir.path(), summary.checkpoint)?;
-    let job = oobleck_core::checkpoint::load_checkpoint(&ckpt, &Device::Cpu)?;
-    ensure(job.trainer.step == spec.steps, || {
-        format!("the final checkpoint is of step {}", job.trainer.step)
+    let ckpt = job.final_checkpoint()?;
+    ensure(ckpt.trainer.step == spec.steps, || {
+        format!("the final checkpoint is of step {}", ckpt.trainer.step)
     })?;
-    let d = run::max_abs_diff(&job.params, &one.params)?;
-    ensure(d < TOL, || {
+    let d = run::max_abs_diff(&ckpt.params, &one.params)?;
+    ensure(d < run::TOL, || {
         format!("final parameters differ from one process's by {d:e}")
     })?;
     Ok(d)
-}
-
-fn events(run_dir: &Path) -> Result<Vec<serde_json::Value>, BoxError> {
-    let text = std::fs::read_to_string(run_dir.join("events.jsonl"))?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        out.push(serde_json::from_str(line)?);
-    }
-    Ok(out)
 }
 
 fn kind(e: &serde_json::Value) -> &str {

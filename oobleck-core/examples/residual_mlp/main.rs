@@ -5,8 +5,9 @@
 //! ```text
 //!  cargo run --release -p oobleck-core --example residual_mlp
 //!  main ─ take_over(factory) ─ (agents and workers: this binary again, they stop here)
-//!       ├─ run_job(workload, options) ─► 3 agents ─► 3 workers ─► node 2 dies ─► 2 nodes go on
-//!       ├─ train_in_one_process(..)      the same steps, every layer in one stage
+//!       ├─ run_the_job: run_job(workload, options) ─► 3 agents ─► 3 workers ─► node 2 dies
+//!       │                                              ─► 2 nodes go on   (run.rs)
+//!       ├─ train_in_one_process(..)      the same steps, every layer in one stage (run.rs)
 //!       └─ max |final parameters of the job - of the one process|, expected below 1e-5
 //! ```
 
@@ -14,19 +15,14 @@ mod model;
 mod run;
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Device;
 use oobleck_core::elastic::protocol::ClusterStatus;
-use oobleck_core::runtime::driver::{run_job, Observer};
+use oobleck_core::runtime::driver::Observer;
 use oobleck_core::runtime::job::Limits;
-use oobleck_core::runtime::{BoxError, StepMetrics, Workload};
+use oobleck_core::runtime::{BoxError, StepMetrics};
 
 use model::MlpWorkload;
-
-/// Parameters of the job and of the one process agree to within this.
-const TOL: f64 = 1e-5;
 
 /// Prints the job as it goes.
 struct Print;
@@ -77,23 +73,15 @@ fn main() -> ExitCode {
 
 /// Trains on the cluster and in one process; whether the two agree.
 fn compare() -> Result<bool, BoxError> {
-    let cfg = run::config();
-    let spec = run::training_spec(&cfg)?;
-    let workload: Arc<dyn Workload> = Arc::new(MlpWorkload::new(cfg)?);
-    let dir = tempfile::tempdir()?;
-    let t0 = Instant::now();
-    let opts = run::job_options(&cfg, &spec, dir.path(), Limits::default())?;
-    let summary = run_job(workload.clone(), opts, &mut Print)?;
-    let job_s = t0.elapsed().as_secs_f64();
-    let ckpt = run::final_checkpoint(dir.path(), summary.checkpoint)?;
-    let job = oobleck_core::checkpoint::load_checkpoint(&ckpt, &Device::Cpu)?;
+    let job = run::run_the_job(Limits::default(), &mut Print)?;
+    let ckpt = job.final_checkpoint()?;
 
     let t1 = Instant::now();
-    let one = run::train_in_one_process(workload.as_ref(), &spec)?;
+    let one = run::train_in_one_process(job.workload.as_ref(), &job.spec)?;
     let one_s = t1.elapsed().as_secs_f64();
 
     println!("\nstep  loss (job)  loss (one process)");
-    for m in run::metrics(dir.path())? {
+    for m in job.metrics()? {
         let want = one
             .losses
             .get(m.step as usize - 1)
@@ -101,16 +89,18 @@ fn compare() -> Result<bool, BoxError> {
             .unwrap_or(f64::NAN);
         println!("{:>4}  {:.7}   {want:.7}", m.step, m.loss);
     }
-    let d = run::max_abs_diff(&job.params, &one.params)?;
-    let ok = d < TOL;
+    let d = run::max_abs_diff(&ckpt.params, &one.params)?;
+    let ok = d < run::TOL;
     println!(
-        "job {job_s:.1} s (validation loss {:.4}), one process {one_s:.2} s",
-        summary.final_val_loss.unwrap_or(f64::NAN)
+        "job {:.1} s (validation loss {:.4}), one process {one_s:.2} s",
+        job.summary.wall_s,
+        job.summary.final_val_loss.unwrap_or(f64::NAN)
     );
     println!(
-        "max |parameter difference| after {} steps: {d:.3e} ({} 1e-5)",
-        spec.steps,
-        if ok { "within" } else { "NOT within" }
+        "max |parameter difference| after {} steps: {d:.3e} ({} {:e})",
+        job.spec.steps,
+        if ok { "within" } else { "NOT within" },
+        run::TOL
     );
     Ok(ok)
 }

@@ -3,25 +3,30 @@
 //! one [`Stage`], written out here), which the job must reproduce to float rounding.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
+use oobleck_core::checkpoint::{load_checkpoint, Checkpoint};
 use oobleck_core::elastic::Token;
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamWConfig, LrSchedule};
-use oobleck_core::runtime::driver::{JobOptions, Launch};
+use oobleck_core::runtime::driver::{run_job, JobOptions, JobSummary, Launch, Observer};
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::{
     BoxError, DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
 };
+use serde::de::DeserializeOwned;
 
-use crate::model::MlpConfig;
+use crate::model::{MlpConfig, MlpWorkload};
 
 /// Steps of the run.
-pub const STEPS: u64 = 10;
+const STEPS: u64 = 10;
+/// Final parameters of the job and of the one process agree to within this.
+pub const TOL: f64 = 1e-5;
 
 /// The model: 16 features, 3 blocks of width 32 (7k parameters), 4 classes.
-pub fn config() -> MlpConfig {
+fn config() -> MlpConfig {
     MlpConfig {
         inputs: 16,
         width: 32,
@@ -34,7 +39,7 @@ pub fn config() -> MlpConfig {
 }
 
 /// 3 nodes of one device, `f = 1`; node 2 dies after step 4 is committed.
-pub fn training_spec(cfg: &MlpConfig) -> Result<TrainingSpec, BoxError> {
+fn training_spec(cfg: &MlpConfig) -> Result<TrainingSpec, BoxError> {
     let peak = 3e-3;
     Ok(TrainingSpec {
         steps: STEPS,
@@ -64,8 +69,46 @@ pub fn training_spec(cfg: &MlpConfig) -> Result<TrainingSpec, BoxError> {
     })
 }
 
+/// A finished job and its run directory (removed when this is dropped).
+pub struct Job {
+    pub spec: TrainingSpec,
+    pub workload: Arc<dyn Workload>,
+    pub dir: tempfile::TempDir,
+    pub summary: JobSummary,
+}
+
+/// Runs the example's job to its end in a new temporary run directory.
+pub fn run_the_job(limits: Limits, observer: &mut dyn Observer) -> Result<Job, BoxError> {
+    let cfg = config();
+    let spec = training_spec(&cfg)?;
+    let workload: Arc<dyn Workload> = Arc::new(MlpWorkload::new(cfg)?);
+    let dir = tempfile::tempdir()?;
+    let opts = job_options(&cfg, &spec, dir.path(), limits)?;
+    let summary = run_job(workload.clone(), opts, observer)?;
+    Ok(Job {
+        spec,
+        workload,
+        dir,
+        summary,
+    })
+}
+
+impl Job {
+    /// The checkpoint the job ended with, loaded (and so verified).
+    pub fn final_checkpoint(&self) -> Result<Checkpoint, BoxError> {
+        let path = self.summary.checkpoint.as_ref();
+        let path = path.ok_or("the finished job names no final checkpoint")?;
+        Ok(load_checkpoint(path, &Device::Cpu)?)
+    }
+
+    /// The lines of the run's `metrics.jsonl`, in file order.
+    pub fn metrics(&self) -> Result<Vec<StepMetrics>, BoxError> {
+        jsonl(&self.dir.path().join("metrics.jsonl"))
+    }
+}
+
 /// The job: agents are this very binary, re-run (its `main` starts with `take_over`).
-pub fn job_options(
+fn job_options(
     cfg: &MlpConfig,
     spec: &TrainingSpec,
     run_dir: &Path,
@@ -164,23 +207,13 @@ pub fn max_abs_diff(
     Ok(max)
 }
 
-/// The lines of the run's `metrics.jsonl`, in file order.
-pub fn metrics(run_dir: &Path) -> Result<Vec<StepMetrics>, BoxError> {
-    let path = run_dir.join("metrics.jsonl");
+/// Every line of a JSON-lines file (`metrics.jsonl`, `events.jsonl`), in file order.
+pub fn jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>, BoxError> {
     let text =
-        std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     let mut out = Vec::new();
     for line in text.lines() {
         out.push(serde_json::from_str(line)?);
     }
     Ok(out)
-}
-
-/// The final checkpoint of a finished job: its summary's, else the newest in the directory.
-pub fn final_checkpoint(run_dir: &Path, summary: Option<PathBuf>) -> Result<PathBuf, BoxError> {
-    match summary {
-        Some(p) => Ok(p),
-        None => oobleck_core::checkpoint::latest_checkpoint(run_dir)?
-            .ok_or_else(|| format!("{} holds no checkpoint", run_dir.display()).into()),
-    }
 }
