@@ -94,15 +94,8 @@ fn check_round_trip(ckpt: &Path, cfg: &ModelConfig) {
     assert!(run.status.success(), "from_pretrained failed: {stderr}");
     let theirs = candle_core::safetensors::load(&out, &Device::Cpu).unwrap()["logits"].clone();
     assert_eq!(theirs.dims(), ours.dims());
-    let diff = (ours - theirs)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
+    let diff: f32 = (ours - theirs)
+        .and_then(|t| t.abs()?.max_all()?.to_scalar())
         .unwrap();
     eprintln!(
         "{}: {} max |logit difference| vs transformers {diff:.3e}",

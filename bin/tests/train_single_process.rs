@@ -101,16 +101,8 @@ fn resume_continues_bit_for_bit() {
     );
     assert_eq!(pa.len(), pb.len());
     for (name, ta) in &pa {
-        let d = ta
-            .sub(&pb[name])
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
+        let d: f32 = (ta - &pb[name])
+            .and_then(|t| t.abs()?.max_all()?.to_scalar())
             .unwrap();
         assert_eq!(d, 0.0, "{name} differs by {d} after resume");
     }

@@ -494,14 +494,7 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
+            .and_then(|d| d.abs()?.max_all()?.to_scalar())
             .unwrap()
     }
 

@@ -274,16 +274,9 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap();
-        let m = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-        d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1.0)
+        let max_abs = |t: Tensor| t.abs()?.max_all()?.to_scalar::<f32>();
+        let d = (a - b).and_then(max_abs).unwrap();
+        d / max_abs(b.clone()).unwrap().max(1.0)
     }
 
     #[test]

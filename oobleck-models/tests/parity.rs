@@ -43,29 +43,12 @@ fn ids(t: &Tensor) -> Tensor {
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
-    a.to_dtype(DType::F32)
-        .unwrap()
-        .sub(&b.to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    max_abs(&(f32s(a) - f32s(b)).unwrap())
 }
 
 fn max_abs(a: &Tensor) -> f32 {
-    a.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    a.abs().and_then(|t| t.max_all()?.to_scalar()).unwrap()
 }
 
 fn whole_stage(f: &Fixture) -> Stage {
