@@ -122,6 +122,22 @@ fn resume_refuses_a_changed_trajectory() {
     assert!(e.contains("lr"), "{e}");
 }
 
+/// `train` flags of a tiny one-process job: gpt-tiny, 4 samples of 16 tokens per step.
+const TINY_FLAGS: [&str; 12] = [
+    "--nodes",
+    "1",
+    "--model",
+    "gpt-tiny",
+    "--seq-len",
+    "16",
+    "--microbatch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+];
+
 fn train_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_train"))
 }
@@ -139,27 +155,14 @@ fn run_train(args: &[&str]) -> (bool, String, String) {
 fn the_train_binary_runs_and_prints_a_json_summary() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let (ok, stdout, stderr) = run_train(&[
-        "--nodes",
-        "1",
-        "--model",
-        "gpt-tiny",
-        "--steps",
-        "2",
-        "--seq-len",
-        "16",
-        "--microbatch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--eval-batches",
-        "1",
-        "--sample",
-        "1",
-        "--json",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, stdout, stderr) = run_train(
+        &[
+            &TINY_FLAGS[..],
+            &["--steps", "2", "--sample", "1", "--json"],
+            &["--out", out.to_str().unwrap()],
+        ]
+        .concat(),
+    );
     assert!(ok, "{stderr}");
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("stdout is the JSON summary");
     assert_eq!(v["steps"], 2);
@@ -259,22 +262,7 @@ fn a_run_can_be_extended_with_more_steps() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     let out = out.to_str().unwrap();
-    let tiny = [
-        "--nodes",
-        "1",
-        "--model",
-        "gpt-tiny",
-        "--seq-len",
-        "16",
-        "--microbatch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--eval-batches",
-        "1",
-        "--sample",
-        "0",
-    ];
+    let tiny = [&TINY_FLAGS[..], &["--sample", "0"]].concat();
     let (ok, _, stderr) = run_train(&[&tiny[..], &["--steps", "10", "--out", out]].concat());
     assert!(ok, "{stderr}");
     let saved: serde_json::Value =
