@@ -43,6 +43,21 @@ pub struct MlpConfig {
     pub eval_samples: usize,
 }
 
+impl MlpConfig {
+    /// Per layer: multiply-adds, floats kept for the backward and floats out, per sample
+    /// (what the planner is told); and parameters.
+    fn layer_sizes(&self) -> Vec<[usize; 4]> {
+        let (w, h) = (self.width, self.hidden);
+        let linear = |i: usize, o: usize| [i * o, i, o, i * o + o];
+        // fc1 [w, h] then fc2 [h, w]; the backward keeps the input, fc1's output and its gelu.
+        let block = [2 * w * h, w + 2 * h, w, 2 * w * h + h + w];
+        let mut sizes = vec![linear(self.inputs, w)];
+        sizes.extend(std::iter::repeat_n(block, self.blocks));
+        sizes.push(linear(w, self.classes));
+        sizes
+    }
+}
+
 /// The layer list; `Send + Sync`, it only describes the model.
 pub struct ResidualMlp(pub MlpConfig);
 
@@ -236,11 +251,8 @@ impl Workload for MlpWorkload {
     }
 
     fn num_params(&self) -> usize {
-        let c = self.model.0;
-        let linear = |i: usize, o: usize| i * o + o;
-        linear(c.inputs, c.width)
-            + c.blocks * (linear(c.width, c.hidden) + linear(c.hidden, c.width))
-            + linear(c.width, c.classes)
+        let sizes = self.model.0.layer_sizes();
+        sizes.iter().map(|[.., params]| params).sum()
     }
 
     fn model(&self) -> &dyn LayeredModel {
@@ -261,28 +273,14 @@ impl Workload for MlpWorkload {
     /// Per-layer estimates from the device's peak: 2 FLOPs per multiply-add forward, twice
     /// that backward, plus the device's launch overhead per pass.
     fn profile(&self, device: &DeviceSpec, microbatch_size: u32) -> Result<ModelProfile, BoxError> {
-        let c = self.model.0;
         let b = u64::from(microbatch_size);
         let flops_per_ms = device.peak_tflops * device.efficiency * 1e9;
         let launch_ms = device.launch_overhead_us / 1e3;
-        // Per sample: multiply-adds, floats kept for the backward, floats out; and parameters.
-        let linear = |i: usize, o: usize| (i * o, i, o, i * o + o);
-        let block = {
-            let (fc1, fc2) = (linear(c.width, c.hidden), linear(c.hidden, c.width));
-            (
-                fc1.0 + fc2.0,
-                c.width + 2 * c.hidden,
-                c.width,
-                fc1.3 + fc2.3,
-            )
-        };
-        let mut costs = vec![linear(c.inputs, c.width)];
-        costs.extend(std::iter::repeat_n(block, c.blocks));
-        costs.push(linear(c.width, c.classes));
-        let layers = costs
+        let sizes = self.model.0.layer_sizes();
+        let layers = sizes
             .into_iter()
             .enumerate()
-            .map(|(i, (macs, kept, out, params))| {
+            .map(|(i, [macs, kept, out, params])| {
                 let forward_ms = 2.0 * (b * macs as u64) as f64 / flops_per_ms + launch_ms;
                 LayerProfile {
                     name: self.model.layer_name(i),
