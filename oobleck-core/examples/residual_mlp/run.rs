@@ -25,7 +25,7 @@ const STEPS: u64 = 10;
 /// Final parameters of the job and of the one process agree to within this.
 pub const TOL: f64 = 1e-5;
 
-/// The model: 16 features, 3 blocks of width 32 (7k parameters), 4 classes.
+/// The model: 16 features, 3 blocks of width 32 (13k parameters), 4 classes.
 fn config() -> MlpConfig {
     MlpConfig {
         inputs: 16,
