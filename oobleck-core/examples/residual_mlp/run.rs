@@ -141,7 +141,10 @@ pub struct Reference {
 
 /// The job's training in one process, as the runtime defines it: step `s` sums the gradients
 /// of microbatches `0..B` of `(seed, s)`, each loss scaled by its share of the global batch,
-/// clips the global norm, and takes an AdamW step at the schedule's rate for `s`.
+/// clips the global norm, and takes an AdamW step at the schedule's rate for `s`. It is
+/// written with the model's own pieces (`Stage`, `accumulate`, `clip_grad_norm`), none of the
+/// runtime's (no schedule, no gradient sync), so the comparison checks the runtime rather than
+/// repeating it.
 pub fn train_in_one_process(w: &dyn Workload, spec: &TrainingSpec) -> Result<Reference, BoxError> {
     let (cpu, layers) = (Device::Cpu, w.model().num_layers());
     let stage = Stage::new(w.model().build_layers(
