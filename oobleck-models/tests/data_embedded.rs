@@ -2,9 +2,14 @@
 //! safe to open from several threads or processes at once into an empty cache folder, and
 //! usable when no cache folder is writable (tokens in memory).
 //!
-//! The cases that need `OOBLECK_CACHE_DIR` run this test binary again as child processes with
-//! the variable set (the child is the ignored test `child_opens_the_embedded_dataset`), so no
-//! test changes the environment of this process.
+//! Two cases need processes of their own: two processes racing to build one cache, and the
+//! default places all unwritable (reachable only through the environment, since an explicit
+//! folder that fails is an error, not a fallback). They run this test binary again as child
+//! processes with `OOBLECK_CACHE_DIR` set, so no test changes the environment of this one. The
+//! child is `child_opens_the_embedded_dataset`, marked `#[ignore]` only so that a plain
+//! `cargo test` does not also run it on its own: it is not a skipped test, and run alone it
+//! returns at once. The order of the default places itself is unit-tested without any process
+//! (`data/cache_dirs.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -143,7 +148,7 @@ fn an_unwritable_cache_dir_keeps_the_tokens_in_memory() {
 /// folder `$OOBLECK_TEST_EMBEDDED_CHILD`, both with the default cache places, and prints what
 /// it got for the parent to check.
 #[test]
-#[ignore = "run as a child process by the tests above, with OOBLECK_CACHE_DIR set"]
+#[ignore = "not a skipped test: the child process the two tests above start, with OOBLECK_CACHE_DIR set"]
 fn child_opens_the_embedded_dataset() {
     let Some(scratch) = std::env::var_os(CHILD_ENV).map(PathBuf::from) else {
         return;

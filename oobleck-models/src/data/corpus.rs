@@ -41,6 +41,7 @@ use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::cache_dirs::{default_cache_dirs, shared_cache_dirs};
 use super::tokenizer::Gpt2Tokenizer;
 use super::{io_err, read_input, DataError, Result};
 
@@ -103,39 +104,6 @@ impl CacheBytes {
             CacheBytes::Owned(bytes) => bytes,
         }
     }
-}
-
-/// Cache folders tried, in order, when the caller names none (see the module docs). Each comes
-/// with whether the file name must carry the corpus hash (shared folders may hold caches of
-/// several corpora with the same file name).
-pub fn default_cache_dirs(corpus: &Path) -> Vec<(PathBuf, bool)> {
-    let shared = shared_cache_dirs();
-    if std::env::var_os("OOBLECK_CACHE_DIR").is_some_and(|d| !d.is_empty()) {
-        return shared.into_iter().map(|d| (d, true)).collect();
-    }
-    let parent = corpus.parent().filter(|p| !p.as_os_str().is_empty());
-    let mut dirs = vec![(parent.unwrap_or(Path::new(".")).to_path_buf(), false)];
-    dirs.extend(shared.into_iter().map(|d| (d, true)));
-    dirs
-}
-
-/// The cache folders that are not beside a corpus, in order: `$OOBLECK_CACHE_DIR` alone if
-/// set; else `$XDG_CACHE_HOME/oobleck-rs` (or `~/.cache/oobleck-rs`), then the temp folder.
-/// Used for the built-in corpus, whose cache file names always carry its hash.
-pub fn shared_cache_dirs() -> Vec<PathBuf> {
-    if let Some(dir) = std::env::var_os("OOBLECK_CACHE_DIR").filter(|d| !d.is_empty()) {
-        return vec![PathBuf::from(dir)];
-    }
-    let mut dirs = Vec::new();
-    let xdg = std::env::var_os("XDG_CACHE_HOME")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
-    if let Some(xdg) = xdg {
-        dirs.push(xdg.join("oobleck-rs"));
-    }
-    dirs.push(std::env::temp_dir().join("oobleck-rs-cache"));
-    dirs
 }
 
 /// The corpus a cache is built from: its bytes, its name in messages and where its cache may go.

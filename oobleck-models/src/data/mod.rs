@@ -21,12 +21,14 @@
 //! microbatches, and a replayed iteration after a failure sees exactly the same samples.
 
 mod batches;
+mod cache_dirs;
 mod corpus;
 mod embedded;
 mod tokenizer;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
-pub use corpus::{default_cache_dirs, shared_cache_dirs, TokenCache, CACHE_FORMAT_VERSION};
+pub use cache_dirs::{default_cache_dirs, shared_cache_dirs};
+pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
     open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
 };
