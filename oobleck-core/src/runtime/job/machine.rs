@@ -8,6 +8,7 @@ use super::recovery::{Failure, Recovery};
 use super::{Action, Input, JobStart, Limits};
 use crate::planning::Plan;
 use crate::runtime::error::RuntimeError;
+use crate::runtime::pipe::{stage_leads, world_size};
 use crate::runtime::records::{Event, PipelineLayout, WorkerReport};
 use crate::runtime::spec::TrainingSpec;
 
@@ -333,21 +334,9 @@ impl JobMachine {
         plan.generation = self.generation;
         self.phase_done(now, "plan");
         let nodes: Vec<u32> = self.nodes.iter().copied().collect();
-        let g = plan.devices_per_node;
-        let world = plan
-            .pipelines
-            .iter()
-            .map(|p| p.nodes.len() * g as usize)
-            .sum();
-        let savers = plan
-            .pipelines
-            .first()
-            .map(|p| {
-                (0..p.nodes.len() as u32)
-                    .map(|j| p.first_rank + j * g)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let world = world_size(&plan) as usize;
+        // Stage leads, not one rank per node: a node may run several stages.
+        let savers = stage_leads(&plan, 0);
         self.record(Event::Plan {
             generation: plan.generation,
             pipelines: plan

@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use super::{Action, Input};
 use crate::runtime::error::RuntimeError;
+use crate::runtime::pipe::stage_leads;
 use crate::runtime::records::{Event, WorkerReport};
 
 /// The failure being recovered from.
@@ -299,7 +300,7 @@ impl JobMachine {
         self.go_on(now, &failure, detect_s, newest, false);
     }
 
-    /// The savers (device 0 of every stage) of the first pipeline whose every saver is alive
+    /// The stage leads (device 0 of every stage) of the first pipeline whose every saver is alive
     /// and holds committed `step`: broken at that step, or ready for the next one.
     fn holders(&self, step: u64) -> Option<Vec<u32>> {
         let g = self.gen.as_ref()?;
@@ -308,13 +309,9 @@ impl JobMachine {
             alive(*r)
                 && (g.broken.get(r).is_some_and(|(_, s)| *s == step) || g.ready.contains_key(r))
         };
-        let dpn = g.plan.devices_per_node;
-        g.plan.pipelines.iter().find_map(|p| {
-            let savers: Vec<u32> = (0..p.nodes.len() as u32)
-                .map(|j| p.first_rank + j * dpn)
-                .collect();
-            savers.iter().all(holds).then_some(savers)
-        })
+        (0..g.plan.pipelines.len())
+            .map(|i| stage_leads(&g.plan, i))
+            .find(|leads| leads.iter().all(holds))
     }
 
     fn on_rescue_written(&mut self, now: Duration, result: Result<String, String>) {

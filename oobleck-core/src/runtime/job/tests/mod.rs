@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::*;
 use crate::elastic::protocol::ExitStatus;
 use crate::optim::{AdamWConfig, LrSchedule};
-use crate::planning::{Pipeline, Plan};
+use crate::planning::{Pipeline, Plan, Stage, Template};
 use crate::runtime::spec::{DataPlane, InjectedFailure, TrainingSpec};
 
 pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
@@ -33,38 +33,85 @@ pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
     }
 }
 
-/// A plan with one device per node: pipeline `i` runs on `pipes[i]`, ranks in order.
+/// A plan with one device per node: pipeline `i` runs on `pipes[i]`, ranks in order, one
+/// stage per node.
 pub(super) fn plan(pipes: &[&[u32]]) -> Plan {
-    let mut first_rank = 0;
-    let pipelines = pipes
+    let stages: Vec<Vec<Vec<u32>>> = pipes
         .iter()
-        .enumerate()
-        .map(|(i, nodes)| {
-            let p = Pipeline {
-                id: i as u32,
-                template_nodes: nodes.len() as u32,
-                nodes: nodes.to_vec(),
-                first_rank,
-                microbatches: 1,
-                predicted_ns: 1,
-            };
-            first_rank += nodes.len() as u32;
-            p
-        })
+        .map(|nodes| nodes.iter().map(|_| vec![0]).collect())
         .collect();
+    plan_with(1, pipes, &stages)
+}
+
+/// A plan with `g` devices per node: pipeline `i` runs on `pipes[i]`, and node `j` of it runs
+/// one stage per entry of `stages[i][j]` (each entry: the stage's first device; a stage's
+/// devices run up to the next entry or the end of the node).
+pub(super) fn plan_with(g: u32, pipes: &[&[u32]], stages: &[Vec<Vec<u32>>]) -> Plan {
+    let mut first_rank = 0;
+    let mut pipelines = Vec::new();
+    let mut templates: Vec<Template> = Vec::new();
+    for (i, nodes) in pipes.iter().enumerate() {
+        let n = nodes.len() as u32;
+        pipelines.push(Pipeline {
+            id: i as u32,
+            template_nodes: n,
+            nodes: nodes.to_vec(),
+            first_rank,
+            microbatches: 1,
+            predicted_ns: 1,
+        });
+        first_rank += n * g;
+        if templates.iter().all(|t| t.nodes != n) {
+            templates.push(template(g, &stages[i]));
+        }
+    }
     Plan {
         generation: 0,
-        devices_per_node: 1,
+        devices_per_node: g,
         fault_threshold: 1,
         global_microbatches: 4,
         min_nodes: 1,
-        templates: Vec::new(),
+        templates,
         pipelines,
         compute_ns: 1,
         sync_ns: 0,
         sync_model_ns: 0,
         layer_state_bytes: Vec::new(),
         iteration_ns: 1,
+    }
+}
+
+/// A template whose node `j` runs stages starting on the devices `starts[j]`, one layer each.
+fn template(g: u32, starts: &[Vec<u32>]) -> Template {
+    let mut stages = Vec::new();
+    for (j, firsts) in starts.iter().enumerate() {
+        for (k, &d) in firsts.iter().enumerate() {
+            let end = firsts.get(k + 1).copied().unwrap_or(g);
+            let layer = stages.len();
+            stages.push(Stage {
+                layer_start: layer,
+                layer_end: layer + 1,
+                node: j as u32,
+                first_device: d,
+                devices: end - d,
+                forward_ns: 1,
+                backward_ns: 1,
+                p2p_ns: 0,
+                memory_bytes: 1,
+            });
+        }
+    }
+    Template {
+        nodes: starts.len() as u32,
+        devices_per_node: g,
+        stages,
+        microbatches: 1,
+        t1_ns: 1,
+        t3_ns: 1,
+        bottleneck_stage: 0,
+        bottleneck_ns: 1,
+        iteration_ns: 1,
+        peak_memory_bytes: 1,
     }
 }
 

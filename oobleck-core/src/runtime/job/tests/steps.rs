@@ -200,3 +200,19 @@ fn an_injected_failure_kills_its_node_after_its_step() {
         ["commit:2", "record:inject_failure", "note", "kill:1"]
     );
 }
+
+#[test]
+fn every_stage_lead_of_pipeline_zero_keeps_state_also_two_on_one_node() {
+    // Two devices per node; pipeline 0 is node 0 with two one-device stages (ranks 0 and 1),
+    // pipeline 1 is node 1 with one two-device stage (ranks 2 and 3).
+    let mut s = spec(2, 1, 4);
+    s.devices_per_node = 2;
+    s.checkpoint_every = 2;
+    let p = plan_with(2, &[&[0], &[1]], &[vec![vec![0, 1]], vec![vec![0]]]);
+    let mut h = H::running(s, p);
+    h.steps_to(2);
+    assert!(h.saved(2.1, 0, 2).is_empty());
+    assert_eq!(kinds(&h.saved(2.1, 1, 2)), ["assemble:2"]);
+    // Rank 2 leads pipeline 1's only stage: it keeps no state of pipeline 0.
+    assert!(failure(&h.saved(2.2, 2, 2)).contains("only ranks [0, 1] keep it"));
+}
