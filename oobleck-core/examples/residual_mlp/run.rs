@@ -204,7 +204,7 @@ pub fn max_abs_diff(
     }
     let mut max = 0.0f64;
     for (name, t) in a {
-        let d = (t - &b[name])?.abs()?.flatten_all()?.max(0)?;
+        let d = (t - &b[name])?.abs()?.max_all()?;
         max = max.max(f64::from(d.to_scalar::<f32>()?));
     }
     Ok(max)
