@@ -134,10 +134,7 @@ impl TokenCache {
         }
         let bytes = read_input(corpus, "corpus")?;
         let sha256 = hex::encode(Sha256::digest(&bytes));
-        let name = corpus
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "corpus".into());
+        let name = cache_base_name(corpus);
         let candidates = match cache_dir {
             Some(dir) => vec![dir.join(format!("{name}.tokens"))],
             None => default_cache_dirs(corpus)
@@ -173,10 +170,7 @@ impl TokenCache {
         cache_dir: Option<&Path>,
     ) -> Result<Self> {
         let sha256 = hex::encode(Sha256::digest(bytes));
-        let name = label
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "corpus".into());
+        let name = cache_base_name(label);
         let dirs = match cache_dir {
             Some(dir) => vec![dir.to_path_buf()],
             None => shared_cache_dirs(),
@@ -328,6 +322,13 @@ impl TokenCache {
                 .map(|p| u16::from_le_bytes([p[0], p[1]]) as u32),
         );
     }
+}
+
+/// The corpus's file name, which starts its cache file's name (`corpus` if it has none).
+fn cache_base_name(corpus: &Path) -> String {
+    corpus
+        .file_name()
+        .map_or_else(|| "corpus".into(), |n| n.to_string_lossy().into_owned())
 }
 
 /// `<name>-<first 16 hex digits of the corpus hash>.tokens`: the name in shared folders.
