@@ -1,0 +1,160 @@
+//! The human-readable table of a report, and the small statistics its numbers go through.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use super::Report;
+
+/// The median (the mean of the middle two for an even count); NaN for none.
+pub(super) fn median(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+pub(super) fn percentile(xs: &[f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+pub(super) fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn yes(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+pub(super) fn table(r: &Report) -> String {
+    let mut o = String::new();
+    header(&mut o, r);
+    columns(&mut o, r);
+    notes(&mut o, r);
+    o
+}
+
+/// The run's settings and load, then each configuration's stage profiles.
+fn header(o: &mut String, r: &Report) {
+    let _ = writeln!(
+        o,
+        "pipeline benchmark: {} (vocab {}), seq {}, microbatch {}, {} warm-up + {} timed \
+         iterations, {} core(s), {} rayon thread(s) per rank, TCP on 127.0.0.1",
+        r.model,
+        r.vocab,
+        r.seq_len,
+        r.microbatch_size,
+        r.warmup,
+        r.iters,
+        r.cores,
+        r.threads_per_rank
+    );
+    let _ = writeln!(
+        o,
+        "load average before {}, after {} (other processes share these cores)",
+        r.load_before.as_deref().unwrap_or("n/a"),
+        r.load_after.as_deref().unwrap_or("n/a")
+    );
+    for row in &r.rows {
+        let stages: Vec<String> = row
+            .stage_profile
+            .iter()
+            .map(|p| {
+                format!(
+                    "L{}..{} f {:.1} + b {:.1} (in pipeline {:.1})",
+                    p.layers.0, p.layers.1, p.forward_ms, p.backward_ms, p.pipeline_busy_ms
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            o,
+            "  {}x{} stage alone, ms/microbatch (busy in the pipeline): {}; p2p {:.2} ms",
+            row.stages,
+            row.pipelines,
+            stages.join(" | "),
+            row.p2p_ms
+        );
+        let _ = writeln!(
+            o,
+            "      simulator fed the in-pipeline busy times (post hoc): {:.1} ms, measured/that {:.3}",
+            row.simulated_from_busy_ms, row.ratio_to_busy_sim
+        );
+    }
+}
+
+/// One line per configuration under a header of columns.
+fn columns(o: &mut String, r: &Report) {
+    let _ = writeln!(
+        o,
+        "{:<5} {:>5} {:>3} {:>9} {:>9} {:>6} {:>5} {:>14} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9} {:>4}",
+        "SxP", "ranks", "m", "iter ms", "sim ms", "ratio", "<15%", "bubble m/worst", "sim", "theory",
+        "sync ms", "overlap", "peer wait", "step ms", "ctl ms", "ctl %", "<2%"
+    );
+    for row in &r.rows {
+        let _ = writeln!(
+            o,
+            "{:<5} {:>5} {:>3} {:>9.1} {:>9.1} {:>6.3} {:>5} {:>6.3}/{:<7.3} {:>7.3} {:>7.3} {:>8.2} {:>7.0}% {:>9.2} {:>8.1} {:>8.3} {:>8.3}% {:>4}",
+            format!("{}x{}", row.stages, row.pipelines),
+            format!("{}{}", row.ranks, if row.oversubscribed { "*" } else { "" }),
+            row.m,
+            row.measured_iter_ms,
+            row.simulated_iter_ms,
+            row.ratio,
+            yes(row.within_15pct),
+            row.bubble_measured_mean,
+            row.bubble_measured_worst,
+            row.bubble_simulated_mean,
+            row.bubble_theory,
+            row.sync_ms,
+            row.sync_overlap_pct,
+            row.sync_wait_for_peers_ms,
+            row.step_ms,
+            row.control_plane_ms,
+            row.control_plane_pct,
+            yes(row.control_plane_within_2pct),
+        );
+    }
+}
+
+/// What the columns mean, the control-plane measurements, and the oversubscription warning.
+fn notes(o: &mut String, r: &Report) {
+    let _ = writeln!(
+        o,
+        "iter = makespan of run_iteration (slowest pipeline); sim = schedule::simulate from the \
+         isolated stage profiles and p2p; bubble = 1 - busy/iter per rank (busy = time outside \
+         communicator calls), mean/worst; theory = (S-1)/(m+S-1); sync = gradient sync of the \
+         slowest rank (bucket all-reduces started during its last backward + sync_gradients), \
+         overlap = its share run while its main thread was still in the iteration, peer wait = \
+         time in sync_gradients while another rank was still in its iteration; step = iteration + sync + AdamW; ctl = control-plane commit round trip."
+    );
+    for cp in &r.control_plane {
+        let _ = writeln!(
+            o,
+            "control plane, {} agent(s): median {:.3} ms, p90 {:.3} ms over {} steps; ready leg: {}",
+            cp.agents, cp.round_trip_ms, cp.p90_ms, cp.steps, cp.ready_leg
+        );
+    }
+    if r.rows.iter().any(|x| x.oversubscribed) {
+        let _ = writeln!(
+            o,
+            "* more rank threads than the {} core(s): ranks share cores, so those rows' measured \
+             times include waiting for a core and do not compare with the isolated profiles.",
+            r.cores
+        );
+    }
+}
