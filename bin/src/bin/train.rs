@@ -5,7 +5,7 @@ use clap::Parser;
 use oobleck_cli::cluster::hostfile::parse_hostfile;
 use oobleck_cli::cluster::job::Launch;
 use oobleck_cli::cluster::resolve;
-use oobleck_cli::config::TrainArgs;
+use oobleck_cli::config::{TrainArgs, TrainConfig};
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
@@ -77,41 +77,51 @@ fn main() -> Result<()> {
         (None, _) if cfg.nodes > 1 => Some(Launch::Local),
         (None, _) => None,
     };
-    if let Some(launch) = launch {
-        let summary = oobleck_cli::cluster::job::run(cfg.clone(), launch, args.resume.as_deref())?;
-        eprintln!(
-            "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
-            summary.steps,
-            fmt(summary.first_loss),
-            fmt(summary.final_loss),
-            fmt(summary.final_val_loss),
-            summary.tokens_per_s,
-            summary.wall_s
-        );
-        if let Some(c) = &summary.checkpoint {
-            eprintln!("checkpoint: {}", c.display());
-            if cfg.sample > 0 {
-                let workload = GptWorkload::new(workload_config(&cfg))?;
-                let params: HashMap<String, Tensor> = load_checkpoint(c, &Device::Cpu)?
-                    .params
-                    .into_iter()
-                    .collect();
-                let stage = whole_model(
-                    workload.model(),
-                    &Device::Cpu,
-                    ParamSource::Tensors(&params),
-                )?;
-                print_samples(&stage, &workload, &cfg)?;
-            }
-        }
-        if let Some(r) = &summary.report {
-            eprintln!("report: {}", r.display());
-        }
-        if args.json {
-            println!("{}", serde_json::to_string_pretty(&summary)?);
-        }
-        return Ok(());
+    match launch {
+        Some(launch) => train_cluster(cfg, launch, &args),
+        None => train_one_process(cfg, &args),
     }
+}
+
+/// The job on a cluster (the runtime's), then samples from its last checkpoint.
+fn train_cluster(cfg: TrainConfig, launch: Launch, args: &TrainArgs) -> Result<()> {
+    let summary = oobleck_cli::cluster::job::run(cfg.clone(), launch, args.resume.as_deref())?;
+    eprintln!(
+        "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
+        summary.steps,
+        fmt(summary.first_loss),
+        fmt(summary.final_loss),
+        fmt(summary.final_val_loss),
+        summary.tokens_per_s,
+        summary.wall_s
+    );
+    if let Some(c) = &summary.checkpoint {
+        eprintln!("checkpoint: {}", c.display());
+        if cfg.sample > 0 {
+            let workload = GptWorkload::new(workload_config(&cfg))?;
+            let params: HashMap<String, Tensor> = load_checkpoint(c, &Device::Cpu)?
+                .params
+                .into_iter()
+                .collect();
+            let stage = whole_model(
+                workload.model(),
+                &Device::Cpu,
+                ParamSource::Tensors(&params),
+            )?;
+            print_samples(&stage, &workload, &cfg)?;
+        }
+    }
+    if let Some(r) = &summary.report {
+        eprintln!("report: {}", r.display());
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    }
+    Ok(())
+}
+
+/// The job on this process alone (the single-process trainer), then samples from the model.
+fn train_one_process(cfg: TrainConfig, args: &TrainArgs) -> Result<()> {
     if cfg.devices_per_node > 1 || cfg.pipeline_nodes.is_some() {
         bail!(
             "--devices-per-node > 1 and --pipeline-nodes need the local cluster: pass --nodes 2 \
