@@ -53,16 +53,7 @@ fn preset_sizes_match_published_within_two_percent() {
 fn parameter_count_formula_matches_built_layers() {
     for name in ["gpt-tiny", "opt-tiny"] {
         let cfg = ModelConfig::preset(name).unwrap();
-        let model = cfg.build().unwrap();
-        let layers = model
-            .build_layers(
-                0..model.num_layers(),
-                &Device::Cpu,
-                ParamSource::Init { seed: 1 },
-            )
-            .unwrap();
-        let stage = Stage::new(layers).unwrap();
-        let n: usize = stage.params().iter().map(|(_, v)| v.elem_count()).sum();
+        let n: usize = init_params(&cfg, 1).values().map(Tensor::elem_count).sum();
         assert_eq!(n, cfg.num_params(), "{name}");
     }
 }
