@@ -263,7 +263,7 @@ impl Workload for GptWorkload {
     }
 
     fn checkpoint_files(&self) -> Vec<(String, Vec<u8>)> {
-        vec![("config.json".into(), hf::config_json(&self.model_cfg))]
+        vec![(hf::CONFIG_FILE.into(), hf::config_json(&self.model_cfg))]
     }
 }
 
