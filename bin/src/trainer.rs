@@ -15,7 +15,6 @@ use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
 use oobleck_core::runtime::records::StartInfo;
 use oobleck_core::runtime::{Event, Workload};
-use oobleck_models::hf;
 use oobleck_models::workload::{to_tensors, GptWorkload};
 use serde::Serialize;
 
@@ -198,17 +197,20 @@ impl Trainer {
             data_cursor: self.workload.data_cursor(self.step),
             config: Some(serde_json::to_value(&self.cfg)?),
         };
-        // The HF config beside model.safetensors makes the directory loadable with
-        // `from_pretrained`; it is written before the checkpoint is renamed into place.
+        // The workload's files, as a cluster checkpoint has them: the HF config.json beside
+        // model.safetensors makes the directory loadable with `from_pretrained`. They are
+        // written before the checkpoint is renamed into place.
+        let files = self.workload.checkpoint_files();
+        let extra: Vec<(&str, Vec<u8>)> = files
+            .iter()
+            .map(|(name, bytes)| (name.as_str(), bytes.clone()))
+            .collect();
         let path = checkpoint::save_checkpoint_with(
             &self.out,
             &self.params(),
             &self.opt.export_state()?,
             &state,
-            &[(
-                hf::CONFIG_FILE,
-                hf::config_json(self.workload.model_config()),
-            )],
+            &extra,
         )?;
         self.event(&Event::Checkpoint {
             step: self.step,
