@@ -7,6 +7,7 @@ use oobleck_cli::cluster::job::Launch;
 use oobleck_cli::cluster::resolve;
 use oobleck_cli::config::{TrainArgs, TrainConfig};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use oobleck_cli::cluster::job::workload_config;
@@ -85,7 +86,13 @@ fn main() -> Result<()> {
 
 /// The job on a cluster (the runtime's), then samples from its last checkpoint.
 fn train_cluster(cfg: TrainConfig, launch: Launch, args: &TrainArgs) -> Result<()> {
-    let summary = oobleck_cli::cluster::job::run(cfg.clone(), launch, args.resume.as_deref())?;
+    let workload = Arc::new(GptWorkload::new(workload_config(&cfg))?);
+    let summary = oobleck_cli::cluster::job::run(
+        cfg.clone(),
+        workload.clone(),
+        launch,
+        args.resume.as_deref(),
+    )?;
     eprintln!(
         "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
         summary.steps,
@@ -98,7 +105,6 @@ fn train_cluster(cfg: TrainConfig, launch: Launch, args: &TrainArgs) -> Result<(
     if let Some(c) = &summary.checkpoint {
         eprintln!("checkpoint: {}", c.display());
         if cfg.sample > 0 {
-            let workload = GptWorkload::new(workload_config(&cfg))?;
             let params: HashMap<String, Tensor> = load_checkpoint(c, &Device::Cpu)?
                 .params
                 .into_iter()

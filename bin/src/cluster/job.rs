@@ -100,10 +100,16 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
     }
 }
 
-/// Runs the job with agents started as `launch` says. With `resume` (a run or checkpoint
+/// Runs the job of `cfg` on `workload` (built by the caller from [`workload_config`], which
+/// then uses it for samples) with agents started as `launch` says. With `resume` (a run or checkpoint
 /// directory, as `--resume` takes), the run continues from that checkpoint in its own
 /// directory, on whatever nodes this job has: any plan computes the same steps.
-pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Summary> {
+pub fn run(
+    cfg: TrainConfig,
+    workload: Arc<GptWorkload>,
+    launch: Launch,
+    resume: Option<&Path>,
+) -> Result<Summary> {
     if cfg.nodes < 2 {
         bail!(
             "the local cluster needs --nodes 2 or more (got {})",
@@ -112,7 +118,6 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
     }
     let spec = training_spec(&cfg)?;
     spec.validate()?;
-    let workload = GptWorkload::new(workload_config(&cfg))?;
     // Validate the plan (pinned sizes included) before anything is spawned or written.
     let profile = workload
         .profile(spec.device_spec()?, spec.microbatch_size)
@@ -202,7 +207,7 @@ pub fn run(cfg: TrainConfig, launch: Launch, resume: Option<&Path>) -> Result<Su
         progress: Progress::new(cfg.steps, start),
         run: out.clone(),
     };
-    let result = driver::run_job(Arc::new(workload), opts, &mut watch);
+    let result = driver::run_job(workload, opts, &mut watch);
     watch.progress.finish();
     super::status::unpublish(&out);
     let result = result
