@@ -16,7 +16,7 @@ use oobleck_core::optim::LrSchedule;
 use oobleck_core::runtime::driver::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::{
-    DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
+    Context as _, DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
 };
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -241,7 +241,8 @@ fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> driver::LaunchFn {
             );
             let launched = hostfile::launch(&hosts, &addr, &token, SSH_TIMEOUT)
                 .await
-                .map_err(|e| oobleck_core::runtime::RuntimeError::Invalid(format!("{e:#}")))?;
+                .map_err(|e| format!("{e:#}"))
+                .ctx("starting the agents over ssh")?;
             let mut started = Vec::with_capacity(launched.len());
             for l in launched {
                 let host = l.entry.to_string();
@@ -272,7 +273,8 @@ struct Watch {
 impl Observer for Watch {
     fn listening(&mut self, addr: SocketAddr, token: &Token) -> oobleck_core::runtime::Result<()> {
         super::status::publish(&self.run, addr, token)
-            .map_err(|e| oobleck_core::runtime::RuntimeError::Invalid(format!("{e:#}")))
+            .map_err(|e| format!("{e:#}"))
+            .ctx("publishing the status files")
     }
 
     fn plan(&mut self, status: &ClusterStatus) {
