@@ -19,7 +19,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use oobleck_core::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::planning::{analytical_profile, DeviceSpec, Dtype, ModelProfile};
-use oobleck_core::runtime::{BoxError, Workload};
+use oobleck_core::runtime::{BoxError, TrainingSpec, Workload};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{self, Batch, BatchSpec, DataCursor, DataError, Dataset, Split};
@@ -212,6 +212,22 @@ impl GptWorkload {
 }
 
 impl Workload for GptWorkload {
+    /// The data's batch shape is the runtime's: `b` and `B` must be the same numbers.
+    fn check(&self, spec: &TrainingSpec) -> std::result::Result<(), BoxError> {
+        let (b, mb) = (self.cfg.microbatch_size, self.cfg.num_microbatches);
+        if b as u64 != u64::from(spec.microbatch_size)
+            || mb as u64 != u64::from(spec.global_microbatches)
+        {
+            return Err(format!(
+                "the GPT workload batches {mb} microbatches of {b} samples, the job {} of {}: \
+                 build both from the same settings",
+                spec.global_microbatches, spec.microbatch_size
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     fn name(&self) -> String {
         self.cfg.model.clone()
     }
@@ -476,6 +492,37 @@ mod tests {
         assert!(
             err.contains("one global batch needs 200000 samples"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn a_job_batching_otherwise_than_the_workload_is_refused() {
+        let (_dir, corpus) = small_corpus(20_000);
+        let w = GptWorkload::new(tiny(&corpus)).expect("workload");
+        let mut spec = TrainingSpec {
+            steps: 1,
+            seed: 0,
+            microbatch_size: 2,
+            global_microbatches: 3,
+            nodes: 1,
+            devices_per_node: 1,
+            fault_threshold: 0,
+            device: "cpu".into(),
+            pipeline_nodes: None,
+            optimizer: Default::default(),
+            lr: oobleck_core::optim::LrSchedule::constant(1e-3).expect("lr"),
+            grad_clip: None,
+            checkpoint_every: 0,
+            eval_every: 0,
+            data_plane: Default::default(),
+            inject_failures: Vec::new(),
+        };
+        w.check(&spec).expect("the same batch");
+        spec.global_microbatches = 4;
+        let e = w.check(&spec).expect_err("another batch").to_string();
+        assert!(
+            e.contains("3 microbatches of 2 samples, the job 4 of 2"),
+            "{e}"
         );
     }
 

@@ -58,6 +58,13 @@ pub trait Workload: Send + Sync {
     fn data_cursor(&self, step: u64) -> serde_json::Value {
         serde_json::json!({ "step": step })
     }
+    /// Refuses a job whose runtime settings disagree with the workload's own (its data order
+    /// depends on the batch shape, for instance). The driver and every worker call it before
+    /// training.
+    fn check(&self, spec: &TrainingSpec) -> std::result::Result<(), BoxError> {
+        let _ = spec;
+        Ok(())
+    }
     /// Files written beside the tensors of every checkpoint (`config.json` of the Hugging Face
     /// layout, for instance): `(file name, bytes)`.
     fn checkpoint_files(&self) -> Vec<(String, Vec<u8>)> {

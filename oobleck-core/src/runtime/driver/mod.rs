@@ -130,6 +130,7 @@ async fn drive(
     observer: &mut dyn Observer,
 ) -> Result<JobSummary> {
     let spec = opts.config.training.clone();
+    workload.check(&spec).map_err(RuntimeError::Workload)?;
     let profile = workload
         .profile(spec.device_spec()?, spec.microbatch_size)
         .map_err(RuntimeError::Workload)?;

@@ -91,6 +91,9 @@ pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
     // Built after the port is reported: the master gathers the generation's addresses while
     // its workers build their workloads.
     let workload = factory(&a.job.workload).map_err(RuntimeError::Workload)?;
+    workload
+        .check(&a.job.training)
+        .map_err(RuntimeError::Workload)?;
     let mut generation = Generation::form(&a, workload.as_ref(), listening, &inbox)?;
     generation.run(workload.as_ref(), &inbox)
 }
