@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::bench_pipeline::median;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_core::model::{DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
@@ -188,18 +189,6 @@ pub struct Round {
     pub candle_tokens_per_s: f64,
     pub torch_tokens_per_s: Option<f64>,
     pub ratio: Option<f64>,
-}
-
-/// The median (the mean of the middle two for an even count).
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// The run with the median tokens/s (the lower median for an even count).

@@ -47,6 +47,7 @@ mod table;
 pub use control::control_plane;
 pub use profile::balanced_cuts;
 pub use summary::theoretical_bubble;
+pub use table::median;
 
 use profile::{build_model, Data};
 use ranks::run_config;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::Report;
 
 /// The median (the mean of the middle two for an even count); NaN for none.
-pub(super) fn median(xs: &[f64]) -> f64 {
+pub fn median(xs: &[f64]) -> f64 {
     if xs.is_empty() {
         return f64::NAN;
     }
