@@ -1,0 +1,279 @@
+//! Tests of `workload.rs`: the GPT workload against the dataset it wraps, its refusals, its
+//! profile and checkpoint files.
+
+use super::*;
+use crate::data::{Gpt2Tokenizer, EMBEDDED_CORPUS};
+
+const SEED: u64 = 7;
+
+/// A temp folder holding `corpus.txt`: the first `bytes` of the shipped corpus (whole
+/// lines), so a test tokenizes a few kB, not 5 MB.
+fn small_corpus(bytes: usize) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let end = EMBEDDED_CORPUS[..bytes].rfind('\n').expect("a line") + 1;
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, &EMBEDDED_CORPUS[..end]).expect("write corpus");
+    (dir, corpus)
+}
+
+/// gpt-tiny (2 blocks of width 64) on `corpus`: 16 tokens x 2 samples x 3 microbatches.
+fn tiny(corpus: &std::path::Path) -> GptWorkloadConfig {
+    GptWorkloadConfig {
+        model: "gpt-tiny".into(),
+        seq_len: 16,
+        microbatch_size: 2,
+        num_microbatches: 3,
+        eval_batches: 2,
+        dataset: Some(corpus.to_path_buf()),
+        ..GptWorkloadConfig::default()
+    }
+}
+
+fn ids(t: &Tensor) -> Vec<Vec<u32>> {
+    t.to_vec2::<u32>().expect("a [b, t] u32 tensor")
+}
+
+/// The message of `GptWorkload::new(cfg)`, which must fail.
+fn refusal(cfg: GptWorkloadConfig) -> String {
+    match GptWorkload::new(cfg) {
+        Ok(_) => panic!("the workload should have been refused"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn microbatches_are_the_datasets_across_an_epoch_boundary() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).expect("workload");
+    let direct =
+        Dataset::open_with(&corpus, Arc::new(Gpt2Tokenizer::embedded()), None).expect("dataset");
+    let spec = w.batch_spec();
+    let ipe = direct
+        .split(Split::Train)
+        .iterations_per_epoch(&spec)
+        .unwrap();
+    assert_eq!(w.iterations_per_epoch(), ipe);
+    assert!(ipe >= 2, "the corpus gives {ipe} iterations per epoch");
+    for step in [0, 1, ipe as u64 - 1, ipe as u64, ipe as u64 + 1] {
+        let cursor = DataCursor::at_step(step, ipe);
+        for k in 0..spec.num_microbatches {
+            let b = direct
+                .split(Split::Train)
+                .microbatch_at(&spec, SEED, cursor, k)
+                .unwrap();
+            let (inp, tgt) = w.microbatch(SEED, step, k as u32, &Device::Cpu).unwrap();
+            assert_eq!(inp.dims(), [2, 16]);
+            assert_eq!(ids(&inp).concat(), b.inputs, "step {step} microbatch {k}");
+            assert_eq!(ids(&tgt).concat(), b.targets, "step {step} microbatch {k}");
+        }
+    }
+    // Another seed is another order.
+    let a = w.microbatch(SEED, 0, 0, &Device::Cpu).unwrap().0;
+    let b = w.microbatch(SEED + 1, 0, 0, &Device::Cpu).unwrap().0;
+    assert_ne!(ids(&a), ids(&b));
+    let next = serde_json::json!({ "epoch": 1, "iteration": 1 });
+    assert_eq!(w.data_cursor(ipe as u64 + 1), next);
+}
+
+#[test]
+fn the_factory_reads_the_config_back_from_json() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let cfg = tiny(&corpus);
+    let json = serde_json::to_value(&cfg).unwrap();
+    let back: GptWorkloadConfig = serde_json::from_value(json.clone()).unwrap();
+    assert_eq!(back, cfg);
+    let w = GptWorkload::factory(&json).expect("factory");
+    assert_eq!(w.name(), "gpt-tiny");
+    assert_eq!(w.tokens_per_sample(), 16);
+    let preset = ModelConfig::preset("gpt-tiny").unwrap();
+    assert_eq!(w.num_params(), preset.num_params());
+    assert_eq!(w.model().num_layers(), preset.num_layers());
+    assert!(matches!(w.initial_params(3), ParamSource::Init { seed: 3 }));
+
+    // Missing fields are `train`'s defaults; unknown ones are refused by name.
+    let partial: GptWorkloadConfig =
+        serde_json::from_value(serde_json::json!({ "model": "gpt2" })).unwrap();
+    assert_eq!(partial.seq_len, GptWorkloadConfig::default().seq_len);
+    let err = GptWorkload::factory(&serde_json::json!({ "seq_length": 16 }))
+        .err()
+        .expect("an unknown field")
+        .to_string();
+    assert!(err.contains("seq_length"), "{err}");
+}
+
+#[test]
+fn a_sequence_longer_than_the_context_is_refused() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let cfg = GptWorkloadConfig {
+        seq_len: 65,
+        ..tiny(&corpus)
+    };
+    let err = refusal(cfg);
+    assert!(
+        err.contains("--seq-len 65 exceeds the context of gpt-tiny (64 positions)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_unknown_preset_lists_the_presets() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let cfg = GptWorkloadConfig {
+        model: "gpt-huge".into(),
+        ..tiny(&corpus)
+    };
+    let err = refusal(cfg);
+    assert!(
+        err.contains("gpt-huge") && err.contains("gpt-mini"),
+        "{err}"
+    );
+}
+
+#[test]
+fn too_little_data_is_refused_with_the_numbers() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let many_evals = GptWorkloadConfig {
+        eval_batches: 1000,
+        ..tiny(&corpus)
+    };
+    let err = refusal(many_evals);
+    assert!(err.contains("fewer than --eval-batches 1000"), "{err}");
+    let huge_batch = GptWorkloadConfig {
+        num_microbatches: 100_000,
+        ..tiny(&corpus)
+    };
+    let err = refusal(huge_batch);
+    assert!(
+        err.contains("one global batch needs 200000 samples"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_job_batching_otherwise_than_the_workload_is_refused() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).expect("workload");
+    let mut spec = TrainingSpec {
+        steps: 1,
+        seed: 0,
+        microbatch_size: 2,
+        global_microbatches: 3,
+        nodes: 1,
+        devices_per_node: 1,
+        fault_threshold: 0,
+        device: "cpu".into(),
+        pipeline_nodes: None,
+        optimizer: Default::default(),
+        lr: oobleck_core::optim::LrSchedule::constant(1e-3).expect("lr"),
+        grad_clip: None,
+        checkpoint_every: 0,
+        eval_every: 0,
+        data_plane: Default::default(),
+        inject_failures: Vec::new(),
+    };
+    w.check(&spec).expect("the same batch");
+    spec.global_microbatches = 4;
+    let e = w.check(&spec).expect_err("another batch").to_string();
+    assert!(
+        e.contains("3 microbatches of 2 samples, the job 4 of 2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_profile_has_one_entry_per_layer() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let cpu = DeviceSpec::named("cpu").expect("the planner knows cpu");
+    let p = w.profile(cpu, 2).expect("profile");
+    assert_eq!(p.layers.len(), w.model().num_layers());
+    p.validate().expect("a valid profile");
+    // The model's own planner shape: for a preset, GPT's (ffn = 4d, tied embedding).
+    let gpt = oobleck_core::planning::TransformerShape::gpt(2, 64, 4, 50257, 16);
+    assert_eq!(p, analytical_profile("gpt-tiny", &gpt, cpu, 2, Dtype::F32));
+}
+
+#[test]
+fn evaluation_is_the_mean_loss_of_the_first_validation_batches() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let l = w.model().num_layers();
+    let whole = |range| {
+        let layers = w
+            .model()
+            .build_layers(range, &Device::Cpu, w.initial_params(SEED))
+            .unwrap();
+        Stage::new(layers).unwrap()
+    };
+    let stage = whole(0..l);
+    let val = w.dataset().split(Split::Validation);
+    let mut expected = 0.0;
+    for i in 0..2 {
+        let (inp, tgt) =
+            to_tensors(&val.sequential_batch(16, 2, i).unwrap(), &Device::Cpu).unwrap();
+        let ctx = ForwardCtx {
+            targets: Some(&tgt),
+            ..ForwardCtx::inference()
+        };
+        let loss = stage.forward(&inp, &ctx).unwrap().output;
+        expected += f64::from(loss.to_scalar::<f32>().unwrap());
+    }
+    let got = w.evaluate(&stage).unwrap().expect("an evaluation");
+    assert_eq!(got, expected / 2.0);
+    // A fresh gpt-tiny is near uniform over 50257 tokens: ln(50257) = 10.8.
+    assert!((10.0..11.5).contains(&got), "{got}");
+
+    let err = w.evaluate(&whole(1..l)).unwrap_err().to_string();
+    assert!(err.contains("whole model"), "{err}");
+}
+
+#[test]
+fn checkpoints_carry_a_config_json_that_loads_back() {
+    let (dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let files = w.checkpoint_files();
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].0, "config.json");
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, &files[0].1).unwrap();
+    assert_eq!(&ModelConfig::from_hf_json(&path).unwrap(), w.model_config());
+}
+
+#[test]
+fn init_from_starts_from_the_pretrained_weights() {
+    let (dir, corpus) = small_corpus(20_000);
+    let preset = ModelConfig::preset("gpt-tiny").unwrap();
+    let model = preset.build().unwrap();
+    let layers = model
+        .build_layers(
+            0..model.num_layers(),
+            &Device::Cpu,
+            ParamSource::Init { seed: 99 },
+        )
+        .unwrap();
+    let params: HashMap<String, Tensor> = Stage::new(layers)
+        .unwrap()
+        .params()
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().clone()))
+        .collect();
+    let hf_dir = dir.path().join("hf");
+    hf::save_pretrained(&hf_dir, &preset, &params).unwrap();
+    let cfg = GptWorkloadConfig {
+        init_from: Some(hf_dir.display().to_string()),
+        ..tiny(&corpus)
+    };
+    assert_eq!(
+        cfg.model_config().unwrap(),
+        preset,
+        "the config without the weights"
+    );
+    let w = GptWorkload::new(cfg).unwrap();
+    let ParamSource::Tensors(got) = w.initial_params(SEED) else {
+        panic!("init_from must give the pretrained tensors");
+    };
+    assert_eq!(got.len(), params.len());
+    let name = "transformer.wte.weight";
+    let diff = (got[name].clone() - &params[name]).unwrap().abs().unwrap();
+    assert_eq!(diff.max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+}
