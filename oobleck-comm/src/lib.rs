@@ -20,6 +20,7 @@ mod comm;
 mod engine;
 mod error;
 pub mod frame;
+mod key;
 mod local;
 mod mailbox;
 #[cfg(feature = "nccl")]
@@ -33,6 +34,7 @@ mod tensor;
 pub use comm::{Communicator, Rank};
 pub use engine::Tuning;
 pub use error::{CommError, FrameError, Op, Result};
+pub use key::{nonce, SecretKey, KEY_BYTES};
 pub use local::{LocalCommunicator, LocalNetwork};
 pub use nccl::{probe as probe_nccl, NcclCommunicator, NcclId};
 pub use tcp::{TcpCommunicator, TcpConfig};
