@@ -38,9 +38,7 @@ impl SecretKey {
     /// `HMAC-SHA256(key, part_0 || part_1 || ...)`. Callers bind everything the MAC vouches
     /// for (a purpose label, the generation, the ranks, the peer's nonce) into `parts`.
     pub fn mac(&self, parts: &[&[u8]]) -> [u8; KEY_BYTES] {
-        let mut m = self.hmac(parts);
-        let out = m.finalize_reset().into_bytes();
-        out.into()
+        self.hmac(parts).finalize().into_bytes().into()
     }
 
     /// Whether `mac` is [`SecretKey::mac`] of `parts`, compared in constant time.
