@@ -1,5 +1,6 @@
 //! The one error type of this crate.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::Rank;
@@ -97,6 +98,34 @@ pub enum CommError {
     /// An I/O error outside of a peer's connection (bind, listen).
     #[error("{context}: {message}")]
     Io { context: String, message: String },
+    /// A blob sink refused an upload; `message` is the sink's reason (a bad name, too large,
+    /// a corrupted body, a disk error on the sink).
+    #[error("blob sink {sink} refused the upload of {name:?}: {message}")]
+    BlobRefused {
+        sink: SocketAddr,
+        name: String,
+        message: String,
+    },
+    /// A blob sink refused an upload whose MAC does not verify under its key.
+    #[error(
+        "blob sink {sink} refused the upload of {name:?}: its MAC does not verify, so the \
+         uploader was given another job's or generation's key than the sink's (check that the \
+         worker uploads with the key of the sink's current generation)"
+    )]
+    BlobUnauthorized { sink: SocketAddr, name: String },
+    /// An upload broke off before the sink's final answer: no connection, a timeout, or a
+    /// connection closed early. The file is not on the sink.
+    #[error(
+        "upload of {name:?} to blob sink {sink} failed after {sent} of {len} bytes: {reason} \
+         (check that the master is up and reachable there and that the timeout fits the size)"
+    )]
+    BlobTransfer {
+        sink: SocketAddr,
+        name: String,
+        sent: u64,
+        len: u64,
+        reason: String,
+    },
 }
 
 impl CommError {
