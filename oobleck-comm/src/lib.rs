@@ -16,6 +16,7 @@
 //! reconfiguration builds a new one. See [`Communicator`] for the thread-safety and failure
 //! contract, `README.md` for the summary, and [`frame`] for the wire format.
 
+mod blob;
 mod comm;
 mod engine;
 mod error;
@@ -31,6 +32,7 @@ mod nccl;
 mod tcp;
 mod tensor;
 
+pub use blob::{send_blob, BlobReceipt, BlobSink};
 pub use comm::{Communicator, Rank};
 pub use engine::Tuning;
 pub use error::{CommError, FrameError, Op, Result};
