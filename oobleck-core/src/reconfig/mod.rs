@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::planning::instantiate::{assemble, choose_counts, Ctx};
-use crate::planning::{Pipeline, Plan, PlanError, TemplateSet};
+use crate::planning::{Plan, PlanError, TemplateSet};
 
 /// Copy one layer's training state (parameters + optimizer state) between two devices.
 /// Ranks are of the **new** generation; the source still holds the layer from its old role
@@ -77,34 +77,69 @@ impl ReconfigPlan {
     }
 }
 
-/// Which layers each `(node, device)` held in a plan.
-struct Holdings {
+/// Which layers each `(node, device)` holds at the committed step. [`Holdings::of`] a plan
+/// is what its devices hold while it runs; the runtime passes its own record when that differs
+/// (a worker that died on a surviving node holds nothing, a reconfiguration that failed during
+/// its copies leaves the devices with what they held before it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Holdings {
     g: u32,
-    /// (node, device) -> layer range held.
-    by_device: BTreeMap<(u32, u32), (usize, usize)>,
+    /// (node, device) -> layers held.
+    by_device: BTreeMap<(u32, u32), BTreeSet<usize>>,
 }
 
 impl Holdings {
-    fn of(plan: &Plan) -> Self {
-        let mut by_device = BTreeMap::new();
+    /// What every device of `plan` holds while the plan runs: its stage's layers.
+    pub fn of(plan: &Plan) -> Self {
+        let mut h = Holdings::empty(plan.devices_per_node);
         for p in &plan.pipelines {
             let t = plan.template_of(p);
             for s in &t.stages {
                 let node = p.nodes[s.node as usize];
                 for d in s.first_device..s.first_device + s.devices {
-                    by_device.insert((node, d), (s.layer_start, s.layer_end));
+                    h.set(node, d, s.layers().collect());
                 }
             }
         }
+        h
+    }
+
+    /// Nothing held yet, `devices_per_node` devices per node.
+    pub fn empty(devices_per_node: u32) -> Self {
         Holdings {
-            g: plan.devices_per_node,
-            by_device,
+            g: devices_per_node,
+            by_device: BTreeMap::new(),
         }
+    }
+
+    /// `(node, device)` holds exactly `layers` (none: it holds nothing).
+    pub fn set(&mut self, node: u32, device: u32, layers: BTreeSet<usize>) {
+        if layers.is_empty() {
+            self.by_device.remove(&(node, device));
+        } else {
+            self.by_device.insert((node, device), layers);
+        }
+    }
+
+    /// What `(node, device)` holds.
+    pub fn layers(&self, node: u32, device: u32) -> Option<&BTreeSet<usize>> {
+        self.by_device.get(&(node, device))
+    }
+
+    /// Forgets everything `node` held (it is lost).
+    pub fn drop_node(&mut self, node: u32) {
+        self.by_device.retain(|k, _| k.0 != node);
+    }
+
+    /// The layers no device holds, of `0..num_layers`.
+    pub fn missing(&self, num_layers: usize) -> Vec<usize> {
+        let held: BTreeSet<usize> = self.by_device.values().flatten().copied().collect();
+        (0..num_layers).filter(|l| !held.contains(l)).collect()
     }
 
     fn first_layer(&self, node: u32) -> usize {
         (0..self.g)
-            .filter_map(|d| self.by_device.get(&(node, d)).map(|r| r.0))
+            .filter_map(|d| self.by_device.get(&(node, d)).and_then(|r| r.first().copied()))
             .min()
             .unwrap_or(usize::MAX)
     }
@@ -112,7 +147,7 @@ impl Holdings {
     fn holds(&self, node: u32, device: u32, layer: usize) -> bool {
         self.by_device
             .get(&(node, device))
-            .is_some_and(|&(a, b)| (a..b).contains(&layer))
+            .is_some_and(|r| r.contains(&layer))
     }
 }
 
@@ -157,8 +192,20 @@ fn arrange(set: &TemplateSet, old: &Holdings, nodes: &mut Vec<u32>) -> u64 {
     best.0
 }
 
-/// Decides the reconfiguration after losing `lost` and gaining `joined` nodes.
+/// Decides the reconfiguration after losing `lost` and gaining `joined` nodes, every device
+/// holding its stage of `plan`.
 pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan, PlanError> {
+    decide_with(plan, &Holdings::of(plan), lost, joined)
+}
+
+/// [`decide`] where the devices hold `old` (the runtime's record) instead of their stages of
+/// `plan`: the node order and the copies follow what is really held.
+pub fn decide_with(
+    plan: &Plan,
+    old: &Holdings,
+    lost: &[u32],
+    joined: &[u32],
+) -> Result<ReconfigPlan, PlanError> {
     let current: BTreeSet<u32> = plan.nodes().into_iter().collect();
     let lost: BTreeSet<u32> = lost.iter().copied().collect();
     let joined: BTreeSet<u32> = joined.iter().copied().collect();
@@ -172,7 +219,6 @@ pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan,
         return Err(PlanError::DuplicateNode { node });
     }
     let set = plan.template_set();
-    let old = Holdings::of(plan);
     let ctx = Ctx::of(plan);
     let n_min = set.templates.first().map_or(1, |t| t.nodes) as usize;
     let mut actions = Vec::new();
@@ -206,7 +252,7 @@ pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan,
         .max(1);
 
     let incremental = if joined.is_empty() {
-        shrink_borrow_merge(&set, &old, groups.clone(), n_min, &mut actions)
+        shrink_borrow_merge(&set, old, groups.clone(), n_min, &mut actions)
     } else {
         None
     };
@@ -216,7 +262,7 @@ pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan,
             actions.push(Action::Reinstantiate {
                 nodes: total as u32,
             });
-            reinstantiate(&set, &ctx, &old, groups, &joined, plan)?
+            reinstantiate(&set, &ctx, old, groups, &joined, plan)?
         }
     };
     let mut groups = groups;
@@ -234,7 +280,7 @@ pub fn decide(plan: &Plan, lost: &[u32], joined: &[u32]) -> Result<ReconfigPlan,
         })
         .collect();
     let new_plan = assemble(&set, &ctx, with_tpl, &ids, plan.generation + 1)?;
-    let (copies, missing_layers) = plan_copies(plan, &new_plan, &old, &lost);
+    let (copies, missing_layers) = plan_copies(&new_plan, old, &lost);
     Ok(ReconfigPlan {
         fault_tolerance: new_plan.pipelines.len() as u32 - 1,
         spare_nodes,
@@ -424,7 +470,6 @@ fn reinstantiate(
 
 /// Copies each new holder needs, sources spread over surviving old holders by bytes assigned.
 fn plan_copies(
-    old_plan: &Plan,
     new_plan: &Plan,
     old: &Holdings,
     lost: &BTreeSet<u32>,
@@ -440,29 +485,23 @@ fn plan_copies(
             }
         }
     }
-    // Surviving old holders per layer.
+    // Surviving old holders per layer that are ranks of the new plan (a spare node runs no
+    // worker, so it cannot send).
     let mut holders: Vec<Vec<(u32, u32)>> = vec![Vec::new(); num_layers];
-    for (&(node, d), &(a, b)) in &old.by_device {
-        if lost.contains(&node) {
+    for (&(node, d), layers) in &old.by_device {
+        if lost.contains(&node) || !new_rank.contains_key(&(node, d)) {
             continue;
         }
-        for h in holders.iter_mut().take(b).skip(a) {
-            h.push((node, d));
+        for &l in layers {
+            if let Some(h) = holders.get_mut(l) {
+                h.push((node, d));
+            }
         }
     }
-    let unchanged = |p: &Pipeline| {
-        old_plan
-            .pipelines
-            .iter()
-            .any(|q| q.nodes == p.nodes && q.template_nodes == p.template_nodes)
-    };
     let mut load: BTreeMap<(u32, u32), u64> = BTreeMap::new();
     let mut copies = Vec::new();
     let mut missing = BTreeSet::new();
     for p in &new_plan.pipelines {
-        if unchanged(p) {
-            continue;
-        }
         let t = new_plan.template_of(p);
         for s in &t.stages {
             let node = p.nodes[s.node as usize];
