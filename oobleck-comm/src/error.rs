@@ -76,6 +76,21 @@ pub enum CommError {
     /// A peer spoke for a different generation of the cluster plan.
     #[error("rank {peer} is at generation {theirs}, this communicator is generation {ours}")]
     StaleGeneration { peer: Rank, ours: u64, theirs: u64 },
+    /// The handshake with a peer did not prove the generation's key: the two ranks were given
+    /// different keys (or only one of them a key), or something other than rank `peer`
+    /// answers at its address.
+    #[error(
+        "rank {rank} could not authenticate with rank {peer} at {addr} (generation {generation}): \
+         {reason}. Every rank of a generation must be started with that generation's key from \
+         the master: check that both ranks run the same plan, and that nothing else listens on {addr}"
+    )]
+    AuthFailed {
+        rank: Rank,
+        peer: Rank,
+        addr: SocketAddr,
+        generation: u64,
+        reason: String,
+    },
     /// The backend was not compiled in (cargo feature off).
     #[error("backend {backend} not compiled in: rebuild with `--features {feature}`")]
     NotCompiled {

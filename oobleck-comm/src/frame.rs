@@ -11,8 +11,9 @@
 //! ```
 //!
 //! * `magic` is `b"OBKC"`; `version` is [`VERSION`]; anything else closes the connection.
-//! * `kind` 1 = `Hello` (connection setup: payload `from u32 | to u32 | world u32`, channel/seq/part 0),
-//!   2 = `Data`.
+//! * `kind` 1 = `Hello`, 2 = `Data`, 3 = `Challenge`. `Hello` and `Challenge` only set up a
+//!   connection (channel, seq and part 0; payloads below; the exchange is drawn in
+//!   `src/tcp/handshake.rs`).
 //! * `generation` must equal the receiver's: a frame from another generation closes the
 //!   connection with `StaleGeneration`.
 //! * `(channel, seq, part)` names the message, so concurrent operations on different groups
@@ -20,10 +21,31 @@
 //!   per-(peer, tag) counter; collectives use `channel = group id | 1 << 63` and a per-group
 //!   operation counter, with `part` numbering the chunks of one operation.
 //! * A clean close happens only between frames; a close inside a frame is `Truncated`.
+//!
+//! Handshake payloads. An unkeyed group sends only the 12-byte Hello. In a keyed group (the
+//! master gave the generation a [`crate::SecretKey`]) the acceptor sends a Challenge as soon
+//! as it accepts, and both Hellos carry a nonce and a MAC:
+//!
+//! ```text
+//!   Hello, unkeyed (12 bytes)    from u32 LE | to u32 LE | world u32 LE
+//!   Hello, keyed (76 bytes)      from u32 LE | to u32 LE | world u32 LE | nonce [32] | mac [32]
+//!   Challenge (32 bytes)         nonce [32]
+//!
+//!   mac = HMAC-SHA256(key, "oobleck-data-hello" | generation u64 LE | from u32 LE | to u32 LE
+//!                          | world u32 LE | the receiver's nonce | the sender's nonce)
+//! ```
+//!
+//! The connector's nonce is fresh; the acceptor's Hello repeats its Challenge's nonce. The MAC
+//! binds the purpose, the generation, both ranks, the group size and both nonces, so a Hello
+//! captured from one connection proves nothing on another. These frames extend version 1
+//! rather than replace it (the version stays 1): an unkeyed group's bytes are exactly those of
+//! earlier builds, and an earlier build meeting a keyed peer refuses it (`unknown frame kind
+//! 3`, or a Hello of 76 bytes).
 
 use std::io::{ErrorKind, Read, Write};
 
 use crate::error::FrameError;
+use crate::key::KEY_BYTES;
 
 pub const MAGIC: u32 = u32::from_le_bytes(*b"OBKC");
 pub const VERSION: u16 = 1;
@@ -35,6 +57,7 @@ pub const DEFAULT_MAX_FRAME: u32 = 64 << 20;
 pub enum Kind {
     Hello = 1,
     Data = 2,
+    Challenge = 3,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +106,7 @@ impl Header {
         let kind = match u16_at(6) {
             1 => Kind::Hello,
             2 => Kind::Data,
+            3 => Kind::Challenge,
             k => return Err(FrameError::BadKind(k)),
         };
         let len = u32_at(36);
@@ -191,7 +215,63 @@ pub fn write_frame(w: &mut impl Write, header: &Header, parts: &[&[u8]]) -> std:
     Ok(())
 }
 
-/// Payload of a `Hello` frame.
+/// Bytes of an unkeyed `Hello` payload, of a keyed one and of a `Challenge` payload.
+pub const HELLO_LEN: usize = 12;
+pub const KEYED_HELLO_LEN: usize = HELLO_LEN + 2 * KEY_BYTES;
+pub const CHALLENGE_LEN: usize = KEY_BYTES;
+
+/// Payload of a keyed group's `Hello`: who is speaking to whom, a nonce, and the MAC that
+/// proves the sender holds the generation's key (see the module doc for what it covers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyedHello {
+    pub from: u32,
+    pub to: u32,
+    pub world: u32,
+    pub nonce: [u8; KEY_BYTES],
+    pub mac: [u8; KEY_BYTES],
+}
+
+impl KeyedHello {
+    pub fn encode(&self) -> [u8; KEYED_HELLO_LEN] {
+        let mut b = [0u8; KEYED_HELLO_LEN];
+        b[..HELLO_LEN].copy_from_slice(&encode_hello(self.from, self.to, self.world));
+        b[HELLO_LEN..HELLO_LEN + KEY_BYTES].copy_from_slice(&self.nonce);
+        b[HELLO_LEN + KEY_BYTES..].copy_from_slice(&self.mac);
+        b
+    }
+
+    pub fn decode(p: &[u8]) -> Result<KeyedHello, FrameError> {
+        if p.len() != KEYED_HELLO_LEN {
+            return Err(FrameError::Malformed(format!(
+                "keyed hello payload of {} bytes (expected {KEYED_HELLO_LEN})",
+                p.len()
+            )));
+        }
+        let (from, to, world) = decode_hello(&p[..HELLO_LEN])?;
+        let key_bytes = |at: usize| -> [u8; KEY_BYTES] {
+            p[at..at + KEY_BYTES].try_into().expect("KEY_BYTES bytes")
+        };
+        Ok(KeyedHello {
+            from,
+            to,
+            world,
+            nonce: key_bytes(HELLO_LEN),
+            mac: key_bytes(HELLO_LEN + KEY_BYTES),
+        })
+    }
+}
+
+/// The nonce of a `Challenge` payload.
+pub fn decode_challenge(p: &[u8]) -> Result<[u8; KEY_BYTES], FrameError> {
+    p.try_into().map_err(|_| {
+        FrameError::Malformed(format!(
+            "challenge payload of {} bytes (expected {CHALLENGE_LEN})",
+            p.len()
+        ))
+    })
+}
+
+/// Payload of an unkeyed group's `Hello` frame.
 pub fn encode_hello(from: u32, to: u32, world: u32) -> [u8; 12] {
     let mut b = [0u8; 12];
     b[0..4].copy_from_slice(&from.to_le_bytes());
@@ -331,6 +411,31 @@ mod tests {
     fn hello_payload_is_checked() {
         assert_eq!(decode_hello(&encode_hello(1, 2, 3)).unwrap(), (1, 2, 3));
         assert!(decode_hello(&[0; 11]).is_err());
+    }
+
+    #[test]
+    fn keyed_hello_and_challenge_payloads_are_checked() {
+        let h = KeyedHello {
+            from: 2,
+            to: 0,
+            world: 3,
+            nonce: [7; KEY_BYTES],
+            mac: [9; KEY_BYTES],
+        };
+        let b = h.encode();
+        assert_eq!(&b[..HELLO_LEN], &encode_hello(2, 0, 3));
+        assert_eq!(KeyedHello::decode(&b).unwrap(), h);
+        assert!(KeyedHello::decode(&b[..HELLO_LEN]).is_err());
+        assert_eq!(
+            decode_challenge(&[5; CHALLENGE_LEN]).unwrap(),
+            [5; KEY_BYTES]
+        );
+        assert!(decode_challenge(&[5; CHALLENGE_LEN + 1]).is_err());
+        let mut c = data(0);
+        c.kind = Kind::Challenge;
+        assert!(
+            matches!(read(&frame_bytes(&c, &[])), ReadOutcome::Frame(h, _) if h.kind == Kind::Challenge)
+        );
     }
 
     proptest! {

@@ -4,8 +4,10 @@
 //! ```text
 //!   rendezvous list (rank -> SocketAddr, generation), given by the caller's control plane
 //!   rank i listens; connects to every rank j < i, accepts every rank j > i
-//!   handshake: connector sends Hello{from,to,world}, acceptor answers with its Hello;
-//!              a Hello of another generation is answered and the connection closed
+//!   handshake (tcp/handshake.rs): connector sends Hello{from,to,world}, acceptor answers with
+//!              its Hello; with a key, the acceptor first sends a Challenge and both Hellos
+//!              carry a nonce and a MAC. A peer of another generation, a stranger without the
+//!              key or a silent one is logged and dropped; the group goes on forming
 //!
 //!   op thread ──write_frame (from the caller's buffer, write timeout = op deadline)──▶ socket
 //!   socket ──reader thread: read_frame, validate──▶ Mailbox ──take(key, deadline)──▶ op thread
@@ -17,18 +19,24 @@
 //! and fail with `Timeout`; operations waiting for its data time out. `abort` shuts down
 //! every socket, which unblocks blocked writes and reader threads at once.
 
+mod handshake;
+
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
+use handshake::{accept_all, connect_one};
+
 use crate::comm::Rank;
 use crate::engine::{delegate_communicator, Engine, Transport, Tuning};
 use crate::error::{CommError, FrameError, Op, Result};
 use crate::frame::{self, Header, Kind, ReadOutcome};
+use crate::key::SecretKey;
 use crate::mailbox::{Key, Mailbox};
 
 /// Everything a rank needs to join one generation of a TCP group.
@@ -44,6 +52,10 @@ pub struct TcpConfig {
     /// Largest accepted frame payload, in bytes; must be the same on every rank.
     pub max_frame_bytes: u32,
     pub tuning: Tuning,
+    /// The generation's secret, from the master over the control plane. With a key the
+    /// handshake proves it both ways and refuses any process that cannot; `None` (the
+    /// default: in-process tests and benches) accepts any peer that names the generation.
+    pub key: Option<SecretKey>,
 }
 
 impl TcpConfig {
@@ -55,7 +67,14 @@ impl TcpConfig {
             connect_timeout: Duration::from_secs(30),
             max_frame_bytes: frame::DEFAULT_MAX_FRAME,
             tuning: Tuning::default(),
+            key: None,
         }
+    }
+
+    /// The same config, authenticating every connection with `key`.
+    pub fn with_key(mut self, key: SecretKey) -> Self {
+        self.key = Some(key);
+        self
     }
 }
 
@@ -99,42 +118,7 @@ impl TcpCommunicator {
                 "max_frame_bytes must be positive".into(),
             ));
         }
-        let listener = match listener {
-            Some(l) => l,
-            None => TcpListener::bind(cfg.peers[rank])
-                .map_err(|e| CommError::io(format!("bind {}", cfg.peers[rank]), &e))?,
-        };
-        let deadline = Instant::now() + cfg.connect_timeout;
-        let expect_accepts = world - rank - 1;
-        let acceptor = {
-            let cfg = cfg.clone();
-            std::thread::Builder::new()
-                .name(format!("comm-accept-{rank}"))
-                .spawn(move || accept_all(&listener, &cfg, expect_accepts, deadline))
-                .map_err(|e| CommError::io("spawn acceptor thread", &e))?
-        };
-        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        let mut first_err = None;
-        for (j, slot) in streams.iter_mut().enumerate().take(rank) {
-            match connect_one(&cfg, j, deadline) {
-                Ok(s) => *slot = Some(s),
-                Err(e) => {
-                    first_err = Some(e);
-                    break;
-                }
-            }
-        }
-        // The acceptor stops at its deadline, so this join is bounded.
-        let accepted = acceptor
-            .join()
-            .unwrap_or_else(|_| Err(CommError::Invalid("acceptor thread panicked".into())));
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-        for (j, s) in accepted? {
-            streams[j] = Some(s);
-        }
-
+        let streams = establish(&cfg, listener)?;
         let cap = cfg.max_frame_bytes;
         // No message may exceed the receivers' frame cap.
         let cap_bytes = cap as usize;
@@ -183,6 +167,54 @@ impl TcpCommunicator {
     }
 }
 
+/// Dials every lower rank and accepts every higher one (a thread); returns one handshaken
+/// stream per peer, indexed by rank.
+fn establish(cfg: &TcpConfig, listener: Option<TcpListener>) -> Result<Vec<Option<TcpStream>>> {
+    let (rank, world) = (cfg.rank, cfg.peers.len());
+    let listener = match listener {
+        Some(l) => l,
+        None => TcpListener::bind(cfg.peers[rank])
+            .map_err(|e| CommError::io(format!("bind {}", cfg.peers[rank]), &e))?,
+    };
+    let deadline = Instant::now() + cfg.connect_timeout;
+    let expect_accepts = world - rank - 1;
+    let stop = Arc::new(AtomicBool::new(false));
+    let acceptor = {
+        let (cfg, stop) = (cfg.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name(format!("comm-accept-{rank}"))
+            .spawn(move || accept_all(&listener, &cfg, expect_accepts, deadline, &stop))
+            .map_err(|e| CommError::io("spawn acceptor thread", &e))?
+    };
+    let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let mut first_err = None;
+    for (j, slot) in streams.iter_mut().enumerate().take(rank) {
+        match connect_one(cfg, j, deadline) {
+            Ok(s) => *slot = Some(s),
+            Err(e) => {
+                first_err = Some(e);
+                break;
+            }
+        }
+    }
+    // A rank that failed to reach a peer (wrong key, stale generation) will not form this
+    // group: stop accepting now, so its error surfaces at once rather than at the deadline.
+    if first_err.is_some() {
+        stop.store(true, Ordering::Relaxed);
+    }
+    // The acceptor stops at its deadline (or at once when told), so this join is bounded.
+    let accepted = acceptor
+        .join()
+        .unwrap_or_else(|_| Err(CommError::Invalid("acceptor thread panicked".into())));
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    for (j, s) in accepted? {
+        streams[j] = Some(s);
+    }
+    Ok(streams)
+}
+
 impl Drop for TcpCommunicator {
     fn drop(&mut self) {
         use crate::comm::Communicator;
@@ -192,197 +224,6 @@ impl Drop for TcpCommunicator {
             let _ = h.join();
         }
     }
-}
-
-fn hello(cfg: &TcpConfig, to: Rank) -> ([u8; frame::HEADER_LEN], [u8; 12]) {
-    let payload = frame::encode_hello(cfg.rank as u32, to as u32, cfg.peers.len() as u32);
-    let h = Header {
-        kind: Kind::Hello,
-        generation: cfg.generation,
-        channel: 0,
-        seq: 0,
-        part: 0,
-        len: 12,
-    };
-    (h.encode(), payload)
-}
-
-fn send_hello(s: &mut TcpStream, cfg: &TcpConfig, to: Rank) -> std::io::Result<()> {
-    use std::io::Write;
-    let (h, p) = hello(cfg, to);
-    let mut b = h.to_vec();
-    b.extend_from_slice(&p);
-    s.write_all(&b)
-}
-
-/// Reads a peer's Hello and checks it is addressed to us; returns the sender's rank.
-fn read_hello(s: &mut TcpStream, cfg: &TcpConfig, peer_hint: Option<Rank>) -> Result<Rank> {
-    let lost = |reason: String| CommError::PeerLost {
-        rank: peer_hint.unwrap_or(usize::MAX),
-        generation: cfg.generation,
-        reason,
-    };
-    let out =
-        frame::read_frame(s, cfg.generation, 64).map_err(|e| lost(format!("handshake: {e}")))?;
-    let (h, p) = match out {
-        ReadOutcome::Frame(h, p) => (h, p),
-        ReadOutcome::Closed => return Err(lost("closed during handshake".into())),
-        ReadOutcome::Bad(FrameError::StaleGeneration { found, expected }) => {
-            return Err(CommError::StaleGeneration {
-                peer: peer_hint.unwrap_or(usize::MAX),
-                ours: expected,
-                theirs: found,
-            })
-        }
-        ReadOutcome::Bad(e) => {
-            return Err(CommError::Frame {
-                peer: peer_hint,
-                source: e,
-            })
-        }
-    };
-    let bad = |m: String| CommError::Frame {
-        peer: peer_hint,
-        source: FrameError::Malformed(m),
-    };
-    if h.kind != Kind::Hello {
-        return Err(bad("expected a Hello frame".into()));
-    }
-    let (from, to, world) = frame::decode_hello(&p).map_err(|e| CommError::Frame {
-        peer: peer_hint,
-        source: e,
-    })?;
-    if to as usize != cfg.rank || world as usize != cfg.peers.len() {
-        return Err(bad(format!(
-            "hello for rank {to} of world {world}, this is rank {} of {}",
-            cfg.rank,
-            cfg.peers.len()
-        )));
-    }
-    Ok(from as usize)
-}
-
-fn connect_one(cfg: &TcpConfig, j: Rank, deadline: Instant) -> Result<TcpStream> {
-    let addr = cfg.peers[j];
-    let mut last = String::from("no attempt");
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(CommError::Timeout {
-                op: Op::Connect,
-                after: cfg.connect_timeout,
-                rank: cfg.rank,
-                generation: cfg.generation,
-                waiting_on: Some(j),
-            })
-            .inspect_err(|_| warn!(rank = cfg.rank, peer = j, %addr, last, "connect timed out"));
-        }
-        match TcpStream::connect_timeout(&addr, (deadline - now).min(Duration::from_secs(2))) {
-            Ok(mut s) => {
-                let io = |e: std::io::Error| CommError::PeerLost {
-                    rank: j,
-                    generation: cfg.generation,
-                    reason: format!("handshake: {e}"),
-                };
-                s.set_nodelay(true).map_err(io)?;
-                s.set_read_timeout(Some(
-                    deadline
-                        .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(1)),
-                ))
-                .map_err(io)?;
-                send_hello(&mut s, cfg, j).map_err(io)?;
-                let from = read_hello(&mut s, cfg, Some(j))?;
-                if from != j {
-                    return Err(CommError::Frame {
-                        peer: Some(j),
-                        source: FrameError::Malformed(format!(
-                            "{addr} answered as rank {from}, expected rank {j}"
-                        )),
-                    });
-                }
-                return Ok(s);
-            }
-            Err(e) => {
-                // The peer may not listen yet: retry until the deadline.
-                last = e.to_string();
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
-}
-
-fn accept_all(
-    listener: &TcpListener,
-    cfg: &TcpConfig,
-    expect: usize,
-    deadline: Instant,
-) -> Result<Vec<(Rank, TcpStream)>> {
-    let mut got: Vec<(Rank, TcpStream)> = Vec::new();
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| CommError::io("listener nonblocking", &e))?;
-    while got.len() < expect {
-        if Instant::now() >= deadline {
-            let missing: Vec<Rank> = (cfg.rank + 1..cfg.peers.len())
-                .filter(|r| got.iter().all(|(g, _)| g != r))
-                .collect();
-            return Err(CommError::Timeout {
-                op: Op::Connect,
-                after: cfg.connect_timeout,
-                rank: cfg.rank,
-                generation: cfg.generation,
-                waiting_on: missing.first().copied(),
-            });
-        }
-        let (mut s, addr) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
-            Err(e) => return Err(CommError::io("accept", &e)),
-        };
-        let setup = s.set_nonblocking(false).and_then(|_| {
-            s.set_read_timeout(Some(
-                Duration::from_secs(5).min(
-                    deadline
-                        .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(1)),
-                ),
-            ))
-        });
-        if let Err(e) = setup {
-            warn!(rank = cfg.rank, %addr, error = %e, "dropping incoming connection");
-            continue;
-        }
-        // A bad or stale peer costs it its connection, never our process or the setup.
-        match read_hello(&mut s, cfg, None) {
-            Ok(from)
-                if from > cfg.rank
-                    && from < cfg.peers.len()
-                    && got.iter().all(|(r, _)| *r != from) =>
-            {
-                if let Err(e) = send_hello(&mut s, cfg, from) {
-                    warn!(rank = cfg.rank, from, error = %e, "handshake reply failed");
-                    continue;
-                }
-                got.push((from, s));
-            }
-            Ok(from) => {
-                warn!(rank = cfg.rank, from, %addr, "refusing unexpected or duplicate rank");
-            }
-            Err(e) => {
-                if let CommError::StaleGeneration { .. } = e {
-                    // Tell the stale peer our generation so it reports a clear error.
-                    let _ = send_hello(&mut s, cfg, usize::MAX >> 1);
-                }
-                warn!(rank = cfg.rank, %addr, error = %e, "refusing connection");
-                let _ = s.shutdown(Shutdown::Both);
-            }
-        }
-    }
-    Ok(got)
 }
 
 fn read_loop(mut s: TcpStream, peer: Rank, generation: u64, cap: u32, mailbox: &Mailbox) {
