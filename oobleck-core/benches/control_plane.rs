@@ -10,12 +10,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use oobleck_core::elastic::protocol::{self, Message, Rendezvous};
+use oobleck_core::elastic::protocol::{self, GenerationStart, Message, Rendezvous};
 use oobleck_core::elastic::{Agent, Master, Token};
 use oobleck_core::planning::{
     analytical_profile, generate_templates, gradient_sync_ns, instantiate_with_sizes, DeviceSpec,
     Dtype, JobSpec, TemplateMicrobatches, TransformerShape,
 };
+use oobleck_core::runtime::StateSource;
 
 const T: Duration = Duration::from_secs(5);
 
@@ -40,13 +41,17 @@ fn plan_assignment() -> Message {
     Message::PlanAssignment {
         generation: plan.generation,
         plan: Box::new(plan),
-        rendezvous: (0..n)
-            .map(|rank| Rendezvous {
-                rank,
-                addr: format!("10.0.0.{rank}:29500"),
-            })
-            .collect(),
-        nccl_unique_id: Some(vec![0xab; 128]),
+        start: GenerationStart {
+            rendezvous: (0..n)
+                .map(|rank| Rendezvous {
+                    rank,
+                    addr: format!("10.0.0.{rank}:29500"),
+                })
+                .collect(),
+            nccl_unique_id: Some(vec![0xab; 128]),
+            key: oobleck_comm::SecretKey::random(),
+            source: StateSource::Init,
+        },
     }
 }
 

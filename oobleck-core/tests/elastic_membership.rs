@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use oobleck_core::elastic::agent::{request_kill, request_status};
 use oobleck_core::elastic::master::LossReason;
-use oobleck_core::elastic::protocol::{self, ExitStatus, Message, Rendezvous};
+use oobleck_core::elastic::protocol::{self, ExitStatus, GenerationStart, Message, Rendezvous};
 use oobleck_core::elastic::{Agent, ElasticError, Master, MasterConfig, MasterEvent, Token};
 use oobleck_core::planning::{Pipeline, Plan};
-use oobleck_core::runtime::WorkerReport;
+use oobleck_core::runtime::{StateSource, WorkerReport};
 use tokio::net::TcpStream;
 
 const T: Duration = Duration::from_secs(5);
@@ -221,6 +221,16 @@ fn plan_over(generation: u64, nodes: [u32; 2]) -> Plan {
     }
 }
 
+/// A generation's start: a fresh key, initial state.
+fn start(rendezvous: Vec<Rendezvous>, nccl_unique_id: Option<Vec<u8>>) -> GenerationStart {
+    GenerationStart {
+        rendezvous,
+        nccl_unique_id,
+        key: oobleck_comm::SecretKey::random(),
+        source: StateSource::Init,
+    }
+}
+
 #[tokio::test]
 async fn the_master_distributes_the_plan_rendezvous_and_generation_then_commits() {
     let token = Token::random();
@@ -234,7 +244,7 @@ async fn the_master_distributes_the_plan_rendezvous_and_generation_then_commits(
     master.wait_for_nodes(T).await.unwrap();
 
     let err = master
-        .assign_plan(&plan_over(1, [0, 9]), Vec::new(), None)
+        .assign_plan(&plan_over(1, [0, 9]), start(Vec::new(), None))
         .await
         .unwrap_err();
     assert!(
@@ -255,7 +265,7 @@ async fn the_master_distributes_the_plan_rendezvous_and_generation_then_commits(
         })
         .collect();
     let unreached = master
-        .assign_plan(&plan, rendezvous.clone(), Some(vec![5; 128]))
+        .assign_plan(&plan, start(rendezvous.clone(), Some(vec![5; 128])))
         .await
         .unwrap();
     assert!(unreached.is_empty());
@@ -264,13 +274,13 @@ async fn the_master_distributes_the_plan_rendezvous_and_generation_then_commits(
             Message::PlanAssignment {
                 generation,
                 plan: got,
-                rendezvous: r,
-                nccl_unique_id,
+                start,
             } => {
                 assert_eq!(generation, 1);
                 assert_eq!(*got, plan);
-                assert_eq!(r, rendezvous);
-                assert_eq!(nccl_unique_id, Some(vec![5; 128]));
+                assert_eq!(start.rendezvous, rendezvous);
+                assert_eq!(start.nccl_unique_id, Some(vec![5; 128]));
+                assert_eq!(start.source, StateSource::Init);
             }
             other => panic!("expected a plan, got {other:?}"),
         }

@@ -76,7 +76,6 @@ fn user_model_trains_through_a_failure() -> Result<f64, BoxError> {
     let limits = Limits {
         loss_wait: Duration::from_secs(10),
         ranks_wait: Duration::from_secs(20),
-        rescue_wait: Duration::from_secs(20),
         stall: Duration::from_secs(40),
         join: Duration::from_secs(30),
         ..Limits::default()

@@ -21,7 +21,7 @@ use super::auth::Token;
 use super::conn::{accept_loop, Outgoing, Shared};
 use super::error::{ElasticError, ElasticResult};
 use super::protocol::{
-    ClusterStatus, Message, NodeStatus, PipelineStatus, Rendezvous, StageStatus,
+    ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, StageStatus,
 };
 use crate::planning::Plan;
 use crate::runtime::records::WorkerReport;
@@ -286,13 +286,13 @@ impl Master {
     }
 
     /// Puts `plan` in force: checks that every node it uses is registered, records it for
-    /// status, and sends every live node the plan, the data-plane rendezvous list and (with
-    /// `nccl`) the unique id of its communicator. Returns the nodes it could not reach.
+    /// status, and sends every live node the plan and `start` (the data-plane rendezvous list,
+    /// the generation's key and NCCL id, where the state comes from). Returns the nodes it
+    /// could not reach.
     pub async fn assign_plan(
         &self,
         plan: &Plan,
-        rendezvous: Vec<Rendezvous>,
-        nccl_unique_id: Option<Vec<u8>>,
+        start: GenerationStart,
     ) -> ElasticResult<Vec<(u32, ElasticError)>> {
         {
             let nodes = self.shared.nodes();
@@ -309,8 +309,7 @@ impl Master {
         let msg = Message::PlanAssignment {
             generation: plan.generation,
             plan: Box::new(plan.clone()),
-            rendezvous,
-            nccl_unique_id,
+            start,
         };
         Ok(self.broadcast(&msg).await)
     }

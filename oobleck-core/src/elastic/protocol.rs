@@ -32,13 +32,16 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::error::{ElasticError, ElasticResult};
+use oobleck_comm::SecretKey;
+
 use crate::planning::Plan;
+use crate::runtime::pipe::StateSource;
 use crate::runtime::records::WorkerReport;
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 12;
 /// Largest body accepted: far above any plan, small enough that a corrupt length cannot make
@@ -128,6 +131,20 @@ pub struct ClusterStatus {
     pub samples_per_s: f64,
 }
 
+/// What a generation's workers need besides the plan: where the data plane listens (filled
+/// in by the `RendezvousList` that follows, when empty), its secret, and where their state
+/// comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerationStart {
+    pub rendezvous: Vec<Rendezvous>,
+    /// The NCCL unique id of this generation (feature `nccl`), 128 bytes.
+    pub nccl_unique_id: Option<Vec<u8>>,
+    /// The generation's data-plane key: every connection between its ranks proves it.
+    pub key: SecretKey,
+    pub source: StateSource,
+}
+
 /// Every message of the control protocol.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -159,9 +176,7 @@ pub enum Message {
     PlanAssignment {
         generation: u64,
         plan: Box<Plan>,
-        rendezvous: Vec<Rendezvous>,
-        /// The NCCL unique id of this generation (feature `nccl`), 128 bytes.
-        nccl_unique_id: Option<Vec<u8>>,
+        start: GenerationStart,
     },
     /// Master -> agents: every holder has its reduced gradient for `step`; apply it.
     StepCommitted { step: u64, generation: u64 },
@@ -170,23 +185,11 @@ pub enum Message {
     Job {
         run_dir: String,
         config: serde_json::Value,
-        /// A resumed job: the checkpoint directory every worker loads its layers, their
-        /// optimizer state and the step from (on a file system the nodes share).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        resume: Option<String>,
     },
     /// Master -> agents, once every rank of `generation` listens: where each one is.
     RendezvousList {
         generation: u64,
         rendezvous: Vec<Rendezvous>,
-    },
-    /// Master -> agent, after a failure: the workers of `generation` that still live write
-    /// their state of committed `step` under `dir` (reported with `StateSaved`), so the next
-    /// generation starts from it and no committed step is lost.
-    SaveState {
-        generation: u64,
-        step: u64,
-        dir: String,
     },
     /// Agent -> master: what worker `report.rank()` of this node, of plan generation
     /// `generation`, says about itself (listening, ready, saved, broken, done), or that it
@@ -220,7 +223,6 @@ impl Message {
             Message::StepCommitted { .. } => "step_committed",
             Message::Job { .. } => "job",
             Message::RendezvousList { .. } => "rendezvous_list",
-            Message::SaveState { .. } => "save_state",
             Message::Worker { .. } => "worker",
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
@@ -425,11 +427,6 @@ mod tests {
                 nonce: vec![7; 32],
             },
             Message::Heartbeat { node: 3, seq: 9 },
-            Message::SaveState {
-                generation: 2,
-                step: 17,
-                dir: "/runs/x/cluster/rescue".into(),
-            },
             Message::StatusRequest,
             Message::Refused {
                 reason: "bad token".into(),

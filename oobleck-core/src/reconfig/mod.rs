@@ -139,7 +139,11 @@ impl Holdings {
 
     fn first_layer(&self, node: u32) -> usize {
         (0..self.g)
-            .filter_map(|d| self.by_device.get(&(node, d)).and_then(|r| r.first().copied()))
+            .filter_map(|d| {
+                self.by_device
+                    .get(&(node, d))
+                    .and_then(|r| r.first().copied())
+            })
             .min()
             .unwrap_or(usize::MAX)
     }

@@ -90,6 +90,18 @@ pub enum RuntimeError {
     /// come in time, or a pipe closed: `who` found it (`rank 3`, `node 1`).
     #[error("{who}: {what}")]
     Protocol { who: String, what: String },
+    /// A layer copy of an in-place reconfiguration arrived different from what its sender
+    /// sent (the sender's checksum or shape does not match).
+    #[error(
+        "layer {layer} from rank {from}: tensor {tensor} arrived corrupted ({detail}); the \
+         job recovers again, from another holder or the newest checkpoint"
+    )]
+    CopyCorrupt {
+        layer: usize,
+        from: u32,
+        tensor: String,
+        detail: String,
+    },
     /// An I/O step failed; `what` says which.
     #[error("{what}: {source}")]
     Context { what: String, source: BoxError },

@@ -2,25 +2,31 @@
 //!
 //! ```text
 //!  agent ──stdin──► worker     1 line: WorkerAssignment (JSON)
-//!                              then ToWorker lines: Rendezvous, then Commit per step,
-//!                              SaveState after a failure
-//!  agent ◄─stdout── worker     WorkerReport lines, after records::REPORT_PREFIX; any other
-//!                              line is the worker's own output, passed on to the agent's stderr
+//!                              then ToWorker lines: Rendezvous, then Commit per step;
+//!                              after a failure, Reassign: the next generation's assignment
+//!                              (the same process goes on, with the state it holds)
+//!  agent ◄─stdout── worker     WorkerReport lines, after records::REPORT_PREFIX and the
+//!                              generation they belong to; any other line is the worker's own
+//!                              output, passed on to the agent's stderr
 //! ```
 //!
 //! The worker exits when its stdin closes: the agent that started it is gone, so nobody would
-//! commit a step or collect its results. The agent wraps each report, as it is, in a
-//! [`crate::elastic::Message::Worker`] with its node and the generation.
+//! commit a step or collect its results. The agent wraps each report of the running
+//! generation, as it is, in a [`crate::elastic::Message::Worker`] with its node and the
+//! generation, and drops those of earlier generations.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use oobleck_comm::SecretKey;
+
 use super::error::{Context, Result};
 use super::spec::JobConfig;
 use crate::elastic::protocol::Rendezvous;
 use crate::planning::Plan;
+use crate::reconfig::LayerCopy;
 
 /// What an agent gives each of its workers (the first JSON line on the worker's stdin).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,9 +44,25 @@ pub struct WorkerAssignment {
     pub job: JobConfig,
     /// The NCCL unique id of this generation (`DataPlane::Nccl`), 128 bytes.
     pub nccl_id: Option<Vec<u8>>,
-    /// A resumed job: the checkpoint this worker's layers, optimizer state and step come from.
-    #[serde(default)]
-    pub resume: Option<PathBuf>,
+    /// The generation's data-plane key: the worker proves it to every peer and refuses a peer
+    /// that cannot.
+    pub key: SecretKey,
+    /// Where this generation's parameters and optimizer state come from.
+    pub source: StateSource,
+}
+
+/// Where a generation's workers get their parameters, optimizer state and step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "from", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StateSource {
+    /// Fresh, deterministic initialisation: step 0.
+    Init,
+    /// A checkpoint directory (a resumed job, or a recovery beyond what replicas cover).
+    Checkpoint { path: PathBuf },
+    /// In place, after a failure: every worker keeps what it holds of committed `step` and
+    /// receives the layers its new stage lacks from their holders, as `copies` say (ranks of
+    /// the new generation, in an order every rank follows).
+    Peers { step: u64, copies: Vec<LayerCopy> },
 }
 
 /// What an agent tells a worker after its assignment, one JSON object per stdin line.
@@ -51,8 +73,9 @@ pub enum ToWorker {
     Rendezvous { rendezvous: Vec<Rendezvous> },
     /// Every holder has its reduced gradient for `step` (1-based): apply it.
     Commit { step: u64 },
-    /// After a failed step: write the state of committed `step` into `dir`.
-    SaveState { step: u64, dir: PathBuf },
+    /// The next generation, for a worker that keeps running: leave the current one (its open
+    /// step is not applied) and take this assignment with the state it holds.
+    Reassign { assignment: Box<WorkerAssignment> },
 }
 
 /// Resolves `HOST:PORT` (a name or an IP) to its first address.
@@ -222,10 +245,6 @@ mod tests {
                 }],
             },
             ToWorker::Commit { step: 3 },
-            ToWorker::SaveState {
-                step: 2,
-                dir: "/runs/x/cluster/rescue".into(),
-            },
         ] {
             let line = serde_json::to_string(&msg).expect("json");
             assert!(!line.contains('\n'));

@@ -9,13 +9,25 @@ use serde::{Deserialize, Serialize};
 use crate::elastic::protocol::ExitStatus;
 
 /// What a worker tells the master about itself. The worker writes it on its stdout (after
-/// [`REPORT_PREFIX`]); its agent wraps it, as it is, in a
+/// [`REPORT_PREFIX`] and its generation); its agent wraps it, as it is, in a
 /// [`crate::elastic::Message::Worker`] with the node and the generation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "report", rename_all = "snake_case", deny_unknown_fields)]
 pub enum WorkerReport {
     /// The worker bound its data-plane port (itself, so nothing can take it in between).
     Listening { rank: u32, addr: String, pid: u32 },
+    /// The worker built its stage of its generation and holds its `layers` of committed
+    /// `step`: from then on those are what it holds (before, it held what it held in the
+    /// generation before). `connect_s`: forming the data plane; `copy_s` and `copy_bytes`:
+    /// the layers it received from their holders (zero when none).
+    Formed {
+        rank: u32,
+        step: u64,
+        layers: Vec<usize>,
+        connect_s: f64,
+        copy_s: f64,
+        copy_bytes: u64,
+    },
     /// The worker holds its reduced gradients for `step` (1-based) and waits for the commit.
     /// `loss` and `grad_norm` are the step's global values, the same on every rank.
     Ready {
@@ -54,6 +66,7 @@ impl WorkerReport {
     pub fn rank(&self) -> u32 {
         match self {
             WorkerReport::Listening { rank, .. }
+            | WorkerReport::Formed { rank, .. }
             | WorkerReport::Ready { rank, .. }
             | WorkerReport::Saved { rank, .. }
             | WorkerReport::Broken { rank, .. }
@@ -62,16 +75,29 @@ impl WorkerReport {
         }
     }
 
-    /// The line a worker prints for this report.
-    pub fn line(&self) -> String {
+    /// The line a worker of `generation` prints for this report.
+    pub fn line(&self, generation: u64) -> String {
         let body = serde_json::to_string(self).expect("a report always serialises");
-        format!("{REPORT_PREFIX}{body}")
+        format!("{REPORT_PREFIX}{generation} {body}")
     }
 
-    /// Parses a worker's line; `None` for lines that are not reports.
-    pub fn parse(line: &str) -> Option<Result<WorkerReport, String>> {
-        let body = line.strip_prefix(REPORT_PREFIX)?;
-        Some(serde_json::from_str(body).map_err(|e| format!("malformed report line {body:?}: {e}")))
+    /// Parses a worker's line into its generation and report; `None` for lines that are not
+    /// reports.
+    pub fn parse(line: &str) -> Option<Result<(u64, WorkerReport), String>> {
+        let rest = line.strip_prefix(REPORT_PREFIX)?;
+        let bad = |e: String| format!("malformed report line {rest:?}: {e}");
+        let Some((generation, body)) = rest.split_once(' ') else {
+            return Some(Err(bad("no generation before the report".into())));
+        };
+        let generation = match generation.parse::<u64>() {
+            Ok(g) => g,
+            Err(e) => return Some(Err(bad(format!("generation {generation:?}: {e}")))),
+        };
+        Some(
+            serde_json::from_str(body)
+                .map(|r| (generation, r))
+                .map_err(|e| bad(e.to_string())),
+        )
     }
 }
 
@@ -187,12 +213,6 @@ pub enum Event {
         pid: u32,
     },
     /// The survivors' state of committed `step` became a checkpoint.
-    Rescued {
-        step: u64,
-        ranks: Vec<u32>,
-        path: String,
-        duration_s: f64,
-    },
     Reconfig {
         generation: u64,
         lost_nodes: Vec<u32>,
@@ -201,8 +221,21 @@ pub enum Event {
         from_step: u64,
         replayed_steps: u64,
         detect_s: f64,
-        rescued: bool,
+        /// The survivors kept running and received the layers they lacked from replicas.
+        in_place: bool,
         checkpoint: Option<String>,
+        /// The pipelines before and after (node lists) and the fault tolerance left.
+        #[serde(default)]
+        old_pipelines: Vec<Vec<u32>>,
+        #[serde(default)]
+        new_pipelines: Vec<Vec<u32>>,
+        #[serde(default)]
+        fault_tolerance: u32,
+        /// Layer copies the new generation makes, and their bytes.
+        #[serde(default)]
+        copies: usize,
+        #[serde(default)]
+        copy_bytes: u64,
     },
     /// The first commit after a failure, with the recovery's phases (`detect_s`, `plan_s`, ...).
     Resumed {
@@ -210,6 +243,9 @@ pub enum Event {
         step: u64,
         since_failure_s: f64,
         phases: BTreeMap<String, f64>,
+        /// Bytes the layer copies moved into the new generation's ranks.
+        #[serde(default)]
+        copy_bytes: u64,
     },
     Checkpoint {
         step: u64,
@@ -253,15 +289,21 @@ mod tests {
             loss: 1.5,
             grad_norm: 0.25,
         };
-        let back = WorkerReport::parse(&r.line())
+        let back = WorkerReport::parse(&r.line(4))
             .expect("a report line")
             .expect("valid");
-        assert_eq!(back, r);
+        assert_eq!(back, (4, r));
         assert!(WorkerReport::parse("some log line").is_none());
         assert!(
-            WorkerReport::parse(&format!("{REPORT_PREFIX}{{\"report\":\"nope\"}}"))
+            WorkerReport::parse(&format!("{REPORT_PREFIX}4 {{\"report\":\"nope\"}}"))
                 .expect("a report line")
                 .is_err()
+        );
+        assert!(
+            WorkerReport::parse(&format!("{REPORT_PREFIX}{{\"report\":\"ready\"}}"))
+                .expect("a report line")
+                .is_err(),
+            "a report without its generation"
         );
     }
 

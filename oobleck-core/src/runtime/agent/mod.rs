@@ -5,8 +5,10 @@
 //! `exit_with_parent`) when its stdin closes.
 //!
 //! ```text
-//!  master ──Job, PlanAssignment, RendezvousList, StepCommitted, SaveState──► agent
+//!  master ──Job, PlanAssignment, RendezvousList, StepCommitted──► agent
 //!  agent  ──WorkerAssignment, ToWorker lines──► worker stdin
+//!           (after a failure, in place: Reassign to the workers that live, a fresh worker
+//!            for a device whose worker died)
 //!  worker stdout ──WorkerReport lines──► agent ──Message::Worker{node, generation, report}──► master
 //!  worker exit ──► agent ──Message::Worker{.., report: Exited}──► master
 //! ```
@@ -21,10 +23,10 @@ use tokio::sync::mpsc;
 
 use self::spawn::{spawn_worker, stop_workers, tell_all, Worker};
 use super::error::{Context, Result, RuntimeError};
-use super::pipe::{ranks_of_node, resolve, ToWorker, WorkerAssignment};
+use super::pipe::{ranks_of_node, resolve, StateSource, ToWorker, WorkerAssignment};
 use super::records::WorkerReport;
 use super::spec::JobConfig;
-use crate::elastic::protocol::{ExitStatus, Rendezvous};
+use crate::elastic::protocol::{ExitStatus, GenerationStart, Rendezvous};
 use crate::elastic::{Agent, ElasticError, Message, Token};
 use crate::planning::Plan;
 
@@ -67,8 +69,8 @@ impl std::fmt::Debug for AgentOptions {
 
 /// Things the agent's loop hears besides the master.
 pub(super) enum Local {
-    /// `(generation, rank, report)`: reports of an earlier generation's workers are dropped.
-    Report(u64, u32, std::result::Result<WorkerReport, String>),
+    /// `(device, (generation, report))`: reports of an earlier generation are dropped.
+    Report(u32, std::result::Result<(u64, WorkerReport), String>),
     StdinClosed,
 }
 
@@ -161,11 +163,10 @@ async fn register(master: std::net::SocketAddr, token: &Token, wait: Duration) -
     }
 }
 
-/// What the master said the job is: its run directory, settings and resumed checkpoint.
+/// What the master said the job is: its run directory and settings.
 struct Job {
     run_dir: PathBuf,
     config: JobConfig,
-    resume: Option<PathBuf>,
 }
 
 /// Whether the agent goes on after a master message.
@@ -249,12 +250,20 @@ impl NodeAgent {
             Local::StdinClosed => {
                 Err(self.error("the process that started this agent is gone".into()))
             }
-            Local::Report(g, _, _) if g != self.generation => Ok(()),
-            Local::Report(_, rank, r) => {
-                let report = r.map_err(|e| self.error(format!("worker rank {rank}: {e}")))?;
-                if report.rank() != rank || matches!(report, WorkerReport::Exited { .. }) {
+            Local::Report(device, r) => {
+                let (g, report) =
+                    r.map_err(|e| self.error(format!("worker of device {device}: {e}")))?;
+                if g != self.generation {
+                    return Ok(());
+                }
+                let rank = self
+                    .workers
+                    .iter()
+                    .find(|w| w.device == device)
+                    .map(|w| w.rank);
+                if rank != Some(report.rank()) || matches!(report, WorkerReport::Exited { .. }) {
                     return Err(self.error(format!(
-                        "worker rank {rank} sent {report:?}, which is not a report of its own"
+                        "the worker of device {device} (rank {rank:?}) sent {report:?}, which is not a report of its own"
                     )));
                 }
                 self.send_report(report)
@@ -296,17 +305,12 @@ impl NodeAgent {
 
     async fn on_message(&mut self, msg: Message) -> Result<Flow> {
         match msg {
-            Message::Job {
-                run_dir,
-                config,
-                resume,
-            } => self.on_job(run_dir, config, resume)?,
+            Message::Job { run_dir, config } => self.on_job(run_dir, config)?,
             Message::PlanAssignment {
                 generation,
                 plan,
-                nccl_unique_id,
-                ..
-            } => self.on_plan(generation, &plan, nccl_unique_id).await?,
+                start,
+            } => self.on_plan(generation, &plan, start).await?,
             Message::RendezvousList {
                 generation,
                 rendezvous,
@@ -314,11 +318,6 @@ impl NodeAgent {
             Message::StepCommitted { step, generation } if generation == self.generation => {
                 tell_all(self.node, &mut self.workers, &ToWorker::Commit { step }).await?;
             }
-            Message::SaveState {
-                generation,
-                step,
-                dir,
-            } if generation == self.generation => self.on_save_state(step, dir).await,
             Message::KillNode { node } if node == self.node => return Err(self.on_kill()),
             Message::Shutdown { reason } => {
                 tracing::info!(node = self.node, %reason, "shutdown");
@@ -331,56 +330,81 @@ impl NodeAgent {
         Ok(Flow::Continue)
     }
 
-    fn on_job(
-        &mut self,
-        run_dir: String,
-        config: serde_json::Value,
-        resume: Option<String>,
-    ) -> Result<()> {
+    fn on_job(&mut self, run_dir: String, config: serde_json::Value) -> Result<()> {
         let config: JobConfig = serde_json::from_value(config).ctx(
             "the master sent a job this agent cannot read (another version of the program?)",
         )?;
         self.job = Some(Job {
             run_dir: PathBuf::from(run_dir),
             config,
-            resume: resume.map(PathBuf::from),
         });
         Ok(())
     }
 
-    /// A new generation: this node's workers of the old one go at once (their step was not
-    /// committed; the new generation replays it), and nothing of theirs is reported any more;
-    /// then one worker per device of the plan on this node.
-    async fn on_plan(&mut self, g: u64, plan: &Plan, nccl_id: Option<Vec<u8>>) -> Result<()> {
+    /// A new generation. In place (`StateSource::Peers`), each living worker of this node
+    /// takes its device's new assignment and keeps its state; a device whose worker died gets
+    /// a fresh one, and workers of devices the plan no longer uses stop. Otherwise every
+    /// worker of the old generation goes at once (its step was not committed; the new
+    /// generation replays it), and nothing of theirs is reported any more.
+    async fn on_plan(&mut self, g: u64, plan: &Plan, start: GenerationStart) -> Result<()> {
         let (node, generation) = (self.node, self.generation);
         if g <= generation && !self.workers.is_empty() {
             return Err(self.error(format!(
                 "a plan of generation {g} arrived while generation {generation} runs"
             )));
         }
+        let Some(job) = &self.job else {
+            return Err(self.error("the master sent a plan before the job".into()));
+        };
+        let in_place = matches!(start.source, StateSource::Peers { .. });
+        let assignments: Vec<(u32, WorkerAssignment)> = ranks_of_node(plan, node)
+            .into_iter()
+            .map(|rank| {
+                let a = WorkerAssignment {
+                    generation: g,
+                    rank,
+                    node,
+                    plan: plan.clone(),
+                    host: self.host.clone(),
+                    run_dir: job.run_dir.clone(),
+                    job: job.config.clone(),
+                    nccl_id: start.nccl_unique_id.clone(),
+                    key: start.key.clone(),
+                    source: start.source.clone(),
+                };
+                (rank % plan.devices_per_node, a)
+            })
+            .collect();
+        let mut keep: Vec<Worker> = Vec::new();
+        if in_place {
+            let (kept, gone): (Vec<Worker>, Vec<Worker>) = std::mem::take(&mut self.workers)
+                .into_iter()
+                .partition(|w| assignments.iter().any(|(d, _)| *d == w.device));
+            keep = kept;
+            self.workers = gone;
+        }
         if !self.workers.is_empty() {
             tracing::info!(node, from = generation, to = g, "stopping workers");
             stop_workers(&mut self.workers, Duration::ZERO).await;
         }
         self.exited.clear();
-        let Some(job) = &self.job else {
-            return Err(self.error("the master sent a plan before the job".into()));
-        };
         self.generation = g;
-        for rank in ranks_of_node(plan, node) {
-            let a = WorkerAssignment {
-                generation: g,
-                rank,
-                node,
-                plan: plan.clone(),
-                host: self.host.clone(),
-                run_dir: job.run_dir.clone(),
-                job: job.config.clone(),
-                nccl_id: nccl_id.clone(),
-                resume: job.resume.clone(),
-            };
-            self.workers
-                .push(spawn_worker(&a, self.local_tx.clone()).await?);
+        for (device, a) in assignments {
+            match keep.iter().position(|w| w.device == device) {
+                Some(i) => {
+                    let mut w = keep.swap_remove(i);
+                    w.rank = a.rank;
+                    let next = ToWorker::Reassign {
+                        assignment: Box::new(a),
+                    };
+                    w.tell(node, &next).await?;
+                    self.workers.push(w);
+                }
+                None => {
+                    let w = spawn_worker(&a, device, self.local_tx.clone()).await?;
+                    self.workers.push(w);
+                }
+            }
         }
         Ok(())
     }
@@ -392,21 +416,6 @@ impl NodeAgent {
             &ToWorker::Rendezvous { rendezvous },
         )
         .await
-    }
-
-    /// Workers that already exited cannot answer; the master falls back to a checkpoint when
-    /// a state it asked for does not come.
-    async fn on_save_state(&mut self, step: u64, dir: String) {
-        let msg = ToWorker::SaveState {
-            step,
-            dir: PathBuf::from(dir),
-        };
-        let node = self.node;
-        for w in self.workers.iter_mut() {
-            if let Err(e) = w.tell(node, &msg).await {
-                tracing::warn!(node, error = %e, "asking for the state");
-            }
-        }
     }
 
     /// A failure injected for a demo or test: this node dies as a machine would, its workers

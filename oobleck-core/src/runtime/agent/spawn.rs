@@ -28,6 +28,9 @@ const ERROR_LINES: usize = 40;
 
 /// One running worker of this node.
 pub(super) struct Worker {
+    /// Its device on this node: the same across generations, while its rank may change.
+    pub(super) device: u32,
+    /// Its rank in the running generation.
     pub(super) rank: u32,
     pub(super) child: Child,
     /// The worker's stdin: its messages, and it exits when this closes.
@@ -79,10 +82,11 @@ pub(super) async fn tell_all(node: u32, workers: &mut [Worker], msg: &ToWorker) 
     Ok(())
 }
 
-/// Starts the worker of assignment `a`, hands it the assignment, and relays its reports to
-/// `reports` as [`Local::Report`].
+/// Starts the worker of assignment `a` on `device`, hands it the assignment, and relays its
+/// reports to `reports` as [`Local::Report`].
 pub(super) async fn spawn_worker(
     a: &WorkerAssignment,
+    device: u32,
     reports: mpsc::UnboundedSender<Local>,
 ) -> Result<Worker> {
     let exe = std::env::current_exe().ctx("locating this program's binary")?;
@@ -111,23 +115,24 @@ pub(super) async fn spawn_worker(
     let stdout = child.stdout.take().ctx("worker stdout")?;
     let line = json_line(a, "a worker's assignment")?;
     send_line(a.node, a.rank, &mut stdin, &line, "its assignment").await?;
-    let (rank, generation) = (a.rank, a.generation);
+    let rank = a.rank;
     // Relay the worker's reports; anything else it prints goes to our stderr.
     let relay = tokio::spawn(async move {
         let mut lines = BufReader::new(stdout).lines();
         while let Ok(Some(l)) = lines.next_line().await {
             match WorkerReport::parse(&l) {
                 Some(r) => {
-                    if reports.send(Local::Report(generation, rank, r)).is_err() {
+                    if reports.send(Local::Report(device, r)).is_err() {
                         break;
                     }
                 }
-                None => eprintln!("[rank {rank}] {l}"),
+                None => eprintln!("[device {device}] {l}"),
             }
         }
     });
     let errors = tokio::spawn(pass_stderr(stderr));
     Ok(Worker {
+        device,
         rank,
         child,
         stdin,

@@ -10,11 +10,14 @@ use super::agents::AgentSet;
 use super::assemble::{Assembled, Assembler};
 use super::rundir::RunFiles;
 use super::{next_input, plan_for, JobSummary, Observer};
-use crate::elastic::protocol::Rendezvous;
+use oobleck_comm::SecretKey;
+
+use crate::elastic::protocol::{GenerationStart, Rendezvous};
 use crate::elastic::{Master, Message};
 use crate::planning::{ModelProfile, Plan};
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::job::{Action, Input, JobMachine};
+use crate::runtime::pipe::StateSource;
 use crate::runtime::records::{Event, StepMetrics};
 use crate::runtime::spec::{DataPlane, JobConfig, TrainingSpec};
 
@@ -36,7 +39,7 @@ type Finished = (u64, BTreeMap<u32, String>, BTreeMap<u32, f64>);
 
 pub(super) struct Driver<'a> {
     p: Parts<'a>,
-    /// Checkpoints, evaluations and rescue writes running on blocking threads.
+    /// Checkpoints and evaluations running on blocking threads.
     background: Vec<JoinHandle<Input>>,
     /// This job's first and last loss.
     first_loss: Option<f64>,
@@ -146,7 +149,15 @@ impl<'a> Driver<'a> {
                 );
                 self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
             }
-            Action::Deploy { plan, resume } => self.deploy(&plan, resume).await?,
+            Action::Reconfigure {
+                plan,
+                holdings,
+                lost,
+            } => {
+                let r = crate::reconfig::decide_with(&plan, &holdings, &lost, &[]);
+                self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
+            }
+            Action::Deploy { plan, source } => self.deploy(&plan, source).await?,
             Action::Rendezvous {
                 generation,
                 rendezvous,
@@ -173,17 +184,6 @@ impl<'a> Driver<'a> {
                 if let Some(pid) = self.p.agents.fence(node).await {
                     self.p.files.event(&Event::Fenced { node, pid })?;
                 }
-            }
-            Action::SaveState {
-                nodes,
-                generation,
-                step,
-            } => self.save_state(nodes, generation, step).await,
-            Action::WriteRescue { step, states } => {
-                self.assemble(step, states, true, false, |a| match a {
-                    Ok(a) => Input::RescueWritten(Ok(shown(a.checkpoint))),
-                    Err(e) => Input::RescueWritten(Err(e.to_string())),
-                })
             }
             Action::Assemble {
                 step,
@@ -261,26 +261,6 @@ impl<'a> Driver<'a> {
         self.p.files.metrics(m, eval_due)
     }
 
-    /// Asks the workers on `nodes` for their state of committed `step`, under the run
-    /// directory (the nodes share it).
-    async fn save_state(&mut self, nodes: Vec<u32>, generation: u64, step: u64) {
-        let dir = self
-            .p
-            .out
-            .join("cluster")
-            .join(format!("rescue-g{generation}"));
-        for node in nodes {
-            let ask = Message::SaveState {
-                generation,
-                step,
-                dir: dir.display().to_string(),
-            };
-            if let Err(e) = self.p.master.send_to(node, ask).await {
-                self.unreachable(node, format!("the request for its state: {e}"));
-            }
-        }
-    }
-
     /// Assembles `states` on a blocking thread; `answer` turns the result into the input the
     /// machine gets when it is done.
     fn assemble(
@@ -297,13 +277,13 @@ impl<'a> Driver<'a> {
         }));
     }
 
-    /// Starts a generation: `plan.json`, then the job and the plan to every node of it.
-    async fn deploy(&mut self, plan: &Plan, resume: Option<String>) -> Result<()> {
+    /// Starts a generation: `plan.json`, then the job and the plan to every node of it, with
+    /// a fresh data-plane key (sent over the authenticated control plane only).
+    async fn deploy(&mut self, plan: &Plan, source: StateSource) -> Result<()> {
         self.p.files.plan(plan)?;
         let job = Message::Job {
             run_dir: self.p.out.display().to_string(),
             config: serde_json::to_value(&self.p.config).ctx("encoding the job")?,
-            resume,
         };
         let mut nodes: Vec<u32> = plan
             .pipelines
@@ -320,7 +300,15 @@ impl<'a> Driver<'a> {
         let unreachable = self
             .p
             .master
-            .assign_plan(plan, Vec::new(), nccl_unique_id(self.spec().data_plane)?)
+            .assign_plan(
+                plan,
+                GenerationStart {
+                    rendezvous: Vec::new(),
+                    nccl_unique_id: nccl_unique_id(self.spec().data_plane)?,
+                    key: SecretKey::random(),
+                    source,
+                },
+            )
             .await
             .ctx("assigning the plan")?;
         if let Some((node, e)) = unreachable.into_iter().next() {
@@ -420,9 +408,4 @@ fn nccl_unique_id(plane: DataPlane) -> Result<Option<Vec<u8>>> {
         ))
     })?;
     Ok(Some(id.0.to_vec()))
-}
-
-/// A written checkpoint's path, for the machine.
-fn shown(path: Option<PathBuf>) -> String {
-    path.map(|p| p.display().to_string()).unwrap_or_default()
 }

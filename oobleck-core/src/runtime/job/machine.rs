@@ -7,7 +7,9 @@ use std::time::Duration;
 use super::recovery::{Failure, Recovery};
 use super::{Action, Input, JobStart, Limits};
 use crate::planning::Plan;
+use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
+use crate::runtime::pipe::StateSource;
 use crate::runtime::pipe::{stage_leads, world_size};
 use crate::runtime::records::{Event, PipelineLayout, WorkerReport};
 use crate::runtime::spec::TrainingSpec;
@@ -54,6 +56,11 @@ pub(super) struct Generation {
     pub states: BTreeMap<u64, BTreeMap<u32, String>>,
     /// The rendezvous went out: the data plane formed.
     pub formed: bool,
+    /// Ranks that built their stage (`Formed`), and the slowest connect and copy among them.
+    pub built: BTreeSet<u32>,
+    pub connect_s: f64,
+    pub copy_s: f64,
+    pub copy_bytes: u64,
     /// Nodes lost and steps run when the generation started.
     pub lost_before: usize,
     pub steps_before: u64,
@@ -108,11 +115,15 @@ pub struct JobMachine {
     pub(super) timer: Option<super::recovery::Timer>,
     /// The failure that made planning lower `f`, while it does.
     pub(super) planning_error: Option<String>,
+    /// What each `(node, device)` holds of the committed step, as its workers said
+    /// (`Formed`) and lost since: what a recovery in place copies from.
+    pub(super) holdings: Holdings,
 }
 
 impl JobMachine {
     /// A job that waits for `spec.nodes` agents, starting at `start`. `now`: the time now.
     pub fn new(spec: TrainingSpec, start: JobStart, limits: Limits, now: Duration) -> JobMachine {
+        let spec_g = spec.devices_per_node;
         let injections = spec
             .inject_failures
             .iter()
@@ -140,6 +151,7 @@ impl JobMachine {
             join_deadline: now + limits.join,
             timer: None,
             planning_error: None,
+            holdings: Holdings::empty(spec_g),
         }
     }
 
@@ -208,7 +220,7 @@ impl JobMachine {
                 what: format!("the checkpoint or evaluation of step {step} failed"),
                 source: error.into(),
             }),
-            Input::RescueWritten(_) => {}
+            Input::Reconfigured(_) => {}
         }
     }
 
@@ -288,6 +300,7 @@ impl JobMachine {
     }
 
     fn on_node_lost(&mut self, now: Duration, node: u32, reason: String) {
+        self.holdings.drop_node(node);
         let first = self.lost.insert(node);
         if first {
             self.record(Event::Lost {
@@ -333,7 +346,31 @@ impl JobMachine {
         }
         plan.generation = self.generation;
         self.phase_done(now, "plan");
-        let nodes: Vec<u32> = self.nodes.iter().copied().collect();
+        let source = match self.resume.take() {
+            Some(path) => StateSource::Checkpoint { path: path.into() },
+            None if self.committed == 0 => StateSource::Init,
+            None => {
+                return self.fail(RuntimeError::Invalid(format!(
+                    "step {} is committed, but no checkpoint or replica holds it",
+                    self.committed
+                )))
+            }
+        };
+        self.deploy(now, plan, source);
+    }
+
+    /// Starts `plan`'s generation with its state from `source`. Workers started afresh
+    /// hold nothing until they say `Formed`.
+    pub(super) fn deploy(&mut self, _now: Duration, plan: Plan, source: StateSource) {
+        if !matches!(source, StateSource::Peers { .. }) {
+            self.holdings = Holdings::empty(plan.devices_per_node);
+        }
+        let nodes: Vec<u32> = plan
+            .nodes()
+            .into_iter()
+            .collect::<BTreeSet<u32>>()
+            .into_iter()
+            .collect();
         let world = world_size(&plan) as usize;
         // Stage leads, not one rank per node: a node may run several stages.
         let savers = stage_leads(&plan, 0);
@@ -352,7 +389,7 @@ impl JobMachine {
         });
         self.push(Action::Deploy {
             plan: Box::new(plan.clone()),
-            resume: self.resume.clone(),
+            source,
         });
         self.gen = Some(Generation {
             plan,
@@ -366,6 +403,10 @@ impl JobMachine {
             done: BTreeMap::new(),
             states: BTreeMap::new(),
             formed: false,
+            built: BTreeSet::new(),
+            connect_s: 0.0,
+            copy_s: 0.0,
+            copy_bytes: 0,
             lost_before: self.lost.len(),
             steps_before: self.steps_run,
         });
@@ -403,6 +444,17 @@ impl JobMachine {
                 grad_norm,
             } => self.on_step_ready(now, rank, step, loss, grad_norm),
             WorkerReport::Saved { rank, step, state } => self.on_state_saved(rank, step, state),
+            WorkerReport::Formed {
+                rank,
+                step,
+                layers,
+                connect_s,
+                copy_s,
+                copy_bytes,
+            } => {
+                self.on_formed(node, rank, layers);
+                self.on_built(now, rank, step, connect_s, copy_s, copy_bytes);
+            }
             WorkerReport::Broken { rank, step, error } => {
                 self.on_worker_broken(node, rank, step, error.clone());
                 self.node_failure(
@@ -462,6 +514,14 @@ impl JobMachine {
         });
     }
 
+    /// Book-keeping of a worker that built its stage, in any phase: from now on its device
+    /// holds `layers` of the committed step.
+    pub(super) fn on_formed(&mut self, node: u32, rank: u32, layers: Vec<usize>) {
+        let g = self.spec.devices_per_node;
+        self.holdings
+            .set(node, rank % g, layers.into_iter().collect());
+    }
+
     /// Book-keeping of an exited worker, in any phase.
     pub(super) fn on_worker_exited(
         &mut self,
@@ -473,6 +533,9 @@ impl JobMachine {
         if let Some(g) = self.gen.as_mut() {
             g.broken.remove(&rank);
             g.exited.insert(rank);
+            // Its state went with it.
+            let device = rank % g.plan.devices_per_node;
+            self.holdings.set(node, device, BTreeSet::new());
         }
         self.record(Event::WorkerExit {
             node,

@@ -17,10 +17,11 @@
 //!
 //! ```text
 //!  Forming ─► Planning ─► Rendezvous ─► Stepping ─► Finishing ─► Finished
-//!                ▲            │ failure      │ failure    │ failure
-//!                │            ▼              ▼            ▼
-//!                └──── Settling ─► (Rescuing ─► Writing) ─► next generation
-//!                          └──────────────────────────────► Failed (beyond what can recover)
+//!                             ▲  │ failure    │ failure    │ failure
+//!                             │  ▼            ▼            ▼
+//!                             └─ Settling ─► Deciding ─► next generation (in place, or
+//!                                   │                    from the newest checkpoint)
+//!                                   └──────────────────► Failed (beyond what can recover)
 //! ```
 
 mod machine;
@@ -35,22 +36,23 @@ use std::time::Duration;
 pub use machine::JobMachine;
 
 use super::error::RuntimeError;
+use super::pipe::StateSource;
 use super::records::{Event, WorkerReport};
 use crate::elastic::protocol::Rendezvous;
 use crate::planning::Plan;
+use crate::reconfig::{Holdings, ReconfigPlan};
 
 /// The bounds of every wait the job makes, so nothing hangs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
-    /// After a failure, how long further losses it caused are collected before replanning.
+    /// After a failure, the least time further losses it caused are collected before the
+    /// decision (0: decide as soon as every rank's state is known).
     pub settle: Duration,
     /// ...and, where the driver started the agents, the most it waits for each dead agent's
     /// node to be reported lost.
     pub loss_wait: Duration,
     /// ...and the most it waits for every rank on a surviving node to stop its step.
     pub ranks_wait: Duration,
-    /// How long the survivors of a failure get to write their committed state.
-    pub rescue_wait: Duration,
     /// The longest the job may go without any report before it is declared stuck (covers
     /// model build and data-plane setup before step 1).
     pub stall: Duration,
@@ -63,10 +65,9 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            settle: Duration::from_secs(1),
+            settle: Duration::ZERO,
             loss_wait: Duration::from_secs(15),
             ranks_wait: Duration::from_secs(60),
-            rescue_wait: Duration::from_secs(30),
             stall: Duration::from_secs(180),
             join: Duration::from_secs(60),
             max_fruitless_recoveries: 3,
@@ -138,8 +139,8 @@ pub enum Input {
         step: u64,
         error: String,
     },
-    /// The answer to [`Action::WriteRescue`]: the checkpoint written, or why not.
-    RescueWritten(Result<String, String>),
+    /// The answer to [`Action::Reconfigure`].
+    Reconfigured(Result<ReconfigPlan, String>),
 }
 
 /// What the machine asks the driver to do, in order.
@@ -156,11 +157,19 @@ pub enum Action {
         fault_threshold: u32,
         pinned: Option<Vec<u32>>,
     },
-    /// Start the plan's generation: record it in `plan.json`, send the job (with the
-    /// checkpoint to resume from, if any) and the plan to its nodes.
+    /// Decide the next generation after losing `lost` from `plan`'s nodes, the devices
+    /// holding `holdings` ([`crate::reconfig::decide_with`]); answer with
+    /// [`Input::Reconfigured`].
+    Reconfigure {
+        plan: Box<Plan>,
+        holdings: Holdings,
+        lost: Vec<u32>,
+    },
+    /// Start the plan's generation: record it in `plan.json`, send the job and the plan (with
+    /// a fresh data-plane key and where the state comes from) to its nodes.
     Deploy {
         plan: Box<Plan>,
-        resume: Option<String>,
+        source: StateSource,
     },
     /// Tell every node where each rank of `generation` listens.
     Rendezvous {
@@ -182,18 +191,6 @@ pub enum Action {
     KillNode { node: u32 },
     /// `node` is lost for good; if its processes still run here, kill them.
     Fence { node: u32 },
-    /// Ask the workers of `generation` on `nodes` for their state of committed `step`.
-    SaveState {
-        nodes: Vec<u32>,
-        generation: u64,
-        step: u64,
-    },
-    /// Turn the survivors' states (rank -> file) into the checkpoint of `step`; answer with
-    /// [`Input::RescueWritten`].
-    WriteRescue {
-        step: u64,
-        states: BTreeMap<u32, String>,
-    },
     /// Turn pipeline 0's states after `step` into a checkpoint and/or an evaluation; answer
     /// with [`Input::Assembled`] or [`Input::AssemblyFailed`].
     Assemble {

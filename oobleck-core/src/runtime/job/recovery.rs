@@ -1,14 +1,17 @@
 //! Recovery (DESIGN.md section 5): after a failure the machine settles (collects every loss
-//! the failure caused), then goes on from the survivors' committed state when one whole
-//! pipeline of them still holds it (no step lost), else from the newest checkpoint.
+//! the failure caused, until every rank's state is known), asks for the pure decision
+//! (`reconfig::decide_with` from what the devices hold), and goes on **in place** when every
+//! layer still has a holder: the survivors keep running and receive the layers they lack from
+//! replicas, so no step is lost. Beyond that, from the newest checkpoint.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::{Action, Input};
+use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::pipe::stage_leads;
+use crate::runtime::pipe::StateSource;
 use crate::runtime::records::{Event, WorkerReport};
 
 /// The failure being recovered from.
@@ -37,31 +40,19 @@ pub(super) struct Timer {
     pub mark: Duration,
     /// `"<phase>_s"` -> seconds.
     pub phases: BTreeMap<String, f64>,
+    /// Bytes the layer copies moved.
+    pub copy_bytes: u64,
+    /// The reconfiguration in words, for the progress line of the first commit after it.
+    pub summary: String,
 }
 
 /// Where a recovery stands.
 #[derive(Debug)]
 pub(super) enum Recovery {
-    /// Collecting the losses a failure caused.
+    /// Collecting the losses a failure caused, until every rank's state is known.
     Settling { failure: Failure },
-    /// Waiting for the survivors (`savers`) to write their state of the committed step.
-    Rescuing {
-        rescue: Rescue,
-        states: BTreeMap<u32, String>,
-        deadline: Duration,
-    },
-    /// Waiting for the survivors' states to become a checkpoint.
-    Writing { rescue: Rescue },
-}
-
-#[derive(Debug)]
-pub(super) struct Rescue {
-    failure: Failure,
-    detect_s: f64,
-    savers: Vec<u32>,
-    /// The nodes the savers run on.
-    nodes: BTreeSet<u32>,
-    started: Duration,
+    /// Waiting for [`Input::Reconfigured`]: the pure decision of the next generation.
+    Deciding { failure: Failure, detect_s: f64 },
 }
 
 impl JobMachine {
@@ -81,8 +72,11 @@ impl JobMachine {
             failed: now,
             mark: now,
             phases: BTreeMap::new(),
+            copy_bytes: 0,
+            summary: String::new(),
         });
         self.phase = Phase::Recovering(Recovery::Settling { failure });
+        self.recovery_tick(now);
     }
 
     /// Ends the current phase of a recovery under way (nothing otherwise).
@@ -106,27 +100,20 @@ impl JobMachine {
                 if self.lost.insert(node) {
                     self.record(Event::Lost { node, reason });
                 }
-                if self.rescue_nodes().is_some_and(|n| n.contains(&node)) {
-                    return self.fall_back(now);
-                }
+                self.holdings.drop_node(node);
             }
             Input::AgentExited { .. } => self.dead_agents += 1,
             Input::Worker {
                 node,
                 generation,
                 report,
-            } if generation == self.generation => self.survivor_report(now, node, report),
+            } if generation == self.generation => self.survivor_report(node, report),
             Input::Worker { .. } => {}
             Input::KillRequested { node } => {
                 self.record(Event::KillRequested { node });
                 self.push(Action::KillNode { node });
             }
-            Input::Unreachable { node, what } => {
-                if self.rescue_nodes().is_some_and(|n| n.contains(&node)) {
-                    self.note(format!("node {node} did not get {what}"));
-                    return self.fall_back(now);
-                }
-            }
+            Input::Unreachable { .. } => {}
             Input::Assembled {
                 step,
                 checkpoint,
@@ -139,21 +126,13 @@ impl JobMachine {
                     "the checkpoint or evaluation of step {step} failed: {error}"
                 ));
             }
-            Input::RescueWritten(result) => return self.on_rescue_written(now, result),
+            Input::Reconfigured(result) => return self.on_reconfigured(now, result),
         }
         self.recovery_tick(now);
     }
 
-    fn rescue_nodes(&self) -> Option<&BTreeSet<u32>> {
-        match &self.phase {
-            Phase::Recovering(Recovery::Rescuing { rescue, .. })
-            | Phase::Recovering(Recovery::Writing { rescue }) => Some(&rescue.nodes),
-            _ => None,
-        }
-    }
-
     /// A report of the failed generation's workers while recovering.
-    fn survivor_report(&mut self, now: Duration, node: u32, report: WorkerReport) {
+    fn survivor_report(&mut self, node: u32, report: WorkerReport) {
         match report {
             WorkerReport::Broken { rank, step, error } => {
                 self.on_worker_broken(node, rank, step, error)
@@ -163,6 +142,7 @@ impl JobMachine {
                 status,
                 error,
             } => self.on_worker_exited(node, rank, status, error),
+            WorkerReport::Formed { rank, layers, .. } => self.on_formed(node, rank, layers),
             // Ready for the open step: it holds the last committed state and waits.
             WorkerReport::Ready {
                 rank,
@@ -174,62 +154,24 @@ impl JobMachine {
                     g.ready.insert(rank, (loss, grad_norm));
                 }
             }
-            WorkerReport::Saved { rank, step, state } if step == self.committed => {
-                if let Phase::Recovering(Recovery::Rescuing { rescue, states, .. }) =
-                    &mut self.phase
-                {
-                    if rescue.savers.contains(&rank) {
-                        states.insert(rank, state);
-                    }
-                }
-                let _ = now;
-            }
             _ => {}
         }
     }
 
-    /// Moves the recovery on when what it waits for is in, or its time is up.
+    /// Moves the recovery on once every loss the failure caused is known.
     fn recovery_tick(&mut self, now: Duration) {
-        let Phase::Recovering(r) = &self.phase else {
-            return;
-        };
-        match r {
-            Recovery::Settling { failure } => {
-                if self.settled(now, failure) {
-                    let failure = failure.clone();
-                    self.end_settle(now, failure);
-                }
+        if let Phase::Recovering(Recovery::Settling { failure }) = &self.phase {
+            if self.settled(now, failure) {
+                let failure = failure.clone();
+                self.end_settle(now, failure);
             }
-            Recovery::Rescuing {
-                rescue,
-                states,
-                deadline,
-            } => {
-                if states.len() == rescue.savers.len() {
-                    let states = states.clone();
-                    let step = self.committed;
-                    let Phase::Recovering(Recovery::Rescuing { rescue, .. }) =
-                        std::mem::replace(&mut self.phase, Phase::Failed)
-                    else {
-                        unreachable!("matched above")
-                    };
-                    self.phase = Phase::Recovering(Recovery::Writing { rescue });
-                    self.push(Action::WriteRescue { step, states });
-                } else if now >= *deadline {
-                    let (savers, wait) = (rescue.savers.clone(), self.limits.rescue_wait);
-                    self.note(format!(
-                        "the survivors' state (ranks {savers:?}) did not come in {wait:?}"
-                    ));
-                    self.fall_back(now);
-                }
-            }
-            Recovery::Writing { .. } => {}
         }
     }
 
-    /// Every loss the failure caused is known: the settle time passed, every agent the
-    /// driver saw die is a lost node (or the wait for that ran out), and every rank on a node
-    /// still up stopped its step (or that wait ran out); no checkpoint is still being written.
+    /// Every loss the failure caused is known: every agent the driver saw die is a lost node
+    /// (or the wait for that ran out), and every rank on a node still up stopped its step (or
+    /// that wait ran out); no checkpoint is still being written. No fixed sleep: a crash is
+    /// acted on as soon as the reports are in.
     fn settled(&self, now: Duration, failure: &Failure) -> bool {
         let l = &self.limits;
         let t0 = failure.detected;
@@ -252,134 +194,168 @@ impl JobMachine {
             && assembled
     }
 
-    /// The failure settled: fence the lost nodes, then rescue or fall back.
+    /// The failure settled: fence the lost nodes and ask for the decision.
     fn end_settle(&mut self, now: Duration, failure: Failure) {
-        let gen_nodes = self
-            .gen
-            .as_ref()
-            .map(|g| g.nodes.clone())
-            .unwrap_or_default();
-        let fenced: Vec<u32> = gen_nodes
-            .into_iter()
+        let Some(g) = self.gen.as_ref() else {
+            return self.fail(RuntimeError::NodeFailure {
+                what: failure.reason,
+            });
+        };
+        let plan = g.plan.clone();
+        let lost: Vec<u32> = g
+            .nodes
+            .iter()
+            .copied()
             .filter(|n| self.lost.contains(n))
             .collect();
-        for node in fenced {
+        // A rank of a surviving node that never said it stopped (it hangs) holds nothing
+        // anyone can count on.
+        let silent: Vec<(u32, u32)> = (0..g.world as u32)
+            .filter(|r| {
+                !g.broken.contains_key(r) && !g.ready.contains_key(r) && !g.exited.contains(r)
+            })
+            .filter_map(|r| Some((g.node_of(r)?, r % plan.devices_per_node)))
+            .collect();
+        for &node in &lost {
             self.push(Action::Fence { node });
+        }
+        for (node, device) in silent {
+            self.holdings.set(node, device, BTreeSet::new());
         }
         self.push(Action::ReleaseHeld);
         let detect_s = now.saturating_sub(failure.detected).as_secs_f64();
         self.phase_done(now, "detect");
-        let step = self.committed;
-        if step > 0 {
-            if let Some((path, _)) = self.newest.clone().filter(|n| n.1 == step) {
-                return self.go_on(now, &failure, detect_s, Some((path, step)), true);
-            }
-            if let Some(savers) = self.holders(step) {
-                let g = self.gen.as_ref().expect("a failed generation");
-                let nodes: BTreeSet<u32> = savers.iter().filter_map(|&r| g.node_of(r)).collect();
-                self.push(Action::SaveState {
-                    nodes: nodes.iter().copied().collect(),
-                    generation: self.generation,
-                    step,
-                });
-                self.phase = Phase::Recovering(Recovery::Rescuing {
-                    rescue: Rescue {
-                        failure,
-                        detect_s,
-                        savers,
-                        nodes,
-                        started: now,
-                    },
-                    states: BTreeMap::new(),
-                    deadline: now + self.limits.rescue_wait,
-                });
-                return;
-            }
-        }
-        let newest = self.newest.clone();
-        self.go_on(now, &failure, detect_s, newest, false);
+        self.push(Action::Reconfigure {
+            plan: Box::new(plan),
+            holdings: self.holdings.clone(),
+            lost,
+        });
+        self.phase = Phase::Recovering(Recovery::Deciding { failure, detect_s });
     }
 
-    /// The stage leads (device 0 of every stage) of the first pipeline whose every saver is alive
-    /// and holds committed `step`: broken at that step, or ready for the next one.
-    fn holders(&self, step: u64) -> Option<Vec<u32>> {
-        let g = self.gen.as_ref()?;
-        let alive = |r: u32| g.node_of(r).is_some_and(|n| !self.lost.contains(&n));
-        let holds = |r: &u32| {
-            alive(*r)
-                && (g.broken.get(r).is_some_and(|(_, s)| *s == step) || g.ready.contains_key(r))
-        };
-        (0..g.plan.pipelines.len())
-            .map(|i| stage_leads(&g.plan, i))
-            .find(|leads| leads.iter().all(holds))
-    }
-
-    fn on_rescue_written(&mut self, now: Duration, result: Result<String, String>) {
-        let Phase::Recovering(Recovery::Writing { rescue }) =
+    /// The decision is in: go on in place when every layer still has a holder, else from the
+    /// newest checkpoint (or from step 0, which initialisation makes deterministic).
+    fn on_reconfigured(&mut self, now: Duration, result: Result<ReconfigPlan, String>) {
+        let Phase::Recovering(Recovery::Deciding { failure, detect_s }) =
             std::mem::replace(&mut self.phase, Phase::Failed)
         else {
-            return;
+            self.phase = Phase::Failed;
+            return self.fail(RuntimeError::Invalid(
+                "a reconfiguration decision arrived while none was asked for".into(),
+            ));
         };
-        let step = self.committed;
-        match result {
-            Ok(path) => {
-                self.record(Event::Rescued {
-                    step,
-                    ranks: rescue.savers.clone(),
-                    path: path.clone(),
-                    duration_s: now.saturating_sub(rescue.started).as_secs_f64(),
-                });
-                self.newest = Some((path.clone(), step));
-                self.go_on(
-                    now,
-                    &rescue.failure,
-                    rescue.detect_s,
-                    Some((path, step)),
-                    true,
-                );
-            }
+        self.phase_done(now, "decide");
+        let r = match result {
+            Ok(r) => r,
             Err(e) => {
-                self.note(format!("writing the survivors' state failed: {e}"));
+                self.note(format!("no reconfiguration fits the nodes left: {e}"));
                 let newest = self.newest.clone();
-                self.go_on(now, &rescue.failure, rescue.detect_s, newest, false);
-            }
-        }
-    }
-
-    /// The rescue cannot happen: go on from the newest checkpoint.
-    fn fall_back(&mut self, now: Duration) {
-        let (failure, detect_s) = match std::mem::replace(&mut self.phase, Phase::Failed) {
-            Phase::Recovering(Recovery::Rescuing { rescue, .. })
-            | Phase::Recovering(Recovery::Writing { rescue }) => (rescue.failure, rescue.detect_s),
-            other => {
-                self.phase = other;
-                return;
+                return self.go_on_planned(now, &failure, detect_s, newest);
             }
         };
-        let newest = self.newest.clone();
-        self.go_on(now, &failure, detect_s, newest, false);
+        let in_place = r.missing_layers.is_empty() && self.committed > 0;
+        let from = if in_place {
+            None
+        } else {
+            if !r.missing_layers.is_empty() {
+                self.note(format!(
+                    "layers {:?} lost every replica; going back to the newest checkpoint",
+                    r.missing_layers
+                ));
+            }
+            self.newest.clone()
+        };
+        self.start_next(now, &failure, detect_s, r, from, in_place);
     }
 
-    /// Starts the next generation on the nodes left, from `from` (a checkpoint and its step;
-    /// `None`: step 0, since initialisation is deterministic).
-    fn go_on(
+    /// Starts the next generation on `r.plan`: in place from the survivors, or from `from` (a
+    /// checkpoint and its step; `None` and not in place: step 0).
+    fn start_next(
+        &mut self,
+        now: Duration,
+        failure: &Failure,
+        detect_s: f64,
+        r: ReconfigPlan,
+        from: Option<(String, u64)>,
+        in_place: bool,
+    ) {
+        let old_plan = self.gen.take().map(|g| g.plan);
+        let lost: Vec<u32> = old_plan
+            .iter()
+            .flat_map(|p| p.nodes())
+            .filter(|n| self.lost.contains(n))
+            .collect::<BTreeSet<u32>>()
+            .into_iter()
+            .collect();
+        let old: Vec<Vec<u32>> = old_plan
+            .iter()
+            .flat_map(|p| p.pipelines.iter().map(|q| q.nodes.clone()))
+            .collect();
+        let from_step = if in_place {
+            self.committed
+        } else {
+            from.as_ref().map_or(0, |f| f.1)
+        };
+        let source = match (&from, in_place) {
+            (_, true) => StateSource::Peers {
+                step: from_step,
+                copies: r.copies.clone(),
+            },
+            (Some((path, _)), false) => StateSource::Checkpoint { path: path.into() },
+            (None, false) => StateSource::Init,
+        };
+        let replayed = failure.failed_at.saturating_sub(from_step);
+        let left: Vec<u32> = self
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| !self.lost.contains(n))
+            .collect();
+        let new: Vec<Vec<u32>> = r.plan.pipelines.iter().map(|p| p.nodes.clone()).collect();
+        self.push(Action::TruncateMetrics { after: from_step });
+        self.committed = from_step;
+        self.record(Event::Reconfig {
+            generation: self.generation + 1,
+            lost_nodes: lost.clone(),
+            nodes: left.clone(),
+            failed_in_step: failure.failed_at + 1,
+            from_step,
+            replayed_steps: replayed,
+            detect_s,
+            in_place,
+            checkpoint: from.as_ref().map(|f| f.0.clone()),
+            old_pipelines: old.clone(),
+            new_pipelines: new.clone(),
+            fault_tolerance: r.fault_tolerance,
+            copies: if in_place { r.copies.len() } else { 0 },
+            copy_bytes: if in_place { r.copy_bytes() } else { 0 },
+        });
+        let summary = summary(&r, &old, &lost, failure, in_place, from_step, replayed);
+        self.note(format!("generation {}: {summary}", self.generation + 1));
+        if let Some(t) = self.timer.as_mut() {
+            t.summary = summary;
+        }
+        self.generation += 1;
+        self.nodes = left.into_iter().collect();
+        let mut plan = r.plan;
+        plan.generation = self.generation;
+        self.deploy(now, plan, source);
+    }
+
+    /// No decision fits (the planner may still find a plan with a lower `f`): the next
+    /// generation is planned from scratch on the nodes left, from `from`.
+    fn go_on_planned(
         &mut self,
         now: Duration,
         failure: &Failure,
         detect_s: f64,
         from: Option<(String, u64)>,
-        rescued: bool,
     ) {
         let gen_nodes = self.gen.take().map(|g| g.nodes).unwrap_or_default();
         let left: Vec<u32> = gen_nodes
             .iter()
             .copied()
             .filter(|n| !self.lost.contains(n))
-            .collect();
-        let lost: Vec<u32> = gen_nodes
-            .iter()
-            .copied()
-            .filter(|n| self.lost.contains(n))
             .collect();
         if left.is_empty() {
             let newest = match &from {
@@ -392,39 +368,76 @@ impl JobMachine {
             });
         }
         let from_step = from.as_ref().map_or(0, |f| f.1);
-        self.phase_done(now, if rescued { "rescue" } else { "checkpoint" });
         self.push(Action::TruncateMetrics { after: from_step });
         self.committed = from_step;
-        let replayed = failure.failed_at.saturating_sub(from_step);
+        let lost: Vec<u32> = gen_nodes
+            .into_iter()
+            .filter(|n| self.lost.contains(n))
+            .collect();
         self.record(Event::Reconfig {
             generation: self.generation + 1,
-            lost_nodes: lost.clone(),
+            lost_nodes: lost,
             nodes: left.clone(),
             failed_in_step: failure.failed_at + 1,
             from_step,
-            replayed_steps: replayed,
+            replayed_steps: failure.failed_at.saturating_sub(from_step),
             detect_s,
-            rescued,
+            in_place: false,
             checkpoint: from.as_ref().map(|f| f.0.clone()),
+            old_pipelines: Vec::new(),
+            new_pipelines: Vec::new(),
+            fault_tolerance: 0,
+            copies: 0,
+            copy_bytes: 0,
         });
-        self.note(format!(
-            "generation {}: {} node(s) left{}, {}",
-            self.generation + 1,
-            left.len(),
-            if lost.is_empty() {
-                String::new()
-            } else {
-                format!(" (lost {lost:?})")
-            },
-            if rescued {
-                format!("resuming at step {from_step} from the surviving replicas (no step lost)")
-            } else {
-                format!("replaying from step {from_step} ({replayed} step(s) lost)")
-            }
-        ));
+        let _ = now;
         self.generation += 1;
         self.resume = from.map(|f| f.0);
         self.nodes = left.into_iter().collect();
         self.plan_next(self.spec.fault_threshold);
     }
+}
+
+/// The progress line of a reconfiguration: "node 3 lost at step 41: 3 pipelines -> 2
+/// (templates 2+1 nodes), 5 layer copies (38.0 MB), tolerates 1 more failure".
+fn summary(
+    r: &ReconfigPlan,
+    old: &[Vec<u32>],
+    lost: &[u32],
+    failure: &Failure,
+    in_place: bool,
+    from_step: u64,
+    replayed: u64,
+) -> String {
+    let lost = match lost {
+        [] => "a worker failed".to_string(),
+        [n] => format!("node {n} lost"),
+        many => format!("nodes {many:?} lost"),
+    };
+    let templates: Vec<String> = r
+        .plan
+        .pipelines
+        .iter()
+        .map(|p| p.nodes.len().to_string())
+        .collect();
+    let how = if in_place {
+        format!(
+            "in place at step {from_step}, {} layer copies ({:.1} MB), no step lost",
+            r.copies.len(),
+            r.copy_bytes() as f64 / 1e6
+        )
+    } else {
+        format!("replaying from step {from_step} ({replayed} step(s) lost)")
+    };
+    let more = match r.fault_tolerance {
+        1 => "tolerates 1 more failure".to_string(),
+        n => format!("tolerates {n} more failures"),
+    };
+    format!(
+        "{lost} at step {}: {} pipelines -> {} (templates {} nodes), {how}, {more}",
+        failure.failed_at,
+        old.len(),
+        r.plan.pipelines.len(),
+        templates.join("+"),
+    )
 }

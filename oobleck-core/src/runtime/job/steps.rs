@@ -50,13 +50,56 @@ impl JobMachine {
             generation,
             rendezvous,
         });
-        // Workers started and listening; next they load their state and connect.
-        self.phase_done(now, "spawn");
+        // Workers started or reassigned, and listening; next they connect and load or copy
+        // their state.
+        self.phase_done(now, "restart");
         self.phase = if self.committed >= self.spec.steps {
             Phase::Finishing
         } else {
             Phase::Stepping
         };
+    }
+
+    /// A rank built its stage of the generation. Once all have, the copies are done.
+    pub(super) fn on_built(
+        &mut self,
+        now: Duration,
+        rank: u32,
+        step: u64,
+        connect_s: f64,
+        copy_s: f64,
+        copy_bytes: u64,
+    ) {
+        if step != self.committed {
+            let committed = self.committed;
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!("built its stage at step {step}, the job is at step {committed}"),
+            });
+        }
+        let Some(g) = self.gen.as_mut() else { return };
+        g.built.insert(rank);
+        g.connect_s = g.connect_s.max(connect_s);
+        g.copy_s = g.copy_s.max(copy_s);
+        g.copy_bytes += copy_bytes;
+        if g.built.len() < g.world {
+            return;
+        }
+        let (connect_s, copy_s, bytes) = (g.connect_s, g.copy_s, g.copy_bytes);
+        self.phase_done(now, "connect_copy");
+        if let Some(t) = self.timer.as_mut() {
+            t.phases.insert("connect_max_s".into(), connect_s);
+            t.phases.insert("copy_max_s".into(), copy_s);
+            t.copy_bytes = bytes;
+            if bytes > 0 {
+                t.summary = format!(
+                    "{} (copied {:.1} MB in {copy_s:.2} s, {:.2} GB/s)",
+                    t.summary,
+                    bytes as f64 / 1e6,
+                    bytes as f64 / 1e9 / copy_s.max(1e-9)
+                );
+            }
+        }
     }
 
     pub(super) fn on_step_ready(
@@ -105,13 +148,19 @@ impl JobMachine {
         });
         self.committed = step;
         self.steps_run += 1;
-        self.phase_done(now, "load_connect_first_step");
+        self.phase_done(now, "first_step");
         if let Some(t) = self.timer.take() {
+            let since = now.saturating_sub(t.failed).as_secs_f64();
+            self.note(format!(
+                "recovered: {} step {step} committed {since:.2} s after the failure",
+                t.summary
+            ));
             self.record(Event::Resumed {
                 generation: self.generation,
                 step,
-                since_failure_s: now.saturating_sub(t.failed).as_secs_f64(),
+                since_failure_s: since,
                 phases: t.phases,
+                copy_bytes: t.copy_bytes,
             });
         }
         while let Some(i) = self.injections.iter().position(|&(_, at)| at == step) {

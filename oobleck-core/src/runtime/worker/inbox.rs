@@ -24,6 +24,8 @@ const ORPHANED: i32 = 3;
 pub(super) struct Inbox {
     rank: u32,
     rx: mpsc::Receiver<Result<ToWorker>>,
+    /// A message read too early, handed out again first.
+    unread: std::cell::RefCell<Option<ToWorker>>,
 }
 
 impl Inbox {
@@ -42,11 +44,21 @@ impl Inbox {
             })?
             .ctx("reading the assignment from stdin")?;
         let a = serde_json::from_str(line.trim()).ctx("parsing the assignment from stdin")?;
-        Ok((a, Inbox { rank, rx }))
+        Ok((
+            a,
+            Inbox {
+                rank,
+                rx,
+                unread: Default::default(),
+            },
+        ))
     }
 
     /// The next message from the agent, waiting at most `timeout`.
     pub(super) fn next(&self, timeout: Duration, waiting_for: &str) -> Result<ToWorker> {
+        if let Some(m) = self.unread.borrow_mut().take() {
+            return Ok(m);
+        }
         match self.rx.recv_timeout(timeout) {
             Ok(m) => m,
             Err(mpsc::RecvTimeoutError::Timeout) => Err(protocol(
@@ -57,6 +69,11 @@ impl Inbox {
                 Err(protocol(self.rank, "the agent's stdin closed".into()))
             }
         }
+    }
+
+    /// Hands `m` out again on the next [`Inbox::next`].
+    pub(super) fn unread(&self, m: ToWorker) {
+        *self.unread.borrow_mut() = Some(m);
     }
 }
 
@@ -90,9 +107,9 @@ fn read_stdin(
     std::process::exit(ORPHANED);
 }
 
-/// Writes `r` on stdout for the agent.
-pub(super) fn report(r: &WorkerReport) -> Result<()> {
+/// Writes `r`, a report of a worker of `generation`, on stdout for the agent.
+pub(super) fn report(generation: u64, r: &WorkerReport) -> Result<()> {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", r.line()).ctx("writing a report to stdout")?;
+    writeln!(out, "{}", r.line(generation)).ctx("writing a report to stdout")?;
     out.flush().ctx("flushing stdout")
 }

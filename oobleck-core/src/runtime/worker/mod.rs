@@ -1,36 +1,40 @@
 //! The worker: one device's process of a job (`OOBLECK_ROLE=worker`, always a child of its
-//! node's agent). It trains its stage of the user's [`Workload`] in one generation:
+//! node's agent). It trains its stage of the user's [`Workload`], generation after
+//! generation, in the same process:
 //!
 //! ```text
 //!  stdin: WorkerAssignment ──► bind the data-plane port ──► Listening
-//!                              check the plan against the job, build the stage
-//!                              (initial parameters, or the resumed checkpoint)
-//!                              Rendezvous ──► connect the communicators
-//!                              per step: 1F1B iteration + gradient sync ──► Ready
-//!                                        wait for Commit ──► optimizer step
-//!                                        (periodic state ──► Saved)
-//!                              all steps ──► Done    a failed step ──► Broken, then
-//!                                                     answer SaveState until stopped
+//!    ┌─────────────────────►  check the plan against the job; Rendezvous ──► connect the
+//!    │                        data plane (proving the generation's key)
+//!    │                        state: Init | Checkpoint | Peers (keep what it holds of the
+//!    │                        committed step, receive the layers it lacks) ──► Formed
+//!    │                        per step: 1F1B iteration + gradient sync ──► Ready
+//!    │                                  wait for Commit ──► optimizer step
+//!    │                                  (periodic state ──► Saved)
+//!    │                        all steps ──► Done      a failed step ──► Broken, holding
+//!    │                                                 the committed step's state
+//!    └──── Reassign (the next generation's assignment), while Broken or waiting for a commit
 //! ```
 //!
-//! Today each generation starts fresh worker processes, so a worker runs exactly one
-//! generation ([`run_worker`] says where keeping workers alive across reconfigurations would
-//! plug in). A worker exits when its stdin closes (its agent is gone).
+//! A worker exits when its stdin closes (its agent is gone), after `Done`, or when no word
+//! comes after a failure.
 
 mod inbox;
+mod state;
 mod steps;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 
 use self::inbox::{report, Inbox};
+use self::state::{exchange, CopyStats, Held};
 use super::error::{Context, Result, RuntimeError};
-use super::pipe::{resolve, ToWorker, WorkerAssignment};
+use super::pipe::{resolve, StateSource, ToWorker, WorkerAssignment};
 use super::records::WorkerReport;
 use super::spec::{Factory, Workload};
 use crate::checkpoint::load_checkpoint;
@@ -69,33 +73,64 @@ fn protocol(rank: u32, what: String) -> RuntimeError {
     }
 }
 
+/// How a generation ended for this worker.
+enum Flow {
+    /// Every step is applied and reported: the job is over.
+    Done,
+    /// The next generation, with the state of the committed step this worker holds.
+    Next(Box<WorkerAssignment>, Held),
+}
+
 /// Runs worker `rank` of a job: reads its assignment from stdin, builds the workload with
-/// `factory` from the job's workload settings, and trains its generation. Returns once its
+/// `factory` from the job's workload settings, and trains its generations. Returns once its
 /// last step is applied and reported.
-///
-/// Every generation starts fresh worker processes today, so a worker runs exactly one. Workers
-/// kept alive across reconfigurations would loop here: read the next generation's assignment,
-/// bind, and `Generation::form` it from what this worker holds, with the same workload.
 pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
-    let (a, inbox) = Inbox::start(rank)?;
-    if a.rank != rank {
+    let (first, inbox) = Inbox::start(rank)?;
+    if first.rank != rank {
         return Err(protocol(
             rank,
             format!(
                 "assignment is for rank {}, this worker was started as rank {rank}",
-                a.rank
+                first.rank
             ),
         ));
     }
-    let listening = Listening::bind(&a)?;
-    // Built after the port is reported: the master gathers the generation's addresses while
-    // its workers build their workloads.
-    let workload = factory(&a.job.workload).map_err(RuntimeError::Workload)?;
-    workload
-        .check(&a.job.training)
-        .map_err(RuntimeError::Workload)?;
-    let mut generation = Generation::form(&a, workload.as_ref(), listening, &inbox)?;
-    generation.run(workload.as_ref(), &inbox)
+    let mut a = first;
+    let mut held = Held::nothing(0);
+    let mut workload: Option<Box<dyn Workload>> = None;
+    loop {
+        let listening = Listening::bind(&a)?;
+        // Built after the port is reported: the master gathers the generation's addresses
+        // while its workers build their workloads.
+        let w = match &workload {
+            Some(w) => w,
+            None => {
+                let w = factory(&a.job.workload).map_err(RuntimeError::Workload)?;
+                w.check(&a.job.training).map_err(RuntimeError::Workload)?;
+                workload.insert(w)
+            }
+        };
+        let flow = match Generation::form(&a, w.as_ref(), listening, &inbox, held) {
+            Ok(mut generation) => generation.run(w.as_ref(), &inbox)?,
+            Err(failed) => {
+                let (error, kept) = *failed;
+                broken(&a, &inbox, error, kept)?
+            }
+        };
+        match flow {
+            Flow::Done => return Ok(()),
+            Flow::Next(next, kept) => {
+                tracing::info!(
+                    rank = next.rank,
+                    generation = next.generation,
+                    layers = ?kept.layer_list(),
+                    "next generation, in place"
+                );
+                a = *next;
+                held = kept;
+            }
+        }
+    }
 }
 
 /// The data-plane port a worker bound itself (so nothing can take it before the rendezvous),
@@ -119,17 +154,20 @@ impl Listening {
             )
         })?;
         let addr = listener.local_addr().ctx("data-plane address")?;
-        report(&WorkerReport::Listening {
-            rank,
-            addr: addr.to_string(),
-            pid: std::process::id(),
-        })?;
+        report(
+            a.generation,
+            &WorkerReport::Listening {
+                rank,
+                addr: addr.to_string(),
+                pid: std::process::id(),
+            },
+        )?;
         Ok(Listening { listener, addr })
     }
 }
 
-/// A resumed job's state of this stage's checkpoint.
-struct Resumed {
+/// The state a generation's stage is built from.
+struct Loaded {
     params: HashMap<String, Tensor>,
     optimizer: Vec<(String, Tensor)>,
     step: u64,
@@ -145,41 +183,90 @@ struct Generation<'a> {
     committed: u64,
 }
 
+/// A generation that did not form, and the state the worker still holds.
+type FormError = Box<(RuntimeError, Held)>;
+
+fn not_formed(error: RuntimeError, held: Held) -> FormError {
+    Box::new((error, held))
+}
+
 impl<'a> Generation<'a> {
-    /// Builds this rank's stage of `a.plan` and connects it to the generation's other ranks.
+    /// Connects this rank to the generation's other ranks and builds its stage of `a.plan`
+    /// from `a.source` (and, in place, from `held`). Reports `Formed`. On failure the worker
+    /// still holds what it held before.
     fn form(
         a: &'a WorkerAssignment,
         workload: &dyn Workload,
         listening: Listening,
         inbox: &Inbox,
-    ) -> Result<Generation<'a>> {
-        let rank = a.rank;
-        let training = &a.job.training;
+        held: Held,
+    ) -> std::result::Result<Generation<'a>, FormError> {
         let model = workload.model();
-        check_plan(a, model)?;
-        let layout = Layout::from_plan(&a.plan, model.num_layers())?;
-        // A resumed job: every layer of this stage, its optimizer state and the step come
-        // from the checkpoint (which the master checked before anything started).
-        let resumed = match &a.resume {
-            Some(dir) => {
-                let ck = load_checkpoint(dir, &Device::Cpu)
-                    .with_ctx(|| format!("rank {rank}: loading {}", dir.display()))?;
-                Some(Resumed {
-                    params: ck.params.into_iter().collect(),
-                    optimizer: ck.optimizer,
-                    step: ck.trainer.step,
-                })
-            }
-            None => None,
+        let layout = match check_plan(a, model)
+            .and_then(|()| Ok(Layout::from_plan(&a.plan, model.num_layers())?))
+        {
+            Ok(l) => l,
+            Err(e) => return Err(not_formed(e, held)),
         };
-        let source = match &resumed {
-            Some(r) => ParamSource::Tensors(&r.params),
-            None => workload.initial_params(training.seed),
+        let connecting = Instant::now();
+        let comm = match connect(a, &layout, model, listening, inbox) {
+            Ok(c) => c,
+            Err(e) => return Err(not_formed(e, held)),
+        };
+        let connect_s = connecting.elapsed().as_secs_f64();
+        let stage: BTreeSet<usize> = layout
+            .stage(
+                layout
+                    .position(a.rank as usize)
+                    .expect("checked by Layout::from_plan"),
+            )
+            .layers
+            .clone()
+            .collect();
+        let (loaded, copied) = match load(a, comm.as_ref(), &stage, held) {
+            Ok(v) => v,
+            Err(e) => {
+                comm.abort();
+                return Err(e);
+            }
+        };
+        let generation = Generation::build(a, model, &layout, comm, loaded)
+            .map_err(|e| not_formed(e, Held::nothing(0)))?;
+        report(
+            a.generation,
+            &WorkerReport::Formed {
+                rank: a.rank,
+                step: generation.committed,
+                layers: stage.into_iter().collect(),
+                connect_s,
+                copy_s: copied.seconds,
+                copy_bytes: copied.bytes,
+            },
+        )
+        .map_err(|e| not_formed(e, Held::nothing(0)))?;
+        Ok(generation)
+    }
+
+    /// The stage, its optimizer state and the committed step, from `loaded`.
+    fn build(
+        a: &'a WorkerAssignment,
+        model: &dyn LayeredModel,
+        layout: &Layout,
+        comm: Box<dyn Communicator>,
+        loaded: Loaded,
+    ) -> Result<Generation<'a>> {
+        let training = &a.job.training;
+        let source = if loaded.params.is_empty() {
+            ParamSource::Init {
+                seed: training.seed,
+            }
+        } else {
+            ParamSource::Tensors(&loaded.params)
         };
         let worker = StageWorker::new(
             model,
-            &layout,
-            rank as usize,
+            layout,
+            a.rank as usize,
             &Device::Cpu,
             source,
             WorkerConfig {
@@ -189,25 +276,114 @@ impl<'a> Generation<'a> {
                 bucket_elems: BUCKET_ELEMS,
             },
         )?;
-        let comm = connect(a, &layout, model, listening, inbox)?;
         let mut opt = training.optimizer()?;
-        let committed = match resumed {
-            Some(r) => {
-                // Only this stage's entries: the state this rank saves must hold its own layers.
-                let own: BTreeSet<String> = worker.params().into_iter().map(|p| p.0).collect();
-                opt.import_state_of(&r.optimizer, &own)
-                    .with_ctx(|| format!("rank {rank}: optimizer state of the checkpoint"))?;
-                r.step
-            }
-            None => 0,
-        };
+        if !loaded.optimizer.is_empty() {
+            // Only this stage's entries: the state this rank saves must hold its own layers.
+            let own: BTreeSet<String> = worker.params().into_iter().map(|p| p.0).collect();
+            opt.import_state_of(&loaded.optimizer, &own)
+                .with_ctx(|| format!("rank {}: the optimizer state of its stage", a.rank))?;
+        }
         Ok(Generation {
             a,
             worker,
             comm,
             opt,
-            committed,
+            committed: loaded.step,
         })
+    }
+}
+
+/// The state of this rank's `stage` (its layers), from where the assignment says. In place,
+/// the layers it lacks arrive from their holders; on failure it keeps only what it held.
+fn load(
+    a: &WorkerAssignment,
+    comm: &dyn Communicator,
+    stage: &BTreeSet<usize>,
+    mut held: Held,
+) -> std::result::Result<(Loaded, CopyStats), FormError> {
+    let rank = a.rank;
+    match &a.source {
+        StateSource::Init => Ok((
+            Loaded {
+                params: HashMap::new(),
+                optimizer: Vec::new(),
+                step: 0,
+            },
+            CopyStats::default(),
+        )),
+        StateSource::Checkpoint { path } => {
+            let ck = load_checkpoint(path, &Device::Cpu)
+                .with_ctx(|| format!("rank {rank}: loading {}", path.display()))
+                .map_err(|e| not_formed(e, Held::nothing(0)))?;
+            let loaded = Loaded {
+                params: ck.params.into_iter().collect(),
+                optimizer: ck.optimizer,
+                step: ck.trainer.step,
+            };
+            Ok((loaded, CopyStats::default()))
+        }
+        StateSource::Peers { step, copies } => {
+            if held.layers.is_empty() {
+                held.step = *step;
+            }
+            if held.step != *step {
+                let e = protocol(
+                    rank,
+                    format!(
+                        "the plan resumes at step {step}, but this worker holds step {}",
+                        held.step
+                    ),
+                );
+                return Err(not_formed(e, held));
+            }
+            let before = held.layer_list();
+            let copied = match exchange(comm, rank, &mut held, copies, DATA_TIMEOUT) {
+                Ok(c) => c,
+                Err(e) => {
+                    held.layers.retain(|l, _| before.contains(l));
+                    return Err(not_formed(e, held));
+                }
+            };
+            let (params, optimizer) = match held.tensors_of(stage, rank) {
+                Ok(t) => t,
+                Err(e) => {
+                    held.layers.retain(|l, _| before.contains(l));
+                    return Err(not_formed(e, held));
+                }
+            };
+            let loaded = Loaded {
+                params,
+                optimizer,
+                step: *step,
+            };
+            Ok((loaded, copied))
+        }
+    }
+}
+
+/// After a generation failed: this worker holds `held` of committed step `held.step` (the
+/// optimizer applies only on commit). It says so and waits for the next generation's
+/// assignment. Ends with `error` when its agent stops it (stdin closes) or nothing comes.
+fn broken(a: &WorkerAssignment, inbox: &Inbox, error: RuntimeError, held: Held) -> Result<Flow> {
+    let said = report(
+        a.generation,
+        &WorkerReport::Broken {
+            rank: a.rank,
+            step: held.step,
+            error: super::entry::error_chain(&error).join(": "),
+        },
+    );
+    if said.is_err() {
+        return Err(error);
+    }
+    loop {
+        match inbox.next(steps::BROKEN_WAIT, "the master's word after a failure") {
+            Ok(ToWorker::Reassign { assignment }) => return Ok(Flow::Next(assignment, held)),
+            Ok(other) => {
+                tracing::debug!(rank = a.rank, ?other, "ignored after a failure");
+            }
+            Err(_) => return Err(error),
+        }
     }
 }
 
@@ -269,6 +445,14 @@ fn connect(
     let rank = a.rank;
     let rendezvous = match inbox.next(COMMIT_TIMEOUT, "rendezvous")? {
         ToWorker::Rendezvous { rendezvous } => rendezvous,
+        next @ ToWorker::Reassign { .. } => {
+            // The generation failed before it formed; the next one is for later.
+            inbox.unread(next);
+            return Err(protocol(
+                rank,
+                format!("generation {} ended before its rendezvous", a.generation),
+            ));
+        }
         other => {
             return Err(protocol(
                 rank,
@@ -290,6 +474,7 @@ fn connect(
         None => {
             let mut tcp = TcpConfig::new(rank as usize, a.generation, addrs);
             tcp.connect_timeout = DATA_TIMEOUT;
+            tcp.key = Some(a.key.clone());
             let comm = TcpCommunicator::connect(tcp, Some(listening.listener))
                 .with_ctx(|| format!("rank {rank}: connecting the data plane"))?;
             Ok(Box::new(comm))

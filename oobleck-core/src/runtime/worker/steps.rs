@@ -1,5 +1,5 @@
 //! A generation's steps: iteration and gradient sync, `Ready`, the master's commit, the
-//! optimizer; and what a worker does once a step failed.
+//! optimizer; and how a generation ends early (a failed step, or the next generation).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -8,33 +8,52 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 
 use super::inbox::{report, Inbox};
-use super::{protocol, state_path, state_path_at, Generation, COMMIT_TIMEOUT};
+use super::state::Held;
+use super::{protocol, state_path, state_path_at, Flow, Generation, COMMIT_TIMEOUT};
 use crate::execution::sync_gradients;
 use crate::optim::AdamW;
 use crate::runtime::entry::error_chain;
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::pipe::{stage_leads, ToWorker};
+use crate::runtime::pipe::{stage_leads, ToWorker, WorkerAssignment};
 use crate::runtime::records::WorkerReport;
 use crate::runtime::spec::Workload;
 
 /// How long a worker whose step failed waits for the master's instructions.
-const BROKEN_WAIT: Duration = Duration::from_secs(120);
+pub(super) const BROKEN_WAIT: Duration = Duration::from_secs(120);
+
+/// Why a generation's training stopped early.
+enum Stop {
+    /// A step failed here or at a peer.
+    Failed(RuntimeError),
+    /// The next generation was assigned while this rank waited for a commit.
+    Reassigned(Box<WorkerAssignment>),
+}
+
+impl From<RuntimeError> for Stop {
+    fn from(e: RuntimeError) -> Stop {
+        Stop::Failed(e)
+    }
+}
 
 impl Generation<'_> {
     /// Runs every step left and reports `Done`. When a step fails, the peers are failed fast
-    /// (instead of into their timeouts) and this worker waits with its committed state.
-    pub(super) fn run(&mut self, workload: &dyn Workload, inbox: &Inbox) -> Result<()> {
-        match self.train(workload, inbox) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.comm.abort();
-                self.broken(inbox, e)
-            }
+    /// (instead of into their timeouts) and this worker waits for the next generation with
+    /// the state of its committed step.
+    pub(super) fn run(&mut self, workload: &dyn Workload, inbox: &Inbox) -> Result<Flow> {
+        let stop = match self.train(workload, inbox) {
+            Ok(()) => return Ok(Flow::Done),
+            Err(stop) => stop,
+        };
+        self.comm.abort();
+        let held = Held::of_stage(&self.worker, &mut self.opt, self.committed)?;
+        match stop {
+            Stop::Reassigned(next) => Ok(Flow::Next(next, held)),
+            Stop::Failed(e) => super::broken(self.a, inbox, e, held),
         }
     }
 
-    fn train(&mut self, workload: &dyn Workload, inbox: &Inbox) -> Result<()> {
-        let (rank, training) = (self.a.rank, &self.a.job.training);
+    fn train(&mut self, workload: &dyn Workload, inbox: &Inbox) -> std::result::Result<(), Stop> {
+        let (rank, training, g) = (self.a.rank, &self.a.job.training, self.a.generation);
         let params: Vec<(String, Var)> = self.worker.params();
         // The leads of pipeline 0's stages leave the state the master assembles into
         // checkpoints and evaluates; the master expects it from the same ranks.
@@ -47,11 +66,14 @@ impl Generation<'_> {
             if saves_state && s < training.steps && training.state_due(s) {
                 let path = state_path_at(&self.a.run_dir, s, rank);
                 save_state(&params, &self.opt, &path)?;
-                report(&WorkerReport::Saved {
-                    rank,
-                    step: s,
-                    state: path.display().to_string(),
-                })?;
+                report(
+                    g,
+                    &WorkerReport::Saved {
+                        rank,
+                        step: s,
+                        state: path.display().to_string(),
+                    },
+                )?;
             }
         }
         let mut state = None;
@@ -60,12 +82,16 @@ impl Generation<'_> {
             save_state(&params, &self.opt, &path)?;
             state = Some(path.display().to_string());
         }
-        report(&WorkerReport::Done {
-            rank,
-            step: training.steps,
-            state,
-            commit_wait_ms: commit_wait.as_secs_f64() * 1e3,
-        })
+        report(
+            g,
+            &WorkerReport::Done {
+                rank,
+                step: training.steps,
+                state,
+                commit_wait_ms: commit_wait.as_secs_f64() * 1e3,
+            },
+        )?;
+        Ok(())
     }
 
     /// Step `step + 1` (0-based `step`): computes, reports `Ready`, waits for the commit and
@@ -76,7 +102,7 @@ impl Generation<'_> {
         inbox: &Inbox,
         params: &[(String, Var)],
         step: u64,
-    ) -> Result<Duration> {
+    ) -> std::result::Result<Duration, Stop> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
         let seed = training.seed;
         let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
@@ -96,14 +122,17 @@ impl Generation<'_> {
         let (grads, sync) =
             sync_gradients(&self.worker, self.comm.as_ref(), out, training.grad_clip)
                 .with_ctx(|| format!("rank {rank}: gradient sync of step {}", step + 1))?;
-        report(&WorkerReport::Ready {
-            rank,
-            step: step + 1,
-            loss: sync.loss,
-            grad_norm: sync.grad_norm,
-        })?;
+        report(
+            self.a.generation,
+            &WorkerReport::Ready {
+                rank,
+                step: step + 1,
+                loss: sync.loss,
+                grad_norm: sync.grad_norm,
+            },
+        )?;
         let waited = Instant::now();
-        self.wait_commit(inbox, params, step)?;
+        self.wait_commit(inbox, step)?;
         let waited = waited.elapsed();
         self.opt
             .step(params, &grads, training.lr.lr_at(step))
@@ -111,54 +140,20 @@ impl Generation<'_> {
         Ok(waited)
     }
 
-    /// Waits for the commit of step `step + 1`, answering `SaveState` for `step` meanwhile
-    /// (the step failed elsewhere; this rank still holds the state of `step`).
-    fn wait_commit(&self, inbox: &Inbox, params: &[(String, Var)], step: u64) -> Result<()> {
+    /// Waits for the commit of step `step + 1`. The next generation's assignment instead means
+    /// the step failed elsewhere: this rank still holds the state of `step`.
+    fn wait_commit(&self, inbox: &Inbox, step: u64) -> std::result::Result<(), Stop> {
         let rank = self.a.rank;
-        loop {
-            match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
-                ToWorker::Commit { step: s } if s == step + 1 => return Ok(()),
-                ToWorker::SaveState { step: s, dir } if s == step => {
-                    save_for_rescue(rank, params, &self.opt, s, &dir)?;
-                }
-                other => {
-                    return Err(protocol(
-                        rank,
-                        format!(
-                            "waits for the commit of step {}, the agent sent {other:?}",
-                            step + 1
-                        ),
-                    ))
-                }
-            }
-        }
-    }
-
-    /// After a failed step: this worker still holds the parameters and optimizer state of
-    /// step `committed` (the optimizer applies only on commit). It says so and waits: the
-    /// master may ask for that state (`SaveState`), so the next generation loses no committed
-    /// step. Ends with `error` when its agent stops it (stdin closes) or nothing comes.
-    fn broken(&self, inbox: &Inbox, error: RuntimeError) -> Result<()> {
-        let rank = self.a.rank;
-        let said = report(&WorkerReport::Broken {
-            rank,
-            step: self.committed,
-            error: error_chain(&error).join(": "),
-        });
-        if said.is_err() {
-            return Err(error);
-        }
-        let params: Vec<(String, Var)> = self.worker.params();
-        loop {
-            match inbox.next(BROKEN_WAIT, "the master's word after a failed step") {
-                Ok(ToWorker::SaveState { step, dir }) if step == self.committed => {
-                    save_for_rescue(rank, &params, &self.opt, step, &dir)?;
-                }
-                Ok(other) => {
-                    tracing::debug!(rank, ?other, "ignored after a failed step");
-                }
-                Err(_) => return Err(error),
-            }
+        match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
+            ToWorker::Commit { step: s } if s == step + 1 => Ok(()),
+            ToWorker::Reassign { assignment } => Err(Stop::Reassigned(assignment)),
+            other => Err(Stop::Failed(protocol(
+                rank,
+                format!(
+                    "waits for the commit of step {}, the agent sent {other:?}",
+                    step + 1
+                ),
+            ))),
         }
     }
 }
@@ -180,22 +175,4 @@ fn save_state(params: &[(String, Var)], opt: &AdamW, path: &Path) -> Result<()> 
     }
     candle_core::safetensors::save(&tensors, path)
         .with_ctx(|| format!("writing {}", path.display()))
-}
-
-/// Answers the master's `SaveState` after a failure: this rank's state of committed `step`,
-/// written under `dir` and reported.
-fn save_for_rescue(
-    rank: u32,
-    params: &[(String, Var)],
-    opt: &AdamW,
-    step: u64,
-    dir: &Path,
-) -> Result<()> {
-    let path = dir.join(format!("rank-{rank:05}.safetensors"));
-    save_state(params, opt, &path)?;
-    report(&WorkerReport::Saved {
-        rank,
-        step,
-        state: path.display().to_string(),
-    })
 }

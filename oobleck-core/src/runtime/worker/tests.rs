@@ -146,7 +146,18 @@ fn assignment() -> WorkerAssignment {
             workload: serde_json::json!({ "preset": "tiny" }),
         },
         nccl_id: None,
-        resume: None,
+        key: oobleck_comm::SecretKey::random(),
+        source: crate::runtime::pipe::StateSource::Peers {
+            step: 3,
+            copies: vec![crate::reconfig::LayerCopy {
+                layer: 2,
+                from_rank: 0,
+                to_rank: 1,
+                from_node: 0,
+                to_node: 1,
+                bytes: 64,
+            }],
+        },
     }
 }
 

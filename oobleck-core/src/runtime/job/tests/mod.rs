@@ -167,7 +167,68 @@ impl H {
         }
         h.at(0.1, Input::Planned(Ok(p)));
         h.listen_all(0.2);
+        h.form_all(0.2);
         h
+    }
+
+    /// Every rank built its stage: it holds its stage's layers of the committed step.
+    pub(super) fn form_all(&mut self, t: f64) -> Vec<Action> {
+        let plan = self.m.gen.as_ref().expect("a generation").plan.clone();
+        let held = crate::reconfig::Holdings::of(&plan);
+        let step = self.m.committed();
+        let mut last = Vec::new();
+        for rank in 0..self.world() {
+            let node = self.node_of(rank);
+            let layers = held
+                .layers(node, rank % plan.devices_per_node)
+                .map(|l| l.iter().copied().collect())
+                .unwrap_or_default();
+            last = self.worker(
+                t,
+                node,
+                WorkerReport::Formed {
+                    rank,
+                    step,
+                    layers,
+                    connect_s: 0.01,
+                    copy_s: 0.02,
+                    copy_bytes: 100,
+                },
+            );
+        }
+        last
+    }
+
+    /// Answers the machine's [`Action::Reconfigure`]: the next plan is `plan`, with `copies`
+    /// layer copies, and `missing` layers that nobody holds.
+    pub(super) fn reconfigured(
+        &mut self,
+        t: f64,
+        plan: Plan,
+        copies: usize,
+        missing: Vec<usize>,
+    ) -> Vec<Action> {
+        let copies = (0..copies)
+            .map(|i| crate::reconfig::LayerCopy {
+                layer: i,
+                from_rank: 0,
+                to_rank: 1,
+                from_node: 0,
+                to_node: 1,
+                bytes: 10,
+            })
+            .collect();
+        let r = crate::reconfig::ReconfigPlan {
+            fault_tolerance: plan.pipelines.len() as u32 - 1,
+            plan,
+            copies,
+            missing_layers: missing,
+            spare_nodes: Vec::new(),
+            actions: Vec::new(),
+            lost: Vec::new(),
+            joined: Vec::new(),
+        };
+        self.at(t, Input::Reconfigured(Ok(r)))
     }
 
     pub(super) fn listen_all(&mut self, t: f64) {
@@ -296,8 +357,7 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Commit { step, .. } => format!("commit:{step}"),
             Action::KillNode { node } => format!("kill:{node}"),
             Action::Fence { node } => format!("fence:{node}"),
-            Action::SaveState { nodes, step, .. } => format!("save:{nodes:?}@{step}"),
-            Action::WriteRescue { step, .. } => format!("write_rescue:{step}"),
+            Action::Reconfigure { lost, .. } => format!("reconfigure:{lost:?}"),
             Action::Assemble { step, .. } => format!("assemble:{step}"),
             Action::ValLoss { step, .. } => format!("val:{step}"),
             Action::ReleaseHeld => "release".into(),
@@ -334,6 +394,28 @@ pub(super) fn plan_request(actions: &[Action]) -> (Vec<u32>, u32) {
             _ => None,
         })
         .unwrap_or_else(|| panic!("no plan request in {:?}", kinds(actions)))
+}
+
+/// The source of the generation a `Deploy` starts.
+pub(super) fn deployed(actions: &[Action]) -> crate::runtime::pipe::StateSource {
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Deploy { source, .. } => Some(source.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no deploy in {:?}", kinds(actions)))
+}
+
+/// The holdings and lost nodes of the machine's `Reconfigure` request.
+pub(super) fn reconfigure_request(actions: &[Action]) -> (crate::reconfig::Holdings, Vec<u32>) {
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Reconfigure { holdings, lost, .. } => Some((holdings.clone(), lost.clone())),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no reconfigure in {:?}", kinds(actions)))
 }
 
 pub(super) fn reconfig(actions: &[Action]) -> Event {

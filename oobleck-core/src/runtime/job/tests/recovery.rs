@@ -1,77 +1,83 @@
-//! Failures: settling, rescue from the survivors, checkpoint fallback, fencing, giving up.
+//! Failures: settling, the decision, recovery in place, checkpoint fallback, fencing, giving
+//! up.
 
 use super::*;
+use crate::runtime::pipe::StateSource;
 
 #[test]
-fn a_loss_during_a_step_is_rescued_from_the_surviving_pipeline_with_no_step_lost() {
+fn a_loss_during_a_step_is_recovered_in_place_with_no_step_lost() {
     let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
     h.step(1.0, 1);
     h.step(2.0, 2);
     let a = h.at(2.5, lost(2));
     assert!(has(&a, "record:failure"), "{:?}", kinds(&a));
-    // Rank 0 (pipeline 0) and rank 1 fail their step at their next data-plane operation.
-    h.broken(2.6, 0, 2);
-    h.broken(2.6, 1, 2);
-    let a = h.ticks(2.7, 3.6);
+    // Rank 0 (pipeline 0) and rank 1 fail their step at their next data-plane operation:
+    // every rank's state is known, so the decision is asked for at once (no settle sleep).
+    h.broken(2.51, 0, 2);
+    let a = h.broken(2.52, 1, 2);
     assert!(has(&a, "fence:2"), "{:?}", kinds(&a));
-    assert!(has(&a, "save:[0]@2"), "{:?}", kinds(&a));
-    let a = h.saved(3.7, 0, 2);
-    assert_eq!(kinds(&a), ["write_rescue:2"]);
-    let a = h.at(4.0, Input::RescueWritten(Ok("ckpt-2".into())));
+    assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
+    let (held, _) = reconfigure_request(&a);
+    assert_eq!(held.layers(0, 0).map(|l| l.len()), Some(1));
+    assert_eq!(held.layers(2, 0), None, "a lost node holds nothing");
+    let a = h.reconfigured(2.6, plan(&[&[0], &[1]]), 1, Vec::new());
     let Event::Reconfig {
         from_step,
         replayed_steps,
-        rescued,
+        in_place,
         nodes,
         lost_nodes,
+        copies,
         ..
     } = reconfig(&a)
     else {
         unreachable!()
     };
-    assert_eq!((from_step, replayed_steps, rescued), (2, 0, true));
-    assert_eq!((nodes, lost_nodes), (vec![0, 1], vec![2]));
-    assert!(has(&a, "record:rescued") && has(&a, "truncate:2"));
-    assert_eq!(plan_request(&a), (vec![0, 1], 1));
+    assert_eq!((from_step, replayed_steps, in_place), (2, 0, true));
+    assert_eq!((nodes, lost_nodes, copies), (vec![0, 1], vec![2], 1));
+    let StateSource::Peers { step, copies } = deployed(&a) else {
+        panic!("not in place: {:?}", deployed(&a))
+    };
+    assert_eq!((step, copies.len()), (2, 1));
+    assert!(has(&a, "truncate:2") && !has(&a, "plan"), "{:?}", kinds(&a));
     assert_eq!(h.m.generation(), 1);
 }
 
 #[test]
-fn a_loss_while_waiting_for_the_commit_rescues_from_the_ready_ranks() {
+fn a_loss_while_waiting_for_the_commit_counts_the_ready_ranks_as_holders() {
     let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
     h.step(1.0, 1);
     h.ready(1.5, 0, 2);
     h.ready(1.5, 1, 2);
-    h.at(1.6, lost(2));
-    let a = h.ticks(1.7, 2.7);
-    assert!(has(&a, "save:[0]@1"), "{:?}", kinds(&a));
+    let a = h.at(1.6, lost(2));
+    assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
 }
 
 #[test]
-fn two_losses_in_one_settle_window_make_one_reconfiguration() {
+fn two_losses_before_the_ranks_settle_make_one_reconfiguration() {
     let mut h = H::running(spec(4, 1, 10), plan(&[&[0, 1], &[2, 3]]));
     h.step(1.0, 1);
     let a = h.at(1.2, lost(3));
     assert!(has(&a, "record:failure"));
     let a = h.at(1.5, lost(1));
     assert!(has(&a, "record:lost") && !has(&a, "record:failure"));
-    for r in [0, 2] {
-        h.broken(1.6, r, 1);
-    }
-    // Both pipelines lost a node: no replica holds every layer.
-    let a = h.ticks(1.7, 2.5);
+    h.broken(1.6, 0, 1);
+    let a = h.broken(1.6, 2, 1);
     assert!(has(&a, "fence:1") && has(&a, "fence:3"), "{:?}", kinds(&a));
+    assert_eq!(reconfigure_request(&a).1, vec![1, 3]);
+    // Both pipelines lost a node: layer 1 has no replica left, and no checkpoint exists.
+    let a = h.reconfigured(1.7, plan(&[&[0, 2]]), 0, vec![1]);
     let Event::Reconfig {
         lost_nodes,
         from_step,
-        rescued,
+        in_place,
         ..
     } = reconfig(&a)
     else {
         unreachable!()
     };
-    assert_eq!((lost_nodes, from_step, rescued), (vec![1, 3], 0, false));
-    assert_eq!(plan_request(&a).0, vec![0, 2]);
+    assert_eq!((lost_nodes, from_step, in_place), (vec![1, 3], 0, false));
+    assert_eq!(deployed(&a), StateSource::Init);
     let reconfigs = a
         .iter()
         .filter(|a| matches!(a, Action::Record(Event::Reconfig { .. })))
@@ -80,25 +86,25 @@ fn two_losses_in_one_settle_window_make_one_reconfiguration() {
 }
 
 #[test]
-fn a_loss_beyond_f_falls_back_to_the_newest_checkpoint() {
+fn losing_every_node_ends_the_job_and_names_the_newest_checkpoint() {
     let mut s = spec(2, 1, 10);
     s.checkpoint_every = 2;
     let mut h = H::running(s, plan(&[&[0], &[1]]));
     h.steps_to(3);
     h.checkpointed(3.1, 2);
     h.at(3.5, lost(0));
-    h.at(3.5, lost(1));
-    let a = h.ticks(3.6, 4.6);
-    // Every node is gone.
+    let a = h.at(3.5, lost(1));
+    assert!(has(&a, "reconfigure:[0, 1]"), "{:?}", kinds(&a));
+    let a = h.at(3.6, Input::Reconfigured(Err("no nodes left".into())));
+    let e = failure(&a);
     assert!(
-        failure(&a).contains("every node is lost"),
-        "{:?}",
-        kinds(&a)
+        e.contains("every node is lost") && e.contains("ckpt-2"),
+        "{e}"
     );
 }
 
 #[test]
-fn falls_back_to_the_checkpoint_when_no_pipeline_survives_whole() {
+fn layers_without_a_replica_fall_back_to_the_newest_checkpoint() {
     let mut s = spec(4, 1, 10);
     s.checkpoint_every = 2;
     let mut h = H::running(s, plan(&[&[0, 1], &[2, 3]]));
@@ -108,19 +114,25 @@ fn falls_back_to_the_checkpoint_when_no_pipeline_survives_whole() {
     h.at(3.5, lost(2));
     h.broken(3.6, 1, 3);
     h.broken(3.6, 3, 3);
-    let a = h.ticks(3.7, 4.6);
+    let a = h.reconfigured(3.7, plan(&[&[1, 3]]), 0, vec![0]);
     let Event::Reconfig {
         from_step,
         replayed_steps,
-        rescued,
+        in_place,
         checkpoint,
         ..
     } = reconfig(&a)
     else {
         unreachable!()
     };
-    assert_eq!((from_step, replayed_steps, rescued), (2, 1, false));
+    assert_eq!((from_step, replayed_steps, in_place), (2, 1, false));
     assert_eq!(checkpoint.as_deref(), Some("ckpt-2"));
+    assert_eq!(
+        deployed(&a),
+        StateSource::Checkpoint {
+            path: "ckpt-2".into()
+        }
+    );
     assert!(has(&a, "truncate:2"));
 }
 
@@ -146,8 +158,7 @@ fn a_hung_agent_found_by_its_lease_is_fenced() {
         },
     );
     h.broken(6.1, 0, 1);
-    h.broken(6.1, 1, 1);
-    let a = h.ticks(6.2, 7.2);
+    let a = h.broken(6.1, 1, 1);
     assert!(has(&a, "fence:2"), "{:?}", kinds(&a));
 }
 
@@ -164,10 +175,36 @@ fn settling_waits_for_every_dead_agent_to_be_reported_lost() {
     );
     h.broken(1.2, 0, 1);
     h.broken(1.2, 1, 1);
-    // Node 2's loss is not known yet: no decision, however long the settle time passed.
-    assert!(!has(&h.ticks(1.3, 5.0), "plan"));
+    // Node 2's loss is not known yet: no decision, however long that takes (up to the wait).
+    assert!(!has(&h.ticks(1.3, 5.0), "reconfigure:[2]"));
     let a = h.at(5.1, lost(2));
-    assert!(has(&a, "save:[0]@1"), "{:?}", kinds(&a));
+    assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
+}
+
+#[test]
+fn a_worker_that_died_on_a_live_node_holds_nothing() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    h.step(1.0, 1);
+    let a = h.worker(
+        1.5,
+        1,
+        WorkerReport::Exited {
+            rank: 1,
+            status: ExitStatus {
+                code: None,
+                signal: Some(9),
+            },
+            error: None,
+        },
+    );
+    assert!(has(&a, "record:failure"), "{:?}", kinds(&a));
+    let a = h.broken(1.6, 0, 1);
+    let (held, lost) = reconfigure_request(&a);
+    assert!(lost.is_empty());
+    assert!(held.layers(0, 0).is_some() && held.layers(1, 0).is_none());
+    // Node 1 stays in the job: its fresh worker gets its layers from node 0.
+    let a = h.reconfigured(1.7, plan(&[&[0], &[1]]), 1, Vec::new());
+    assert!(matches!(deployed(&a), StateSource::Peers { step: 1, .. }));
 }
 
 #[test]
@@ -183,15 +220,19 @@ fn repeated_fruitless_recoveries_give_up() {
         if h.m.is_over() {
             break;
         }
+        let mut a = Vec::new();
         for (rank, _) in nodes.iter().enumerate() {
-            h.broken(t + 0.05, rank as u32, 0);
+            a = h.broken(t + 0.05, rank as u32, 0);
         }
-        let a = h.ticks(t + 0.1, t + 1.5);
+        assert!(
+            has(&a, &format!("reconfigure:[{victim}]")),
+            "{:?}",
+            kinds(&a)
+        );
         let p: Vec<Vec<u32>> = nodes.iter().map(|&n| vec![n]).collect();
         let refs: Vec<&[u32]> = p.iter().map(|v| v.as_slice()).collect();
-        assert!(has(&a, "plan"), "{:?}", kinds(&a));
-        h.at(t + 1.6, Input::Planned(Ok(plan(&refs))));
-        h.listen_all(t + 1.7);
+        h.reconfigured(t + 0.1, plan(&refs), 0, vec![0]);
+        h.listen_all(t + 0.2);
         t += 2.0;
     }
     // Three recoveries without a commit were allowed; the fourth failure gives up.
@@ -205,40 +246,20 @@ fn repeated_fruitless_recoveries_give_up() {
 }
 
 #[test]
-fn no_plan_for_f_after_a_loss_lowers_f() {
+fn no_decision_after_a_loss_plans_afresh_and_lowers_f() {
     let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
     h.step(1.0, 1);
     h.at(1.5, lost(1));
-    h.broken(1.6, 0, 1);
-    let a = h.ticks(1.7, 2.7);
-    // One node left cannot hold f + 1 = 2 pipelines: plan for f = 0 instead.
-    assert!(has(&a, "save:[0]@1"), "{:?}", kinds(&a));
-    h.saved(2.8, 0, 1);
-    let a = h.at(3.0, Input::RescueWritten(Ok("ckpt-1".into())));
+    let a = h.broken(1.6, 0, 1);
+    assert!(has(&a, "reconfigure:[1]"), "{:?}", kinds(&a));
+    let a = h.at(1.7, Input::Reconfigured(Err("no template fits".into())));
     assert_eq!(plan_request(&a), (vec![0], 1));
+    // One node left cannot hold f + 1 = 2 pipelines: plan for f = 0 instead.
     let a = h.at(3.1, Input::Planned(Err("needs 2 pipelines".into())));
     assert_eq!(plan_request(&a), (vec![0], 0));
     let a = h.at(3.2, Input::Planned(Ok(plan(&[&[0]]))));
     assert!(has(&a, "note") && has(&a, "deploy"), "{:?}", kinds(&a));
-}
-
-#[test]
-fn rescue_that_does_not_come_falls_back_to_the_checkpoint() {
-    let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
-    h.step(1.0, 1);
-    h.at(1.5, lost(2));
-    h.broken(1.6, 0, 1);
-    h.broken(1.6, 1, 1);
-    let a = h.ticks(1.7, 2.7);
-    assert!(has(&a, "save:[0]@1"));
-    let a = h.ticks(2.8, 33.0);
-    let Event::Reconfig {
-        from_step, rescued, ..
-    } = reconfig(&a)
-    else {
-        unreachable!()
-    };
-    assert_eq!((from_step, rescued), (0, false));
+    assert_eq!(deployed(&a), StateSource::Init);
 }
 
 #[test]
@@ -248,11 +269,9 @@ fn the_first_commit_after_a_recovery_records_its_phases() {
     h.at(1.5, lost(2));
     h.broken(1.6, 0, 1);
     h.broken(1.6, 1, 1);
-    h.ticks(1.7, 2.7);
-    h.saved(2.8, 0, 1);
-    h.at(3.0, Input::RescueWritten(Ok("ckpt-1".into())));
-    h.at(3.1, Input::Planned(Ok(plan(&[&[0], &[1]]))));
-    h.listen_all(3.5);
+    h.reconfigured(1.7, plan(&[&[0], &[1]]), 1, Vec::new());
+    h.listen_all(2.0);
+    h.form_all(2.5);
     let a = h.step(4.0, 2);
     let resumed = a
         .iter()
@@ -260,8 +279,9 @@ fn the_first_commit_after_a_recovery_records_its_phases() {
             Action::Record(Event::Resumed {
                 phases,
                 since_failure_s,
+                copy_bytes,
                 ..
-            }) => Some((phases.clone(), *since_failure_s)),
+            }) => Some((phases.clone(), *since_failure_s, *copy_bytes)),
             _ => None,
         })
         .expect("a resumed event");
@@ -269,12 +289,32 @@ fn the_first_commit_after_a_recovery_records_its_phases() {
     assert_eq!(
         names,
         [
+            "connect_copy_s",
+            "connect_max_s",
+            "copy_max_s",
+            "decide_s",
             "detect_s",
-            "load_connect_first_step_s",
-            "plan_s",
-            "rescue_s",
-            "spawn_s"
+            "first_step_s",
+            "restart_s"
         ]
     );
+    assert!(
+        (resumed.0["detect_s"] - 0.1).abs() < 1e-9,
+        "{:?}",
+        resumed.0
+    );
     assert!((resumed.1 - 2.5).abs() < 1e-9, "{}", resumed.1);
+    assert_eq!(resumed.2, 200, "two ranks reported 100 bytes copied each");
+    let said = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Note(n) if n.starts_with("recovered") => Some(n.clone()),
+            _ => None,
+        })
+        .expect("a progress line");
+    assert!(
+        said.contains("node 2 lost at step 1: 2 pipelines -> 2 (templates 1+1 nodes)")
+            && said.contains("tolerates 1 more failure"),
+        "{said}"
+    );
 }
