@@ -212,10 +212,13 @@ impl Trainer {
             &state,
             &extra,
         )?;
+        let duration_s = started.elapsed().as_secs_f64();
         self.event(&Event::Checkpoint {
             step: self.step,
             path: path.display().to_string(),
-            duration_s: started.elapsed().as_secs_f64(),
+            duration_s,
+            // One process: training waits for the whole write.
+            stall_ms: duration_s * 1e3,
         })?;
         Ok(path)
     }

@@ -51,6 +51,8 @@ fn plan_assignment() -> Message {
             nccl_unique_id: Some(vec![0xab; 128]),
             key: oobleck_comm::SecretKey::random(),
             source: StateSource::Init,
+            state_port: 7100,
+            state_key: oobleck_comm::SecretKey::random(),
         },
     }
 }

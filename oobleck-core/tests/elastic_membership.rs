@@ -228,6 +228,8 @@ fn start(rendezvous: Vec<Rendezvous>, nccl_unique_id: Option<Vec<u8>>) -> Genera
         nccl_unique_id,
         key: oobleck_comm::SecretKey::random(),
         source: StateSource::Init,
+        state_port: 7100,
+        state_key: oobleck_comm::SecretKey::random(),
     }
 }
 

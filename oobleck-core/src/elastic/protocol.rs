@@ -143,6 +143,10 @@ pub struct GenerationStart {
     /// The generation's data-plane key: every connection between its ranks proves it.
     pub key: SecretKey,
     pub source: StateSource,
+    /// The port on the master's host where workers upload their state (checkpoints,
+    /// evaluation, the end), and the key the uploads prove: no node needs the master's disk.
+    pub state_port: u16,
+    pub state_key: SecretKey,
 }
 
 /// Every message of the control protocol.
@@ -476,6 +480,7 @@ mod tests {
                 rank: 3,
                 step: 4,
                 state: "/runs/x/cluster/step-000004/rank-3.safetensors".into(),
+                stall_ms: 1.5,
             },
             WorkerReport::Broken {
                 rank: 3,

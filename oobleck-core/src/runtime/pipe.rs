@@ -49,6 +49,10 @@ pub struct WorkerAssignment {
     pub key: SecretKey,
     /// Where this generation's parameters and optimizer state come from.
     pub source: StateSource,
+    /// Where the worker uploads its state (`HOST:PORT` on the master's machine) and the key
+    /// the uploads prove; files land under the run directory there.
+    pub state_sink: String,
+    pub state_key: SecretKey,
 }
 
 /// Where a generation's workers get their parameters, optimizer state and step.

@@ -36,8 +36,16 @@ pub enum WorkerReport {
         loss: f64,
         grad_norm: f64,
     },
-    /// The worker wrote its part of the state after committed `step` to `state`.
-    Saved { rank: u32, step: u64, state: String },
+    /// The master has this worker's part of the state after committed `step`, at `state`
+    /// (a path on the master's machine). `stall_ms`: how long training waited for it (the
+    /// copy to host memory; the upload runs beside the next steps).
+    Saved {
+        rank: u32,
+        step: u64,
+        state: String,
+        #[serde(default)]
+        stall_ms: f64,
+    },
     /// The step after committed `step` failed (`error`); the worker holds the state of `step`
     /// and waits for `SaveState` or the end of its generation.
     Broken { rank: u32, step: u64, error: String },
@@ -251,6 +259,9 @@ pub enum Event {
         step: u64,
         path: String,
         duration_s: f64,
+        /// How long training waited for the state (the copy to host memory), ms.
+        #[serde(default)]
+        stall_ms: f64,
     },
     ControlPlane {
         steps: u64,
@@ -313,12 +324,13 @@ mod tests {
             step: 5,
             path: "c/step-000005".into(),
             duration_s: 0.25,
+            stall_ms: 3.0,
         };
         let v = serde_json::to_value(&e).expect("json");
         assert_eq!(
             v,
             serde_json::json!({"event": "checkpoint", "step": 5, "path": "c/step-000005",
-                               "duration_s": 0.25})
+                               "duration_s": 0.25, "stall_ms": 3.0})
         );
         let start = Event::Start(StartInfo {
             step: 0,

@@ -15,6 +15,7 @@
 
 mod spawn;
 
+use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -99,6 +100,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
     };
     tracing::info!(node, %master, data_host = %host, "agent registered");
     let mut agent = NodeAgent {
+        master,
         node,
         host,
         conn,
@@ -177,6 +179,8 @@ enum Flow {
 
 /// A registered agent and its workers.
 struct NodeAgent {
+    /// The master's control address: its host also takes the workers' state uploads.
+    master: SocketAddr,
     node: u32,
     /// The IP its workers bind their data-plane ports on.
     host: String,
@@ -371,6 +375,8 @@ impl NodeAgent {
                     nccl_id: start.nccl_unique_id.clone(),
                     key: start.key.clone(),
                     source: start.source.clone(),
+                    state_sink: SocketAddr::new(self.master.ip(), start.state_port).to_string(),
+                    state_key: start.state_key.clone(),
                 };
                 (rank % plan.devices_per_node, a)
             })

@@ -32,6 +32,9 @@ pub(super) struct Parts<'a> {
     pub assembler: Assembler,
     pub machine: JobMachine,
     pub t0: Instant,
+    /// Where and how workers upload their state (the master's [`oobleck_comm::BlobSink`]).
+    pub state_port: u16,
+    pub state_key: SecretKey,
 }
 
 /// What the final step left: `(step, pipeline 0's states, each rank's commit wait)`.
@@ -307,6 +310,8 @@ impl<'a> Driver<'a> {
                     nccl_unique_id: nccl_unique_id(self.spec().data_plane)?,
                     key: SecretKey::random(),
                     source,
+                    state_port: self.p.state_port,
+                    state_key: self.p.state_key.clone(),
                 },
             )
             .await
@@ -378,6 +383,8 @@ impl<'a> Driver<'a> {
             step,
             path: ckpt.display().to_string(),
             duration_s: done.duration_s,
+            // The final state is uploaded after the last step: nothing waits for it.
+            stall_ms: 0.0,
         })?;
         if let Some(mut m) = self.final_metrics.take() {
             m.val_loss = val;

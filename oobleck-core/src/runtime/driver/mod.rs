@@ -24,6 +24,8 @@ pub use agents::Started;
 pub use plan::{pinned_pipelines, plan_for};
 pub use rundir::truncate_metrics_after;
 
+use oobleck_comm::{BlobSink, SecretKey};
+
 use self::agents::{AgentSet, EXIT_GRACE};
 use self::assemble::Assembler;
 use self::rundir::RunFiles;
@@ -34,6 +36,9 @@ use super::spec::{JobConfig, Workload};
 use crate::elastic::master::MasterEvent;
 use crate::elastic::protocol::ClusterStatus;
 use crate::elastic::{ElasticError, Master, Token};
+
+/// The largest state file a worker may upload (one rank's parameters and optimizer state).
+const MAX_STATE_BYTES: u64 = 64 << 30;
 
 /// How often the driver looks at its agents and background work between events.
 const POLL: Duration = Duration::from_millis(50);
@@ -144,6 +149,15 @@ async fn drive(
         )));
     }
     let mut files = RunFiles::open(&opts.run_dir, opts.plans.clone())?;
+    // Workers upload their state here, into the run directory, which only this machine needs.
+    let state_key = SecretKey::random();
+    let sink = BlobSink::bind(
+        SocketAddr::new(opts.bind.ip(), 0),
+        state_key.clone(),
+        opts.run_dir.clone(),
+        MAX_STATE_BYTES,
+    )
+    .with_ctx(|| format!("starting the state upload port on {}", opts.bind.ip()))?;
     let mut master = Master::bind(opts.bind, opts.token.clone(), spec.nodes)
         .await
         .with_ctx(|| format!("starting the master on {}", opts.bind))?;
@@ -229,6 +243,8 @@ async fn drive(
         assembler,
         machine,
         t0,
+        state_port: sink.addr().port(),
+        state_key,
     });
     // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
     // than reporting the workers it killed.

@@ -106,6 +106,9 @@ pub struct JobMachine {
     pub(super) newest: Option<(String, u64)>,
     /// Checkpoint and evaluation assemblies under way.
     pub(super) assembling: usize,
+    /// The longest a saver's training waited for its state of each step (ms), until the
+    /// step's checkpoint is recorded.
+    pub(super) stalls: BTreeMap<u64, f64>,
     /// `--inject-failure`s still to fire.
     pub(super) injections: Vec<(u32, u64)>,
     /// When the job last heard from any process.
@@ -118,6 +121,8 @@ pub struct JobMachine {
     /// What each `(node, device)` holds of the committed step, as its workers said
     /// (`Formed`) and lost since: what a recovery in place copies from.
     pub(super) holdings: Holdings,
+    /// Worker processes seen (by pid).
+    pub(super) worker_pids: BTreeSet<u32>,
 }
 
 impl JobMachine {
@@ -146,12 +151,14 @@ impl JobMachine {
             steps_run: 0,
             fruitless: 0,
             assembling: 0,
+            stalls: BTreeMap::new(),
             injections,
             last_progress: now,
             join_deadline: now + limits.join,
             timer: None,
             planning_error: None,
             holdings: Holdings::empty(spec_g),
+            worker_pids: BTreeSet::new(),
         }
     }
 
@@ -443,7 +450,12 @@ impl JobMachine {
                 loss,
                 grad_norm,
             } => self.on_step_ready(now, rank, step, loss, grad_norm),
-            WorkerReport::Saved { rank, step, state } => self.on_state_saved(rank, step, state),
+            WorkerReport::Saved {
+                rank,
+                step,
+                state,
+                stall_ms,
+            } => self.on_state_saved(rank, step, state, stall_ms),
             WorkerReport::Formed {
                 rank,
                 step,

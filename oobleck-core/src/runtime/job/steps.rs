@@ -19,14 +19,17 @@ impl JobMachine {
         addr: String,
         pid: u32,
     ) {
-        self.record(Event::Process {
-            role: "worker".into(),
-            pid: Some(pid),
-            host: None,
-            node: Some(node),
-            rank: Some(rank),
-            data_addr: Some(addr.clone()),
-        });
+        // A worker kept across generations is one process: recorded once.
+        if self.worker_pids.insert(pid) {
+            self.record(Event::Process {
+                role: "worker".into(),
+                pid: Some(pid),
+                host: None,
+                node: Some(node),
+                rank: Some(rank),
+                data_addr: Some(addr.clone()),
+            });
+        }
         let Some(g) = self.gen.as_mut() else { return };
         g.listening.insert(rank, addr);
         if !matches!(self.phase, Phase::Rendezvous) || g.listening.len() < g.world {
@@ -176,7 +179,9 @@ impl JobMachine {
         }
     }
 
-    pub(super) fn on_state_saved(&mut self, rank: u32, step: u64, state: String) {
+    pub(super) fn on_state_saved(&mut self, rank: u32, step: u64, state: String, stall_ms: f64) {
+        let stall = self.stalls.entry(step).or_insert(0.0);
+        *stall = stall.max(stall_ms);
         let Some(g) = self.gen.as_mut() else { return };
         if !g.savers.contains(&rank) {
             let savers = g.savers.clone();
@@ -213,10 +218,12 @@ impl JobMachine {
             if self.newest.as_ref().is_none_or(|n| n.1 <= step) {
                 self.newest = Some((path.clone(), step));
             }
+            let stall_ms = self.stalls.remove(&step).unwrap_or(0.0);
             self.record(Event::Checkpoint {
                 step,
                 path,
                 duration_s,
+                stall_ms,
             });
         }
         if let Some(v) = val_loss {

@@ -1,11 +1,11 @@
 //! A generation's steps: iteration and gradient sync, `Ready`, the master's commit, the
 //! optimizer; and how a generation ends early (a failed step, or the next generation).
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor, Var};
+use oobleck_comm::send_blob;
 
 use super::inbox::{report, Inbox};
 use super::state::Held;
@@ -17,6 +17,9 @@ use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::pipe::{stage_leads, ToWorker, WorkerAssignment};
 use crate::runtime::records::WorkerReport;
 use crate::runtime::spec::Workload;
+
+/// The longest a state upload to the master may take.
+const UPLOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How long a worker whose step failed waits for the master's instructions.
 pub(super) const BROKEN_WAIT: Duration = Duration::from_secs(120);
@@ -64,22 +67,13 @@ impl Generation<'_> {
             let s = step + 1;
             self.committed = s;
             if saves_state && s < training.steps && training.state_due(s) {
-                let path = state_path_at(&self.a.run_dir, s, rank);
-                save_state(&params, &self.opt, &path)?;
-                report(
-                    g,
-                    &WorkerReport::Saved {
-                        rank,
-                        step: s,
-                        state: path.display().to_string(),
-                    },
-                )?;
+                save_in_background(self.a, &params, &self.opt, s)?;
             }
         }
         let mut state = None;
         if saves_state {
             let path = state_path(&self.a.run_dir, rank);
-            save_state(&params, &self.opt, &path)?;
+            upload(self.a, snapshot(&params, &self.opt)?, &path)?;
             state = Some(path.display().to_string());
         }
         report(
@@ -158,21 +152,79 @@ impl Generation<'_> {
     }
 }
 
-/// Writes a rank's parameters (`param/NAME`) and optimizer state (`opt/ENTRY`) to `path`.
-fn save_state(params: &[(String, Var)], opt: &AdamW, path: &Path) -> Result<()> {
-    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+/// A copy of a rank's parameters (`param/NAME`) and optimizer state (`opt/ENTRY`) in fresh
+/// host memory, so training can go on while it is written: the only stall of a checkpoint.
+fn snapshot(params: &[(String, Var)], opt: &AdamW) -> Result<Vec<(String, Tensor)>> {
+    let mut tensors = Vec::new();
     for (name, var) in params {
-        tensors.insert(format!("param/{name}"), var.as_tensor().clone());
+        tensors.push((
+            format!("param/{name}"),
+            var.as_tensor().copy().map_err(crate::Error::from)?,
+        ));
     }
     for (name, t) in opt.export_state()? {
-        tensors.insert(format!("opt/{name}"), t);
+        tensors.push((format!("opt/{name}"), t.copy().map_err(crate::Error::from)?));
     }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| RuntimeError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-    }
-    candle_core::safetensors::save(&tensors, path)
-        .with_ctx(|| format!("writing {}", path.display()))
+    Ok(tensors)
+}
+
+/// Uploads `tensors` as the safetensors file `path` (under the run directory) to the master.
+fn upload(a: &WorkerAssignment, tensors: Vec<(String, Tensor)>, path: &Path) -> Result<()> {
+    let name = path
+        .strip_prefix(&a.run_dir)
+        .map_err(|_| {
+            protocol(
+                a.rank,
+                format!("{} is outside the run directory", path.display()),
+            )
+        })?
+        .to_str()
+        .ok_or_else(|| protocol(a.rank, format!("{} is not UTF-8", path.display())))?
+        .to_string();
+    let bytes = safetensors::tensor::serialize(tensors, None).map_err(|e| {
+        RuntimeError::Invalid(format!("serialising the state of rank {}: {e}", a.rank))
+    })?;
+    let sink = super::resolve(&a.state_sink)?;
+    send_blob(sink, &a.state_key, &name, &bytes, UPLOAD_TIMEOUT).with_ctx(|| {
+        format!(
+            "rank {}: uploading {name} ({:.1} MB) to the master at {sink}",
+            a.rank,
+            bytes.len() as f64 / 1e6
+        )
+    })?;
+    Ok(())
+}
+
+/// Snapshots the state after committed `step` and uploads it on a thread of its own, so the
+/// next step starts at once; reports `Saved` once the master has the file.
+fn save_in_background(
+    a: &WorkerAssignment,
+    params: &[(String, Var)],
+    opt: &AdamW,
+    step: u64,
+) -> Result<()> {
+    let started = Instant::now();
+    let tensors = snapshot(params, opt)?;
+    let stall_ms = started.elapsed().as_secs_f64() * 1e3;
+    let a = a.clone();
+    std::thread::spawn(move || {
+        let path = state_path_at(&a.run_dir, step, a.rank);
+        let saved = upload(&a, tensors, &path).and_then(|()| {
+            report(
+                a.generation,
+                &WorkerReport::Saved {
+                    rank: a.rank,
+                    step,
+                    state: path.display().to_string(),
+                    stall_ms,
+                },
+            )
+        });
+        if let Err(e) = saved {
+            // The master never gets this step's state: that checkpoint is skipped, training
+            // goes on.
+            eprintln!("oobleck worker: the state of step {step} was not saved: {e}");
+        }
+    });
+    Ok(())
 }

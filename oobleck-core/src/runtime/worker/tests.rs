@@ -158,6 +158,8 @@ fn assignment() -> WorkerAssignment {
                 bytes: 64,
             }],
         },
+        state_sink: "127.0.0.1:7100".into(),
+        state_key: oobleck_comm::SecretKey::random(),
     }
 }
 

@@ -296,7 +296,16 @@ impl H {
     pub(super) fn saved(&mut self, t: f64, rank: u32, step: u64) -> Vec<Action> {
         let node = self.node_of(rank);
         let state = format!("state/rank-{rank}");
-        self.worker(t, node, WorkerReport::Saved { rank, step, state })
+        self.worker(
+            t,
+            node,
+            WorkerReport::Saved {
+                rank,
+                step,
+                state,
+                stall_ms: 2.0,
+            },
+        )
     }
 
     /// The periodic checkpoint of `step` is written.
