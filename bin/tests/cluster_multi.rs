@@ -78,7 +78,13 @@ fn start_train(args: &[String], envs: &[(&str, &str)]) -> (Child, mpsc::Receiver
 }
 
 fn agent(master: &str, token: &str, host: &str) -> Child {
+    agent_in(master, token, host, Path::new("."))
+}
+
+/// An agent whose working directory is `cwd`.
+fn agent_in(master: &str, token: &str, host: &str, cwd: &Path) -> Child {
     Command::new(OOBLECK)
+        .current_dir(cwd)
         .args(["agent", "--master", master, "--host", host])
         .env("OOBLECK_TOKEN", token)
         .stdin(Stdio::null())
@@ -200,6 +206,82 @@ fn agents_started_by_hand_on_other_addresses_train_with_a_listening_master() {
         .expect("list")
         .expect("a checkpoint");
     assert!(ck.ends_with("step-000003"));
+}
+
+/// Three agents on 127.0.0.2-4, each in a directory of its own, never told the master's run
+/// directory's contents: periodic checkpoints, evaluations, the final checkpoint and a
+/// recovery in place after node 1 dies all go over the network. Nothing lands where the
+/// agents run.
+#[test]
+fn a_multi_machine_job_with_a_failure_needs_no_shared_file_system() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("master-run");
+    let master = format!("127.0.0.1:{}", free_port());
+    let mut args = job_args(&out);
+    let steps = args.iter().position(|a| a == "--steps").expect("--steps") + 1;
+    args[steps] = "8".into();
+    args.extend(
+        [
+            "--listen",
+            &master,
+            "--expect-nodes",
+            "3",
+            "--checkpoint-every",
+            "2",
+            "--eval-every",
+            "4",
+            "--inject-failure",
+            "1@3",
+        ]
+        .map(String::from),
+    );
+    let (train, rx) = start_train(&args, &[("OOBLECK_TOKEN", TOKEN)]);
+    let mut procs = Procs(vec![train]);
+    let mut log = String::new();
+    wait_line(
+        &rx,
+        "master listening on",
+        Duration::from_secs(30),
+        &mut log,
+    );
+    let homes: Vec<PathBuf> = (2..5)
+        .map(|i| {
+            let home = dir.path().join(format!("agent-{i}"));
+            std::fs::create_dir_all(&home).expect("agent dir");
+            procs
+                .0
+                .push(agent_in(&master, TOKEN, &format!("127.0.0.{i}"), &home));
+            home
+        })
+        .collect();
+    let st = wait_exit(&mut procs.0[0], Duration::from_secs(180));
+    drain(&rx, &mut log);
+    assert!(st.success(), "{log}");
+    assert!(log.contains("done: 8 steps"), "{log}");
+    assert!(log.contains("in place at step 3"), "{log}");
+    let ev = events(&out);
+    let stalls: Vec<f64> = ev
+        .iter()
+        .filter(|e| e["event"] == "checkpoint")
+        .filter_map(|e| e["stall_ms"].as_f64())
+        .collect();
+    assert!(
+        stalls.len() >= 3,
+        "periodic and final checkpoints: {stalls:?}"
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+    assert!(
+        metrics.contains("val_loss"),
+        "an evaluation over uploaded state: {metrics}"
+    );
+    for home in homes {
+        let left: Vec<_> = std::fs::read_dir(&home).expect("agent dir").collect();
+        assert!(left.is_empty(), "{} has {left:?}", home.display());
+    }
+    let ck = oobleck_core::checkpoint::latest_checkpoint(&out)
+        .expect("list")
+        .expect("a checkpoint");
+    assert!(ck.ends_with("step-000008"));
 }
 
 /// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).

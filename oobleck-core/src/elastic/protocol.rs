@@ -209,6 +209,9 @@ pub enum Message {
     StatusResponse { status: ClusterStatus },
     /// Client -> master: kill the processes of `node` (fault injection, demos).
     KillNode { node: u32 },
+    /// Master -> agents: generation `generation` failed; its workers stop their step at once
+    /// (keeping the committed state) and wait for the next generation.
+    AbortGeneration { generation: u64 },
     /// Master -> agent: kill your workers and exit.
     Shutdown { reason: String },
 }
@@ -231,6 +234,7 @@ impl Message {
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
             Message::KillNode { .. } => "kill_node",
+            Message::AbortGeneration { .. } => "abort_generation",
             Message::Shutdown { .. } => "shutdown",
         }
     }

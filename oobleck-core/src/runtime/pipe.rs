@@ -77,6 +77,9 @@ pub enum ToWorker {
     Rendezvous { rendezvous: Vec<Rendezvous> },
     /// Every holder has its reduced gradient for `step` (1-based): apply it.
     Commit { step: u64 },
+    /// Generation `generation` failed: stop the step under way (its update is never applied)
+    /// instead of finishing it. Read by the worker's stdin thread as soon as it arrives.
+    Abort { generation: u64 },
     /// The next generation, for a worker that keeps running: leave the current one (its open
     /// step is not applied) and take this assignment with the state it holds.
     Reassign { assignment: Box<WorkerAssignment> },

@@ -322,6 +322,13 @@ impl NodeAgent {
             Message::StepCommitted { step, generation } if generation == self.generation => {
                 tell_all(self.node, &mut self.workers, &ToWorker::Commit { step }).await?;
             }
+            Message::AbortGeneration { generation } if generation == self.generation => {
+                let abort = ToWorker::Abort { generation };
+                for w in self.workers.iter_mut() {
+                    // A worker that is gone cannot be stopped, nor needs to be.
+                    let _ = w.tell(self.node, &abort).await;
+                }
+            }
             Message::KillNode { node } if node == self.node => return Err(self.on_kill()),
             Message::Shutdown { reason } => {
                 tracing::info!(node = self.node, %reason, "shutdown");

@@ -177,6 +177,11 @@ impl<'a> Driver<'a> {
                 let m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
                 self.commit(m, eval_due).await?;
             }
+            Action::Abort { generation } => {
+                let abort = Message::AbortGeneration { generation };
+                // Nodes that do not hear it find out from their peers' aborted connections.
+                let _ = self.p.master.broadcast(&abort).await;
+            }
             Action::KillNode { node } => {
                 let kill = Message::KillNode { node };
                 if let Err(e) = self.p.master.send_to(node, kill).await {

@@ -187,6 +187,8 @@ pub enum Action {
         nodes: usize,
         eval_due: bool,
     },
+    /// Generation `generation` failed: tell its workers to stop their step now.
+    Abort { generation: u64 },
     /// Tell `node` to kill its processes, as a crash would.
     KillNode { node: u32 },
     /// `node` is lost for good; if its processes still run here, kill them.

@@ -68,6 +68,9 @@ impl JobMachine {
             failure.failed_at + 1,
             failure.reason
         ));
+        self.push(Action::Abort {
+            generation: self.generation,
+        });
         self.timer = Some(Timer {
             failed: now,
             mark: now,

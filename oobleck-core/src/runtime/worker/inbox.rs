@@ -4,8 +4,11 @@
 //! so it prints: the worker's stderr is its log, which the agent passes on.
 
 use std::io::{BufRead, Write};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
+
+use oobleck_comm::Communicator;
 
 use super::protocol;
 use crate::runtime::error::{Context, Result};
@@ -18,12 +21,47 @@ const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Exit code of a worker whose agent closed its stdin.
 const ORPHANED: i32 = 3;
 
+/// Stops the running generation's step from the stdin thread, the moment the master says the
+/// generation failed: the communicator is aborted (every blocked operation returns) and the
+/// step's data source refuses the next microbatch (compute with no communication stops too).
+#[derive(Default)]
+pub(super) struct AbortSwitch {
+    generation: AtomicU64,
+    aborted: AtomicBool,
+    comm: Mutex<Option<Arc<dyn Communicator>>>,
+}
+
+impl AbortSwitch {
+    /// Generation `generation` runs on `comm` from now on.
+    pub(super) fn arm(&self, generation: u64, comm: Arc<dyn Communicator>) {
+        *self.comm.lock().unwrap_or_else(|p| p.into_inner()) = Some(comm);
+        self.generation.store(generation, Ordering::SeqCst);
+        self.aborted.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the running generation was aborted.
+    pub(super) fn is_set(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+
+    fn trigger(&self, generation: u64) {
+        if self.generation.load(Ordering::SeqCst) != generation {
+            return;
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+        if let Some(c) = self.comm.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            c.abort();
+        }
+    }
+}
+
 /// The worker's stdin: the assignment, then the agent's messages. A thread reads it and ends
 /// the process when it closes: the agent that started us is gone, so nobody would ever
 /// commit a step or collect our results.
 pub(super) struct Inbox {
     rank: u32,
     rx: mpsc::Receiver<Result<ToWorker>>,
+    pub(super) abort: Arc<AbortSwitch>,
     /// A message read too early, handed out again first.
     unread: std::cell::RefCell<Option<ToWorker>>,
 }
@@ -33,7 +71,9 @@ impl Inbox {
     pub(super) fn start(rank: u32) -> Result<(WorkerAssignment, Inbox)> {
         let (first_tx, first_rx) = mpsc::channel();
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || read_stdin(rank, first_tx, tx));
+        let abort = Arc::new(AbortSwitch::default());
+        let switch = abort.clone();
+        std::thread::spawn(move || read_stdin(rank, first_tx, tx, &switch));
         let line = first_rx
             .recv_timeout(ASSIGNMENT_TIMEOUT)
             .map_err(|_| {
@@ -49,6 +89,7 @@ impl Inbox {
             Inbox {
                 rank,
                 rx,
+                abort,
                 unread: Default::default(),
             },
         ))
@@ -81,6 +122,7 @@ fn read_stdin(
     rank: u32,
     first: mpsc::Sender<std::io::Result<String>>,
     rest: mpsc::Sender<Result<ToWorker>>,
+    abort: &AbortSwitch,
 ) {
     let stdin = std::io::stdin();
     let mut lock = stdin.lock();
@@ -91,7 +133,12 @@ fn read_stdin(
         match lock.read_line(&mut line) {
             Ok(0) | Err(_) => break,
             Ok(_) => {
-                let msg = serde_json::from_str::<ToWorker>(line.trim()).map_err(|e| {
+                let msg = serde_json::from_str::<ToWorker>(line.trim());
+                if let Ok(ToWorker::Abort { generation }) = msg {
+                    abort.trigger(generation);
+                    continue;
+                }
+                let msg = msg.map_err(|e| {
                     protocol(
                         rank,
                         format!("malformed message from the agent: {:?}: {e}", line.trim()),

@@ -26,6 +26,7 @@ mod steps;
 use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -177,7 +178,7 @@ struct Loaded {
 struct Generation<'a> {
     a: &'a WorkerAssignment,
     worker: StageWorker,
-    comm: Box<dyn Communicator>,
+    comm: Arc<dyn Communicator>,
     opt: AdamW,
     /// The last step whose update this rank applied: the state it holds.
     committed: u64,
@@ -230,6 +231,8 @@ impl<'a> Generation<'a> {
                 return Err(e);
             }
         };
+        let comm: Arc<dyn Communicator> = Arc::from(comm);
+        inbox.abort.arm(a.generation, comm.clone());
         let generation = Generation::build(a, model, &layout, comm, loaded)
             .map_err(|e| not_formed(e, Held::nothing(0)))?;
         report(
@@ -252,7 +255,7 @@ impl<'a> Generation<'a> {
         a: &'a WorkerAssignment,
         model: &dyn LayeredModel,
         layout: &Layout,
-        comm: Box<dyn Communicator>,
+        comm: Arc<dyn Communicator>,
         loaded: Loaded,
     ) -> Result<Generation<'a>> {
         let training = &a.job.training;

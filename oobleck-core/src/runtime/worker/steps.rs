@@ -99,7 +99,13 @@ impl Generation<'_> {
     ) -> std::result::Result<Duration, Stop> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
         let seed = training.seed;
+        let abort = &inbox.abort;
         let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
+            if abort.is_set() {
+                return Err(crate::Error::workload(
+                    "stopped: the master ended this generation after a failure",
+                ));
+            }
             let mb = u32::try_from(mb)
                 .map_err(|_| crate::Error::workload(format!("microbatch {mb} is past u32")))?;
             workload

@@ -364,6 +364,7 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Deploy { .. } => "deploy".into(),
             Action::Rendezvous { .. } => "rendezvous".into(),
             Action::Commit { step, .. } => format!("commit:{step}"),
+            Action::Abort { generation } => format!("abort:{generation}"),
             Action::KillNode { node } => format!("kill:{node}"),
             Action::Fence { node } => format!("fence:{node}"),
             Action::Reconfigure { lost, .. } => format!("reconfigure:{lost:?}"),
