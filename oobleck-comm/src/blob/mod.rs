@@ -30,12 +30,12 @@
 //!   on. The client's fresh `cnonce` makes the sink prove it holds the key too, so a worker
 //!   never loads a file from something else that answers at the master's address.
 //! * The sink checks, in this order, the magic and version (version 1, uploads only, is
-//!   refused with a message naming both versions), the operation, the MAC and the name (a
-//!   relative path of plain components; no `..`, no absolute path, not ending in
-//!   `.partial`), and answers a refusal (status != 0, with the reason) instead of the first
-//!   status 0. Statuses: 0 ok, 1 bad header, 2 bad MAC, 3 bad name, 4 too large, 5 name being
-//!   uploaded by another connection, 6 SHA-256 mismatch, 7 connection broke, 8 disk error on
-//!   the sink, 9 not found.
+//!   refused with a message naming both versions), the operation, the MAC, the zeros of a
+//!   get or list, and the name (a relative path of plain components; no `..`, no absolute
+//!   path, not ending in `.partial`), and answers a refusal (status != 0, with the reason)
+//!   instead of the first status 0. Statuses: 0 ok, 1 bad header, 2 bad MAC, 3 bad name,
+//!   4 too large, 5 name being uploaded by another connection, 6 SHA-256 mismatch,
+//!   7 connection broke, 8 disk error on the sink, 9 not found.
 //! * Put: `len <= max_bytes` is checked before any body is read. The body is streamed to
 //!   `root/<name>.partial` in chunks while hashed; on a hash mismatch, a short body, a closed
 //!   connection or a stop of the sink the partial file is deleted and nothing appears under
@@ -274,22 +274,20 @@ fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
         name: String::new(),
         streaming: false,
     };
-    let (name, op) = (
-        |r: &Served| r.name.clone(),
-        |r: &Served| r.op.map(BlobOp::noun),
-    );
-    match handle(shared, &mut stream, &mut req) {
+    let result = handle(shared, &mut stream, &mut req);
+    let (op, name) = (req.op.map(BlobOp::noun), req.name.as_str());
+    match result {
         Ok(n) => {
             let secs = started.elapsed().as_secs_f64();
-            info!(%peer, op = op(&req), name = name(&req), n, secs, "blob request served");
+            info!(%peer, op, name, n, secs, "blob request served");
             if req.op == Some(BlobOp::Put) {
                 let _ = write_answer(&mut stream, Status::Ok, &format!("stored {n} bytes"));
             }
         }
         Err(Refusal(status, message)) => {
-            let (op, name) = (op(&req), name(&req));
             warn!(%peer, op, name, ?status, reason = %message, "blob request refused");
-            // The client may be gone (a short body); then there is no one left to tell.
+            // The client may be gone (a short body); then there is no one left to tell. After
+            // a get's body started, an answer would be read as body bytes: only close.
             if !req.streaming {
                 let _ = write_answer(&mut stream, status, &message);
             }
@@ -308,6 +306,10 @@ fn handle(shared: &Shared, s: &mut TcpStream, req: &mut Served) -> Result<u64, R
     if !r.verifies(&shared.key, &nonce) {
         let why = "the MAC does not verify: the client was given another job's or generation's key";
         return Err(Refusal(Status::Unauthorized, why.into()));
+    }
+    if r.op != BlobOp::Put && (r.len != 0 || r.sha256 != [0; 32]) {
+        let why = format!("a {} request carries length 0 and hash 0", r.op.noun());
+        return Err(Refusal(Status::BadHeader, why));
     }
     let rel = check_name(&r.name).map_err(|why| Refusal(Status::BadName, why))?;
     match r.op {

@@ -220,19 +220,14 @@ pub(super) fn read_request(s: &mut TcpStream) -> Result<Request, Refusal> {
     read(s, &mut name)?;
     let mut tail = [0u8; 8 + 32 + KEY_BYTES];
     read(s, &mut tail)?;
-    let r = Request {
+    Ok(Request {
         op,
         nonce: fixed[1..33].try_into().expect("32 bytes"),
         name,
         len: u64::from_le_bytes(tail[..8].try_into().expect("8 bytes")),
         sha256: tail[8..40].try_into().expect("32 bytes"),
         mac: tail[40..].try_into().expect("32 bytes"),
-    };
-    if op != BlobOp::Put && (r.len != 0 || r.sha256 != [0; 32]) {
-        let why = format!("a {} request carries length 0 and hash 0", op.noun());
-        return Err(Refusal(Status::BadHeader, why));
-    }
-    Ok(r)
+    })
 }
 
 /// An answer's bytes: status, message length, message (cut to `MAX_MESSAGE` bytes).
