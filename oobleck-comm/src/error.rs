@@ -141,6 +141,23 @@ pub enum CommError {
         len: u64,
         reason: String,
     },
+    /// A blob sink has no file (or, for a listing, no directory) of this name under its root.
+    #[error(
+        "blob sink {sink} has no {name:?} under its run directory (check that the master wrote          it, e.g. that the checkpoint step exists, and that the name is relative to the run          directory)"
+    )]
+    BlobNotFound { sink: SocketAddr, name: String },
+    /// A download or a listing (`what`) from a blob sink failed: refused (a bad name, a wrong
+    /// key), broken off (no connection, a timeout, a connection closed early), or its bytes did
+    /// not match the length, hash or MAC the sink announced. Nothing is kept of a download.
+    #[error(
+        "{what} of {name:?} from blob sink {sink} failed: {reason} (check that the master is          up and reachable there and that the timeout fits the size)"
+    )]
+    BlobFetch {
+        sink: SocketAddr,
+        what: &'static str,
+        name: String,
+        reason: String,
+    },
 }
 
 impl CommError {

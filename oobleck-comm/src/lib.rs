@@ -16,7 +16,7 @@
 //! reconfiguration builds a new one. See [`Communicator`] for the thread-safety and failure
 //! contract, `README.md` for the summary, and [`frame`] for the wire format.
 
-mod blob;
+pub mod blob;
 mod comm;
 mod engine;
 mod error;
@@ -32,7 +32,7 @@ mod nccl;
 mod tcp;
 mod tensor;
 
-pub use blob::{send_blob, BlobReceipt, BlobSink};
+pub use blob::{fetch_blob, fetch_dir, list_blobs, send_blob, BlobReceipt, BlobSink};
 pub use comm::{Communicator, Rank};
 pub use engine::Tuning;
 pub use error::{CommError, FrameError, Op, Result};

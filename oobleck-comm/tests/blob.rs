@@ -1,6 +1,6 @@
 //! `BlobSink` / `send_blob`: round trips, concurrency, and every refusal. The raw client below
-//! speaks the wire format drawn in `blob.rs`'s module doc by hand, to send what `send_blob`
-//! never would (a wrong hash, a body cut short, no body at all).
+//! speaks the wire format drawn in `oobleck_comm::blob`'s module doc by hand, to send what
+//! `send_blob` never would (a wrong hash, a body cut short, no body at all).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -64,7 +64,7 @@ impl Raw {
         s.set_write_timeout(Some(TIMEOUT)).unwrap();
         let mut hello = [0u8; 38];
         s.read_exact(&mut hello).unwrap();
-        assert_eq!(&hello[..6], b"OBKB\x01\x00");
+        assert_eq!(&hello[..6], b"OBKB\x02\x00");
         Raw {
             s,
             nonce: hello[6..].to_vec(),
@@ -75,12 +75,17 @@ impl Raw {
         self.header_bytes(key, name.as_bytes(), len, sha);
     }
 
+    /// A put request (op 1) of protocol version 2.
     fn header_bytes(&mut self, key: &SecretKey, name: &[u8], len: u64, sha: [u8; 32]) {
-        let mac = key.mac(&[b"oobleck-blob", &self.nonce, name, &len.to_le_bytes(), &sha]);
-        let mut h = b"OBKB\x01\x00".to_vec();
+        let (op, cnonce) = ([1u8], [7u8; 32]);
+        let len = len.to_le_bytes();
+        let mac = key.mac(&[b"oobleck-blob", &self.nonce, &op, &cnonce, name, &len, &sha]);
+        let mut h = b"OBKB\x02\x00".to_vec();
+        h.extend_from_slice(&op);
+        h.extend_from_slice(&cnonce);
         h.extend_from_slice(&(name.len() as u16).to_le_bytes());
         h.extend_from_slice(name);
-        h.extend_from_slice(&len.to_le_bytes());
+        h.extend_from_slice(&len);
         h.extend_from_slice(&sha);
         h.extend_from_slice(&mac);
         self.s.write_all(&h).unwrap();
@@ -290,7 +295,7 @@ fn silent_clients_do_not_block_another_upload() {
     // One never reads the hello, one stops halfway through its header.
     let _mute = TcpStream::connect(sink.addr()).unwrap();
     let mut half = Raw::connect(sink.addr());
-    half.s.write_all(b"OBKB\x01\x00\x05").unwrap();
+    half.s.write_all(b"OBKB\x02\x00\x01").unwrap();
     let bytes = random_bytes(9, 200_000);
     send_blob(sink.addr(), &key, "ok.bin", &bytes, TIMEOUT).unwrap();
     assert_eq!(std::fs::read(sink.root().join("ok.bin")).unwrap(), bytes);
