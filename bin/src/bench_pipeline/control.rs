@@ -76,6 +76,7 @@ async fn commit_one_step(
                 step,
                 loss: 0.0,
                 grad_norm: 0.0,
+                microbatches: vec![0, 1],
             },
         };
         a.send(msg, timeout).await?;

@@ -447,6 +447,7 @@ mod tests {
                     step: 7,
                     loss: 3.25,
                     grad_norm: 0.5,
+                    microbatches: vec![0, 1],
                 },
             },
             Message::Worker {

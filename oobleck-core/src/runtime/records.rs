@@ -35,6 +35,11 @@ pub enum WorkerReport {
         step: u64,
         loss: f64,
         grad_norm: f64,
+        /// The global microbatches of the step this rank read from the workload's data, if it
+        /// is the lead of its pipeline's first stage (none otherwise): the master checks that
+        /// every sample of the step is trained on exactly once.
+        #[serde(default)]
+        microbatches: Vec<u32>,
     },
     /// The master has this worker's part of the state after committed `step`, at `state`
     /// (a path on the master's machine). `stall_ms`: how long training waited for it (the
@@ -299,6 +304,7 @@ mod tests {
             step: 3,
             loss: 1.5,
             grad_norm: 0.25,
+            microbatches: vec![0, 1],
         };
         let back = WorkerReport::parse(&r.line(4))
             .expect("a report line")

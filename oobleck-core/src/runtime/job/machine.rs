@@ -47,6 +47,8 @@ pub(super) struct Generation {
     pub listening: BTreeMap<u32, String>,
     /// Ranks ready for the open step: `(loss, grad norm)`.
     pub ready: BTreeMap<u32, (f64, f64)>,
+    /// The global microbatches the open step's first stages read.
+    pub read: Vec<u32>,
     /// Ranks whose step failed, holding the state of a committed step: `(node, step)`.
     pub broken: BTreeMap<u32, (u32, u64)>,
     pub exited: BTreeSet<u32>,
@@ -405,6 +407,7 @@ impl JobMachine {
             savers,
             listening: BTreeMap::new(),
             ready: BTreeMap::new(),
+            read: Vec::new(),
             broken: BTreeMap::new(),
             exited: BTreeSet::new(),
             done: BTreeMap::new(),
@@ -449,7 +452,13 @@ impl JobMachine {
                 step,
                 loss,
                 grad_norm,
-            } => self.on_step_ready(now, rank, step, loss, grad_norm),
+                microbatches,
+            } => {
+                if let Some(g) = self.gen.as_mut() {
+                    g.read.extend(microbatches);
+                }
+                self.on_step_ready(now, rank, step, loss, grad_norm)
+            }
             WorkerReport::Saved {
                 rank,
                 step,

@@ -152,6 +152,7 @@ impl JobMachine {
                 step,
                 loss,
                 grad_norm,
+                ..
             } if step == self.committed + 1 => {
                 if let Some(g) = self.gen.as_mut() {
                     g.ready.insert(rank, (loss, grad_norm));

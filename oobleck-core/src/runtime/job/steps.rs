@@ -131,6 +131,18 @@ impl JobMachine {
             return;
         }
         let ready = std::mem::take(&mut g.ready);
+        let mut read = std::mem::take(&mut g.read);
+        read.sort_unstable();
+        let every: Vec<u32> = (0..self.spec.global_microbatches).collect();
+        if read != every {
+            return self.fail(RuntimeError::OutOfStep {
+                rank,
+                what: format!(
+                    "step {step} trained microbatches {read:?}, not each of 0..{} once",
+                    self.spec.global_microbatches
+                ),
+            });
+        }
         let (pipelines, nodes) = (g.plan.pipelines.len(), g.nodes.len());
         let (loss, grad_norm) = match agreed(&ready, step) {
             Ok(v) => v,

@@ -100,6 +100,9 @@ impl Generation<'_> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
         let seed = training.seed;
         let abort = &inbox.abort;
+        let pos = self.worker.position();
+        let lead_of_first_stage = pos.stage == 0 && pos.device == 0;
+        let mut read = std::collections::BTreeSet::new();
         let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
             if abort.is_set() {
                 return Err(crate::Error::workload(
@@ -108,6 +111,9 @@ impl Generation<'_> {
             }
             let mb = u32::try_from(mb)
                 .map_err(|_| crate::Error::workload(format!("microbatch {mb} is past u32")))?;
+            if lead_of_first_stage {
+                read.insert(mb);
+            }
             workload
                 .microbatch(seed, step, mb, &Device::Cpu)
                 .map_err(|e| {
@@ -129,6 +135,7 @@ impl Generation<'_> {
                 step: step + 1,
                 loss: sync.loss,
                 grad_norm: sync.grad_norm,
+                microbatches: read.into_iter().collect(),
             },
         )?;
         let waited = Instant::now();

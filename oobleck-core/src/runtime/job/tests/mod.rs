@@ -266,8 +266,20 @@ impl H {
                 step,
                 loss: 2.5,
                 grad_norm: 0.5,
+                microbatches: self.first_microbatch(rank),
             },
         )
+    }
+
+    /// The microbatches rank `rank` reads in the harness: its pipeline's first rank reads
+    /// an even share of the job's batch, in pipeline order.
+    pub(super) fn first_microbatch(&self, rank: u32) -> Vec<u32> {
+        let plan = &self.m.gen.as_ref().expect("a generation").plan;
+        let (b, n) = (self.m.spec.global_microbatches, plan.pipelines.len() as u32);
+        match plan.pipelines.iter().position(|p| p.first_rank == rank) {
+            Some(i) => (i as u32 * b / n..(i as u32 + 1) * b / n).collect(),
+            None => Vec::new(),
+        }
     }
 
     /// Every rank reports `step` ready: returns the actions of the last report.

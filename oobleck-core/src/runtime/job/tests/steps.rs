@@ -73,9 +73,33 @@ fn ranks_that_disagree_on_the_loss_end_the_job() {
             step: 1,
             loss: 9.0,
             grad_norm: 0.5,
+            microbatches: vec![2, 3],
         },
     );
     assert!(failure(&a).contains("ranks disagree on step 1"));
+}
+
+#[test]
+fn a_step_that_did_not_train_each_microbatch_once_ends_the_job() {
+    let mut h = H::running(spec(2, 1, 4), plan(&[&[0], &[1]]));
+    h.ready(1.0, 0, 1);
+    // Pipeline 1 read microbatch 1 again instead of 3: a sample of the step twice, one never.
+    let a = h.worker(
+        1.0,
+        1,
+        WorkerReport::Ready {
+            rank: 1,
+            step: 1,
+            loss: 2.5,
+            grad_norm: 0.5,
+            microbatches: vec![1, 2],
+        },
+    );
+    let e = failure(&a);
+    assert!(
+        e.contains("trained microbatches [0, 1, 1, 2], not each of 0..4 once"),
+        "{e}"
+    );
 }
 
 #[test]
