@@ -315,9 +315,7 @@ fn load(
             CopyStats::default(),
         )),
         StateSource::Checkpoint { path } => {
-            let ck = load_checkpoint(path, &Device::Cpu)
-                .with_ctx(|| format!("rank {rank}: loading {}", path.display()))
-                .map_err(|e| not_formed(e, Held::nothing(0)))?;
+            let ck = fetch_checkpoint(a, path).map_err(|e| not_formed(e, Held::nothing(0)))?;
             let loaded = Loaded {
                 params: ck.params.into_iter().collect(),
                 optimizer: ck.optimizer,
@@ -362,6 +360,49 @@ fn load(
             Ok((loaded, copied))
         }
     }
+}
+
+/// How long fetching a checkpoint from the master may take.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Loads checkpoint `path` (a directory on the master's machine). One inside the run
+/// directory is fetched over the network into a directory of this worker's own, so workers need
+/// no shared file system; one outside it (a `--resume` from elsewhere) must be readable here.
+fn fetch_checkpoint(a: &WorkerAssignment, path: &Path) -> Result<crate::checkpoint::Checkpoint> {
+    let rank = a.rank;
+    let Some(name) = path.strip_prefix(&a.run_dir).ok().and_then(|p| p.to_str()) else {
+        return load_checkpoint(path, &Device::Cpu).with_ctx(|| {
+            format!(
+                "rank {rank}: loading {} (outside the run directory, so it is read from this \
+                 machine's disk)",
+                path.display()
+            )
+        });
+    };
+    let local = tempfile::Builder::new()
+        .prefix("oobleck-checkpoint-")
+        .tempdir()
+        .ctx("a directory for the fetched checkpoint")?;
+    let dir = local.path().join(path.file_name().unwrap_or_default());
+    std::fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
+        path: dir.clone(),
+        source,
+    })?;
+    let sink = resolve(&a.state_sink)?;
+    let started = Instant::now();
+    let bytes =
+        oobleck_comm::fetch_dir(sink, &a.state_key, name, &dir, FETCH_TIMEOUT).with_ctx(|| {
+            format!("rank {rank}: fetching checkpoint {name} from the master at {sink}")
+        })?;
+    tracing::info!(
+        rank,
+        checkpoint = name,
+        mb = bytes as f64 / 1e6,
+        secs = started.elapsed().as_secs_f64(),
+        "fetched the checkpoint"
+    );
+    load_checkpoint(&dir, &Device::Cpu)
+        .with_ctx(|| format!("rank {rank}: loading checkpoint {name} fetched from the master"))
 }
 
 /// After a generation failed: this worker holds `held` of committed step `held.step` (the
