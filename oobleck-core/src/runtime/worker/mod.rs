@@ -74,6 +74,28 @@ fn protocol(rank: u32, what: String) -> RuntimeError {
     }
 }
 
+/// A test hook for failures at exact points: `OOBLECK_TEST_KILL=POINT:GENERATION:NODE:STEP`
+/// makes the worker of `NODE` SIGKILL itself at `POINT` (`sync`: before the gradient sync of
+/// step `STEP`; `copy`: in the layer copies at committed step `STEP`, after its first layer)
+/// of generation `GENERATION`. Real failure injection: the process dies by the signal, as
+/// when a machine goes.
+pub const TEST_KILL_ENV: &str = "OOBLECK_TEST_KILL";
+
+/// Dies here if [`TEST_KILL_ENV`] says so.
+fn test_kill_point(point: &str, a: &WorkerAssignment, step: u64) {
+    let Ok(spec) = std::env::var(TEST_KILL_ENV) else {
+        return;
+    };
+    let want = format!("{point}:{}:{}:{step}", a.generation, a.node);
+    if spec.split(',').any(|s| s.trim() == want) {
+        eprintln!("oobleck worker: {TEST_KILL_ENV}={want}: SIGKILL");
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &std::process::id().to_string()])
+            .status();
+        std::thread::sleep(Duration::from_secs(5));
+    }
+}
+
 /// How a generation ended for this worker.
 enum Flow {
     /// Every step is applied and reported: the job is over.
@@ -338,7 +360,8 @@ fn load(
                 return Err(not_formed(e, held));
             }
             let before = held.layer_list();
-            let copied = match exchange(comm, rank, &mut held, copies, DATA_TIMEOUT) {
+            let hook = || test_kill_point("copy", a, *step);
+            let copied = match exchange(comm, rank, &mut held, copies, DATA_TIMEOUT, hook) {
                 Ok(c) => c,
                 Err(e) => {
                     held.layers.retain(|l, _| before.contains(l));

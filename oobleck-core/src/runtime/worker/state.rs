@@ -123,10 +123,14 @@ pub(super) fn exchange(
     held: &mut Held,
     copies: &[LayerCopy],
     timeout: Duration,
+    mut after_first: impl FnMut(),
 ) -> Result<CopyStats> {
     let started = Instant::now();
     let mut stats = CopyStats::default();
-    for c in copies {
+    for (i, c) in copies.iter().enumerate() {
+        if i == 1 {
+            after_first();
+        }
         if c.from_rank == me && c.to_rank == me {
             return Err(protocol(
                 me,

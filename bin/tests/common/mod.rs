@@ -1,0 +1,219 @@
+//! Helpers of the local-cluster tests: running `train`, reading a run directory, comparing
+//! with the single-process trainer, and checking that no process is left behind.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use oobleck_core::checkpoint::{latest_checkpoint, load_checkpoint};
+
+pub const TRAIN: &str = env!("CARGO_BIN_EXE_train");
+pub const OOBLECK: &str = env!("CARGO_BIN_EXE_oobleck");
+pub const TOL: f64 = 1e-5;
+
+/// Kills the child if the test fails while it runs.
+pub struct Guard(pub Option<Child>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
+    let mut c = Command::new(TRAIN);
+    c.args([
+        "--model",
+        "gpt-tiny",
+        "--microbatch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--eval-batches",
+        "1",
+        "--sample",
+        "0",
+        "--seed",
+        "7",
+    ])
+    // f = 0 (a failure ends the job) unless the test asks for more.
+    .args(if extra.contains(&"--fault-threshold") {
+        &[][..]
+    } else {
+        &["--fault-threshold", "0"][..]
+    })
+    .arg("--steps")
+    .arg(steps.to_string())
+    .arg("--out")
+    .arg(out)
+    .args(extra)
+    .env("OOBLECK_BIN", OOBLECK)
+    .env("RUST_BACKTRACE", "0")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    c
+}
+
+impl Guard {
+    /// Waits for the child to end within `limit` (killed otherwise) and returns its output.
+    pub fn finish(&mut self, limit: Duration) -> Output {
+        let start = Instant::now();
+        while self
+            .0
+            .as_mut()
+            .expect("child")
+            .try_wait()
+            .expect("poll train")
+            .is_none()
+        {
+            assert!(start.elapsed() < limit, "train ran past {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.0
+            .take()
+            .expect("child")
+            .wait_with_output()
+            .expect("train output")
+    }
+}
+
+/// Runs `train` to completion within `limit` (killed otherwise).
+pub fn run(mut cmd: Command, limit: Duration) -> Output {
+    Guard(Some(cmd.spawn().expect("start train"))).finish(limit)
+}
+
+/// The uninterrupted single-process run of `steps` the fault tests compare with: its
+/// per-step losses and final parameters.
+pub fn single_process(dir: &Path, steps: u64) -> (Vec<(u64, f64)>, BTreeMap<String, Tensor>) {
+    let single = dir.join("single");
+    let o = run(
+        train_cmd(&single, steps, &["--nodes", "1"]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (losses(&single), final_params(&single))
+}
+
+pub fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            (
+                v["step"].as_u64().expect("step"),
+                v["loss"].as_f64().expect("loss"),
+            )
+        })
+        .collect()
+}
+
+pub fn events(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("events.jsonl"))
+        .expect("events.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+/// The pids of every agent and worker the run reported.
+pub fn child_pids(run: &Path) -> Vec<u32> {
+    events(run)
+        .iter()
+        .filter(|e| e["event"] == "process")
+        .map(|e| e["pid"].as_u64().expect("pid") as u32)
+        .collect()
+}
+
+/// True while `pid` is a live process (a zombie counts as gone: it runs nothing).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+pub fn assert_all_gone(run: &Path, want: usize) {
+    let pids = child_pids(run);
+    assert_eq!(pids.len(), want, "processes reported: {pids:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// `(step, val_loss)` of every metrics line that has one, in file order.
+pub fn val_losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            Some((v["step"].as_u64()?, v["val_loss"].as_f64()?))
+        })
+        .collect()
+}
+
+pub fn params_at(run: &Path, step: u64) -> BTreeMap<String, Tensor> {
+    let ck = oobleck_core::checkpoint::checkpoint_path(run, step);
+    load_checkpoint(&ck, &Device::Cpu).expect("load").params
+}
+
+pub fn final_params(run: &Path) -> BTreeMap<String, Tensor> {
+    let ck = latest_checkpoint(run).expect("list").expect("a checkpoint");
+    load_checkpoint(&ck, &Device::Cpu).expect("load").params
+}
+
+pub fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "checkpoints hold different tensors"
+    );
+    a.iter()
+        .map(|(k, t)| {
+            let d = (t - &b[k])
+                .and_then(|d| d.abs())
+                .and_then(|d| d.flatten_all())
+                .and_then(|d| d.max(0))
+                .and_then(|d| d.to_scalar::<f32>())
+                .expect("diff");
+            f64::from(d)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Every step of `run` once, in order, with the single process's loss; the final parameters
+/// within `TOL` of the single process's.
+pub fn assert_same_training(
+    run: &Path,
+    want: &[(u64, f64)],
+    want_params: &BTreeMap<String, Tensor>,
+) {
+    let got = losses(run);
+    assert_eq!(
+        got.iter().map(|l| l.0).collect::<Vec<_>>(),
+        want.iter().map(|l| l.0).collect::<Vec<_>>(),
+        "every step once in metrics.jsonl"
+    );
+    for ((s, l), (_, wl)) in got.iter().zip(want) {
+        assert!((l - wl).abs() < TOL, "step {s}: {l} vs {wl}");
+    }
+    let d = max_diff(&final_params(run), want_params);
+    eprintln!("final parameters within {d:e} of the single process");
+    assert!(d < TOL, "final parameters differ by {d}");
+}
