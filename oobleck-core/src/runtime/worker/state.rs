@@ -384,9 +384,15 @@ mod tests {
                         held.layers.insert(0, layer(0.0));
                         held.layers.insert(1, layer(10.0));
                     }
-                    let stats =
-                        exchange(&comm, r as u32, &mut held, &copies, Duration::from_secs(10))
-                            .expect("exchange");
+                    let stats = exchange(
+                        &comm,
+                        r as u32,
+                        &mut held,
+                        &copies,
+                        Duration::from_secs(10),
+                        || {},
+                    )
+                    .expect("exchange");
                     (held, stats)
                 })
             })
@@ -430,6 +436,7 @@ mod tests {
             &mut Held::nothing(1),
             &copies,
             Duration::from_secs(1),
+            || {},
         )
         .expect_err("holds nothing");
         assert!(e.to_string().contains("holds only layers []"), "{e}");
