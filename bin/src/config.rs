@@ -73,6 +73,11 @@ pub struct TrainConfig {
     /// `--features nccl`: the master makes the NCCL unique id of each generation and hands it
     /// out with the plan; device `d` of a node uses CUDA device `d`).
     pub data_plane: String,
+    /// How long (ms) a node may be silent before it is declared lost: a hung machine or agent
+    /// (SIGSTOP) is caught after this. Agents send a heartbeat every 500 ms, so the default of
+    /// 3000 lets 5 heartbeats in a row go missing (an agent on a saturated 2-core machine is
+    /// late by tens of ms, never seconds) while a hang is still acted on within about 3 s.
+    pub lease_ms: u64,
 }
 
 impl Default for TrainConfig {
@@ -105,6 +110,7 @@ impl Default for TrainConfig {
             inject_failure: Vec::new(),
             sample: 2,
             data_plane: "tcp".into(),
+            lease_ms: 3000,
         }
     }
 }
@@ -202,6 +208,10 @@ pub struct TrainArgs {
     /// The cluster's data plane: tcp, or nccl (builds with --features nccl) [default: tcp].
     #[arg(long)]
     pub data_plane: Option<String>,
+    /// Silence (ms) after which a node is declared lost: catches a hung machine or agent;
+    /// heartbeats go every 500 ms [default: 3000].
+    #[arg(long)]
+    pub lease_ms: Option<u64>,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]
@@ -262,7 +272,8 @@ impl TrainArgs {
             eval_every,
             eval_batches,
             sample,
-            data_plane
+            data_plane,
+            lease_ms
         );
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if self.$f.is_some() { c.$f = self.$f.clone(); } )* };
@@ -288,6 +299,13 @@ impl TrainArgs {
 impl TrainConfig {
     /// Rejects configurations that cannot run, saying what to change.
     pub fn validate(&self) -> Result<()> {
+        if self.lease_ms <= 500 {
+            bail!(
+                "--lease-ms {} must exceed the agents' 500 ms heartbeat interval (3000 is the \
+                 default; below about 1500 a busy machine may be declared lost)",
+                self.lease_ms
+            );
+        }
         if self.microbatch_size == 0 {
             bail!("--microbatch-size must be at least 1");
         }

@@ -163,12 +163,17 @@ pub fn run(
     };
     let params = workload.num_params();
     // Agents started by hand may take a while to come up.
+    let lease = Duration::from_millis(cfg.lease_ms);
     let limits = match launch {
         Launch::Listen { .. } => Limits {
             join: Duration::from_secs(600),
+            lease,
             ..Limits::default()
         },
-        _ => Limits::default(),
+        _ => Limits {
+            lease,
+            ..Limits::default()
+        },
     };
     let (bind, token, launch) = match launch {
         Launch::Local => (

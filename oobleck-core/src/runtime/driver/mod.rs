@@ -35,7 +35,7 @@ use super::records::{Event, StartInfo, StepMetrics};
 use super::spec::{JobConfig, Workload};
 use crate::elastic::master::MasterEvent;
 use crate::elastic::protocol::ClusterStatus;
-use crate::elastic::{ElasticError, Master, Token};
+use crate::elastic::{ElasticError, Master, MasterConfig, Token};
 
 /// The largest state file a worker may upload (one rank's parameters and optimizer state).
 const MAX_STATE_BYTES: u64 = 64 << 30;
@@ -158,7 +158,9 @@ async fn drive(
         MAX_STATE_BYTES,
     )
     .with_ctx(|| format!("starting the state upload port on {}", opts.bind.ip()))?;
-    let mut master = Master::bind(opts.bind, opts.token.clone(), spec.nodes)
+    let mut control = MasterConfig::new(opts.token.clone(), spec.nodes);
+    control.lease = opts.limits.lease;
+    let mut master = Master::bind_with(opts.bind, control)
         .await
         .with_ctx(|| format!("starting the master on {}", opts.bind))?;
     let start_step = opts.resume.as_ref().map_or(0, |r| r.1);

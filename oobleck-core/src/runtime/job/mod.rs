@@ -58,6 +58,9 @@ pub struct Limits {
     pub stall: Duration,
     /// How long the agents get to register.
     pub join: Duration,
+    /// A node silent for this long is lost (the control plane's lease; heartbeats go every
+    /// 500 ms). This is what catches a hung machine or agent.
+    pub lease: Duration,
     /// Failures in a row with no committed step in between, after which the job gives up.
     pub max_fruitless_recoveries: u32,
 }
@@ -70,6 +73,7 @@ impl Default for Limits {
             ranks_wait: Duration::from_secs(60),
             stall: Duration::from_secs(180),
             join: Duration::from_secs(60),
+            lease: Duration::from_secs(3),
             max_fruitless_recoveries: 3,
         }
     }
