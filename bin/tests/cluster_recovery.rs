@@ -415,3 +415,41 @@ fn a_failure_during_the_copies_starts_another_reconfiguration() {
     // 3 agents, 3 workers and the fresh one on node 2.
     assert_all_gone(&out, 7);
 }
+
+/// A layer copy that arrives corrupted (a bit flipped after the sender's checksum, by the
+/// OOBLECK_TEST_CORRUPT hook): the receiver refuses it, the master stops offering that
+/// replica, and since no other holder of the layer is left the job says so and falls back to
+/// the newest checkpoint. Training still ends where the single process ends.
+#[test]
+fn a_corrupted_layer_copy_is_refused_and_the_job_falls_back_to_the_checkpoint() {
+    const STEPS: u64 = 8;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let out = dir.path().join("run");
+    let flags = [
+        "--nodes",
+        "3",
+        "--fault-threshold",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--inject-failure",
+        "1@3",
+    ];
+    let mut cmd = train_cmd(&out, STEPS, &flags);
+    cmd.env(oobleck_core::runtime::worker::TEST_CORRUPT_ENV, "1:0");
+    let o = run(cmd, Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(stderr.contains("arrived corrupted"), "{stderr}");
+    assert!(
+        stderr.contains("lost every replica; going back to the newest checkpoint"),
+        "{stderr}"
+    );
+    let r = reconfigs(&out);
+    assert_eq!(r.len(), 2, "{r:?}");
+    assert_eq!(r[0]["in_place"], true, "{}", r[0]);
+    assert_eq!(r[1]["in_place"], false, "{}", r[1]);
+    assert_eq!(r[1]["from_step"], 2, "{}", r[1]);
+    assert_same_training(&out, &want, &want_params);
+}

@@ -491,6 +491,7 @@ mod tests {
                 rank: 3,
                 step: 4,
                 error: "rank 3: step 5: rank 1 lost".into(),
+                corrupt: None,
             },
             WorkerReport::Done {
                 rank: 3,

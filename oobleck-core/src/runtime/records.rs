@@ -53,7 +53,14 @@ pub enum WorkerReport {
     },
     /// The step after committed `step` failed (`error`); the worker holds the state of `step`
     /// and waits for `SaveState` or the end of its generation.
-    Broken { rank: u32, step: u64, error: String },
+    Broken {
+        rank: u32,
+        step: u64,
+        error: String,
+        /// The generation failed because a layer copy from rank `from` arrived corrupted.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        corrupt: Option<CorruptCopy>,
+    },
     /// The worker applied every step; `state` is where it left its part of the final state.
     /// `commit_wait_ms`: the time it spent waiting for commits (control-plane overhead).
     Done {
@@ -69,6 +76,15 @@ pub enum WorkerReport {
         status: ExitStatus,
         error: Option<String>,
     },
+}
+
+/// A layer copy that arrived different from what its sender sent: `layer` from `from` (a rank
+/// of the same generation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CorruptCopy {
+    pub layer: usize,
+    pub from: u32,
 }
 
 /// Lines of a worker's stdout that carry a [`WorkerReport`] start with this.

@@ -11,7 +11,7 @@ use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::pipe::StateSource;
 use crate::runtime::pipe::{stage_leads, world_size};
-use crate::runtime::records::{Event, PipelineLayout, WorkerReport};
+use crate::runtime::records::{CorruptCopy, Event, PipelineLayout, WorkerReport};
 use crate::runtime::spec::TrainingSpec;
 
 /// Where the job is.
@@ -125,6 +125,9 @@ pub struct JobMachine {
     pub(super) holdings: Holdings,
     /// Worker processes seen (by pid).
     pub(super) worker_pids: BTreeSet<u32>,
+    /// `(node, device, layer)` replicas whose copies arrived corrupted: not offered as
+    /// sources again until a step commits.
+    pub(super) distrusted: BTreeSet<(u32, u32, usize)>,
 }
 
 impl JobMachine {
@@ -161,6 +164,7 @@ impl JobMachine {
             planning_error: None,
             holdings: Holdings::empty(spec_g),
             worker_pids: BTreeSet::new(),
+            distrusted: BTreeSet::new(),
         }
     }
 
@@ -476,8 +480,13 @@ impl JobMachine {
                 self.on_formed(node, rank, layers);
                 self.on_built(now, rank, step, connect_s, copy_s, copy_bytes);
             }
-            WorkerReport::Broken { rank, step, error } => {
-                self.on_worker_broken(node, rank, step, error.clone());
+            WorkerReport::Broken {
+                rank,
+                step,
+                error,
+                corrupt,
+            } => {
+                self.on_worker_broken(node, rank, step, error.clone(), corrupt);
                 self.node_failure(
                     now,
                     format!(
@@ -523,9 +532,19 @@ impl JobMachine {
     }
 
     /// Book-keeping of a broken worker, in any phase.
-    pub(super) fn on_worker_broken(&mut self, node: u32, rank: u32, step: u64, error: String) {
+    pub(super) fn on_worker_broken(
+        &mut self,
+        node: u32,
+        rank: u32,
+        step: u64,
+        error: String,
+        corrupt: Option<CorruptCopy>,
+    ) {
         if let Some(g) = self.gen.as_mut() {
             g.broken.insert(rank, (node, step));
+        }
+        if let Some(c) = corrupt {
+            self.distrust(rank, c);
         }
         self.record(Event::WorkerBroken {
             node,
@@ -535,12 +554,38 @@ impl JobMachine {
         });
     }
 
+    /// A copy of `c.layer` from rank `c.from` arrived corrupted at `rank`: that replica is not
+    /// used again, so the next decision takes the layer from another holder or, with none
+    /// left, from the newest checkpoint.
+    fn distrust(&mut self, rank: u32, c: CorruptCopy) {
+        let Some(g) = self.gen.as_ref() else { return };
+        let Some(node) = g.node_of(c.from) else {
+            return;
+        };
+        let device = c.from % g.plan.devices_per_node;
+        let mut layers = self
+            .holdings
+            .layers(node, device)
+            .cloned()
+            .unwrap_or_default();
+        layers.remove(&c.layer);
+        self.holdings.set(node, device, layers);
+        self.note(format!(
+            "layer {} from rank {} (node {node}) arrived corrupted at rank {rank}: that replica \
+             is not used again",
+            c.layer, c.from
+        ));
+    }
+
     /// Book-keeping of a worker that built its stage, in any phase: from now on its device
     /// holds `layers` of the committed step.
     pub(super) fn on_formed(&mut self, node: u32, rank: u32, layers: Vec<usize>) {
-        let g = self.spec.devices_per_node;
-        self.holdings
-            .set(node, rank % g, layers.into_iter().collect());
+        let device = rank % self.spec.devices_per_node;
+        let trusted = layers
+            .into_iter()
+            .filter(|&l| !self.distrusted.contains(&(node, device, l)))
+            .collect();
+        self.holdings.set(node, device, trusted);
     }
 
     /// Book-keeping of an exited worker, in any phase.

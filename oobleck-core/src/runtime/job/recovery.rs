@@ -137,9 +137,12 @@ impl JobMachine {
     /// A report of the failed generation's workers while recovering.
     fn survivor_report(&mut self, node: u32, report: WorkerReport) {
         match report {
-            WorkerReport::Broken { rank, step, error } => {
-                self.on_worker_broken(node, rank, step, error)
-            }
+            WorkerReport::Broken {
+                rank,
+                step,
+                error,
+                corrupt,
+            } => self.on_worker_broken(node, rank, step, error, corrupt),
             WorkerReport::Exited {
                 rank,
                 status,

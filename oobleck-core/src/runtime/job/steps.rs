@@ -163,6 +163,7 @@ impl JobMachine {
         });
         self.committed = step;
         self.steps_run += 1;
+        self.distrusted.clear();
         self.phase_done(now, "first_step");
         if let Some(t) = self.timer.take() {
             let since = now.saturating_sub(t.failed).as_secs_f64();

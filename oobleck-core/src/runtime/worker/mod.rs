@@ -33,10 +33,10 @@ use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 
 use self::inbox::{report, Inbox};
-use self::state::{exchange, CopyStats, Held};
+use self::state::{exchange, CopyHooks, CopyStats, Held};
 use super::error::{Context, Result, RuntimeError};
 use super::pipe::{resolve, StateSource, ToWorker, WorkerAssignment};
-use super::records::WorkerReport;
+use super::records::{CorruptCopy, WorkerReport};
 use super::spec::{Factory, Workload};
 use crate::checkpoint::load_checkpoint;
 use crate::elastic::protocol::Rendezvous;
@@ -94,6 +94,15 @@ fn test_kill_point(point: &str, a: &WorkerAssignment, step: u64) {
             .status();
         std::thread::sleep(Duration::from_secs(5));
     }
+}
+
+/// A test hook: `OOBLECK_TEST_CORRUPT=GENERATION:NODE` makes the worker of `NODE` flip a bit
+/// of the first layer it sends in generation `GENERATION`'s copies, after its checksum.
+pub const TEST_CORRUPT_ENV: &str = "OOBLECK_TEST_CORRUPT";
+
+fn test_corrupt(a: &WorkerAssignment) -> bool {
+    std::env::var(TEST_CORRUPT_ENV)
+        .is_ok_and(|s| s.trim() == format!("{}:{}", a.generation, a.node))
 }
 
 /// How a generation ended for this worker.
@@ -360,8 +369,11 @@ fn load(
                 return Err(not_formed(e, held));
             }
             let before = held.layer_list();
-            let hook = || test_kill_point("copy", a, *step);
-            let copied = match exchange(comm, rank, &mut held, copies, DATA_TIMEOUT, hook) {
+            let hooks = CopyHooks {
+                after_first: || test_kill_point("copy", a, *step),
+                corrupt_next_send: test_corrupt(a),
+            };
+            let copied = match exchange(comm, rank, &mut held, copies, DATA_TIMEOUT, hooks) {
                 Ok(c) => c,
                 Err(e) => {
                     held.layers.retain(|l, _| before.contains(l));
@@ -438,6 +450,13 @@ fn broken(a: &WorkerAssignment, inbox: &Inbox, error: RuntimeError, held: Held) 
             rank: a.rank,
             step: held.step,
             error: super::entry::error_chain(&error).join(": "),
+            corrupt: match &error {
+                RuntimeError::CopyCorrupt { layer, from, .. } => Some(CorruptCopy {
+                    layer: *layer,
+                    from: *from,
+                }),
+                _ => None,
+            },
         },
     );
     if said.is_err() {

@@ -98,6 +98,23 @@ impl Held {
 /// A stage's parameters by name, and its optimizer entries.
 pub(super) type StageTensors = (HashMap<String, Tensor>, Vec<(String, Tensor)>);
 
+/// Test hooks of [`exchange`]: `after_first` runs once the first copy of the list is done;
+/// `corrupt_next_send` flips a bit of the next layer this rank sends.
+pub(super) struct CopyHooks<F> {
+    pub after_first: F,
+    pub corrupt_next_send: bool,
+}
+
+#[cfg(test)]
+impl CopyHooks<fn()> {
+    pub fn none() -> Self {
+        CopyHooks {
+            after_first: || {},
+            corrupt_next_send: false,
+        }
+    }
+}
+
 /// What the copies moved into this rank.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct CopyStats {
@@ -123,8 +140,12 @@ pub(super) fn exchange(
     held: &mut Held,
     copies: &[LayerCopy],
     timeout: Duration,
-    mut after_first: impl FnMut(),
+    hooks: CopyHooks<impl FnMut()>,
 ) -> Result<CopyStats> {
+    let CopyHooks {
+        mut after_first,
+        mut corrupt_next_send,
+    } = hooks;
     let started = Instant::now();
     let mut stats = CopyStats::default();
     for (i, c) in copies.iter().enumerate() {
@@ -149,17 +170,21 @@ pub(super) fn exchange(
                     ),
                 )
             })?;
-            send_layer(comm, c.to_rank, c.layer, state, timeout).with_ctx(|| {
+            let corrupt = std::mem::take(&mut corrupt_next_send);
+            send_layer(comm, c.to_rank, c.layer, state, timeout, corrupt).with_ctx(|| {
                 format!("rank {me}: sending layer {} to rank {}", c.layer, c.to_rank)
             })?;
         } else if c.to_rank == me {
-            let (state, bytes) =
-                recv_layer(comm, c.from_rank, c.layer, timeout).with_ctx(|| {
+            let (state, bytes) = match recv_layer(comm, c.from_rank, c.layer, timeout) {
+                // Kept as it is: the master learns which replica to distrust.
+                Err(e @ RuntimeError::CopyCorrupt { .. }) => return Err(e),
+                other => other.with_ctx(|| {
                     format!(
                         "rank {me}: receiving layer {} from rank {}",
                         c.layer, c.from_rank
                     )
-                })?;
+                })?,
+            };
             stats.bytes += bytes;
             held.layers.insert(c.layer, state);
         }
@@ -178,6 +203,7 @@ fn send_layer(
     layer: usize,
     state: &LayerState,
     timeout: Duration,
+    corrupt: bool,
 ) -> Result<()> {
     let tensors: Vec<(bool, &(String, Tensor))> = state
         .params
@@ -196,6 +222,12 @@ fn send_layer(
             checksum: checksum(buf.as_bytes()),
         });
         bufs.push(buf);
+    }
+    if corrupt {
+        // The test hook: one flipped bit after the checksum, as a bad link or memory would.
+        if let Some(b) = bufs.first_mut().and_then(|b| b.as_bytes_mut().first_mut()) {
+            *b ^= 1;
+        }
     }
     let json = serde_json::to_vec(&manifest).ctx("encoding a copy manifest")?;
     let to = to as usize;
@@ -390,7 +422,7 @@ mod tests {
                         &mut held,
                         &copies,
                         Duration::from_secs(10),
-                        || {},
+                        CopyHooks::none(),
                     )
                     .expect("exchange");
                     (held, stats)
@@ -436,7 +468,7 @@ mod tests {
             &mut Held::nothing(1),
             &copies,
             Duration::from_secs(1),
-            || {},
+            CopyHooks::none(),
         )
         .expect_err("holds nothing");
         assert!(e.to_string().contains("holds only layers []"), "{e}");

@@ -300,6 +300,7 @@ impl H {
                 rank,
                 step,
                 error: "peer lost".into(),
+                corrupt: None,
             },
         )
     }

@@ -318,3 +318,35 @@ fn the_first_commit_after_a_recovery_records_its_phases() {
         "{said}"
     );
 }
+
+#[test]
+fn a_corrupted_copy_makes_the_next_decision_skip_that_replica() {
+    let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
+    h.step(1.0, 1);
+    h.at(1.5, lost(2));
+    h.broken(1.6, 0, 1);
+    h.broken(1.6, 1, 1);
+    h.reconfigured(1.7, plan(&[&[0], &[1]]), 1, Vec::new());
+    h.listen_all(1.8);
+    // Rank 1 finds layer 0 from rank 0 corrupted while the new generation copies.
+    let a = h.worker(
+        1.9,
+        1,
+        WorkerReport::Broken {
+            rank: 1,
+            step: 1,
+            error: "layer 0 from rank 0: arrived corrupted".into(),
+            corrupt: Some(crate::runtime::records::CorruptCopy { layer: 0, from: 0 }),
+        },
+    );
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Note(n) if n.contains("arrived corrupted at rank 1"))),
+        "{:?}",
+        kinds(&a)
+    );
+    let a = h.broken(1.95, 0, 1);
+    let (held, _) = reconfigure_request(&a);
+    // Node 0's replica of layer 0 is not offered again.
+    assert_eq!(held.layers(0, 0).map(|l| l.contains(&0)), None);
+}
