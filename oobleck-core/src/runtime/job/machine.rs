@@ -443,6 +443,14 @@ impl JobMachine {
     }
 
     fn on_worker(&mut self, now: Duration, node: u32, generation: u64, report: WorkerReport) {
+        if generation > self.generation {
+            // No worker can be there yet: a confused or foreign process. Never acted on.
+            let (rank, now_at) = (report.rank(), self.generation);
+            return self.note(format!(
+                "ignored a report of generation {generation} from node {node} (rank {rank}): \
+                 the job is at generation {now_at}"
+            ));
+        }
         if generation != self.generation {
             // A worker of an earlier generation, stopped by its agent: history.
             return;

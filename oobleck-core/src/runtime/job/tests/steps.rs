@@ -240,3 +240,27 @@ fn every_stage_lead_of_pipeline_zero_keeps_state_also_two_on_one_node() {
     // Rank 2 leads pipeline 1's only stage: it keeps no state of pipeline 0.
     assert!(failure(&h.saved(2.2, 2, 2)).contains("only ranks [0, 1] keep it"));
 }
+
+#[test]
+fn a_report_of_a_generation_that_does_not_exist_is_ignored_with_a_note() {
+    let mut h = H::running(spec(2, 1, 4), plan(&[&[0], &[1]]));
+    let a = h.at(
+        1.0,
+        Input::Worker {
+            node: 1,
+            generation: 7,
+            report: WorkerReport::Ready {
+                rank: 1,
+                step: 1,
+                loss: 2.5,
+                grad_norm: 0.5,
+                microbatches: vec![2, 3],
+            },
+        },
+    );
+    assert_eq!(kinds(&a), ["note"]);
+    assert!(!h.m.is_over());
+    // The real generation goes on untouched.
+    h.ready(1.1, 0, 1);
+    assert_eq!(kinds(&h.ready(1.1, 1, 1)), ["commit:1"]);
+}
