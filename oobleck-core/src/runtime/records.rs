@@ -266,6 +266,14 @@ pub enum Event {
         #[serde(default)]
         copy_bytes: u64,
     },
+    /// A checkpoint a generation was to start from could not be read: it started from
+    /// `instead` (None: step 0) at `step`.
+    CheckpointRefused {
+        path: String,
+        reason: String,
+        instead: Option<String>,
+        step: u64,
+    },
     /// The first commit after a failure, with the recovery's phases (`detect_s`, `plan_s`, ...).
     Resumed {
         generation: u64,

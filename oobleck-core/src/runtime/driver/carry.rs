@@ -8,7 +8,7 @@ use tokio::task::JoinHandle;
 
 use super::agents::AgentSet;
 use super::assemble::{Assembled, Assembler};
-use super::rundir::RunFiles;
+use super::rundir::{refuse_checkpoint, RunFiles};
 use super::{next_input, plan_for, JobSummary, Observer};
 use oobleck_comm::SecretKey;
 
@@ -160,7 +160,13 @@ impl<'a> Driver<'a> {
                 let r = crate::reconfig::decide_with(&plan, &holdings, &lost, &[]);
                 self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
             }
-            Action::Deploy { plan, source } => self.deploy(&plan, source).await?,
+            Action::Deploy { plan, source } => {
+                if let Some(refused) = refuse_checkpoint(&self.p.out, &source) {
+                    self.feed(refused);
+                } else {
+                    self.deploy(&plan, source).await?;
+                }
+            }
             Action::Rendezvous {
                 generation,
                 rendezvous,

@@ -6,9 +6,47 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::checkpoint::{list_checkpoints, load_checkpoint};
 use crate::planning::Plan;
 use crate::runtime::error::{Context, Result};
+use crate::runtime::job::Input;
+use crate::runtime::pipe::StateSource;
 use crate::runtime::records::{Event, StepMetrics};
+
+/// Reads the checkpoint `source` starts from, if any, before any worker is told to: a partial
+/// or corrupted one is refused, with the newest older checkpoint of `run_dir` that reads.
+pub(super) fn refuse_checkpoint(run_dir: &Path, source: &StateSource) -> Option<Input> {
+    let StateSource::Checkpoint { path } = source else {
+        return None;
+    };
+    let reads = |p: &Path| load_checkpoint(p, &candle_core::Device::Cpu);
+    let reason = match reads(path) {
+        Ok(_) => return None,
+        Err(e) => e.to_string(),
+    };
+    let bad_step = checkpoint_step(path);
+    let instead = list_checkpoints(run_dir)
+        .unwrap_or_default()
+        .into_iter()
+        .rev()
+        .filter(|(s, p)| p != path && bad_step.is_none_or(|b| *s < b))
+        .find(|(_, p)| reads(p).is_ok())
+        .map(|(s, p)| (p.display().to_string(), s));
+    Some(Input::CheckpointRefused {
+        path: path.display().to_string(),
+        reason,
+        instead,
+    })
+}
+
+/// The step of a checkpoint directory named `step-NNNNNN`.
+fn checkpoint_step(path: &Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
+}
 
 pub(super) struct RunFiles {
     dir: PathBuf,
@@ -112,4 +150,62 @@ pub fn truncate_metrics_after(run: &Path, step: u64) -> Result<()> {
         body.push('\n');
     }
     std::fs::write(&path, body).with_ctx(|| format!("rewriting {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+    use crate::checkpoint::{save_checkpoint, TrainerState};
+
+    fn checkpoint(dir: &Path, step: u64) -> PathBuf {
+        let mut params = BTreeMap::new();
+        let w = Tensor::new(&[step as f32, 2.0], &Device::Cpu).expect("tensor");
+        params.insert("w".to_string(), w);
+        let trainer = TrainerState {
+            step,
+            seed: 7,
+            data_cursor: serde_json::json!({ "step": step }),
+            config: None,
+        };
+        save_checkpoint(dir, &params, &[], &trainer).expect("save")
+    }
+
+    #[test]
+    fn a_corrupted_fallback_checkpoint_is_refused_for_the_newest_older_one_that_reads() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let two = checkpoint(dir.path(), 2);
+        let four = checkpoint(dir.path(), 4);
+        let six = checkpoint(dir.path(), 6);
+        let fine = StateSource::Checkpoint { path: six.clone() };
+        assert!(refuse_checkpoint(dir.path(), &fine).is_none());
+        assert!(refuse_checkpoint(dir.path(), &StateSource::Init).is_none());
+        // Step 6 cut short (a partial write), step 4 with a flipped byte: step 2 it is.
+        let model = six.join("model.safetensors");
+        let len = std::fs::metadata(&model).expect("model").len();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&model)
+            .expect("open");
+        f.set_len(len / 2).expect("truncate");
+        let m4 = four.join("model.safetensors");
+        let mut bytes = std::fs::read(&m4).expect("read");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&m4, bytes).expect("write");
+        let Some(Input::CheckpointRefused {
+            path,
+            reason,
+            instead,
+        }) = refuse_checkpoint(dir.path(), &StateSource::Checkpoint { path: six.clone() })
+        else {
+            panic!("a truncated checkpoint was accepted");
+        };
+        assert_eq!(path, six.display().to_string());
+        assert!(!reason.is_empty());
+        assert_eq!(instead, Some((two.display().to_string(), 2)));
+    }
 }

@@ -234,6 +234,11 @@ impl JobMachine {
                 source: error.into(),
             }),
             Input::Reconfigured(_) => {}
+            Input::CheckpointRefused {
+                path,
+                reason,
+                instead,
+            } => self.on_checkpoint_refused(now, path, reason, instead),
         }
     }
 
@@ -425,6 +430,42 @@ impl JobMachine {
             steps_before: self.steps_run,
         });
         self.phase = Phase::Rendezvous;
+    }
+
+    /// The generation just deployed cannot start from its checkpoint: start it from the
+    /// newest older one (or from step 0), replaying the steps in between.
+    fn on_checkpoint_refused(
+        &mut self,
+        now: Duration,
+        path: String,
+        reason: String,
+        instead: Option<(String, u64)>,
+    ) {
+        let Some(plan) = self.gen.take().map(|g| g.plan) else {
+            return;
+        };
+        let step = instead.as_ref().map_or(0, |i| i.1);
+        self.note(format!(
+            "checkpoint {path} cannot be used ({reason}); starting from {} instead",
+            match &instead {
+                Some((p, s)) => format!("{p} (step {s})"),
+                None => "step 0".into(),
+            }
+        ));
+        self.record(Event::CheckpointRefused {
+            path,
+            reason,
+            instead: instead.as_ref().map(|i| i.0.clone()),
+            step,
+        });
+        self.push(Action::TruncateMetrics { after: step });
+        self.committed = step;
+        self.newest = instead.clone();
+        let source = match instead {
+            Some((p, _)) => StateSource::Checkpoint { path: p.into() },
+            None => StateSource::Init,
+        };
+        self.deploy(now, plan, source);
     }
 
     /// No plan for fault threshold `f`: after a failure, keep as much fault tolerance as the

@@ -145,6 +145,13 @@ pub enum Input {
     },
     /// The answer to [`Action::Reconfigure`].
     Reconfigured(Result<ReconfigPlan, String>),
+    /// The checkpoint a `Deploy` was to start from cannot be read (`reason`); `instead` is the
+    /// newest older one that can (path, step), if any. Nothing was deployed.
+    CheckpointRefused {
+        path: String,
+        reason: String,
+        instead: Option<(String, u64)>,
+    },
 }
 
 /// What the machine asks the driver to do, in order.

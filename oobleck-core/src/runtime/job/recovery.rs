@@ -130,6 +130,7 @@ impl JobMachine {
                 ));
             }
             Input::Reconfigured(result) => return self.on_reconfigured(now, result),
+            Input::CheckpointRefused { .. } => {}
         }
         self.recovery_tick(now);
     }

@@ -350,3 +350,46 @@ fn a_corrupted_copy_makes_the_next_decision_skip_that_replica() {
     // Node 0's replica of layer 0 is not offered again.
     assert_eq!(held.layers(0, 0).map(|l| l.contains(&0)), None);
 }
+
+#[test]
+fn an_unreadable_fallback_checkpoint_falls_back_further_and_says_so() {
+    let mut s = spec(4, 1, 10);
+    s.checkpoint_every = 2;
+    let mut h = H::running(s, plan(&[&[0, 1], &[2, 3]]));
+    h.steps_to(5);
+    h.checkpointed(3.1, 2);
+    h.checkpointed(5.1, 4);
+    h.at(5.5, lost(0));
+    h.at(5.5, lost(2));
+    h.broken(5.6, 1, 5);
+    h.broken(5.6, 3, 5);
+    let a = h.reconfigured(5.7, plan(&[&[1, 3]]), 0, vec![0]);
+    assert_eq!(
+        deployed(&a),
+        StateSource::Checkpoint {
+            path: "ckpt-4".into()
+        }
+    );
+    let a = h.at(
+        5.8,
+        Input::CheckpointRefused {
+            path: "ckpt-4".into(),
+            reason: "model.safetensors is 10 bytes short".into(),
+            instead: Some(("ckpt-2".into(), 2)),
+        },
+    );
+    assert!(has(&a, "record:checkpoint_refused") && has(&a, "truncate:2"));
+    assert!(
+        a.iter().any(|a| matches!(a, Action::Note(n)
+            if n.contains("ckpt-4 cannot be used") && n.contains("ckpt-2 (step 2)"))),
+        "{:?}",
+        kinds(&a)
+    );
+    assert_eq!(
+        deployed(&a),
+        StateSource::Checkpoint {
+            path: "ckpt-2".into()
+        }
+    );
+    assert_eq!(h.m.committed(), 2);
+}
