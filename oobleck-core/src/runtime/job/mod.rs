@@ -26,6 +26,7 @@
 
 mod machine;
 mod recovery;
+mod reports;
 mod steps;
 #[cfg(test)]
 mod tests;

@@ -125,7 +125,7 @@ impl Generation<'_> {
             .worker
             .run_iteration(self.comm.as_ref(), step, &mut batch)
             .with_ctx(|| format!("rank {rank}: step {}", step + 1))?;
-        super::test_kill_point("sync", self.a, step + 1);
+        super::load::test_kill_point("sync", self.a, step + 1);
         let (grads, sync) =
             sync_gradients(&self.worker, self.comm.as_ref(), out, training.grad_clip)
                 .with_ctx(|| format!("rank {rank}: gradient sync of step {}", step + 1))?;

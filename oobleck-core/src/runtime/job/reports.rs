@@ -1,0 +1,252 @@
+//! What the job does with each worker report: the commit protocol's reports go to
+//! `steps.rs`; here the book-keeping of stages built, failed, corrupted copies and exits, and
+//! the decision whether a failure can be recovered from.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use super::machine::{JobMachine, Phase};
+use super::recovery::Failure;
+use crate::elastic::protocol::ExitStatus;
+use crate::runtime::error::RuntimeError;
+use crate::runtime::records::Event;
+use crate::runtime::records::{CorruptCopy, WorkerReport};
+
+impl JobMachine {
+    pub(super) fn on_worker(
+        &mut self,
+        now: Duration,
+        node: u32,
+        generation: u64,
+        report: WorkerReport,
+    ) {
+        if generation > self.generation {
+            // No worker can be there yet: a confused or foreign process. Never acted on.
+            let (rank, now_at) = (report.rank(), self.generation);
+            return self.note(format!(
+                "ignored a report of generation {generation} from node {node} (rank {rank}): \
+                 the job is at generation {now_at}"
+            ));
+        }
+        if generation != self.generation {
+            // A worker of an earlier generation, stopped by its agent: history.
+            return;
+        }
+        match report {
+            WorkerReport::Listening { rank, addr, pid } => {
+                self.on_listening(now, node, rank, addr, pid)
+            }
+            WorkerReport::Ready {
+                rank,
+                step,
+                loss,
+                grad_norm,
+                microbatches,
+            } => {
+                if let Some(g) = self.gen.as_mut() {
+                    g.read.extend(microbatches);
+                }
+                self.on_step_ready(now, rank, step, loss, grad_norm)
+            }
+            WorkerReport::Saved {
+                rank,
+                step,
+                state,
+                stall_ms,
+            } => self.on_state_saved(rank, step, state, stall_ms),
+            WorkerReport::Formed {
+                rank,
+                step,
+                layers,
+                connect_s,
+                copy_s,
+                copy_bytes,
+            } => {
+                self.on_formed(node, rank, layers);
+                self.on_built(now, rank, step, connect_s, copy_s, copy_bytes);
+            }
+            WorkerReport::Broken {
+                rank,
+                step,
+                error,
+                corrupt,
+            } => {
+                self.on_worker_broken(node, rank, step, error.clone(), corrupt);
+                self.node_failure(
+                    now,
+                    format!(
+                        "worker rank {rank} on node {node} failed in step {} before finishing: \
+                         {error}",
+                        step + 1
+                    ),
+                );
+            }
+            WorkerReport::Done {
+                rank,
+                step,
+                state,
+                commit_wait_ms,
+            } => self.on_worker_done(rank, step, state, commit_wait_ms),
+            WorkerReport::Exited {
+                rank,
+                status,
+                error,
+            } => self.on_exit_report(now, node, rank, status, error),
+        }
+    }
+
+    /// A worker process ended: a failure unless it finished cleanly.
+    fn on_exit_report(
+        &mut self,
+        now: Duration,
+        node: u32,
+        rank: u32,
+        status: ExitStatus,
+        error: Option<String>,
+    ) {
+        self.on_worker_exited(node, rank, status, error.clone());
+        let clean = status.code == Some(0)
+            && self
+                .gen
+                .as_ref()
+                .is_some_and(|g| g.done.contains_key(&rank));
+        if !clean {
+            let when = match self.phase {
+                Phase::Rendezvous => "while the data plane formed",
+                _ => "before finishing",
+            };
+            self.node_failure(
+                now,
+                format!(
+                    "worker rank {rank} on node {node} exited ({}) {when}{}",
+                    describe(status.code, status.signal),
+                    because(error.as_deref())
+                ),
+            );
+        }
+    }
+
+    /// Book-keeping of a broken worker, in any phase.
+    pub(super) fn on_worker_broken(
+        &mut self,
+        node: u32,
+        rank: u32,
+        step: u64,
+        error: String,
+        corrupt: Option<CorruptCopy>,
+    ) {
+        if let Some(g) = self.gen.as_mut() {
+            g.broken.insert(rank, (node, step));
+        }
+        if let Some(c) = corrupt {
+            self.distrust(rank, c);
+        }
+        self.record(Event::WorkerBroken {
+            node,
+            rank,
+            step,
+            error,
+        });
+    }
+
+    /// A copy of `c.layer` from rank `c.from` arrived corrupted at `rank`: that replica is not
+    /// used again, so the next decision takes the layer from another holder or, with none
+    /// left, from the newest checkpoint.
+    fn distrust(&mut self, rank: u32, c: CorruptCopy) {
+        let Some(g) = self.gen.as_ref() else { return };
+        let Some(node) = g.node_of(c.from) else {
+            return;
+        };
+        let device = c.from % g.plan.devices_per_node;
+        let mut layers = self
+            .holdings
+            .layers(node, device)
+            .cloned()
+            .unwrap_or_default();
+        layers.remove(&c.layer);
+        self.holdings.set(node, device, layers);
+        self.note(format!(
+            "layer {} from rank {} (node {node}) arrived corrupted at rank {rank}: that replica \
+             is not used again",
+            c.layer, c.from
+        ));
+    }
+
+    /// Book-keeping of a worker that built its stage, in any phase: from now on its device
+    /// holds `layers` of the committed step.
+    pub(super) fn on_formed(&mut self, node: u32, rank: u32, layers: Vec<usize>) {
+        let device = rank % self.spec.devices_per_node;
+        let trusted = layers
+            .into_iter()
+            .filter(|&l| !self.distrusted.contains(&(node, device, l)))
+            .collect();
+        self.holdings.set(node, device, trusted);
+    }
+
+    /// Book-keeping of an exited worker, in any phase.
+    pub(super) fn on_worker_exited(
+        &mut self,
+        node: u32,
+        rank: u32,
+        status: ExitStatus,
+        error: Option<String>,
+    ) {
+        if let Some(g) = self.gen.as_mut() {
+            g.broken.remove(&rank);
+            g.exited.insert(rank);
+            // Its state went with it.
+            let device = rank % g.plan.devices_per_node;
+            self.holdings.set(node, device, BTreeSet::new());
+        }
+        self.record(Event::WorkerExit {
+            node,
+            rank,
+            generation: self.generation,
+            code: status.code,
+            signal: status.signal,
+            error,
+        });
+    }
+
+    /// A node or worker of the running generation is gone: recover within `f`, else end.
+    pub(super) fn node_failure(&mut self, now: Duration, what: String) {
+        let Some(g) = self.gen.as_ref() else {
+            return self.fail(RuntimeError::NodeFailure { what });
+        };
+        // A worker that fails while its generation forms, on a node that is still up (it
+        // cannot bind its port, cannot load its state), would fail the same way again.
+        let recoverable = self.spec.fault_threshold > 0
+            && !matches!(self.phase, Phase::Planning { .. })
+            && (g.formed || self.lost.len() > g.lost_before);
+        if !recoverable {
+            return self.fail(RuntimeError::NodeFailure { what });
+        }
+        if self.steps_run > g.steps_before {
+            self.fruitless = 0;
+        }
+        self.fruitless += 1;
+        if self.fruitless > self.limits.max_fruitless_recoveries {
+            return self.fail(RuntimeError::GaveUp {
+                recoveries: self.limits.max_fruitless_recoveries,
+                failure: what,
+            });
+        }
+        self.begin_recovery(now, Failure::new(what, now, self.committed));
+    }
+}
+
+/// `: <what the worker printed>`, or a pointer to the logs when it printed nothing.
+fn because(error: Option<&str>) -> String {
+    match error {
+        Some(e) => format!(":\n{e}"),
+        None => "; see its node's log".into(),
+    }
+}
+
+fn describe(code: Option<i32>, signal: Option<i32>) -> String {
+    match (code, signal) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        (None, None) => "unknown status".into(),
+    }
+}
