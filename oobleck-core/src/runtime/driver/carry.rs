@@ -160,13 +160,7 @@ impl<'a> Driver<'a> {
                 let r = crate::reconfig::decide_with(&plan, &holdings, &lost, &[]);
                 self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
             }
-            Action::Deploy { plan, source } => {
-                if let Some(refused) = refuse_checkpoint(&self.p.out, &source) {
-                    self.feed(refused);
-                } else {
-                    self.deploy(&plan, source).await?;
-                }
-            }
+            Action::Deploy { plan, source } => self.deploy_checked(&plan, source).await?,
             Action::Rendezvous {
                 generation,
                 rendezvous,
@@ -188,12 +182,7 @@ impl<'a> Driver<'a> {
                 // Nodes that do not hear it find out from their peers' aborted connections.
                 let _ = self.p.master.broadcast(&abort).await;
             }
-            Action::KillNode { node } => {
-                let kill = Message::KillNode { node };
-                if let Err(e) = self.p.master.send_to(node, kill).await {
-                    tracing::warn!(node, error = %e, "could not tell the node to die");
-                }
-            }
+            Action::KillNode { node } => self.kill_node(node).await,
             Action::Fence { node } => {
                 if let Some(pid) = self.p.agents.fence(node).await {
                     self.p.files.event(&Event::Fenced { node, pid })?;
@@ -227,6 +216,25 @@ impl<'a> Driver<'a> {
             Action::Fail(e) => return Err(e),
         }
         Ok(())
+    }
+
+    async fn kill_node(&mut self, node: u32) {
+        let kill = Message::KillNode { node };
+        if let Err(e) = self.p.master.send_to(node, kill).await {
+            tracing::warn!(node, error = %e, "could not tell the node to die");
+        }
+    }
+
+    /// Deploys `plan`, unless the checkpoint it starts from does not read: then the machine
+    /// hears why and which older one to use.
+    async fn deploy_checked(&mut self, plan: &Plan, source: StateSource) -> Result<()> {
+        match refuse_checkpoint(&self.p.out, &source) {
+            Some(refused) => {
+                self.feed(refused);
+                Ok(())
+            }
+            None => self.deploy(plan, source).await,
+        }
     }
 
     /// The metrics line of committed `step`, timed since the previous commit.

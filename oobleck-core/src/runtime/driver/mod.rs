@@ -32,10 +32,11 @@ use self::rundir::RunFiles;
 use super::error::{Context, Result, RuntimeError};
 use super::job::{Input, JobMachine, JobStart, Limits};
 use super::records::{Event, StartInfo, StepMetrics};
-use super::spec::{JobConfig, Workload};
+use super::spec::{JobConfig, TrainingSpec, Workload};
 use crate::elastic::master::MasterEvent;
 use crate::elastic::protocol::ClusterStatus;
 use crate::elastic::{ElasticError, Master, MasterConfig, Token};
+use crate::planning::ModelProfile;
 
 /// The largest state file a worker may upload (one rank's parameters and optimizer state).
 const MAX_STATE_BYTES: u64 = 64 << 30;
@@ -131,23 +132,11 @@ pub fn run_job(
 
 async fn drive(
     workload: Arc<dyn Workload>,
-    opts: JobOptions,
+    mut opts: JobOptions,
     observer: &mut dyn Observer,
 ) -> Result<JobSummary> {
     let spec = opts.config.training.clone();
-    workload.check(&spec).map_err(RuntimeError::Workload)?;
-    let profile = workload
-        .profile(spec.device_spec()?, spec.microbatch_size)
-        .map_err(RuntimeError::Workload)?;
-    let layers = workload.model().num_layers();
-    if profile.layers.len() != layers {
-        return Err(RuntimeError::Invalid(format!(
-            "the profile of {} has {} layers, the model {layers}: the workload's profile() must \
-             describe every layer of its model()",
-            workload.name(),
-            profile.layers.len()
-        )));
-    }
+    let profile = checked_profile(workload.as_ref(), &spec)?;
     let mut files = RunFiles::open(&opts.run_dir, opts.plans.clone())?;
     // Workers upload their state here, into the run directory, which only this machine needs.
     let state_key = SecretKey::random();
@@ -163,68 +152,9 @@ async fn drive(
     let mut master = Master::bind_with(opts.bind, control)
         .await
         .with_ctx(|| format!("starting the master on {}", opts.bind))?;
-    let start_step = opts.resume.as_ref().map_or(0, |r| r.1);
-    let info = StartInfo {
-        step: start_step,
-        checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
-        model: Some(workload.name()),
-        params: Some(workload.num_params()),
-        nodes: Some(spec.nodes as usize),
-        master: Some(master.local_addr().to_string()),
-        pid: Some(std::process::id()),
-    };
-    files.event(&match opts.resume {
-        Some(_) => Event::Resume(info),
-        None => Event::Start(info),
-    })?;
-    observer.listening(master.local_addr(), &opts.token)?;
-    let local = matches!(opts.launch, Launch::Local { .. });
-    observer.note(&format!(
-        "training {} ({:.2}M parameters, {layers} layers) on {} of {} nodes x {} devices (f = \
-         {}): {} steps of {} samples x {} tokens; run directory {}",
-        workload.name(),
-        workload.num_params() as f64 / 1e6,
-        if local {
-            "a local cluster"
-        } else {
-            "a cluster"
-        },
-        spec.nodes,
-        spec.devices_per_node,
-        spec.fault_threshold,
-        spec.steps,
-        spec.global_batch_samples(),
-        workload.tokens_per_sample(),
-        opts.run_dir.display()
-    ));
+    announce(workload.as_ref(), &opts, &master, &mut files, observer)?;
     let mut agents = AgentSet::default();
-    let announce_joins = matches!(opts.launch, Launch::Listen);
-    let launched = launch(
-        opts.launch,
-        &mut agents,
-        &mut files,
-        &master,
-        &opts.token,
-        spec.nodes,
-        observer,
-    )
-    .await;
-    if let Err(e) = launched {
-        agents.kill_all().await;
-        return Err(e);
-    }
-    let start = JobStart {
-        step: start_step,
-        checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
-        generation: opts
-            .plans
-            .iter()
-            .filter_map(|p| p["generation"].as_u64())
-            .max()
-            .map_or(0, |g| g + 1),
-        starts_agents: !agents.is_empty(),
-        announce_joins,
-    };
+    let start = start_agents(&mut opts, &mut agents, &mut files, &master, observer).await?;
     let limits = opts.limits;
     let t0 = Instant::now();
     let machine = JobMachine::new(spec.clone(), start, limits, Duration::ZERO);
@@ -264,38 +194,8 @@ async fn drive(
         }
         r = d.run() => r,
     };
-    let mut files = d.into_files();
-    match result {
-        Ok(summary) => {
-            let unheard = master.shutdown("training finished", EXIT_GRACE).await;
-            for (node, e) in unheard {
-                tracing::warn!(node, error = %e, "agent did not get the shutdown");
-            }
-            let bad = agents.wait_all(EXIT_GRACE).await;
-            if !bad.is_empty() {
-                return Err(RuntimeError::Invalid(format!(
-                    "agents did not exit cleanly after the job: {}",
-                    bad.join("; ")
-                )));
-            }
-            files.event(&Event::Finish {
-                step: summary.steps,
-                wall_s: summary.wall_s,
-            })?;
-            Ok(summary)
-        }
-        Err(e) => {
-            let reason = e.to_string();
-            let _ = files.event(&Event::Abort {
-                reason: reason.clone(),
-            });
-            let _ = master
-                .shutdown(&format!("job failed: {reason}"), Duration::from_secs(2))
-                .await;
-            agents.kill_all().await;
-            Err(e)
-        }
-    }
+    let files = d.into_files();
+    conclude(result, master, agents, files).await
 }
 
 /// Starts the agents as `launch` says and records their processes.
@@ -370,5 +270,140 @@ async fn next_input(master: &mut Master) -> Result<Input> {
         Ok(ev) => Ok(input_of(ev)),
         Err(ElasticError::Timeout { .. }) => Ok(Input::Tick),
         Err(e) => Err(e).ctx("the master's event stream"),
+    }
+}
+
+/// Starts (or waits for) the agents; where the job starts from.
+async fn start_agents(
+    opts: &mut JobOptions,
+    agents: &mut AgentSet,
+    files: &mut RunFiles,
+    master: &Master,
+    observer: &mut dyn Observer,
+) -> Result<JobStart> {
+    let nodes = opts.config.training.nodes;
+    let announce_joins = matches!(opts.launch, Launch::Listen);
+    let how = std::mem::replace(&mut opts.launch, Launch::Listen);
+    let launched = launch(how, agents, files, master, &opts.token, nodes, observer).await;
+    if let Err(e) = launched {
+        agents.kill_all().await;
+        return Err(e);
+    }
+    Ok(JobStart {
+        step: opts.resume.as_ref().map_or(0, |r| r.1),
+        checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
+        generation: opts
+            .plans
+            .iter()
+            .filter_map(|p| p["generation"].as_u64())
+            .max()
+            .map_or(0, |g| g + 1),
+        starts_agents: !agents.is_empty(),
+        announce_joins,
+    })
+}
+
+/// The workload's profile, checked against its model.
+fn checked_profile(workload: &dyn Workload, spec: &TrainingSpec) -> Result<ModelProfile> {
+    workload.check(spec).map_err(RuntimeError::Workload)?;
+    let profile = workload
+        .profile(spec.device_spec()?, spec.microbatch_size)
+        .map_err(RuntimeError::Workload)?;
+    let layers = workload.model().num_layers();
+    if profile.layers.len() != layers {
+        return Err(RuntimeError::Invalid(format!(
+            "the profile of {} has {} layers, the model {layers}: the workload's profile() must \
+             describe every layer of its model()",
+            workload.name(),
+            profile.layers.len()
+        )));
+    }
+    Ok(profile)
+}
+
+/// The run's `start` (or `resume`) event and the first lines the person watching reads.
+fn announce(
+    workload: &dyn Workload,
+    opts: &JobOptions,
+    master: &Master,
+    files: &mut RunFiles,
+    observer: &mut dyn Observer,
+) -> Result<()> {
+    let spec = &opts.config.training;
+    let layers = workload.model().num_layers();
+    let info = StartInfo {
+        step: opts.resume.as_ref().map_or(0, |r| r.1),
+        checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
+        model: Some(workload.name()),
+        params: Some(workload.num_params()),
+        nodes: Some(spec.nodes as usize),
+        master: Some(master.local_addr().to_string()),
+        pid: Some(std::process::id()),
+    };
+    files.event(&match opts.resume {
+        Some(_) => Event::Resume(info),
+        None => Event::Start(info),
+    })?;
+    observer.listening(master.local_addr(), &opts.token)?;
+    let local = matches!(opts.launch, Launch::Local { .. });
+    observer.note(&format!(
+        "training {} ({:.2}M parameters, {layers} layers) on {} of {} nodes x {} devices (f = \
+         {}): {} steps of {} samples x {} tokens; run directory {}",
+        workload.name(),
+        workload.num_params() as f64 / 1e6,
+        if local {
+            "a local cluster"
+        } else {
+            "a cluster"
+        },
+        spec.nodes,
+        spec.devices_per_node,
+        spec.fault_threshold,
+        spec.steps,
+        spec.global_batch_samples(),
+        workload.tokens_per_sample(),
+        opts.run_dir.display()
+    ));
+    Ok(())
+}
+
+/// Ends the job: on success the agents are shut down and must exit cleanly; on failure
+/// everything is stopped.
+async fn conclude(
+    result: Result<JobSummary>,
+    master: Master,
+    mut agents: AgentSet,
+    mut files: RunFiles,
+) -> Result<JobSummary> {
+    match result {
+        Ok(summary) => {
+            let unheard = master.shutdown("training finished", EXIT_GRACE).await;
+            for (node, e) in unheard {
+                tracing::warn!(node, error = %e, "agent did not get the shutdown");
+            }
+            let bad = agents.wait_all(EXIT_GRACE).await;
+            if !bad.is_empty() {
+                return Err(RuntimeError::Invalid(format!(
+                    "agents did not exit cleanly after the job: {}",
+                    bad.join("; ")
+                )));
+            }
+            files.event(&Event::Finish {
+                step: summary.steps,
+                wall_s: summary.wall_s,
+            })?;
+            Ok(summary)
+        }
+        Err(e) => {
+            let reason = e.to_string();
+            let _ = files.event(&Event::Abort {
+                reason: reason.clone(),
+            });
+            let _ = master
+                .shutdown(&format!("job failed: {reason}"), Duration::from_secs(2))
+                .await;
+            agents.kill_all().await;
+            Err(e)
+        }
     }
 }
