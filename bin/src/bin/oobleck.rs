@@ -58,6 +58,9 @@ enum BenchCmd {
     /// A real pipeline over TCP against the schedule simulator: iteration time, bubble,
     /// gradient sync and control-plane cost per step.
     Pipeline(oobleck_cli::bench_pipeline::BenchPipelineArgs),
+    /// The same job fault-free, recovering in place from injected failures, and restarting
+    /// from checkpoints after each (Varuna-style), side by side: throughput, recovery phases.
+    Recovery(oobleck_cli::bench_recovery::BenchRecoveryArgs),
 }
 
 #[derive(clap::Args)]
@@ -103,6 +106,7 @@ fn main() -> Result<()> {
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
+        Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench_recovery::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent_cmd::run(&a),

@@ -1,0 +1,237 @@
+//! The bench's `train` child processes and their scratch directories.
+//!
+//! Each `train` starts in a process group of its own (`process_group(0)`), which its agents and
+//! their workers inherit: one `kill -KILL -- -PGID` ends the whole local cluster, whatever the
+//! master was doing. Every wait has a deadline; a child that is dropped before it was waited
+//! for (an error, a panic, a timeout) has its group killed and is reaped, and Ctrl-C / SIGTERM
+//! of the bench kill every group still running before the bench exits. Being in their own
+//! groups, the children do not see the terminal's Ctrl-C themselves, hence the signal thread.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// How often a running child is checked on.
+const POLL: Duration = Duration::from_millis(20);
+/// How long a SIGKILLed process may take to be reaped before the bench gives up on it.
+const REAP: Duration = Duration::from_secs(10);
+
+/// The process groups of the running children, killed on Ctrl-C / SIGTERM of the bench.
+#[derive(Clone, Debug, Default)]
+pub struct Reaper {
+    groups: Arc<Mutex<BTreeSet<u32>>>,
+}
+
+impl Reaper {
+    /// Starts the thread that waits for Ctrl-C or SIGTERM, kills every registered group, and
+    /// exits with status 130.
+    pub fn install() -> Result<Reaper> {
+        let reaper = Reaper::default();
+        let groups = reaper.groups.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the signal watcher's runtime")?;
+        std::thread::Builder::new()
+            .name("bench-signals".into())
+            .spawn(move || {
+                let signalled = rt.block_on(async {
+                    use tokio::signal::unix::{signal, SignalKind};
+                    let Ok(mut term) = signal(SignalKind::terminate()) else {
+                        return false;
+                    };
+                    tokio::select! {
+                        r = tokio::signal::ctrl_c() => r.is_ok(),
+                        _ = term.recv() => true,
+                    }
+                });
+                if signalled {
+                    let live: Vec<u32> = match groups.lock() {
+                        Ok(g) => g.iter().copied().collect(),
+                        Err(poisoned) => poisoned.into_inner().iter().copied().collect(),
+                    };
+                    live.into_iter().for_each(kill_group);
+                    eprintln!("bench recovery: interrupted; its train processes were killed");
+                    std::process::exit(130);
+                }
+            })
+            .context("starting the signal watcher")?;
+        Ok(reaper)
+    }
+
+    fn register(&self, pgid: u32) {
+        self.groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pgid);
+    }
+
+    fn unregister(&self, pgid: u32) {
+        self.groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&pgid);
+    }
+}
+
+/// SIGKILL to every process of group `pgid` (gone already is fine).
+fn kill_group(pgid: u32) {
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pgid}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// How a waited-for child ended.
+#[derive(Debug)]
+pub struct Exit {
+    pub status: ExitStatus,
+    /// Spawn to exit, seconds.
+    pub wall_s: f64,
+}
+
+/// One running `train` and its process group; killed and reaped on drop unless waited for.
+#[derive(Debug)]
+pub struct TrainProcess {
+    child: Child,
+    pgid: u32,
+    reaper: Reaper,
+    started: Instant,
+    reaped: bool,
+}
+
+impl TrainProcess {
+    /// Starts `bin args` in a new process group, its stdout and stderr written to `log.stdout`
+    /// and `log.stderr`.
+    pub fn spawn(reaper: &Reaper, bin: &Path, args: &[String], log: &Path) -> Result<Self> {
+        let open = |ext: &str| {
+            let p = log.with_extension(ext);
+            File::create(&p).with_context(|| format!("creating {}", p.display()))
+        };
+        let (stdout, stderr) = (open("stdout")?, open("stderr")?);
+        let started = Instant::now();
+        let child = Command::new(bin)
+            .args(args)
+            // The error, not anyhow's backtrace, at the end of stderr (the bench shows it).
+            .env("RUST_LIB_BACKTRACE", "0")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let pgid = child.id();
+        reaper.register(pgid);
+        Ok(TrainProcess {
+            child,
+            pgid,
+            reaper: reaper.clone(),
+            started,
+            reaped: false,
+        })
+    }
+
+    /// Waits for the exit, at most `timeout`; past it the group is killed and this is an error.
+    /// Whatever the master left running in its group is killed too.
+    pub fn wait(mut self, timeout: Duration) -> Result<Exit> {
+        let deadline = self.started + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().context("waiting for train")? {
+                self.reaped = true;
+                kill_group(self.pgid);
+                self.reaper.unregister(self.pgid);
+                return Ok(Exit {
+                    status,
+                    wall_s: self.started.elapsed().as_secs_f64(),
+                });
+            }
+            if Instant::now() >= deadline {
+                self.kill_and_reap();
+                bail!(
+                    "train (pid {}) was still running after {} s (--timeout-s); killed",
+                    self.pgid,
+                    timeout.as_secs()
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    fn kill_and_reap(&mut self) {
+        if self.reaped {
+            return;
+        }
+        kill_group(self.pgid);
+        let deadline = Instant::now() + REAP;
+        while Instant::now() < deadline {
+            match self.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) => std::thread::sleep(POLL),
+            }
+        }
+        self.reaped = true;
+        self.reaper.unregister(self.pgid);
+    }
+}
+
+impl Drop for TrainProcess {
+    fn drop(&mut self) {
+        self.kill_and_reap();
+    }
+}
+
+/// The bench's scratch directory (one run directory per run), removed on drop unless kept.
+#[derive(Debug)]
+pub struct Scratch {
+    pub root: PathBuf,
+    keep: bool,
+}
+
+impl Scratch {
+    /// A fresh directory under `parent` (default: the system temp directory).
+    pub fn create(parent: Option<&Path>, keep: bool) -> Result<Scratch> {
+        let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let root = parent.join(format!(
+            "oobleck-bench-recovery-{}-{nanos:09}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&root)
+            .with_context(|| format!("creating scratch directory {}", root.display()))?;
+        Ok(Scratch { root, keep })
+    }
+
+    /// Keeps the directory after the bench (to look at a failed run).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+
+    pub fn kept(&self) -> bool {
+        self.keep
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}
+
+/// The last `lines` lines of a text file (for error reports); empty if unreadable.
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

@@ -1,0 +1,132 @@
+//! The lines of a run directory's `events.jsonl` and `metrics.jsonl` that the bench reads,
+//! typed. Other events and fields are ignored; a line that does not parse is an error naming
+//! the file and line, except an unterminated last line (a process killed mid-write).
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Seconds of each phase of one recovery in place (the `phases` of a `resumed` event).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct Phases {
+    /// Failure -> every rank's state known.
+    pub detect_s: f64,
+    /// The reconfiguration decision.
+    pub decide_s: f64,
+    /// Plan out -> every worker of the new generation listening.
+    pub restart_s: f64,
+    /// Data plane connected and layers copied, slowest rank.
+    pub connect_copy_s: f64,
+    pub connect_max_s: f64,
+    pub copy_max_s: f64,
+    /// The first step of the new generation.
+    pub first_step_s: f64,
+}
+
+/// One event of `events.jsonl` the bench uses.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// A new run (not a resumed one) started.
+    Start,
+    /// A run resumed from the checkpoint of `step`.
+    Resume { step: u64 },
+    /// `--inject-failure`: `node` is being killed after `step` committed.
+    InjectFailure { node: u32, step: u64 },
+    /// With f = 0 (or no way to recover): the job ends.
+    Abort { reason: String },
+    /// A recovery was decided.
+    Reconfig {
+        lost_nodes: Vec<u32>,
+        from_step: u64,
+        replayed_steps: u64,
+        in_place: bool,
+        #[serde(default)]
+        copies: u64,
+        /// The bytes the plan copies.
+        #[serde(default)]
+        copy_bytes: u64,
+        new_pipelines: Vec<Vec<u32>>,
+    },
+    /// The first commit after a recovery.
+    Resumed {
+        step: u64,
+        since_failure_s: f64,
+        /// The bytes the ranks received.
+        copy_bytes: u64,
+        phases: Phases,
+    },
+    /// A checkpoint was written; the training stalled `stall_ms` for it.
+    Checkpoint { step: u64, stall_ms: f64 },
+    /// The job finished after `step`.
+    Finish { step: u64, wall_s: f64 },
+    #[serde(other)]
+    Other,
+}
+
+/// One line of `metrics.jsonl`: a committed step.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+pub struct Metric {
+    pub step: u64,
+    /// Seconds since the job's start in this process (a resumed run starts from 0 again).
+    pub wall_s: f64,
+    #[serde(default)]
+    pub generation: u64,
+}
+
+/// Parses the JSON lines of `text` (`what` names the file in errors).
+fn parse_lines<T: serde::de::DeserializeOwned>(text: &str, what: &str) -> Result<Vec<T>> {
+    let terminated = text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::with_capacity(lines.len());
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(line) {
+            Ok(v) => out.push(v),
+            Err(_) if i + 1 == lines.len() && !terminated => break,
+            Err(e) => return Err(e).with_context(|| format!("{what} line {}", i + 1)),
+        }
+    }
+    Ok(out)
+}
+
+pub fn parse_events(text: &str) -> Result<Vec<Event>> {
+    parse_lines(text, "events.jsonl")
+}
+
+pub fn parse_metrics(text: &str) -> Result<Vec<Metric>> {
+    parse_lines(text, "metrics.jsonl")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_events_are_other_and_a_cut_last_line_is_dropped() {
+        let text = "{\"event\":\"process\",\"role\":\"agent\",\"pid\":1}\n\
+                    {\"event\":\"checkpoint\",\"step\":2,\"path\":\"x\",\"stall_ms\":14.5}\n\
+                    {\"event\":\"finish\",\"st";
+        let e = parse_events(text).unwrap();
+        assert_eq!(
+            e,
+            vec![
+                Event::Other,
+                Event::Checkpoint {
+                    step: 2,
+                    stall_ms: 14.5
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn a_bad_line_in_the_middle_names_its_line() {
+        let err = parse_metrics("{\"step\":1,\"wall_s\":0.5}\nnot json\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("metrics.jsonl line 2"),
+            "{err:#}"
+        );
+    }
+}

@@ -1,0 +1,243 @@
+//! The bench's one markdown table: a row per quantity, a column per run, then the spec's target
+//! and PASS/MISS; notes under it say what was injected and anything that went wrong.
+
+use std::fmt::Write;
+
+use super::summary::{Check, Recovery, RunKind, RunSummary, Stat};
+use super::Report;
+
+fn num(x: f64, digits: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        "-".into()
+    }
+}
+
+fn opt(x: Option<f64>, digits: usize) -> String {
+    x.map_or_else(|| "-".into(), |x| num(x, digits))
+}
+
+fn stat(s: Option<Stat>, digits: usize) -> String {
+    s.map_or_else(
+        || "-".into(),
+        |s| format!("{} / {}", num(s.median, digits), num(s.max, digits)),
+    )
+}
+
+/// Median / max over the in-place run's recoveries of one quantity.
+fn over(recoveries: &[Recovery], f: impl Fn(&Recovery) -> Option<f64>) -> Option<Stat> {
+    Stat::of(&recoveries.iter().filter_map(f).collect::<Vec<_>>())
+}
+
+fn verdict(c: &Check) -> &'static str {
+    match c.pass {
+        Some(true) => "PASS",
+        Some(false) => "MISS",
+        None => "n/a",
+    }
+}
+
+fn bound(c: &Check) -> String {
+    format!(
+        "{} {}",
+        if c.at_least { ">=" } else { "<" },
+        num(c.limit, 2)
+    )
+}
+
+struct Rows<'a> {
+    out: String,
+    runs: &'a [RunSummary],
+}
+
+impl Rows<'_> {
+    fn row(&mut self, label: &str, cells: [String; 3], check: Option<&Check>) {
+        let (target, verdict) = check.map_or((String::new(), ""), |c| (bound(c), verdict(c)));
+        let _ = writeln!(
+            self.out,
+            "| {label} | {} | {} | {} | {target} | {verdict} |",
+            cells[0], cells[1], cells[2]
+        );
+    }
+
+    /// A row with one cell per run from `f`.
+    fn each(&mut self, label: &str, f: impl Fn(&RunSummary) -> String) {
+        let cells = [0, 1, 2].map(|i| self.runs.get(i).map_or_else(|| "-".into(), &f));
+        self.row(label, cells, None);
+    }
+
+    /// A row only the in-place run fills (the recovery phases).
+    fn in_place(&mut self, label: &str, cell: String, check: Option<&Check>) {
+        self.row(label, ["-".into(), cell, "-".into()], check);
+    }
+}
+
+/// The table and its notes.
+pub fn render(r: &Report) -> String {
+    let mut t = Rows {
+        out: String::new(),
+        runs: &r.runs,
+    };
+    let _ = writeln!(
+        t.out,
+        "| | fault-free | in place | checkpoint restart | target | check |\n|---|---|---|---|---|---|"
+    );
+    t.each("status", |s| {
+        if s.ok {
+            "ok".into()
+        } else {
+            "**FAILED** (below)".into()
+        }
+    });
+    t.each("wall time (s)", |s| num(s.wall_s, 1));
+    t.each("unique steps committed", |s| s.unique_steps.to_string());
+    t.each("steps replayed", |s| s.replayed_steps.to_string());
+    t.each("effective steps/s", |s| num(s.steps_per_s, 3));
+    t.each("effective tokens/s", |s| num(s.tokens_per_s, 0));
+    let tput = r
+        .checks
+        .iter()
+        .find(|c| c.name.starts_with("in-place throughput"));
+    let cells = [0, 1, 2].map(|i| {
+        r.runs
+            .get(i)
+            .map_or_else(|| "-".into(), |s| opt(s.vs_fault_free, 3))
+    });
+    t.row("throughput / fault-free", cells, tput);
+    t.each("throughput / checkpoint restart", |s| opt(s.vs_restart, 3));
+    t.each("median step time (s)", |s| opt(s.step_s, 3));
+    t.each("failures recovered", |s| match s.kind {
+        RunKind::FaultFree => "0".into(),
+        RunKind::InPlace => {
+            let inp = s.recoveries.iter().filter(|r| r.in_place).count();
+            format!("{} ({inp} in place)", s.recoveries.len())
+        }
+        RunKind::CheckpointRestart => format!("{} restarts", s.restarts.len()),
+    });
+    t.each("checkpoint stall ms (median / max)", |s| {
+        stat(s.checkpoint_stall_ms, 1)
+    });
+    t.each("load average at start (1 min)", |s| opt(s.load_1m, 1));
+    phase_rows(&mut t, r);
+    t.each("restart: failure -> first commit s (median / max)", |s| {
+        restart_stat(s, |x| x.to_first_commit_s)
+    });
+    t.each(
+        "restart: failure -> failed step again s (median / max)",
+        |s| restart_stat(s, |x| x.to_regained_s),
+    );
+    let mut out = t.out;
+    notes(&mut out, r);
+    out
+}
+
+fn restart_stat(s: &RunSummary, f: impl Fn(&super::summary::Restart) -> Option<f64>) -> String {
+    if s.kind != RunKind::CheckpointRestart {
+        return "-".into();
+    }
+    stat(
+        Stat::of(&s.restarts.iter().filter_map(f).collect::<Vec<_>>()),
+        2,
+    )
+}
+
+/// The in-place run's recovery phases, median / max over its recoveries.
+fn phase_rows(t: &mut Rows, r: &Report) {
+    let Some(ip) = r.runs.iter().find(|s| s.kind == RunKind::InPlace) else {
+        return;
+    };
+    let rec = ip.recoveries.clone();
+    let check = |prefix: &str| r.checks.iter().find(|c| c.name.starts_with(prefix));
+    let phase =
+        |f: fn(&super::records::Phases) -> f64| over(&rec, move |x| x.phases.map(|p| f(&p)));
+    t.in_place(
+        "detect s (median / max)",
+        stat(phase(|p| p.detect_s), 3),
+        check("crash detected"),
+    );
+    t.in_place("decide s", stat(phase(|p| p.decide_s), 4), None);
+    t.in_place("restart s", stat(phase(|p| p.restart_s), 4), None);
+    t.in_place(
+        "connect + copy s",
+        stat(phase(|p| p.connect_copy_s), 3),
+        None,
+    );
+    t.in_place(
+        "decide + restart + connect_copy s",
+        stat(over(&rec, Recovery::reconfigure_s), 3),
+        check("decide + restart"),
+    );
+    t.in_place("first step s", stat(phase(|p| p.first_step_s), 3), None);
+    t.in_place(
+        "failure -> next commit s",
+        stat(over(&rec, |x| x.since_failure_s), 3),
+        check("next commit"),
+    );
+    let got: u64 = rec.iter().map(|x| x.copy_bytes).sum();
+    let planned: u64 = rec.iter().map(|x| x.planned_bytes).sum();
+    t.in_place(
+        "MB copied, all recoveries (received / planned)",
+        format!(
+            "{} / {}",
+            num(got as f64 / 1e6, 1),
+            num(planned as f64 / 1e6, 1)
+        ),
+        None,
+    );
+    t.in_place(
+        "copy GB/s (median / max)",
+        stat(over(&rec, Recovery::copy_gb_per_s), 2),
+        None,
+    );
+}
+
+fn notes(o: &mut String, r: &Report) {
+    let _ = writeln!(
+        o,
+        "\n{} x {} steps of {} tokens; {} nodes, f = {}; {}",
+        r.model, r.job.steps, r.job.tokens_per_step, r.nodes, r.fault_threshold, r.failure_note
+    );
+    let _ = writeln!(
+        o,
+        "Phases and targets: median / max over the in-place run's recoveries; each target is \
+         checked on the worst one. Next-commit target: 1.5 s + the fault-free median step time."
+    );
+    if r.nodes > r.cores {
+        let _ = writeln!(
+            o,
+            "The workers of all {} nodes share {} cores here: with fewer nodes after a failure \
+             each step competes less for them, which flatters the runs with failures.",
+            r.nodes, r.cores
+        );
+    }
+    if let Some(ip) = r.runs.iter().find(|s| s.kind == RunKind::InPlace) {
+        let _ = writeln!(o, "{}", in_place_note(ip, r.job.failures));
+    }
+    for s in r.runs.iter().filter(|s| !s.ok) {
+        let _ = writeln!(o, "**The {} run failed**: {}", s.kind.label(), s.status);
+    }
+}
+
+/// Says whether every injected failure was recovered in place, and which was not.
+pub fn in_place_note(ip: &RunSummary, planned: usize) -> String {
+    let not: Vec<String> = ip
+        .recoveries
+        .iter()
+        .filter(|r| !r.in_place || r.replayed_steps > 0)
+        .map(|r| format!("after step {} (lost {:?})", r.from_step, r.lost_nodes))
+        .collect();
+    if ip.recoveries.len() == planned && not.is_empty() {
+        format!("In-place run: all {planned} failures recovered in place, no step replayed.")
+    } else if !not.is_empty() {
+        format!(
+            "In-place run: NOT recovered in place (checkpoint or replay): {}.",
+            not.join(", ")
+        )
+    } else {
+        format!(
+            "In-place run: {} recoveries recorded for {planned} injected failures.",
+            ip.recoveries.len()
+        )
+    }
+}
