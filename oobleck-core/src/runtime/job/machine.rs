@@ -58,6 +58,9 @@ pub(super) struct Generation {
     pub states: BTreeMap<u64, BTreeMap<u32, String>>,
     /// The rendezvous went out: the data plane formed.
     pub formed: bool,
+    /// Nodes whose agents told their workers to stop after a failure: their ranks hold the
+    /// committed step, whatever they are still computing.
+    pub stopped: BTreeSet<u32>,
     /// Ranks that built their stage (`Formed`), and the slowest connect and copy among them.
     pub built: BTreeSet<u32>,
     pub connect_s: f64,
@@ -233,7 +236,7 @@ impl JobMachine {
                 what: format!("the checkpoint or evaluation of step {step} failed"),
                 source: error.into(),
             }),
-            Input::Reconfigured(_) => {}
+            Input::Reconfigured(_) | Input::Aborted { .. } => {}
             Input::CheckpointRefused {
                 path,
                 reason,
@@ -422,6 +425,7 @@ impl JobMachine {
             done: BTreeMap::new(),
             states: BTreeMap::new(),
             formed: false,
+            stopped: BTreeSet::new(),
             built: BTreeSet::new(),
             connect_s: 0.0,
             copy_s: 0.0,

@@ -117,6 +117,12 @@ impl JobMachine {
                 self.push(Action::KillNode { node });
             }
             Input::Unreachable { .. } => {}
+            Input::Aborted { node, generation } if generation == self.generation => {
+                if let Some(g) = self.gen.as_mut() {
+                    g.stopped.insert(node);
+                }
+            }
+            Input::Aborted { .. } => {}
             Input::Assembled {
                 step,
                 checkpoint,
@@ -177,9 +183,9 @@ impl JobMachine {
     }
 
     /// Every loss the failure caused is known: every agent the driver saw die is a lost node
-    /// (or the wait for that ran out), and every rank on a node still up stopped its step (or
-    /// that wait ran out); no checkpoint is still being written. No fixed sleep: a crash is
-    /// acted on as soon as the reports are in.
+    /// (or the wait for that ran out), and every rank on a node still up stopped its step, or
+    /// its agent confirmed it was told to (or that wait ran out); no checkpoint is still being
+    /// written. No fixed sleep: a crash is acted on as soon as the reports are in.
     fn settled(&self, now: Duration, failure: &Failure) -> bool {
         let l = &self.limits;
         let t0 = failure.detected;
@@ -189,7 +195,8 @@ impl JobMachine {
         let undecided = self.gen.as_ref().is_some_and(|g| {
             g.formed
                 && (0..g.world as u32).any(|r| {
-                    g.node_of(r).is_some_and(|n| !self.lost.contains(&n))
+                    g.node_of(r)
+                        .is_some_and(|n| !self.lost.contains(&n) && !g.stopped.contains(&n))
                         && !g.broken.contains_key(&r)
                         && !g.ready.contains_key(&r)
                         && !g.exited.contains(&r)
@@ -216,13 +223,14 @@ impl JobMachine {
             .copied()
             .filter(|n| self.lost.contains(n))
             .collect();
-        // A rank of a surviving node that never said it stopped (it hangs) holds nothing
-        // anyone can count on.
+        // A rank of a surviving node that never said it stopped, nor did its agent (it hangs),
+        // holds nothing anyone can count on.
         let silent: Vec<(u32, u32)> = (0..g.world as u32)
             .filter(|r| {
                 !g.broken.contains_key(r) && !g.ready.contains_key(r) && !g.exited.contains(r)
             })
             .filter_map(|r| Some((g.node_of(r)?, r % plan.devices_per_node)))
+            .filter(|(node, _)| !g.stopped.contains(node))
             .collect();
         for &node in &lost {
             self.push(Action::Fence { node });

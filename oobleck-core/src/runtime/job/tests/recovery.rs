@@ -393,3 +393,25 @@ fn an_unreadable_fallback_checkpoint_falls_back_further_and_says_so() {
     );
     assert_eq!(h.m.committed(), 2);
 }
+
+#[test]
+fn ranks_still_computing_on_a_node_whose_agent_stopped_them_do_not_hold_up_the_decision() {
+    let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
+    h.step(1.0, 1);
+    let a = h.at(1.5, lost(2));
+    assert!(has(&a, "abort:0"), "{:?}", kinds(&a));
+    // Rank 1 failed at once; rank 0 (a whole pipeline on node 0) is still in its step.
+    let a = h.broken(1.51, 1, 1);
+    assert!(!has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
+    let a = h.at(
+        1.52,
+        Input::Aborted {
+            node: 0,
+            generation: 0,
+        },
+    );
+    assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
+    // Node 0 still counts as holding its layers: it is at the committed step.
+    let (held, _) = reconfigure_request(&a);
+    assert!(held.layers(0, 0).is_some());
+}
