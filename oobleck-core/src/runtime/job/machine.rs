@@ -72,6 +72,15 @@ pub(super) struct Generation {
 }
 
 impl Generation {
+    /// `rank` built its stage and its agent confirmed it was told to stop: it holds the
+    /// committed step while it finishes the microbatch it is in.
+    pub fn computing(&self, rank: u32) -> bool {
+        self.built.contains(&rank)
+            && self
+                .node_of(rank)
+                .is_some_and(|n| self.stopped.contains(&n))
+    }
+
     /// The node running `rank`.
     pub fn node_of(&self, rank: u32) -> Option<u32> {
         let g = self.plan.devices_per_node;

@@ -184,8 +184,10 @@ impl JobMachine {
 
     /// Every loss the failure caused is known: every agent the driver saw die is a lost node
     /// (or the wait for that ran out), and every rank on a node still up stopped its step, or
-    /// its agent confirmed it was told to (or that wait ran out); no checkpoint is still being
-    /// written. No fixed sleep: a crash is acted on as soon as the reports are in.
+    /// is computing one and its agent confirmed it was told to stop (or that wait ran out); no
+    /// checkpoint is still being written. No fixed sleep: a crash is acted on as soon as the
+    /// reports are in. A rank still forming (copying layers) is waited for: its report may
+    /// name a corrupted copy.
     fn settled(&self, now: Duration, failure: &Failure) -> bool {
         let l = &self.limits;
         let t0 = failure.detected;
@@ -195,8 +197,8 @@ impl JobMachine {
         let undecided = self.gen.as_ref().is_some_and(|g| {
             g.formed
                 && (0..g.world as u32).any(|r| {
-                    g.node_of(r)
-                        .is_some_and(|n| !self.lost.contains(&n) && !g.stopped.contains(&n))
+                    g.node_of(r).is_some_and(|n| !self.lost.contains(&n))
+                        && !g.computing(r)
                         && !g.broken.contains_key(&r)
                         && !g.ready.contains_key(&r)
                         && !g.exited.contains(&r)
@@ -229,8 +231,8 @@ impl JobMachine {
             .filter(|r| {
                 !g.broken.contains_key(r) && !g.ready.contains_key(r) && !g.exited.contains(r)
             })
+            .filter(|&r| !g.computing(r))
             .filter_map(|r| Some((g.node_of(r)?, r % plan.devices_per_node)))
-            .filter(|(node, _)| !g.stopped.contains(node))
             .collect();
         for &node in &lost {
             self.push(Action::Fence { node });
