@@ -359,10 +359,6 @@ async fn serve_agent(
                     report,
                 });
             }
-            Message::Aborted {
-                node: n,
-                generation,
-            } if n == node => shared.emit(MasterEvent::Aborted { node, generation }),
             Message::StatusRequest => {
                 let status = Message::StatusResponse {
                     status: shared.status(),

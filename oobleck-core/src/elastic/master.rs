@@ -99,11 +99,6 @@ pub enum MasterEvent {
         generation: u64,
         report: WorkerReport,
     },
-    /// `node`'s agent told its workers of `generation` to stop ([`Message::Aborted`]).
-    Aborted {
-        node: u32,
-        generation: u64,
-    },
 }
 
 /// A running master: owns the listener and every connection task; dropping it closes them all.

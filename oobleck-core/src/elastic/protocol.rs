@@ -212,9 +212,6 @@ pub enum Message {
     /// Master -> agents: generation `generation` failed; its workers stop their step at once
     /// (keeping the committed state) and wait for the next generation.
     AbortGeneration { generation: u64 },
-    /// Agent -> master: every living worker of `node` in `generation` was told to stop. They
-    /// hold the committed step, so the master need not wait for them to finish computing.
-    Aborted { node: u32, generation: u64 },
     /// Master -> agent: kill your workers and exit.
     Shutdown { reason: String },
 }
@@ -238,7 +235,6 @@ impl Message {
             Message::StatusResponse { .. } => "status_response",
             Message::KillNode { .. } => "kill_node",
             Message::AbortGeneration { .. } => "abort_generation",
-            Message::Aborted { .. } => "aborted",
             Message::Shutdown { .. } => "shutdown",
         }
     }

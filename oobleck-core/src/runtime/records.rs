@@ -28,6 +28,10 @@ pub enum WorkerReport {
         copy_s: f64,
         copy_bytes: u64,
     },
+    /// After the master aborted the generation: the worker is stopping its step at its next
+    /// microbatch or data-plane operation, holding the committed step meanwhile. Sent by the
+    /// worker itself, so only a living process says it.
+    Stopping { rank: u32 },
     /// The worker holds its reduced gradients for `step` (1-based) and waits for the commit.
     /// `loss` and `grad_norm` are the step's global values, the same on every rank.
     Ready {
@@ -96,6 +100,7 @@ impl WorkerReport {
         match self {
             WorkerReport::Listening { rank, .. }
             | WorkerReport::Formed { rank, .. }
+            | WorkerReport::Stopping { rank, .. }
             | WorkerReport::Ready { rank, .. }
             | WorkerReport::Saved { rank, .. }
             | WorkerReport::Broken { rank, .. }

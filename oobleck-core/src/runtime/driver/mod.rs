@@ -252,7 +252,6 @@ fn input_of(ev: MasterEvent) -> Input {
             reason: format!("{reason:?}"),
         },
         MasterEvent::KillRequested { node } => Input::KillRequested { node },
-        MasterEvent::Aborted { node, generation } => Input::Aborted { node, generation },
         MasterEvent::Worker {
             node,
             generation,

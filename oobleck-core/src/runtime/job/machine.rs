@@ -58,9 +58,9 @@ pub(super) struct Generation {
     pub states: BTreeMap<u64, BTreeMap<u32, String>>,
     /// The rendezvous went out: the data plane formed.
     pub formed: bool,
-    /// Nodes whose agents told their workers to stop after a failure: their ranks hold the
-    /// committed step, whatever they are still computing.
-    pub stopped: BTreeSet<u32>,
+    /// Ranks that confirmed they are stopping their step after a failure (`Stopping`): they
+    /// hold the committed step, whatever they are still computing.
+    pub stopping: BTreeSet<u32>,
     /// Ranks that built their stage (`Formed`), and the slowest connect and copy among them.
     pub built: BTreeSet<u32>,
     pub connect_s: f64,
@@ -72,13 +72,10 @@ pub(super) struct Generation {
 }
 
 impl Generation {
-    /// `rank` built its stage and its agent confirmed it was told to stop: it holds the
-    /// committed step while it finishes the microbatch it is in.
+    /// `rank` built its stage and confirmed it is stopping: it holds the committed step while
+    /// it finishes the microbatch it is in.
     pub fn computing(&self, rank: u32) -> bool {
-        self.built.contains(&rank)
-            && self
-                .node_of(rank)
-                .is_some_and(|n| self.stopped.contains(&n))
+        self.built.contains(&rank) && self.stopping.contains(&rank)
     }
 
     /// The node running `rank`.
@@ -245,7 +242,7 @@ impl JobMachine {
                 what: format!("the checkpoint or evaluation of step {step} failed"),
                 source: error.into(),
             }),
-            Input::Reconfigured(_) | Input::Aborted { .. } => {}
+            Input::Reconfigured(_) => {}
             Input::CheckpointRefused {
                 path,
                 reason,
@@ -434,7 +431,7 @@ impl JobMachine {
             done: BTreeMap::new(),
             states: BTreeMap::new(),
             formed: false,
-            stopped: BTreeSet::new(),
+            stopping: BTreeSet::new(),
             built: BTreeSet::new(),
             connect_s: 0.0,
             copy_s: 0.0,

@@ -122,11 +122,6 @@ pub enum Input {
         generation: u64,
         report: WorkerReport,
     },
-    /// `node`'s agent told its workers of `generation` to stop their step.
-    Aborted {
-        node: u32,
-        generation: u64,
-    },
     /// A tool asked for `node`'s processes to be killed (`oobleck kill-node`).
     KillRequested {
         node: u32,

@@ -117,12 +117,6 @@ impl JobMachine {
                 self.push(Action::KillNode { node });
             }
             Input::Unreachable { .. } => {}
-            Input::Aborted { node, generation } if generation == self.generation => {
-                if let Some(g) = self.gen.as_mut() {
-                    g.stopped.insert(node);
-                }
-            }
-            Input::Aborted { .. } => {}
             Input::Assembled {
                 step,
                 checkpoint,
@@ -156,6 +150,11 @@ impl JobMachine {
                 error,
             } => self.on_worker_exited(node, rank, status, error),
             WorkerReport::Formed { rank, layers, .. } => self.on_formed(node, rank, layers),
+            WorkerReport::Stopping { rank } => {
+                if let Some(g) = self.gen.as_mut() {
+                    g.stopping.insert(rank);
+                }
+            }
             // Ready for the open step: it holds the last committed state and waits.
             WorkerReport::Ready {
                 rank,
@@ -184,7 +183,7 @@ impl JobMachine {
 
     /// Every loss the failure caused is known: every agent the driver saw die is a lost node
     /// (or the wait for that ran out), and every rank on a node still up stopped its step, or
-    /// is computing one and its agent confirmed it was told to stop (or that wait ran out); no
+    /// is computing one and confirmed it is stopping it (or that wait ran out); no
     /// checkpoint is still being written. No fixed sleep: a crash is acted on as soon as the
     /// reports are in. A rank still forming (copying layers) is waited for: its report may
     /// name a corrupted copy.

@@ -29,7 +29,12 @@ impl JobMachine {
             ));
         }
         if generation != self.generation {
-            // A worker of an earlier generation, stopped by its agent: history.
+            // A worker of an earlier generation: history, except that a process that is gone
+            // holds nothing any more (its device is the same in every generation).
+            if let WorkerReport::Exited { rank, .. } = report {
+                let device = rank % self.spec.devices_per_node;
+                self.holdings.set(node, device, BTreeSet::new());
+            }
             return;
         }
         match report {
@@ -92,6 +97,8 @@ impl JobMachine {
                 status,
                 error,
             } => self.on_exit_report(now, node, rank, status, error),
+            // Only after an abort, which only a failure causes (handled in `recovery.rs`).
+            WorkerReport::Stopping { .. } => {}
         }
     }
 

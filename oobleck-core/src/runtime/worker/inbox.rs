@@ -27,14 +27,16 @@ const ORPHANED: i32 = 3;
 #[derive(Default)]
 pub(super) struct AbortSwitch {
     generation: AtomicU64,
+    rank: AtomicU64,
     aborted: AtomicBool,
     comm: Mutex<Option<Arc<dyn Communicator>>>,
 }
 
 impl AbortSwitch {
     /// Generation `generation` runs on `comm` from now on.
-    pub(super) fn arm(&self, generation: u64, comm: Arc<dyn Communicator>) {
+    pub(super) fn arm(&self, generation: u64, rank: u32, comm: Arc<dyn Communicator>) {
         *self.comm.lock().unwrap_or_else(|p| p.into_inner()) = Some(comm);
+        self.rank.store(u64::from(rank), Ordering::SeqCst);
         self.generation.store(generation, Ordering::SeqCst);
         self.aborted.store(false, Ordering::SeqCst);
     }
@@ -48,9 +50,14 @@ impl AbortSwitch {
         if self.generation.load(Ordering::SeqCst) != generation {
             return;
         }
-        self.aborted.store(true, Ordering::SeqCst);
+        let first = !self.aborted.swap(true, Ordering::SeqCst);
         if let Some(c) = self.comm.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             c.abort();
+        }
+        if first {
+            let rank = self.rank.load(Ordering::SeqCst) as u32;
+            // Nothing to do if stdout is gone: the agent is, too.
+            let _ = report(generation, &WorkerReport::Stopping { rank });
         }
     }
 }

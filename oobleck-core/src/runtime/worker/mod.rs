@@ -227,7 +227,7 @@ impl<'a> Generation<'a> {
             }
         };
         let comm: Arc<dyn Communicator> = Arc::from(comm);
-        inbox.abort.arm(a.generation, comm.clone());
+        inbox.abort.arm(a.generation, a.rank, comm.clone());
         let generation = Generation::build(a, model, &layout, comm, loaded)
             .map_err(|e| not_formed(e, Held::nothing(0)))?;
         report(

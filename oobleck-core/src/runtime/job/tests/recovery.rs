@@ -395,7 +395,7 @@ fn an_unreadable_fallback_checkpoint_falls_back_further_and_says_so() {
 }
 
 #[test]
-fn ranks_still_computing_on_a_node_whose_agent_stopped_them_do_not_hold_up_the_decision() {
+fn ranks_still_computing_that_confirm_they_stop_do_not_hold_up_the_decision() {
     let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
     h.step(1.0, 1);
     let a = h.at(1.5, lost(2));
@@ -403,15 +403,38 @@ fn ranks_still_computing_on_a_node_whose_agent_stopped_them_do_not_hold_up_the_d
     // Rank 1 failed at once; rank 0 (a whole pipeline on node 0) is still in its step.
     let a = h.broken(1.51, 1, 1);
     assert!(!has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
-    let a = h.at(
-        1.52,
-        Input::Aborted {
-            node: 0,
-            generation: 0,
-        },
-    );
+    let a = h.worker(1.52, 0, WorkerReport::Stopping { rank: 0 });
     assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
     // Node 0 still counts as holding its layers: it is at the committed step.
     let (held, _) = reconfigure_request(&a);
     assert!(held.layers(0, 0).is_some());
+}
+
+#[test]
+fn a_worker_exit_reported_after_its_generation_ended_still_empties_its_device() {
+    let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1, 2]]));
+    h.step(1.0, 1);
+    h.at(1.5, lost(2));
+    h.broken(1.51, 0, 1);
+    h.worker(1.52, 1, WorkerReport::Stopping { rank: 1 });
+    // The decision trusted rank 1 (it said it stops), and generation 1 starts...
+    h.reconfigured(1.6, plan(&[&[0], &[1]]), 0, Vec::new());
+    // ...when rank 1's death, from generation 0, arrives.
+    let exited = WorkerReport::Exited {
+        rank: 1,
+        status: ExitStatus {
+            code: None,
+            signal: Some(9),
+        },
+        error: None,
+    };
+    h.at(
+        1.7,
+        Input::Worker {
+            node: 1,
+            generation: 0,
+            report: exited,
+        },
+    );
+    assert_eq!(h.m.holdings.layers(1, 0), None, "node 1's worker is gone");
 }
