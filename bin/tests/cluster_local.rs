@@ -315,25 +315,7 @@ fn a_killed_cluster_run_resumes_on_other_nodes_and_matches_the_single_process() 
         ],
     );
     let mut g = Guard(Some(cmd.spawn().expect("start train")));
-    let start = Instant::now();
-    let worker = loop {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no checkpoint within 60 s"
-        );
-        if latest_checkpoint(&out).ok().flatten().is_some() {
-            let w = events(&out)
-                .into_iter()
-                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["rank"] == 1);
-            break w.expect("worker 1 reported")["pid"].as_u64().expect("pid") as u32;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let killed = Command::new("kill")
-        .args(["-9", &worker.to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
+    kill_worker_once_checkpointed(&out, 1);
     let o = g.finish(Duration::from_secs(30));
     assert!(
         !o.status.success(),

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use oobleck_core::checkpoint::latest_checkpoint;
+use oobleck_core::runtime::worker::{TEST_CORRUPT_ENV, TEST_KILL_ENV};
 
 /// `--inject-failure 1@5` with f = 1: node 1 SIGKILLs its agent and worker after step 5. Every
 /// layer still has a holder among the survivors, so they keep running (the same processes),
@@ -154,25 +154,7 @@ fn a_worker_killed_from_outside_is_recovered_from_on_the_same_nodes() {
         "2",
     ];
     let mut g = Guard(Some(train_cmd(&out, STEPS, &flags).spawn().expect("train")));
-    let start = Instant::now();
-    let worker = loop {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no checkpoint within 60 s"
-        );
-        if latest_checkpoint(&out).ok().flatten().is_some() {
-            let w = events(&out)
-                .into_iter()
-                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["rank"] == 1);
-            break w.expect("worker 1 reported")["pid"].as_u64().expect("pid") as u32;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let killed = Command::new("kill")
-        .args(["-9", &worker.to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
+    kill_worker_once_checkpointed(&out, 1);
     let o = g.finish(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{stderr}");
@@ -319,15 +301,33 @@ fn reconfigs(run: &std::path::Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Runs `train` for 8 steps with `flags` and the environment `env` (a test hook) beside an
+/// uninterrupted single process: the run must succeed and end exactly where the single
+/// process ends (every step once, same losses and parameters). Returns its run directory, to
+/// be read before `dir` goes, and its stderr.
+fn recovered_run(
+    dir: &std::path::Path,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (std::path::PathBuf, String) {
+    const STEPS: u64 = 8;
+    let (want, want_params) = single_process(dir, STEPS);
+    let out = dir.join("run");
+    let mut cmd = train_cmd(&out, STEPS, flags);
+    cmd.envs(env.iter().copied());
+    let o = run(cmd, Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{stderr}");
+    assert_same_training(&out, &want, &want_params);
+    (out, stderr)
+}
+
 /// With f = 2 the plan has three pipelines over four nodes, so two nodes killed together
 /// leave every layer with a holder: the job goes on in place from the step they died after,
 /// with the same worker processes on the two nodes left.
 #[test]
 fn two_nodes_killed_at_once_with_f_2_are_recovered_in_place() {
-    const STEPS: u64 = 8;
     let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
     let flags = [
         "--nodes",
         "4",
@@ -338,15 +338,12 @@ fn two_nodes_killed_at_once_with_f_2_are_recovered_in_place() {
         "--inject-failure",
         "2@4",
     ];
-    let o = run(train_cmd(&out, STEPS, &flags), Duration::from_secs(180));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
+    let (out, _) = recovered_run(dir.path(), &flags, &[]);
     let r = reconfigs(&out);
     assert_eq!(r.len(), 1, "one reconfiguration for both losses: {r:?}");
     assert_eq!(r[0]["lost_nodes"], serde_json::json!([1, 2]), "{}", r[0]);
     assert_eq!(r[0]["in_place"], true, "{}", r[0]);
     assert_eq!(r[0]["replayed_steps"], 0, "{}", r[0]);
-    assert_same_training(&out, &want, &want_params);
     // 4 agents and 4 workers: nothing was restarted.
     assert_all_gone(&out, 8);
 }
@@ -356,23 +353,15 @@ fn two_nodes_killed_at_once_with_f_2_are_recovered_in_place() {
 /// the step before, with a fresh worker for the dead one.
 #[test]
 fn a_worker_killed_during_gradient_sync_is_recovered_in_place() {
-    const STEPS: u64 = 8;
     let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
     let flags = ["--nodes", "3", "--fault-threshold", "1"];
-    let mut cmd = train_cmd(&out, STEPS, &flags);
-    cmd.env(oobleck_core::runtime::worker::TEST_KILL_ENV, "sync:0:1:5");
-    let o = run(cmd, Duration::from_secs(180));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
+    let (out, _) = recovered_run(dir.path(), &flags, &[(TEST_KILL_ENV, "sync:0:1:5")]);
     let r = reconfigs(&out);
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!(r[0]["lost_nodes"], serde_json::json!([]), "{}", r[0]);
     assert_eq!(r[0]["in_place"], true, "{}", r[0]);
     assert_eq!(r[0]["failed_in_step"], 5, "{}", r[0]);
     assert_eq!(r[0]["from_step"], 4, "{}", r[0]);
-    assert_same_training(&out, &want, &want_params);
     // 3 agents, 3 workers and the fresh one on node 1.
     assert_all_gone(&out, 7);
 }
@@ -383,10 +372,7 @@ fn a_worker_killed_during_gradient_sync_is_recovered_in_place() {
 /// and training still ends where the single process ends.
 #[test]
 fn a_failure_during_the_copies_starts_another_reconfiguration() {
-    const STEPS: u64 = 8;
     let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
     let flags = [
         "--nodes",
         "3",
@@ -395,11 +381,7 @@ fn a_failure_during_the_copies_starts_another_reconfiguration() {
         "--inject-failure",
         "1@3",
     ];
-    let mut cmd = train_cmd(&out, STEPS, &flags);
-    cmd.env(oobleck_core::runtime::worker::TEST_KILL_ENV, "copy:1:2:3");
-    let o = run(cmd, Duration::from_secs(180));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
+    let (out, stderr) = recovered_run(dir.path(), &flags, &[(TEST_KILL_ENV, "copy:1:2:3")]);
     assert!(
         stderr.contains("SIGKILL"),
         "the copy kill did not fire: {stderr}"
@@ -411,7 +393,6 @@ fn a_failure_during_the_copies_starts_another_reconfiguration() {
         assert_eq!(r[i]["in_place"], true, "{}", r[i]);
         assert_eq!(r[i]["from_step"], 3, "{}", r[i]);
     }
-    assert_same_training(&out, &want, &want_params);
     // 3 agents, 3 workers and the fresh one on node 2.
     assert_all_gone(&out, 7);
 }
@@ -422,10 +403,7 @@ fn a_failure_during_the_copies_starts_another_reconfiguration() {
 /// the newest checkpoint. Training still ends where the single process ends.
 #[test]
 fn a_corrupted_layer_copy_is_refused_and_the_job_falls_back_to_the_checkpoint() {
-    const STEPS: u64 = 8;
     let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
     let flags = [
         "--nodes",
         "3",
@@ -436,11 +414,7 @@ fn a_corrupted_layer_copy_is_refused_and_the_job_falls_back_to_the_checkpoint() 
         "--inject-failure",
         "1@3",
     ];
-    let mut cmd = train_cmd(&out, STEPS, &flags);
-    cmd.env(oobleck_core::runtime::worker::TEST_CORRUPT_ENV, "1:0");
-    let o = run(cmd, Duration::from_secs(180));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
+    let (out, stderr) = recovered_run(dir.path(), &flags, &[(TEST_CORRUPT_ENV, "1:0")]);
     assert!(stderr.contains("arrived corrupted"), "{stderr}");
     assert!(
         stderr.contains("lost every replica; going back to the newest checkpoint"),
@@ -451,5 +425,4 @@ fn a_corrupted_layer_copy_is_refused_and_the_job_falls_back_to_the_checkpoint() 
     assert_eq!(r[0]["in_place"], true, "{}", r[0]);
     assert_eq!(r[1]["in_place"], false, "{}", r[1]);
     assert_eq!(r[1]["from_step"], 2, "{}", r[1]);
-    assert_same_training(&out, &want, &want_params);
 }

@@ -217,3 +217,27 @@ pub fn assert_same_training(
     eprintln!("final parameters within {d:e} of the single process");
     assert!(d < TOL, "final parameters differ by {d}");
 }
+
+/// Waits (at most 60 s) for the run's first checkpoint, then SIGKILLs the worker process of
+/// rank `rank` from outside, as a crash would.
+pub fn kill_worker_once_checkpointed(out: &Path, rank: u32) {
+    let start = Instant::now();
+    let worker = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no checkpoint within 60 s"
+        );
+        if latest_checkpoint(out).ok().flatten().is_some() {
+            let w = events(out)
+                .into_iter()
+                .find(|e| e["event"] == "process" && e["role"] == "worker" && e["rank"] == rank);
+            break w.expect("worker reported")["pid"].as_u64().expect("pid") as u32;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let killed = Command::new("kill")
+        .args(["-9", &worker.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+}

@@ -323,7 +323,7 @@ impl NodeAgent {
                 tell_all(self.node, &mut self.workers, &ToWorker::Commit { step }).await?;
             }
             Message::AbortGeneration { generation } if generation == self.generation => {
-                self.on_abort(generation).await?
+                self.on_abort(generation).await
             }
             Message::KillNode { node } if node == self.node => return Err(self.on_kill()),
             Message::Shutdown { reason } => {
@@ -429,13 +429,12 @@ impl NodeAgent {
 
     /// Tells every worker to stop its step; each confirms itself (`Stopping`), so a worker
     /// that died meanwhile is never taken for one that stops.
-    async fn on_abort(&mut self, generation: u64) -> Result<()> {
+    async fn on_abort(&mut self, generation: u64) {
         let abort = ToWorker::Abort { generation };
         for w in self.workers.iter_mut() {
             // A worker that is gone cannot be stopped, nor needs to be: its exit is reported.
             let _ = w.tell(self.node, &abort).await;
         }
-        Ok(())
     }
 
     /// A failure injected for a demo or test: this node dies as a machine would, its workers

@@ -247,7 +247,7 @@ impl JobMachine {
                 path,
                 reason,
                 instead,
-            } => self.on_checkpoint_refused(now, path, reason, instead),
+            } => self.on_checkpoint_refused(path, reason, instead),
         }
     }
 
@@ -383,12 +383,12 @@ impl JobMachine {
                 )))
             }
         };
-        self.deploy(now, plan, source);
+        self.deploy(plan, source);
     }
 
     /// Starts `plan`'s generation with its state from `source`. Workers started afresh
     /// hold nothing until they say `Formed`.
-    pub(super) fn deploy(&mut self, _now: Duration, plan: Plan, source: StateSource) {
+    pub(super) fn deploy(&mut self, plan: Plan, source: StateSource) {
         if !matches!(source, StateSource::Peers { .. }) {
             self.holdings = Holdings::empty(plan.devices_per_node);
         }
@@ -446,7 +446,6 @@ impl JobMachine {
     /// newest older one (or from step 0), replaying the steps in between.
     fn on_checkpoint_refused(
         &mut self,
-        now: Duration,
         path: String,
         reason: String,
         instead: Option<(String, u64)>,
@@ -475,7 +474,7 @@ impl JobMachine {
             Some((p, _)) => StateSource::Checkpoint { path: p.into() },
             None => StateSource::Init,
         };
-        self.deploy(now, plan, source);
+        self.deploy(plan, source);
     }
 
     /// No plan for fault threshold `f`: after a failure, keep as much fault tolerance as the

@@ -267,7 +267,7 @@ impl JobMachine {
             Err(e) => {
                 self.note(format!("no reconfiguration fits the nodes left: {e}"));
                 let newest = self.newest.clone();
-                return self.go_on_planned(now, &failure, detect_s, newest);
+                return self.go_on_planned(&failure, detect_s, newest);
             }
         };
         let in_place = r.missing_layers.is_empty() && self.committed > 0;
@@ -282,14 +282,13 @@ impl JobMachine {
             }
             self.newest.clone()
         };
-        self.start_next(now, &failure, detect_s, r, from, in_place);
+        self.start_next(&failure, detect_s, r, from, in_place);
     }
 
     /// Starts the next generation on `r.plan`: in place from the survivors, or from `from` (a
     /// checkpoint and its step; `None` and not in place: step 0).
     fn start_next(
         &mut self,
-        now: Duration,
         failure: &Failure,
         detect_s: f64,
         r: ReconfigPlan,
@@ -356,18 +355,12 @@ impl JobMachine {
         self.nodes = left.into_iter().collect();
         let mut plan = r.plan;
         plan.generation = self.generation;
-        self.deploy(now, plan, source);
+        self.deploy(plan, source);
     }
 
     /// No decision fits (the planner may still find a plan with a lower `f`): the next
     /// generation is planned from scratch on the nodes left, from `from`.
-    fn go_on_planned(
-        &mut self,
-        now: Duration,
-        failure: &Failure,
-        detect_s: f64,
-        from: Option<(String, u64)>,
-    ) {
+    fn go_on_planned(&mut self, failure: &Failure, detect_s: f64, from: Option<(String, u64)>) {
         let gen_nodes = self.gen.take().map(|g| g.nodes).unwrap_or_default();
         let left: Vec<u32> = gen_nodes
             .iter()
@@ -407,7 +400,6 @@ impl JobMachine {
             copies: 0,
             copy_bytes: 0,
         });
-        let _ = now;
         self.generation += 1;
         self.resume = from.map(|f| f.0);
         self.nodes = left.into_iter().collect();

@@ -291,6 +291,21 @@ impl<'a> Generation<'a> {
     }
 }
 
+/// The corrupted layer copy behind `error`, however deep in its chain of causes.
+fn corrupt_copy(error: &RuntimeError) -> Option<CorruptCopy> {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(cause) = e {
+        if let Some(RuntimeError::CopyCorrupt { layer, from, .. }) = cause.downcast_ref() {
+            return Some(CorruptCopy {
+                layer: *layer,
+                from: *from,
+            });
+        }
+        e = cause.source();
+    }
+    None
+}
+
 /// After a generation failed: this worker holds `held` of committed step `held.step` (the
 /// optimizer applies only on commit). It says so and waits for the next generation's
 /// assignment. Ends with `error` when its agent stops it (stdin closes) or nothing comes.
@@ -301,13 +316,7 @@ fn broken(a: &WorkerAssignment, inbox: &Inbox, error: RuntimeError, held: Held) 
             rank: a.rank,
             step: held.step,
             error: super::entry::error_chain(&error).join(": "),
-            corrupt: match &error {
-                RuntimeError::CopyCorrupt { layer, from, .. } => Some(CorruptCopy {
-                    layer: *layer,
-                    from: *from,
-                }),
-                _ => None,
-            },
+            corrupt: corrupt_copy(&error),
         },
     );
     if said.is_err() {

@@ -175,16 +175,13 @@ pub(super) fn exchange(
                 format!("rank {me}: sending layer {} to rank {}", c.layer, c.to_rank)
             })?;
         } else if c.to_rank == me {
-            let (state, bytes) = match recv_layer(comm, c.from_rank, c.layer, timeout) {
-                // Kept as it is: the master learns which replica to distrust.
-                Err(e @ RuntimeError::CopyCorrupt { .. }) => return Err(e),
-                other => other.with_ctx(|| {
+            let (state, bytes) =
+                recv_layer(comm, c.from_rank, c.layer, timeout).with_ctx(|| {
                     format!(
                         "rank {me}: receiving layer {} from rank {}",
                         c.layer, c.from_rank
                     )
-                })?,
-            };
+                })?;
             stats.bytes += bytes;
             held.layers.insert(c.layer, state);
         }

@@ -103,6 +103,16 @@ fn losing_every_node_ends_the_job_and_names_the_newest_checkpoint() {
     );
 }
 
+/// Over pipelines `[0, 1]` and `[2, 3]` at committed `step`: nodes 0 and 2 are lost at `t`,
+/// the survivors fail their step, and the decision finds layer 0 held nowhere.
+fn lose_a_node_of_each_pipeline(h: &mut H, t: f64, step: u64) -> Vec<Action> {
+    h.at(t, lost(0));
+    h.at(t, lost(2));
+    h.broken(t + 0.1, 1, step);
+    h.broken(t + 0.1, 3, step);
+    h.reconfigured(t + 0.2, plan(&[&[1, 3]]), 0, vec![0])
+}
+
 #[test]
 fn layers_without_a_replica_fall_back_to_the_newest_checkpoint() {
     let mut s = spec(4, 1, 10);
@@ -110,11 +120,7 @@ fn layers_without_a_replica_fall_back_to_the_newest_checkpoint() {
     let mut h = H::running(s, plan(&[&[0, 1], &[2, 3]]));
     h.steps_to(3);
     h.checkpointed(3.1, 2);
-    h.at(3.5, lost(0));
-    h.at(3.5, lost(2));
-    h.broken(3.6, 1, 3);
-    h.broken(3.6, 3, 3);
-    let a = h.reconfigured(3.7, plan(&[&[1, 3]]), 0, vec![0]);
+    let a = lose_a_node_of_each_pipeline(&mut h, 3.5, 3);
     let Event::Reconfig {
         from_step,
         replayed_steps,
@@ -359,11 +365,7 @@ fn an_unreadable_fallback_checkpoint_falls_back_further_and_says_so() {
     h.steps_to(5);
     h.checkpointed(3.1, 2);
     h.checkpointed(5.1, 4);
-    h.at(5.5, lost(0));
-    h.at(5.5, lost(2));
-    h.broken(5.6, 1, 5);
-    h.broken(5.6, 3, 5);
-    let a = h.reconfigured(5.7, plan(&[&[1, 3]]), 0, vec![0]);
+    let a = lose_a_node_of_each_pipeline(&mut h, 5.5, 5);
     assert_eq!(
         deployed(&a),
         StateSource::Checkpoint {
