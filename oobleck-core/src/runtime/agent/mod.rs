@@ -109,6 +109,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         generation: 0,
         workers: Vec::new(),
         exited: Vec::new(),
+        ranks: Default::default(),
     };
     let result = agent.serve(&mut local_rx).await;
     let grace = if result.is_ok() {
@@ -192,6 +193,8 @@ struct NodeAgent {
     workers: Vec<Worker>,
     /// Exits seen but not yet told, so that a worker's last reports reach the master first.
     exited: Vec<WorkerReport>,
+    /// The rank of each device of this node in the running generation.
+    ranks: std::collections::BTreeMap<u32, u32>,
 }
 
 impl NodeAgent {
@@ -260,11 +263,9 @@ impl NodeAgent {
                 if g != self.generation {
                     return Ok(());
                 }
-                let rank = self
-                    .workers
-                    .iter()
-                    .find(|w| w.device == device)
-                    .map(|w| w.rank);
+                // Not looked up in `workers`: a worker's last reports can arrive after it
+                // was reaped.
+                let rank = self.ranks.get(&device).copied();
                 if rank != Some(report.rank()) || matches!(report, WorkerReport::Exited { .. }) {
                     return Err(self.error(format!(
                         "the worker of device {device} (rank {rank:?}) sent {report:?}, which is not a report of its own"
@@ -398,6 +399,7 @@ impl NodeAgent {
         }
         self.exited.clear();
         self.generation = g;
+        self.ranks = assignments.iter().map(|(d, a)| (*d, a.rank)).collect();
         for (device, a) in assignments {
             match keep.iter().position(|w| w.device == device) {
                 Some(i) => {
