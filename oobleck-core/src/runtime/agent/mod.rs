@@ -13,6 +13,7 @@
 //!  worker exit ──► agent ──Message::Worker{.., report: Exited}──► master
 //! ```
 
+mod notice;
 mod spawn;
 
 use std::net::SocketAddr;
