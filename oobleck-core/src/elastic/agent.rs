@@ -307,17 +307,14 @@ pub async fn request_status(
     token: &Token,
     timeout: Duration,
 ) -> ElasticResult<ClusterStatus> {
-    let run = async {
-        let (mut r, mut w, _) = open(master, token, PeerRole::Client, timeout).await?;
-        protocol::write_frame(&mut w, &Message::StatusRequest, timeout).await?;
-        match expect(&mut r, timeout, "status").await? {
-            Message::StatusResponse { status } => Ok(status),
-            other => Err(unexpected("status_response", &other)),
-        }
-    };
-    tokio::time::timeout(timeout, run)
-        .await
-        .map_err(|_| timeout_err("request status", timeout))?
+    request(
+        master,
+        token,
+        Message::StatusRequest,
+        "request status",
+        timeout,
+    )
+    .await
 }
 
 /// Asks the master to kill `node`'s processes (what `oobleck kill-node` does). The master
@@ -328,15 +325,51 @@ pub async fn request_kill(
     node: u32,
     timeout: Duration,
 ) -> ElasticResult<ClusterStatus> {
+    request(
+        master,
+        token,
+        Message::KillNode { node },
+        "request a kill",
+        timeout,
+    )
+    .await
+}
+
+/// Asks the master to drain `node` at the next step boundary (what `oobleck drain` does). The
+/// master answers with its status; an unknown node comes back as [`ElasticError::Refused`].
+pub async fn request_drain(
+    master: SocketAddr,
+    token: &Token,
+    node: u32,
+    force: bool,
+    timeout: Duration,
+) -> ElasticResult<ClusterStatus> {
+    let reason = "oobleck drain".to_string();
+    let msg = Message::Drain {
+        node,
+        reason,
+        force,
+    };
+    request(master, token, msg, "request a drain", timeout).await
+}
+
+/// One request of an authenticated client, answered by the master's status.
+async fn request(
+    master: SocketAddr,
+    token: &Token,
+    msg: Message,
+    what: &'static str,
+    timeout: Duration,
+) -> ElasticResult<ClusterStatus> {
     let run = async {
         let (mut r, mut w, _) = open(master, token, PeerRole::Client, timeout).await?;
-        protocol::write_frame(&mut w, &Message::KillNode { node }, timeout).await?;
-        match expect(&mut r, timeout, "kill acknowledgement").await? {
+        protocol::write_frame(&mut w, &msg, timeout).await?;
+        match expect(&mut r, timeout, "the master's status").await? {
             Message::StatusResponse { status } => Ok(status),
             other => Err(unexpected("status_response", &other)),
         }
     };
     tokio::time::timeout(timeout, run)
         .await
-        .map_err(|_| timeout_err("request a kill", timeout))?
+        .map_err(|_| timeout_err(what, timeout))?
 }

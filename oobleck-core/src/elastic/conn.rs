@@ -44,6 +44,9 @@ pub(super) struct JobState {
     pub(super) pipelines: Vec<PipelineStatus>,
     pub(super) committed_step: Option<u64>,
     pub(super) samples_per_s: f64,
+    pub(super) joining: Vec<u32>,
+    pub(super) draining: Vec<(u32, String)>,
+    pub(super) spare: Vec<u32>,
 }
 
 pub(super) struct Shared {
@@ -110,6 +113,9 @@ impl Shared {
             generation: job.generation,
             committed_step: job.committed_step,
             samples_per_s: job.samples_per_s,
+            joining: job.joining.clone(),
+            draining: job.draining.clone(),
+            spare: job.spare.clone(),
         }
     }
 
@@ -359,6 +365,18 @@ async fn serve_agent(
                     report,
                 });
             }
+            Message::Drain {
+                node: n,
+                reason,
+                force,
+            } if n == node => {
+                warn!(node, %reason, "node asks to leave");
+                shared.emit(MasterEvent::DrainRequested {
+                    node,
+                    reason,
+                    force,
+                });
+            }
             Message::StatusRequest => {
                 let status = Message::StatusResponse {
                     status: shared.status(),
@@ -394,6 +412,27 @@ async fn serve_client(
             Ok(Some(Message::StatusRequest)) => Message::StatusResponse {
                 status: shared.status(),
             },
+            Ok(Some(Message::Drain {
+                node,
+                reason,
+                force,
+            })) => {
+                if shared.nodes().contains_key(&node) {
+                    warn!(node, %peer, %reason, "drain requested");
+                    shared.emit(MasterEvent::DrainRequested {
+                        node,
+                        reason,
+                        force,
+                    });
+                    Message::StatusResponse {
+                        status: shared.status(),
+                    }
+                } else {
+                    Message::Refused {
+                        reason: ElasticError::UnknownNode { node }.to_string(),
+                    }
+                }
+            }
             Ok(Some(Message::KillNode { node })) => {
                 if shared.nodes().contains_key(&node) {
                     warn!(node, %peer, "kill requested");

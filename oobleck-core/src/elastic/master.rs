@@ -91,6 +91,12 @@ pub enum MasterEvent {
     KillRequested {
         node: u32,
     },
+    /// `node` (a tool, or the node's own agent) asks to leave at the next step boundary.
+    DrainRequested {
+        node: u32,
+        reason: String,
+        force: bool,
+    },
     /// What worker `report.rank()` of `node` said about itself, or that it ended
     /// ([`Message::Worker`]).
     Worker {
@@ -243,6 +249,14 @@ impl Master {
                 }
             })
             .collect();
+    }
+
+    /// Records the nodes waiting to join, leaving and idle, for status.
+    pub fn set_membership(&self, joining: Vec<u32>, draining: Vec<(u32, String)>, spare: Vec<u32>) {
+        let mut job = self.shared.job();
+        job.joining = joining;
+        job.draining = draining;
+        job.spare = spare;
     }
 
     /// Records a committed step and its throughput, for status.

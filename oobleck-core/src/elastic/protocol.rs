@@ -41,7 +41,7 @@ use crate::runtime::records::WorkerReport;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 12;
 /// Largest body accepted: far above any plan, small enough that a corrupt length cannot make
@@ -129,6 +129,15 @@ pub struct ClusterStatus {
     pub committed_step: Option<u64>,
     /// Throughput of the last committed step, samples/s.
     pub samples_per_s: f64,
+    /// Nodes that registered during the job and wait to be admitted at a step boundary.
+    #[serde(default)]
+    pub joining: Vec<u32>,
+    /// Nodes that leave at the next step boundary: `(node, why)`.
+    #[serde(default)]
+    pub draining: Vec<(u32, String)>,
+    /// Live nodes the current plan leaves idle (no template combination covers them).
+    #[serde(default)]
+    pub spare: Vec<u32>,
 }
 
 /// What a generation's workers need besides the plan: where the data plane listens (filled
@@ -214,6 +223,15 @@ pub enum Message {
     AbortGeneration { generation: u64 },
     /// Master -> agent: kill your workers and exit.
     Shutdown { reason: String },
+    /// Client or agent -> master: `node` will go away; it leaves at the next step boundary
+    /// with no step lost (`reason`: who asked, e.g. "SIGTERM" or a preemption notice).
+    /// `force` accepts a drain that leaves too few nodes for a pipeline (the job then goes
+    /// back to its newest checkpoint or stops). A client gets its status back, or `Refused`.
+    Drain {
+        node: u32,
+        reason: String,
+        force: bool,
+    },
 }
 
 impl Message {
@@ -236,6 +254,7 @@ impl Message {
             Message::KillNode { .. } => "kill_node",
             Message::AbortGeneration { .. } => "abort_generation",
             Message::Shutdown { .. } => "shutdown",
+            Message::Drain { .. } => "drain",
         }
     }
 }
@@ -403,233 +422,5 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    const T: Duration = Duration::from_secs(2);
-
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .expect("a current-thread runtime always builds")
-    }
-
-    fn decode_all(bytes: &[u8]) -> ElasticResult<Option<Message>> {
-        rt().block_on(async {
-            let mut r = bytes;
-            read_frame(&mut r, T).await
-        })
-    }
-
-    fn samples() -> Vec<Message> {
-        vec![
-            Message::Hello {
-                protocol: PROTOCOL_VERSION,
-                binary_version: "0.1.0".into(),
-                role: PeerRole::Agent { devices: 2 },
-            },
-            Message::Challenge {
-                node: Some(3),
-                nonce: vec![7; 32],
-            },
-            Message::Heartbeat { node: 3, seq: 9 },
-            Message::StatusRequest,
-            Message::Refused {
-                reason: "bad token".into(),
-            },
-            Message::Worker {
-                node: 1,
-                generation: 2,
-                report: WorkerReport::Ready {
-                    rank: 2,
-                    step: 7,
-                    loss: 3.25,
-                    grad_norm: 0.5,
-                    microbatches: vec![0, 1],
-                },
-            },
-            Message::Worker {
-                node: 1,
-                generation: 2,
-                report: WorkerReport::Exited {
-                    rank: 4,
-                    status: ExitStatus {
-                        code: Some(1),
-                        signal: None,
-                    },
-                    error: Some("Error: rank 3 lost".into()),
-                },
-            },
-        ]
-    }
-
-    #[test]
-    fn every_sample_message_round_trips_through_a_frame() {
-        for msg in samples() {
-            let frame = encode_frame(&msg).unwrap();
-            assert_eq!(decode_all(&frame).unwrap(), Some(msg));
-        }
-    }
-
-    #[test]
-    fn a_worker_report_travels_inside_one_message_as_the_worker_wrote_it() {
-        let reports = [
-            WorkerReport::Listening {
-                rank: 3,
-                addr: "10.0.0.2:41000".into(),
-                pid: 77,
-            },
-            WorkerReport::Saved {
-                rank: 3,
-                step: 4,
-                state: "/runs/x/cluster/step-000004/rank-3.safetensors".into(),
-                stall_ms: 1.5,
-            },
-            WorkerReport::Broken {
-                rank: 3,
-                step: 4,
-                error: "rank 3: step 5: rank 1 lost".into(),
-                corrupt: None,
-            },
-            WorkerReport::Done {
-                rank: 3,
-                step: 9,
-                state: None,
-                commit_wait_ms: 2.5,
-            },
-        ];
-        for report in reports {
-            let msg = Message::Worker {
-                node: 2,
-                generation: 5,
-                report: report.clone(),
-            };
-            let frame = encode_frame(&msg).unwrap();
-            assert_eq!(decode_all(&frame).unwrap(), Some(msg.clone()));
-            // The report keeps its own tag inside the message's: the pipe's line, unchanged.
-            let v = serde_json::to_value(&msg).unwrap();
-            assert_eq!(v["type"], "worker");
-            assert_eq!(v["report"], serde_json::to_value(&report).unwrap());
-            assert_eq!(msg.kind(), "worker");
-        }
-    }
-
-    #[test]
-    fn an_empty_stream_is_a_clean_close() {
-        assert!(decode_all(&[]).unwrap().is_none());
-    }
-
-    #[test]
-    fn a_close_inside_the_header_or_body_is_truncated() {
-        let frame = encode_frame(&Message::StatusRequest).unwrap();
-        let err = decode_all(&frame[..5]).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                ElasticError::Truncated {
-                    part: "header",
-                    got: 5,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        let err = decode_all(&frame[..frame.len() - 1]).unwrap_err();
-        assert!(
-            matches!(err, ElasticError::Truncated { part: "body", .. }),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn header_faults_have_their_own_errors() {
-        let good = encode_frame(&Message::StatusRequest).unwrap();
-        let mut bad = good.clone();
-        bad[0] = b'X';
-        assert!(matches!(
-            decode_all(&bad),
-            Err(ElasticError::BadMagic { .. })
-        ));
-        let old = encode_frame_with_version(&Message::StatusRequest, 7).unwrap();
-        assert!(matches!(
-            decode_all(&old),
-            Err(ElasticError::UnsupportedVersion {
-                found: 7,
-                supported: PROTOCOL_VERSION
-            })
-        ));
-        let mut bad = good.clone();
-        bad[7] = 1;
-        assert!(matches!(
-            decode_all(&bad),
-            Err(ElasticError::ReservedBits { found: 1 })
-        ));
-        let mut bad = good.clone();
-        bad[8..12].copy_from_slice(&(MAX_FRAME_BYTES + 1).to_be_bytes());
-        assert!(matches!(
-            decode_all(&bad),
-            Err(ElasticError::FrameTooLarge { .. })
-        ));
-        let mut bad = good[..HEADER_BYTES].to_vec();
-        bad[8..12].copy_from_slice(&3u32.to_be_bytes());
-        bad.extend_from_slice(b"{x}");
-        assert!(matches!(
-            decode_all(&bad),
-            Err(ElasticError::Malformed { len: 3, .. })
-        ));
-    }
-
-    #[test]
-    fn an_unknown_message_type_is_malformed() {
-        let err = decode_body(br#"{"type":"launch_missiles"}"#).unwrap_err();
-        assert!(matches!(err, ElasticError::Malformed { .. }), "{err}");
-    }
-
-    #[test]
-    fn a_silent_peer_times_out() {
-        rt().block_on(async {
-            let (mut a, _b) = tokio::io::duplex(64);
-            let err = read_frame(&mut a, Duration::from_millis(20))
-                .await
-                .unwrap_err();
-            assert!(matches!(err, ElasticError::Timeout { ms: 20, .. }), "{err}");
-        });
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(0x00b1_ec4b), ..ProptestConfig::default() })]
-
-        /// Random bytes never panic the decoder: it returns a message, a clean close or an error.
-        #[test]
-        fn random_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let _ = decode_all(&bytes);
-        }
-
-        /// A valid header followed by random bytes (the likelier corruption) is Ok or a clean Err.
-        #[test]
-        fn random_bodies_behind_a_valid_header_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256), extra in 0u32..64) {
-            let mut frame = Vec::new();
-            frame.extend_from_slice(&MAGIC);
-            frame.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
-            frame.extend_from_slice(&0u16.to_be_bytes());
-            frame.extend_from_slice(&(body.len() as u32 + extra).to_be_bytes());
-            frame.extend_from_slice(&body);
-            let res = decode_all(&frame);
-            if extra > 0 {
-                let is_truncated = matches!(res, Err(ElasticError::Truncated { part: "body", .. }));
-                prop_assert!(is_truncated);
-            }
-        }
-
-        /// Flipping one byte of a valid frame is Ok or a clean Err.
-        #[test]
-        fn single_byte_corruptions_never_panic(which in 0usize..6, pos in any::<prop::sample::Index>(), val in any::<u8>()) {
-            let mut frame = encode_frame(&samples()[which]).unwrap();
-            let i = pos.index(frame.len());
-            frame[i] = val;
-            let _ = decode_all(&frame);
-        }
-    }
-}
+#[path = "protocol_tests.rs"]
+mod tests;

@@ -30,9 +30,6 @@ pub enum RuntimeError {
     /// A node was lost before the first plan.
     #[error("node {node} was lost while the cluster formed ({reason})")]
     LostWhileForming { node: u32, reason: String },
-    /// A node registered with a job that is already running.
-    #[error("node {node} joined during the job; elastic growth is not built yet")]
-    JoinRefused { node: u32 },
     /// Two ranks computed different global values for one step: a bug, never a failure.
     #[error(
         "ranks disagree on step {step}: rank {rank_a} has loss {loss_a}, grad norm {norm_a}; \

@@ -202,6 +202,22 @@ pub enum Event {
         node: u32,
         addr: String,
     },
+    /// `node` leaves at the next step boundary (`reason`: who asked).
+    Drain {
+        node: u32,
+        reason: String,
+    },
+    /// A drain of `node` that was not taken, and why.
+    DrainRefused {
+        node: u32,
+        reason: String,
+        refusal: String,
+    },
+    /// `node` was told to go (drained, or no longer needed); its exit is expected.
+    Released {
+        node: u32,
+        reason: String,
+    },
     Plan {
         generation: u64,
         pipelines: Vec<PipelineLayout>,
@@ -270,6 +286,14 @@ pub enum Event {
         copies: usize,
         #[serde(default)]
         copy_bytes: u64,
+        /// What caused it in words: a failure, or the joins and drains taken at a step
+        /// boundary; and the nodes that joined and left on notice.
+        #[serde(default)]
+        cause: String,
+        #[serde(default)]
+        joined_nodes: Vec<u32>,
+        #[serde(default)]
+        drained_nodes: Vec<u32>,
     },
     /// A checkpoint a generation was to start from could not be read: it started from
     /// `instead` (None: step 0) at `step`.

@@ -27,6 +27,8 @@ struct AgentProc {
     stdin: Option<ChildStdin>,
     /// It exited during the job (its node failed); the job went on without it.
     gone: bool,
+    /// Its node was told to go (drained): its exit is not news.
+    released: bool,
 }
 
 #[derive(Default)]
@@ -61,6 +63,7 @@ impl AgentSet {
                 child,
                 stdin,
                 gone: false,
+                released: false,
             });
         }
         Ok(pids)
@@ -71,6 +74,7 @@ impl AgentSet {
             child: s.child,
             stdin: s.stdin,
             gone: false,
+            released: false,
         });
     }
 
@@ -90,10 +94,22 @@ impl AgentSet {
             }
             if let Some(st) = a.child.try_wait().ctx("polling an agent")? {
                 a.gone = true;
-                out.push((i, st.to_string()));
+                if !a.released {
+                    out.push((i, st.to_string()));
+                }
             }
         }
         Ok(out)
+    }
+
+    /// `node` was told to go: its agent's exit, if it runs here, is expected.
+    pub fn release(&mut self, node: u32) {
+        let Some(&pid) = self.agent_of.get(&node) else {
+            return;
+        };
+        if let Some(a) = self.procs.iter_mut().find(|a| a.child.id() == Some(pid)) {
+            a.released = true;
+        }
     }
 
     /// Kills the agent of lost `node` if it still runs here; returns its pid if it did.

@@ -156,10 +156,26 @@ impl<'a> Driver<'a> {
                 plan,
                 holdings,
                 lost,
+                joined,
             } => {
-                let r = crate::reconfig::decide_with(&plan, &holdings, &lost, &[]);
+                let r = crate::reconfig::decide_with(&plan, &holdings, &lost, &joined);
                 self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
             }
+            Action::WeighJoins {
+                plan,
+                holdings,
+                joined,
+            } => {
+                let r = crate::reconfig::decide_with(&plan, &holdings, &[], &joined);
+                let pipelines = r.map(|r| r.plan.pipelines.len()).map_err(|e| e.to_string());
+                self.feed(Input::JoinsWeighed { joined, pipelines });
+            }
+            Action::Release { node, reason } => self.release(node, reason).await,
+            Action::Membership {
+                joining,
+                draining,
+                spare,
+            } => self.p.master.set_membership(joining, draining, spare),
             Action::Deploy { plan, source } => self.deploy_checked(&plan, source).await?,
             Action::Rendezvous {
                 generation,
@@ -216,6 +232,19 @@ impl<'a> Driver<'a> {
             Action::Fail(e) => return Err(e),
         }
         Ok(())
+    }
+
+    /// Tells `node` to stop its workers and exit; its agent's exit is expected from now on.
+    async fn release(&mut self, node: u32, reason: String) {
+        self.p.agents.release(node);
+        if let Err(e) = self
+            .p
+            .master
+            .send_to(node, Message::Shutdown { reason })
+            .await
+        {
+            tracing::warn!(node, error = %e, "could not tell a released node to go");
+        }
     }
 
     async fn kill_node(&mut self, node: u32) {

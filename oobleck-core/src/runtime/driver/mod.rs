@@ -252,6 +252,15 @@ fn input_of(ev: MasterEvent) -> Input {
             reason: format!("{reason:?}"),
         },
         MasterEvent::KillRequested { node } => Input::KillRequested { node },
+        MasterEvent::DrainRequested {
+            node,
+            reason,
+            force,
+        } => Input::DrainRequested {
+            node,
+            reason,
+            force,
+        },
         MasterEvent::Worker {
             node,
             generation,

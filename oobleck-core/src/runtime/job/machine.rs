@@ -137,6 +137,20 @@ pub struct JobMachine {
     /// `(node, device, layer)` replicas whose copies arrived corrupted: not offered as
     /// sources again until a step commits.
     pub(super) distrusted: BTreeSet<(u32, u32, usize)>,
+    /// Nodes that registered while the job ran and wait to be admitted: since when.
+    pub(super) joining: BTreeMap<u32, Duration>,
+    /// The pipelines the plan would have with these joiners admitted, and the joiners
+    /// asked about last ([`Action::WeighJoins`]).
+    pub(super) join_candidate: Option<(Vec<u32>, usize)>,
+    pub(super) join_asked: Option<Vec<u32>>,
+    /// Why the waiting nodes are admitted at the next boundary, once the policy says so.
+    pub(super) admit: Option<String>,
+    /// The wait for more joins was said.
+    pub(super) join_waiting_told: bool,
+    /// Nodes of the plan that leave at the next step boundary, and why.
+    pub(super) draining: BTreeMap<u32, String>,
+    /// Nodes told to go: their exits and closed connections are expected.
+    pub(super) departed: BTreeSet<u32>,
 }
 
 impl JobMachine {
@@ -174,6 +188,13 @@ impl JobMachine {
             holdings: Holdings::empty(spec_g),
             worker_pids: BTreeSet::new(),
             distrusted: BTreeSet::new(),
+            joining: BTreeMap::new(),
+            join_candidate: None,
+            join_asked: None,
+            admit: None,
+            join_waiting_told: false,
+            draining: BTreeMap::new(),
+            departed: BTreeSet::new(),
         }
     }
 
@@ -216,7 +237,7 @@ impl JobMachine {
         }
         match input {
             Input::Tick => self.on_tick(now),
-            Input::Joined { node, addr } => self.on_joined(node, addr),
+            Input::Joined { node, addr } => self.on_joined(now, node, addr),
             Input::Lost { node, reason } => self.on_node_lost(now, node, reason),
             Input::AgentExited { which, status } => self.on_agent_exited(now, which, status),
             Input::Worker {
@@ -225,6 +246,11 @@ impl JobMachine {
                 report,
             } => self.on_worker(now, node, generation, report),
             Input::KillRequested { node } => self.on_kill_requested(node),
+            Input::DrainRequested {
+                node,
+                reason,
+                force,
+            } => self.on_drain_requested(node, reason, force),
             Input::Planned(result) => self.on_planned(now, result),
             Input::Unreachable { node, what } => {
                 self.node_failure(now, format!("node {node} did not get {what}"))
@@ -243,6 +269,9 @@ impl JobMachine {
                 source: error.into(),
             }),
             Input::Reconfigured(_) => {}
+            Input::JoinsWeighed { joined, pipelines } => {
+                self.on_joins_weighed(now, joined, pipelines)
+            }
             Input::CheckpointRefused {
                 path,
                 reason,
@@ -282,17 +311,14 @@ impl JobMachine {
                     secs: self.limits.stall.as_secs(),
                 })
             }
+            Phase::Stepping => self.consider_joins(now),
             _ => {}
         }
     }
 
-    fn on_joined(&mut self, node: u32, addr: String) {
+    fn on_joined(&mut self, now: Duration, node: u32, addr: String) {
         if !matches!(self.phase, Phase::Forming) {
-            self.record(Event::Join {
-                node,
-                addr: addr.clone(),
-            });
-            return self.fail(RuntimeError::JoinRefused { node });
+            return self.on_join_running(now, node, addr);
         }
         self.nodes.insert(node);
         self.record(Event::Join {
@@ -327,6 +353,19 @@ impl JobMachine {
     }
 
     fn on_node_lost(&mut self, now: Duration, node: u32, reason: String) {
+        if self.departed.contains(&node) {
+            return;
+        }
+        let in_plan = self.gen.as_ref().is_some_and(|g| g.nodes.contains(&node));
+        if self.gen.is_some() && !in_plan && !matches!(self.phase, Phase::Forming) {
+            // Waiting to join, or idle: the job loses nothing.
+            self.joining.remove(&node);
+            self.nodes.remove(&node);
+            if self.lost.insert(node) {
+                self.record(Event::Lost { node, reason });
+            }
+            return self.publish_membership();
+        }
         self.holdings.drop_node(node);
         let first = self.lost.insert(node);
         if first {

@@ -25,6 +25,7 @@
 //! ```
 
 mod machine;
+pub mod membership;
 mod recovery;
 mod reports;
 mod steps;
@@ -64,6 +65,9 @@ pub struct Limits {
     pub lease: Duration,
     /// Failures in a row with no committed step in between, after which the job gives up.
     pub max_fruitless_recoveries: u32,
+    /// The longest a join that adds no pipeline waits for more joins before it is taken
+    /// (`membership::join_verdict`).
+    pub join_after: Duration,
 }
 
 impl Default for Limits {
@@ -76,6 +80,7 @@ impl Default for Limits {
             join: Duration::from_secs(60),
             lease: Duration::from_secs(3),
             max_fruitless_recoveries: 3,
+            join_after: Duration::from_secs(30),
         }
     }
 }
@@ -126,6 +131,13 @@ pub enum Input {
     KillRequested {
         node: u32,
     },
+    /// `node` will go away (`reason`: who said so); `force` takes a drain that leaves too
+    /// few nodes for a pipeline.
+    DrainRequested {
+        node: u32,
+        reason: String,
+        force: bool,
+    },
     /// The answer to [`Action::Plan`].
     Planned(Result<Plan, String>),
     /// A message to `node` could not be delivered; `what` says which and why.
@@ -146,6 +158,12 @@ pub enum Input {
     },
     /// The answer to [`Action::Reconfigure`].
     Reconfigured(Result<ReconfigPlan, String>),
+    /// The answer to [`Action::WeighJoins`]: how many pipelines the plan with `joined`
+    /// admitted would have.
+    JoinsWeighed {
+        joined: Vec<u32>,
+        pipelines: Result<usize, String>,
+    },
     /// The checkpoint a `Deploy` was to start from cannot be read (`reason`); `instead` is the
     /// newest older one that can (path, step), if any. Nothing was deployed.
     CheckpointRefused {
@@ -169,13 +187,30 @@ pub enum Action {
         fault_threshold: u32,
         pinned: Option<Vec<u32>>,
     },
-    /// Decide the next generation after losing `lost` from `plan`'s nodes, the devices
-    /// holding `holdings` ([`crate::reconfig::decide_with`]); answer with
-    /// [`Input::Reconfigured`].
+    /// Decide the next generation after losing `lost` from `plan`'s nodes (failed or
+    /// drained) and gaining `joined`, the devices holding `holdings`
+    /// ([`crate::reconfig::decide_with`]); answer with [`Input::Reconfigured`].
     Reconfigure {
         plan: Box<Plan>,
         holdings: Holdings,
         lost: Vec<u32>,
+        joined: Vec<u32>,
+    },
+    /// How many pipelines would `plan` have with `joined` admitted (the devices holding
+    /// `holdings`, [`crate::reconfig::decide_with`])? Answer with [`Input::JoinsWeighed`].
+    WeighJoins {
+        plan: Box<Plan>,
+        holdings: Holdings,
+        joined: Vec<u32>,
+    },
+    /// Tell `node` to stop its workers and exit (it was drained, or is not needed): its
+    /// agent's exit and its closed connection are expected, not failures.
+    Release { node: u32, reason: String },
+    /// The nodes waiting to join, leaving, and idle, for `oobleck status`.
+    Membership {
+        joining: Vec<u32>,
+        draining: Vec<(u32, String)>,
+        spare: Vec<u32>,
     },
     /// Start the plan's generation: record it in `plan.json`, send the job and the plan (with
     /// a fresh data-plane key and where the state comes from) to its nodes.

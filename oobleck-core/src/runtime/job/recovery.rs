@@ -21,6 +21,8 @@ pub(super) struct Failure {
     pub detected: Duration,
     /// The committed step when it happened.
     pub failed_at: u64,
+    /// Not a failure: joins and drains taken at the boundary after `failed_at`.
+    pub planned: bool,
 }
 
 impl Failure {
@@ -29,6 +31,15 @@ impl Failure {
             reason,
             detected,
             failed_at,
+            planned: false,
+        }
+    }
+
+    /// The reconfiguration at the boundary after committed step `step`.
+    pub fn planned(reason: String, now: Duration, step: u64) -> Failure {
+        Failure {
+            planned: true,
+            ..Failure::new(reason, now, step)
         }
     }
 }
@@ -51,8 +62,20 @@ pub(super) struct Timer {
 pub(super) enum Recovery {
     /// Collecting the losses a failure caused, until every rank's state is known.
     Settling { failure: Failure },
-    /// Waiting for [`Input::Reconfigured`]: the pure decision of the next generation.
-    Deciding { failure: Failure, detect_s: f64 },
+    /// Waiting for [`Input::Reconfigured`]: the pure decision of the next generation, which
+    /// lets `drained` go and admits `joined`.
+    Deciding {
+        failure: Failure,
+        detect_s: f64,
+        change: Change,
+    },
+}
+
+/// The membership change a decision makes besides the losses.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Change {
+    pub drained: Vec<u32>,
+    pub joined: Vec<u32>,
 }
 
 impl JobMachine {
@@ -68,6 +91,11 @@ impl JobMachine {
             failure.failed_at + 1,
             failure.reason
         ));
+        self.open_recovery(now, failure);
+    }
+
+    /// Stops the running generation's step and waits until every rank's state is known.
+    pub(super) fn open_recovery(&mut self, now: Duration, failure: Failure) {
         self.push(Action::Abort {
             generation: self.generation,
         });
@@ -95,11 +123,15 @@ impl JobMachine {
     pub(super) fn recovering(&mut self, now: Duration, input: Input) {
         match input {
             Input::Tick | Input::Planned(_) => {}
-            Input::Joined { node, addr } => {
-                self.record(Event::Join { node, addr });
-                return self.fail(RuntimeError::JoinRefused { node });
-            }
+            Input::Joined { node, addr } => self.on_join_running(now, node, addr),
+            Input::DrainRequested {
+                node,
+                reason,
+                force,
+            } => self.on_drain_requested(node, reason, force),
+            Input::Lost { node, .. } if self.departed.contains(&node) => {}
             Input::Lost { node, reason } => {
+                self.joining.remove(&node);
                 if self.lost.insert(node) {
                     self.record(Event::Lost { node, reason });
                 }
@@ -130,6 +162,7 @@ impl JobMachine {
                 ));
             }
             Input::Reconfigured(result) => return self.on_reconfigured(now, result),
+            Input::JoinsWeighed { .. } => {}
             Input::CheckpointRefused { .. } => {}
         }
         self.recovery_tick(now);
@@ -242,19 +275,59 @@ impl JobMachine {
         self.push(Action::ReleaseHeld);
         let detect_s = now.saturating_sub(failure.detected).as_secs_f64();
         self.phase_done(now, "detect");
+        let change = self.change_of(&plan, &lost);
+        let mut plan = plan;
+        let mut holdings = self.holdings.clone();
+        for &n in &change.drained {
+            holdings.drop_node(n);
+        }
+        if !change.joined.is_empty() {
+            // A fresh instantiation: back to the job's own f, which a failure may have lowered.
+            plan.fault_threshold = self.spec.fault_threshold;
+        }
         self.push(Action::Reconfigure {
             plan: Box::new(plan),
-            holdings: self.holdings.clone(),
-            lost,
+            holdings,
+            lost: lost.iter().chain(&change.drained).copied().collect(),
+            joined: change.joined.clone(),
         });
-        self.phase = Phase::Recovering(Recovery::Deciding { failure, detect_s });
+        self.phase = Phase::Recovering(Recovery::Deciding {
+            failure,
+            detect_s,
+            change,
+        });
+    }
+
+    /// The drains and joins a decision now takes: every node draining from `plan`, and, when
+    /// any node waits to join, those and the idle ones (a join re-instantiates anyway).
+    fn change_of(&self, plan: &crate::planning::Plan, lost: &[u32]) -> Change {
+        let in_plan: BTreeSet<u32> = plan.nodes().into_iter().collect();
+        let drained = self
+            .draining
+            .keys()
+            .copied()
+            .filter(|n| in_plan.contains(n) && !lost.contains(n))
+            .collect();
+        let joined = if self.joining.is_empty() {
+            Vec::new()
+        } else {
+            self.nodes
+                .iter()
+                .copied()
+                .filter(|n| !in_plan.contains(n) && !self.lost.contains(n))
+                .collect()
+        };
+        Change { drained, joined }
     }
 
     /// The decision is in: go on in place when every layer still has a holder, else from the
     /// newest checkpoint (or from step 0, which initialisation makes deterministic).
     fn on_reconfigured(&mut self, now: Duration, result: Result<ReconfigPlan, String>) {
-        let Phase::Recovering(Recovery::Deciding { failure, detect_s }) =
-            std::mem::replace(&mut self.phase, Phase::Failed)
+        let Phase::Recovering(Recovery::Deciding {
+            failure,
+            detect_s,
+            change,
+        }) = std::mem::replace(&mut self.phase, Phase::Failed)
         else {
             self.phase = Phase::Failed;
             return self.fail(RuntimeError::Invalid(
@@ -267,7 +340,7 @@ impl JobMachine {
             Err(e) => {
                 self.note(format!("no reconfiguration fits the nodes left: {e}"));
                 let newest = self.newest.clone();
-                return self.go_on_planned(&failure, detect_s, newest);
+                return self.go_on_planned(&failure, detect_s, newest, change);
             }
         };
         let in_place = r.missing_layers.is_empty() && self.committed > 0;
@@ -282,7 +355,30 @@ impl JobMachine {
             }
             self.newest.clone()
         };
-        self.start_next(&failure, detect_s, r, from, in_place);
+        self.start_next(&failure, detect_s, r, from, in_place, change);
+    }
+
+    /// The nodes of the next generation: the job's live nodes, less those lost and those
+    /// drained; the drained ones are told to go.
+    fn settle_membership(&mut self, change: &Change) -> Vec<u32> {
+        for &n in &change.drained {
+            self.draining.remove(&n);
+            self.release(n, "drained".into());
+        }
+        for n in &change.joined {
+            self.joining.remove(n);
+        }
+        if !change.joined.is_empty() {
+            self.admit = None;
+            self.join_candidate = None;
+            self.join_asked = None;
+            self.join_waiting_told = false;
+        }
+        self.nodes
+            .iter()
+            .copied()
+            .filter(|n| !self.lost.contains(n))
+            .collect()
     }
 
     /// Starts the next generation on `r.plan`: in place from the survivors, or from `from` (a
@@ -294,6 +390,7 @@ impl JobMachine {
         r: ReconfigPlan,
         from: Option<(String, u64)>,
         in_place: bool,
+        change: Change,
     ) {
         let old_plan = self.gen.take().map(|g| g.plan);
         let lost: Vec<u32> = old_plan
@@ -321,12 +418,7 @@ impl JobMachine {
             (None, false) => StateSource::Init,
         };
         let replayed = failure.failed_at.saturating_sub(from_step);
-        let left: Vec<u32> = self
-            .nodes
-            .iter()
-            .copied()
-            .filter(|n| !self.lost.contains(n))
-            .collect();
+        let left = self.settle_membership(&change);
         let new: Vec<Vec<u32>> = r.plan.pipelines.iter().map(|p| p.nodes.clone()).collect();
         self.push(Action::TruncateMetrics { after: from_step });
         self.committed = from_step;
@@ -345,6 +437,9 @@ impl JobMachine {
             fault_tolerance: r.fault_tolerance,
             copies: if in_place { r.copies.len() } else { 0 },
             copy_bytes: if in_place { r.copy_bytes() } else { 0 },
+            cause: failure.reason.clone(),
+            joined_nodes: change.joined.clone(),
+            drained_nodes: change.drained.clone(),
         });
         let summary = summary(&r, &old, &lost, failure, in_place, from_step, replayed);
         self.note(format!("generation {}: {summary}", self.generation + 1));
@@ -360,13 +455,15 @@ impl JobMachine {
 
     /// No decision fits (the planner may still find a plan with a lower `f`): the next
     /// generation is planned from scratch on the nodes left, from `from`.
-    fn go_on_planned(&mut self, failure: &Failure, detect_s: f64, from: Option<(String, u64)>) {
+    fn go_on_planned(
+        &mut self,
+        failure: &Failure,
+        detect_s: f64,
+        from: Option<(String, u64)>,
+        change: Change,
+    ) {
         let gen_nodes = self.gen.take().map(|g| g.nodes).unwrap_or_default();
-        let left: Vec<u32> = gen_nodes
-            .iter()
-            .copied()
-            .filter(|n| !self.lost.contains(n))
-            .collect();
+        let left = self.settle_membership(&change);
         if left.is_empty() {
             let newest = match &from {
                 Some((c, _)) => format!("the newest checkpoint is {c}"),
@@ -399,6 +496,9 @@ impl JobMachine {
             fault_tolerance: 0,
             copies: 0,
             copy_bytes: 0,
+            cause: failure.reason.clone(),
+            joined_nodes: change.joined,
+            drained_nodes: change.drained,
         });
         self.generation += 1;
         self.resume = from.map(|f| f.0);
@@ -419,6 +519,7 @@ fn summary(
     replayed: u64,
 ) -> String {
     let lost = match lost {
+        _ if failure.planned => failure.reason.clone(),
         [] => "a worker failed".to_string(),
         [n] => format!("node {n} lost"),
         many => format!("nodes {many:?} lost"),

@@ -190,6 +190,7 @@ impl JobMachine {
         if step >= self.spec.steps {
             self.phase = Phase::Finishing;
         }
+        self.at_boundary(now, step);
     }
 
     pub(super) fn on_state_saved(&mut self, rank: u32, step: u64, state: String, stall_ms: f64) {

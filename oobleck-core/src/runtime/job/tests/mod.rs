@@ -1,6 +1,7 @@
 //! The job machine as tables: inputs in, actions out, no processes and no clock. This file is
 //! the harness; `steps.rs` has the commit protocol's cases, `recovery.rs` the failures'.
 
+mod membership;
 mod recovery;
 mod steps;
 
@@ -380,7 +381,13 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Abort { generation } => format!("abort:{generation}"),
             Action::KillNode { node } => format!("kill:{node}"),
             Action::Fence { node } => format!("fence:{node}"),
-            Action::Reconfigure { lost, .. } => format!("reconfigure:{lost:?}"),
+            Action::Reconfigure { lost, joined, .. } if joined.is_empty() => {
+                format!("reconfigure:{lost:?}")
+            }
+            Action::Reconfigure { lost, joined, .. } => format!("reconfigure:{lost:?}+{joined:?}"),
+            Action::WeighJoins { joined, .. } => format!("weigh:{joined:?}"),
+            Action::Release { node, .. } => format!("release:{node}"),
+            Action::Membership { .. } => "membership".into(),
             Action::Assemble { step, .. } => format!("assemble:{step}"),
             Action::ValLoss { step, .. } => format!("val:{step}"),
             Action::ReleaseHeld => "release".into(),

@@ -192,13 +192,6 @@ fn no_report_for_the_stall_timeout_ends_the_job() {
 }
 
 #[test]
-fn a_node_joining_a_running_job_is_refused() {
-    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
-    let a = h.at(1.0, joined(5));
-    assert!(failure(&a).contains("node 5 joined during the job"));
-}
-
-#[test]
 fn no_plan_at_the_start_ends_the_job() {
     let mut h = H::new(spec(1, 1, 10));
     h.at(0.0, joined(0));

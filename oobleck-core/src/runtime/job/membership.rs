@@ -1,0 +1,371 @@
+//! Elastic membership: nodes that register while the job runs (joins) and nodes that say they
+//! will go away (drains). Both take effect at a step boundary, through the same
+//! reconfiguration as a recovery (`recovery.rs`): the generation that just committed a step is
+//! ended, every rank holds that step, and the next generation re-instantiates the existing
+//! templates over the new node set, copying layers from their holders. No step is replayed.
+//!
+//! When to take a join is a policy ([`join_verdict`], pure): a reconfiguration costs about a
+//! second plus a step (`oobleck bench recovery`), so a join is taken at once when it adds a
+//! pipeline (which also restores fault tolerance a failure lowered), and otherwise waits up to
+//! `--join-after` for more joins that would. Whether a drain can be taken is
+//! [`drain_verdict`].
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use super::machine::{JobMachine, Phase};
+use super::recovery::Failure;
+use super::Action;
+use crate::runtime::records::Event;
+
+/// What [`join_verdict`] looks at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JoinCase {
+    /// Pipelines of the running plan.
+    pub pipelines_now: usize,
+    /// Pipelines of the plan with every waiting node admitted.
+    pub pipelines_with: usize,
+    /// The job's fault threshold `f`: `f + 1` pipelines is full fault tolerance.
+    pub fault_threshold: u32,
+    /// Since the first waiting node registered.
+    pub waited: Duration,
+    /// `--join-after`.
+    pub join_after: Duration,
+}
+
+/// When to admit the nodes waiting to join.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JoinVerdict {
+    /// At the next step boundary, for this reason.
+    Now(String),
+    /// Not yet: at most `left` more, unless more joins add a pipeline first.
+    Wait { left: Duration },
+}
+
+/// Takes a join at once when it adds a pipeline (saying so when that restores fault tolerance
+/// a failure lowered), else once the first waiting node has waited `join_after`.
+pub fn join_verdict(c: &JoinCase) -> JoinVerdict {
+    let (now, with) = (c.pipelines_now, c.pipelines_with);
+    let full = c.fault_threshold as usize + 1;
+    if with > now && now < full {
+        return JoinVerdict::Now(format!(
+            "restores fault tolerance: {now} -> {with} pipelines (f = {} wants {full})",
+            c.fault_threshold
+        ));
+    }
+    if with > now {
+        return JoinVerdict::Now(format!("adds a pipeline: {now} -> {with}"));
+    }
+    if c.waited >= c.join_after {
+        return JoinVerdict::Now(format!(
+            "waited {:.0} s (--join-after) for more joins; grows the pipelines",
+            c.waited.as_secs_f64()
+        ));
+    }
+    JoinVerdict::Wait {
+        left: c.join_after - c.waited,
+    }
+}
+
+/// What [`drain_verdict`] looks at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrainCase {
+    /// Live nodes of the running plan.
+    pub nodes: usize,
+    /// Nodes leaving at the next boundary, the one asked about included.
+    pub leaving: usize,
+    /// Nodes the smallest template needs.
+    pub min_nodes: usize,
+    /// Layers that only the leaving nodes hold.
+    pub unique_layers: Vec<usize>,
+    /// Take it even if it costs steps (the node goes away whatever we decide).
+    pub force: bool,
+}
+
+/// `Ok(None)`: the drain loses nothing. `Ok(Some(warning))`: taken, at the cost the warning
+/// names. `Err(refusal)`: not taken, with the numbers and what to do.
+pub fn drain_verdict(c: &DrainCase) -> Result<Option<String>, String> {
+    let left = c.nodes.saturating_sub(c.leaving);
+    if left < c.min_nodes {
+        let what = format!(
+            "draining leaves {left} of {} nodes; the smallest pipeline needs {}",
+            c.nodes, c.min_nodes
+        );
+        return if c.force {
+            Ok(Some(format!(
+                "{what}: the job goes on from its newest checkpoint if it can, else stops"
+            )))
+        } else {
+            Err(format!(
+                "{what}. Add a node first (`oobleck add-node`), or pass --force to drain \
+                 anyway (the job then falls back to its newest checkpoint, or stops)"
+            ))
+        };
+    }
+    if c.unique_layers.is_empty() {
+        return Ok(None);
+    }
+    let what = format!(
+        "layers {:?} are held only by the leaving nodes (f + 1 = 1 pipeline holds them)",
+        c.unique_layers
+    );
+    if c.force {
+        Ok(Some(format!(
+            "{what}: the job goes back to its newest checkpoint for them"
+        )))
+    } else {
+        Err(format!(
+            "{what}; raise the fault threshold so that every layer has a replica, or pass \
+             --force (the job then goes back to its newest checkpoint)"
+        ))
+    }
+}
+
+impl JobMachine {
+    /// A node registered while the job runs: it waits to be admitted at a step boundary.
+    pub(super) fn on_join_running(&mut self, now: Duration, node: u32, addr: String) {
+        self.record(Event::Join {
+            node,
+            addr: addr.clone(),
+        });
+        if matches!(self.phase, Phase::Finishing) {
+            self.note(format!(
+                "node {node} joined from {addr} as the job finishes; it is not needed"
+            ));
+            return self.release(node, "the job is finishing".into());
+        }
+        self.joining.insert(node, now);
+        self.nodes.insert(node);
+        self.note(format!(
+            "node {node} joined from {addr}; it is admitted at a step boundary"
+        ));
+        self.consider_joins(now);
+        self.publish_membership();
+    }
+
+    /// Whether the nodes waiting to join are taken at the next boundary
+    /// ([`join_verdict`]). The plan they would make is asked for once per set of joiners
+    /// ([`Action::WeighJoins`]).
+    pub(super) fn consider_joins(&mut self, now: Duration) {
+        let Some(first) = self.joining.values().min().copied() else {
+            return;
+        };
+        let Some(g) = self.gen.as_ref() else { return };
+        if self.admit.is_some() || !matches!(self.phase, Phase::Stepping) {
+            return;
+        }
+        let pipelines_now = g.plan.pipelines.len();
+        let joined: Vec<u32> = self.joining.keys().copied().collect();
+        let with = match &self.join_candidate {
+            Some((j, w)) if *j == joined => *w,
+            _ => {
+                if self.join_asked.as_ref() != Some(&joined) {
+                    let mut plan = g.plan.clone();
+                    plan.fault_threshold = self.spec.fault_threshold;
+                    self.push(Action::WeighJoins {
+                        plan: Box::new(plan),
+                        holdings: self.holdings.clone(),
+                        joined: joined.clone(),
+                    });
+                    self.join_asked = Some(joined);
+                }
+                return;
+            }
+        };
+        let verdict = join_verdict(&JoinCase {
+            pipelines_now,
+            pipelines_with: with,
+            fault_threshold: self.spec.fault_threshold,
+            waited: now.saturating_sub(first),
+            join_after: self.limits.join_after,
+        });
+        match verdict {
+            JoinVerdict::Now(why) => {
+                let nodes: Vec<u32> = self.joining.keys().copied().collect();
+                self.note(format!(
+                    "admitting node(s) {nodes:?} at the next step boundary: {why}"
+                ));
+                self.admit = Some(why);
+            }
+            JoinVerdict::Wait { left } if !self.join_waiting_told => {
+                self.join_waiting_told = true;
+                self.note(format!(
+                    "the join adds no pipeline yet ({pipelines_now} pipelines either way): \
+                     waiting up to {:.0} s more for other joins",
+                    left.as_secs_f64()
+                ));
+            }
+            JoinVerdict::Wait { .. } => {}
+        }
+    }
+
+    /// The answer to [`Action::WeighJoins`]: the plan with `joined` admitted would have
+    /// `pipelines` (an error: they cannot be admitted yet).
+    pub(super) fn on_joins_weighed(
+        &mut self,
+        now: Duration,
+        joined: Vec<u32>,
+        pipelines: Result<usize, String>,
+    ) {
+        let now_p = self.gen.as_ref().map_or(0, |g| g.plan.pipelines.len());
+        let with = pipelines.unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "no plan with the joiners yet");
+            now_p
+        });
+        self.join_candidate = Some((joined, with));
+        self.consider_joins(now);
+    }
+
+    /// `node` will go away: it leaves at the next step boundary, if [`drain_verdict`] takes it.
+    pub(super) fn on_drain_requested(&mut self, node: u32, reason: String, force: bool) {
+        let in_plan = self.gen.as_ref().is_some_and(|g| g.nodes.contains(&node));
+        if self.draining.contains_key(&node) || self.departed.contains(&node) {
+            return;
+        }
+        if !self.nodes.contains(&node) || self.lost.contains(&node) {
+            return self.refuse_drain(node, reason, "it is not a live node of the job".into());
+        }
+        if !in_plan {
+            // Waiting to join, or idle: nothing of the job's state is there.
+            self.record(Event::Drain {
+                node,
+                reason: reason.clone(),
+            });
+            self.joining.remove(&node);
+            return self.release(node, format!("drained ({reason})"));
+        }
+        if matches!(self.phase, Phase::Finishing) {
+            self.note(format!(
+                "node {node} asks to leave ({reason}); the job is finishing and it leaves then"
+            ));
+            return;
+        }
+        let case = self.drain_case(node, force);
+        match drain_verdict(&case) {
+            Err(refusal) => self.refuse_drain(node, reason, refusal),
+            Ok(warning) => {
+                self.record(Event::Drain {
+                    node,
+                    reason: reason.clone(),
+                });
+                let cost = warning.unwrap_or_else(|| "no step is lost".into());
+                self.note(format!(
+                    "node {node} drains at the next step boundary ({reason}): {cost}"
+                ));
+                self.draining.insert(node, reason);
+                self.publish_membership();
+            }
+        }
+    }
+
+    fn refuse_drain(&mut self, node: u32, reason: String, refusal: String) {
+        self.note(format!(
+            "the drain of node {node} ({reason}) is refused: {refusal}"
+        ));
+        self.record(Event::DrainRefused {
+            node,
+            reason,
+            refusal,
+        });
+    }
+
+    /// The drain of `node` next to the ones already asked for.
+    fn drain_case(&self, node: u32, force: bool) -> DrainCase {
+        let g = self.gen.as_ref().expect("checked by the caller");
+        let leaving: BTreeSet<u32> = self
+            .draining
+            .keys()
+            .copied()
+            .chain([node])
+            .filter(|n| g.nodes.contains(n))
+            .collect();
+        let live = g.nodes.iter().filter(|n| !self.lost.contains(n)).count();
+        let layers = g
+            .plan
+            .templates
+            .iter()
+            .filter_map(|t| t.stages.last())
+            .map(|s| s.layer_end)
+            .max()
+            .unwrap_or(0);
+        let before: BTreeSet<usize> = self.holdings.missing(layers).into_iter().collect();
+        let mut after = self.holdings.clone();
+        for &n in &leaving {
+            after.drop_node(n);
+        }
+        let unique_layers = after
+            .missing(layers)
+            .into_iter()
+            .filter(|l| !before.contains(l))
+            .collect();
+        DrainCase {
+            nodes: live,
+            leaving: leaving.len(),
+            min_nodes: g.plan.templates.iter().map(|t| t.nodes).min().unwrap_or(1) as usize,
+            unique_layers,
+            force,
+        }
+    }
+
+    /// Just after step `step` committed: take the drains asked for and the joins admitted.
+    pub(super) fn at_boundary(&mut self, now: Duration, step: u64) {
+        if step >= self.spec.steps || !matches!(self.phase, Phase::Stepping) {
+            return;
+        }
+        let in_plan = |n: &u32| self.gen.as_ref().is_some_and(|g| g.nodes.contains(n));
+        let drains: Vec<String> = self
+            .draining
+            .iter()
+            .filter(|(n, _)| in_plan(n))
+            .map(|(n, why)| format!("node {n} drains ({why})"))
+            .collect();
+        let mut causes = drains;
+        if let Some(why) = self.admit.as_ref().filter(|_| !self.joining.is_empty()) {
+            let nodes: Vec<u32> = self.joining.keys().copied().collect();
+            causes.push(format!("node(s) {nodes:?} join ({why})"));
+        }
+        if causes.is_empty() {
+            return;
+        }
+        let reason = causes.join("; ");
+        self.note(format!(
+            "step {step} committed; reconfiguring at this boundary: {reason}"
+        ));
+        let failure = Failure::planned(reason, now, step);
+        self.open_recovery(now, failure);
+    }
+
+    /// Tells `node` to go; from now on its exit is expected.
+    pub(super) fn release(&mut self, node: u32, reason: String) {
+        self.departed.insert(node);
+        self.nodes.remove(&node);
+        self.holdings.drop_node(node);
+        self.record(Event::Released {
+            node,
+            reason: reason.clone(),
+        });
+        self.push(Action::Release { node, reason });
+        self.publish_membership();
+    }
+
+    /// The nodes waiting, leaving and idle, for `oobleck status`.
+    pub(super) fn publish_membership(&mut self) {
+        let in_plan: BTreeSet<u32> = self
+            .gen
+            .as_ref()
+            .map(|g| g.nodes.iter().copied().collect())
+            .unwrap_or_default();
+        let spare = self
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| !in_plan.contains(n) && !self.joining.contains_key(n))
+            .filter(|n| !self.lost.contains(n))
+            .collect();
+        self.push(Action::Membership {
+            joining: self.joining.keys().copied().collect(),
+            draining: self.draining.iter().map(|(n, r)| (*n, r.clone())).collect(),
+            spare,
+        });
+    }
+}

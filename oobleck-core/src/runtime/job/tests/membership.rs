@@ -1,0 +1,293 @@
+//! Joins and drains: the policies as tables, and how the machine takes them at a step
+//! boundary through the same reconfiguration as a recovery.
+
+use super::*;
+use crate::runtime::job::membership::{
+    drain_verdict, join_verdict, DrainCase, JoinCase, JoinVerdict,
+};
+use crate::runtime::pipe::StateSource;
+
+fn join(now: usize, with: usize, f: u32, waited: f64) -> JoinVerdict {
+    join_verdict(&JoinCase {
+        pipelines_now: now,
+        pipelines_with: with,
+        fault_threshold: f,
+        waited: secs(waited),
+        join_after: secs(30.0),
+    })
+}
+
+#[test]
+fn a_join_is_taken_at_once_when_it_adds_a_pipeline_else_after_join_after() {
+    let now = |v: JoinVerdict| match v {
+        JoinVerdict::Now(why) => why,
+        JoinVerdict::Wait { left } => format!("wait {:.0}", left.as_secs_f64()),
+    };
+    // (pipelines now, with the joiners, f, waited s) -> verdict
+    let table = [
+        (
+            (1, 2, 1, 0.0),
+            "restores fault tolerance: 1 -> 2 pipelines (f = 1 wants 2)",
+        ),
+        ((2, 3, 1, 0.0), "adds a pipeline: 2 -> 3"),
+        ((2, 2, 1, 0.0), "wait 30"),
+        ((2, 2, 1, 12.0), "wait 18"),
+        (
+            (2, 2, 1, 30.0),
+            "waited 30 s (--join-after) for more joins; grows the pipelines",
+        ),
+        ((1, 1, 0, 5.0), "wait 25"),
+        (
+            (1, 3, 2, 0.0),
+            "restores fault tolerance: 1 -> 3 pipelines (f = 2 wants 3)",
+        ),
+    ];
+    for ((p, w, f, t), want) in table {
+        assert_eq!(now(join(p, w, f, t)), want, "{p} -> {w}, f {f}, {t} s");
+    }
+}
+
+fn drain(nodes: usize, leaving: usize, min: usize, unique: &[usize], force: bool) -> String {
+    match drain_verdict(&DrainCase {
+        nodes,
+        leaving,
+        min_nodes: min,
+        unique_layers: unique.to_vec(),
+        force,
+    }) {
+        Ok(None) => "ok".into(),
+        Ok(Some(w)) => format!("ok: {w}"),
+        Err(e) => format!("refused: {e}"),
+    }
+}
+
+#[test]
+fn a_drain_is_refused_with_the_numbers_when_it_would_cost_steps() {
+    assert_eq!(drain(3, 1, 1, &[], false), "ok");
+    let e = drain(2, 2, 1, &[], false);
+    assert!(
+        e.starts_with("refused: draining leaves 0 of 2 nodes; the smallest pipeline needs 1"),
+        "{e}"
+    );
+    assert!(e.contains("--force"), "{e}");
+    let e = drain(2, 2, 1, &[], true);
+    assert!(e.starts_with("ok: draining leaves 0 of 2 nodes"), "{e}");
+    let e = drain(3, 1, 1, &[2, 3], false);
+    assert!(
+        e.starts_with("refused: layers [2, 3] are held only by"),
+        "{e}"
+    );
+    assert!(drain(3, 1, 1, &[2], true).contains("newest checkpoint"));
+}
+
+/// Every rank of the running generation stopped at committed `step` (after the abort of a
+/// reconfiguration at that boundary).
+fn all_broken(h: &mut H, t: f64, step: u64) -> Vec<Action> {
+    let mut last = Vec::new();
+    for rank in 0..h.world() {
+        last = h.broken(t, rank, step);
+    }
+    last
+}
+
+fn weighed(h: &mut H, t: f64, joined: &[u32], pipelines: usize) -> Vec<Action> {
+    h.at(
+        t,
+        Input::JoinsWeighed {
+            joined: joined.to_vec(),
+            pipelines: Ok(pipelines),
+        },
+    )
+}
+
+#[test]
+fn a_join_that_adds_a_pipeline_is_admitted_at_the_next_boundary_in_place() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    h.step(1.0, 1);
+    let a = h.at(1.2, joined(5));
+    assert!(
+        has(&a, "record:join") && has(&a, "weigh:[5]"),
+        "{:?}",
+        kinds(&a)
+    );
+    assert!(!has(&a, "fail") && !has(&a, "abort:0"), "{:?}", kinds(&a));
+    // A second joiner before the answer: asked about again, both together.
+    let a = h.at(1.3, joined(6));
+    assert!(has(&a, "weigh:[5, 6]"), "{:?}", kinds(&a));
+    assert!(weighed(&mut h, 1.4, &[5], 3).is_empty(), "a stale answer");
+    let a = weighed(&mut h, 1.4, &[5, 6], 4);
+    assert!(has(&a, "note") && !has(&a, "abort:0"), "{:?}", kinds(&a));
+    // The step under way finishes; then the generation ends at the boundary.
+    let a = h.step(2.0, 2);
+    assert_eq!(
+        kinds(&a)[..3],
+        ["commit:2", "note", "abort:0"],
+        "{:?}",
+        kinds(&a)
+    );
+    assert!(!has(&a, "record:failure"), "{:?}", kinds(&a));
+    let a = all_broken(&mut h, 2.1, 2);
+    assert!(has(&a, "reconfigure:[]+[5, 6]"), "{:?}", kinds(&a));
+    let a = h.reconfigured(2.2, plan(&[&[0], &[1], &[5], &[6]]), 2, Vec::new());
+    let Event::Reconfig {
+        from_step,
+        replayed_steps,
+        in_place,
+        nodes,
+        joined_nodes,
+        cause,
+        ..
+    } = reconfig(&a)
+    else {
+        unreachable!()
+    };
+    assert_eq!((from_step, replayed_steps, in_place), (2, 0, true));
+    assert_eq!((nodes, joined_nodes), (vec![0, 1, 5, 6], vec![5, 6]));
+    assert!(
+        cause.contains("node(s) [5, 6] join (adds a pipeline: 2 -> 4)"),
+        "{cause}"
+    );
+    assert!(matches!(deployed(&a), StateSource::Peers { step: 2, .. }));
+    assert_eq!(h.m.committed(), 2);
+}
+
+#[test]
+fn a_join_that_adds_no_pipeline_waits_for_join_after() {
+    let mut h = H::running(spec(2, 1, 100), plan(&[&[0], &[1]]));
+    h.at(1.0, joined(5));
+    weighed(&mut h, 1.0, &[5], 2);
+    let a = h.step(2.0, 1);
+    assert!(!has(&a, "abort:0"), "{:?}", kinds(&a));
+    h.at(20.0, Input::Tick);
+    assert!(!has(&h.step(21.0, 2), "abort:0"));
+    let a = h.at(31.5, Input::Tick);
+    assert!(
+        has(&a, "note"),
+        "admitted once --join-after passed: {:?}",
+        kinds(&a)
+    );
+    let a = h.step(32.0, 3);
+    assert!(has(&a, "abort:0"), "{:?}", kinds(&a));
+}
+
+#[test]
+fn a_join_after_a_failure_lowered_f_asks_for_the_jobs_own_f() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    h.step(1.0, 1);
+    h.at(1.5, lost(1));
+    h.broken(1.6, 0, 1);
+    h.reconfigured(1.7, plan(&[&[0]]), 0, Vec::new());
+    h.listen_all(1.8);
+    h.form_all(1.8);
+    h.step(2.0, 2);
+    let a = h.at(2.1, joined(7));
+    let f = a.iter().find_map(|a| match a {
+        Action::WeighJoins { plan, .. } => Some(plan.fault_threshold),
+        _ => None,
+    });
+    assert_eq!(f, Some(1), "{:?}", kinds(&a));
+    weighed(&mut h, 2.2, &[7], 2);
+    h.step(3.0, 3);
+    let a = all_broken(&mut h, 3.1, 3);
+    let f = a.iter().find_map(|a| match a {
+        Action::Reconfigure { plan, joined, .. } => Some((plan.fault_threshold, joined.clone())),
+        _ => None,
+    });
+    assert_eq!(f, Some((1, vec![7])));
+    let a = h.reconfigured(3.2, plan(&[&[0], &[7]]), 1, Vec::new());
+    let Event::Reconfig {
+        fault_tolerance, ..
+    } = reconfig(&a)
+    else {
+        unreachable!()
+    };
+    assert_eq!(fault_tolerance, 1);
+}
+
+#[test]
+fn a_drained_node_leaves_at_the_boundary_and_its_exit_is_expected() {
+    let mut h = H::running(spec(3, 1, 10), plan(&[&[0], &[1], &[2]]));
+    h.step(1.0, 1);
+    let drain = Input::DrainRequested {
+        node: 1,
+        reason: "SIGTERM".into(),
+        force: false,
+    };
+    let a = h.at(1.5, drain);
+    assert_eq!(kinds(&a), ["record:drain", "note", "membership"]);
+    let a = h.step(2.0, 2);
+    assert!(
+        has(&a, "abort:0") && !has(&a, "record:failure"),
+        "{:?}",
+        kinds(&a)
+    );
+    let a = all_broken(&mut h, 2.1, 2);
+    assert!(
+        has(&a, "reconfigure:[1]") && !has(&a, "fence:1"),
+        "{:?}",
+        kinds(&a)
+    );
+    let (held, _) = reconfigure_request(&a);
+    assert_eq!(held.layers(1, 0), None, "a drained node is no source");
+    let a = h.reconfigured(2.2, plan(&[&[0], &[2]]), 0, Vec::new());
+    assert!(has(&a, "release:1"), "{:?}", kinds(&a));
+    let Event::Reconfig {
+        drained_nodes,
+        replayed_steps,
+        in_place,
+        nodes,
+        ..
+    } = reconfig(&a)
+    else {
+        unreachable!()
+    };
+    assert_eq!((drained_nodes, nodes), (vec![1], vec![0, 2]));
+    assert_eq!((replayed_steps, in_place), (0, true));
+    // Its connection closes as its agent goes: no failure. (Its agent's exit, where the
+    // driver started it, is not reported: `AgentSet::release`.)
+    let a = h.at(2.3, lost(1));
+    assert!(a.is_empty(), "{:?}", kinds(&a));
+}
+
+#[test]
+fn drains_that_would_cost_steps_are_refused_and_unknown_nodes_too() {
+    let mut h = H::running(spec(2, 0, 10), plan(&[&[0, 1]]));
+    h.step(1.0, 1);
+    let drain = |node, force| Input::DrainRequested {
+        node,
+        reason: "oobleck drain".into(),
+        force,
+    };
+    let a = h.at(1.5, drain(1, false));
+    assert_eq!(kinds(&a), ["note", "record:drain_refused"]);
+    let a = h.at(1.6, drain(9, false));
+    assert_eq!(kinds(&a), ["note", "record:drain_refused"]);
+    assert!(!has(&h.step(2.0, 2), "abort:0"), "nothing drains");
+}
+
+#[test]
+fn a_node_waiting_to_join_that_drains_or_dies_costs_nothing() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    h.at(1.0, joined(5));
+    h.at(1.1, joined(6));
+    let a = h.at(
+        1.2,
+        Input::DrainRequested {
+            node: 5,
+            reason: "SIGTERM".into(),
+            force: true,
+        },
+    );
+    assert!(
+        has(&a, "release:5") && !has(&a, "abort:0"),
+        "{:?}",
+        kinds(&a)
+    );
+    let a = h.at(1.3, lost(6));
+    assert!(
+        has(&a, "record:lost") && !has(&a, "abort:0"),
+        "{:?}",
+        kinds(&a)
+    );
+    assert!(!has(&h.step(2.0, 1), "abort:0"));
+}
