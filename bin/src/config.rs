@@ -78,6 +78,14 @@ pub struct TrainConfig {
     /// 3000 lets 5 heartbeats in a row go missing (an agent on a saturated 2-core machine is
     /// late by tens of ms, never seconds) while a hang is still acted on within about 3 s.
     pub lease_ms: u64,
+    /// The longest (s) a node that joins the running job but adds no pipeline waits for more
+    /// joins before it is admitted. A join that adds a pipeline (and so restores fault
+    /// tolerance a failure lowered) is taken at the next step boundary whatever this says.
+    /// Each admission costs a reconfiguration (about 1.5 s plus a step, `oobleck bench
+    /// recovery`); 30 s lets the nodes of one scale-up arrive together (cloud instance groups
+    /// bring their VMs up within tens of seconds of each other) while a lone node waits at
+    /// most 30 s to contribute.
+    pub join_after_s: f64,
 }
 
 impl Default for TrainConfig {
@@ -111,6 +119,7 @@ impl Default for TrainConfig {
             sample: 2,
             data_plane: "tcp".into(),
             lease_ms: 3000,
+            join_after_s: 30.0,
         }
     }
 }
@@ -212,6 +221,10 @@ pub struct TrainArgs {
     /// heartbeats go every 500 ms [default: 3000].
     #[arg(long)]
     pub lease_ms: Option<u64>,
+    /// Seconds a joining node that adds no pipeline waits for more joins before it is
+    /// admitted; one that adds a pipeline is admitted at the next step [default: 30].
+    #[arg(long)]
+    pub join_after: Option<f64>,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]
@@ -275,6 +288,9 @@ impl TrainArgs {
             data_plane,
             lease_ms
         );
+        if let Some(s) = self.join_after {
+            c.join_after_s = s;
+        }
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if self.$f.is_some() { c.$f = self.$f.clone(); } )* };
         }
@@ -304,6 +320,12 @@ impl TrainConfig {
                 "--lease-ms {} must exceed the agents' 500 ms heartbeat interval (3000 is the \
                  default; below about 1500 a busy machine may be declared lost)",
                 self.lease_ms
+            );
+        }
+        if !(self.join_after_s.is_finite() && self.join_after_s >= 0.0) {
+            bail!(
+                "--join-after {} must be a number of seconds, 0 or more (30 is the default)",
+                self.join_after_s
             );
         }
         if self.microbatch_size == 0 {

@@ -40,6 +40,12 @@ enum Cmd {
     /// Kill one node of a running job (SIGKILL of its agent and workers), as a crash would:
     /// `oobleck kill-node 1 --run DIR`. With f >= 1 the job recovers on the nodes left.
     KillNode(oobleck_cli::cluster::status::KillNodeArgs),
+    /// Drain one node of a running job: it leaves at the next step boundary with no step
+    /// lost (`oobleck drain 2 --run DIR`); refused when it would cost steps, unless --force.
+    Drain(oobleck_cli::cluster::membership_cmd::DrainArgs),
+    /// Start one more local node agent for a running local job (`oobleck add-node --run
+    /// DIR`): it joins and is admitted at a step boundary.
+    AddNode(oobleck_cli::cluster::membership_cmd::AddNodeArgs),
     /// Run one node of a multi-machine job: `oobleck agent --master HOST:PORT` with the job's
     /// OOBLECK_TOKEN (the master is `train --listen`; `train --nodes N` starts its own agents).
     Agent(oobleck_cli::cluster::agent_cmd::AgentArgs),
@@ -109,6 +115,8 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench_recovery::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
+        Cmd::Drain(a) => oobleck_cli::cluster::membership_cmd::drain(&a),
+        Cmd::AddNode(a) => oobleck_cli::cluster::membership_cmd::add_node(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent_cmd::run(&a),
         Cmd::Report { dir } => {
             let path = oobleck_cli::report::write_report(&dir)?;

@@ -35,6 +35,19 @@ pub struct AgentArgs {
     /// Seconds to keep retrying while the master cannot be reached (it may start later).
     #[arg(long, default_value_t = 120)]
     pub wait: u64,
+    /// Drain this node (leave at the next step boundary, no step lost) when FILE appears, or
+    /// when the http:// URL answers with a notice, as cloud metadata services do: GCP
+    /// `http://metadata.google.internal/computeMetadata/v1/instance/preempted`, AWS (IMDSv1)
+    /// `http://169.254.169.254/latest/meta-data/spot/instance-action`. SIGTERM drains too.
+    #[arg(long, value_name = "FILE|URL")]
+    pub preemption_notice: Option<String>,
+    /// Seconds between looks at the preemption notice (GCP gives about 30 s of notice).
+    #[arg(long, default_value_t = 1.0)]
+    pub notice_interval: f64,
+    /// Seconds to wait, after asking to leave, for the master to release this node at a step
+    /// boundary before leaving anyway.
+    #[arg(long, default_value_t = 60)]
+    pub drain_wait: u64,
 }
 
 /// `train agent ...`: the same command, from the `train` binary.
@@ -54,12 +67,20 @@ pub fn run(args: &AgentArgs) -> Result<()> {
              or --token-stdin"
         ),
     };
+    if !(args.notice_interval.is_finite() && args.notice_interval >= 0.01) {
+        bail!(
+            "--notice-interval {} must be at least 0.01 s (1 is the default)",
+            args.notice_interval
+        );
+    }
     let opts = AgentOptions {
-        master: args.master.clone(),
-        token,
         host: args.host.clone(),
         exit_with_parent: args.exit_with_parent,
         wait: Duration::from_secs(args.wait),
+        preemption_notice: args.preemption_notice.clone(),
+        notice_interval: Duration::from_secs_f64(args.notice_interval),
+        drain_wait: Duration::from_secs(args.drain_wait),
+        ..AgentOptions::new(args.master.clone(), token)
     };
     Ok(run_agent(&opts)?)
 }

@@ -163,17 +163,17 @@ pub fn run(
     };
     let params = workload.num_params();
     // Agents started by hand may take a while to come up.
-    let lease = Duration::from_millis(cfg.lease_ms);
+    let ours = Limits {
+        lease: Duration::from_millis(cfg.lease_ms),
+        join_after: Duration::from_secs_f64(cfg.join_after_s),
+        ..Limits::default()
+    };
     let limits = match launch {
         Launch::Listen { .. } => Limits {
             join: Duration::from_secs(600),
-            lease,
-            ..Limits::default()
+            ..ours
         },
-        _ => Limits {
-            lease,
-            ..Limits::default()
-        },
+        _ => ours,
     };
     let (bind, token, launch) = match launch {
         Launch::Local => (

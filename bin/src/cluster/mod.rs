@@ -20,6 +20,7 @@
 pub mod agent_cmd;
 pub mod hostfile;
 pub mod job;
+pub mod membership_cmd;
 pub mod status;
 
 pub use oobleck_core::runtime::pipe::resolve;

@@ -71,7 +71,7 @@ pub fn unpublish(run: &Path) {
     let _ = std::fs::remove_file(run.join(TOKEN_FILE));
 }
 
-fn target(a: &StatusArgs) -> Result<(SocketAddr, Token)> {
+pub(super) fn target(a: &StatusArgs) -> Result<(SocketAddr, Token)> {
     if let Some(run) = &a.run {
         let text = std::fs::read_to_string(run.join(MASTER_FILE)).with_context(|| {
             format!(
@@ -120,8 +120,17 @@ pub fn render(s: &ClusterStatus) -> String {
     );
     out.push_str(&render_plan(s));
     for n in &s.nodes {
+        let role = if s.joining.contains(&n.node) {
+            " | joining: admitted at a step boundary".to_string()
+        } else if let Some((_, why)) = s.draining.iter().find(|d| d.0 == n.node) {
+            format!(" | draining ({why}): leaves at the next step boundary")
+        } else if s.spare.contains(&n.node) {
+            " | spare: no template combination uses it".to_string()
+        } else {
+            String::new()
+        };
         out.push_str(&format!(
-            "node {} at {}: {} devices, last seen {} ms ago\n",
+            "node {} at {}: {} devices, last seen {} ms ago{role}\n",
             n.node, n.addr, n.devices, n.last_seen_ms
         ));
     }
@@ -172,7 +181,7 @@ pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
 }
 
 /// One request to the master `a` names, within its `--timeout`.
-fn ask<F, Fut>(a: &StatusArgs, what: &str, request: F) -> Result<ClusterStatus>
+pub(super) fn ask<F, Fut>(a: &StatusArgs, what: &str, request: F) -> Result<ClusterStatus>
 where
     F: FnOnce(SocketAddr, Token, Duration) -> Fut,
     Fut: std::future::Future<Output = oobleck_core::elastic::ElasticResult<ClusterStatus>>,
@@ -188,7 +197,7 @@ where
 }
 
 /// Prints a status as JSON (`--json`) or text, after `head` in text.
-fn show(a: &StatusArgs, status: &ClusterStatus, head: Option<&str>) -> Result<()> {
+pub(super) fn show(a: &StatusArgs, status: &ClusterStatus, head: Option<&str>) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(status)?);
     } else {

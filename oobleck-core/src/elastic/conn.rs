@@ -57,6 +57,8 @@ pub(super) struct Shared {
     pub(super) refused: AtomicU64,
     /// Set by `Master::shutdown`: nodes that leave from then on are expected to.
     pub(super) closing: AtomicBool,
+    /// Nodes told to go during the job (`Master::release`): their leaving is expected.
+    pub(super) released: Mutex<std::collections::BTreeSet<u32>>,
     pub(super) live: watch::Sender<usize>,
     pub(super) events: mpsc::UnboundedSender<MasterEvent>,
     pub(super) handshakes: Arc<tokio::sync::Semaphore>,
@@ -72,6 +74,7 @@ impl Shared {
             next_node: AtomicU32::new(0),
             refused: AtomicU64::new(0),
             closing: AtomicBool::new(false),
+            released: Mutex::new(Default::default()),
             live: watch::Sender::new(0),
             handshakes,
             events,
@@ -133,7 +136,12 @@ impl Shared {
             removed
         };
         if removed {
-            if self.closing.load(Ordering::Relaxed) {
+            let released = self
+                .released
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&node);
+            if self.closing.load(Ordering::Relaxed) || released {
                 debug!(node, reason = ?reason, "node left after shutdown");
             } else {
                 warn!(node, reason = ?reason, "node lost");

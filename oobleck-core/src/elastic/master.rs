@@ -251,6 +251,17 @@ impl Master {
             .collect();
     }
 
+    /// Tells `node` to stop its workers and exit: it was drained or is not needed, so its
+    /// closed connection is expected (still reported as [`MasterEvent::Lost`]).
+    pub async fn release(&self, node: u32, reason: String) -> ElasticResult<()> {
+        self.shared
+            .released
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node);
+        self.send_to(node, Message::Shutdown { reason }).await
+    }
+
     /// Records the nodes waiting to join, leaving and idle, for status.
     pub fn set_membership(&self, joining: Vec<u32>, draining: Vec<(u32, String)>, spare: Vec<u32>) {
         let mut job = self.shared.job();

@@ -171,11 +171,10 @@ fn agent_options_from_env() -> Result<AgentOptions> {
         }
     };
     Ok(AgentOptions {
-        master: required(MASTER_ENV, AGENT)?,
-        token: required(TOKEN_ENV, AGENT)?,
         host: env_var(HOST_ENV, AGENT)?.filter(|h| !h.trim().is_empty()),
         exit_with_parent,
         wait: Duration::from_secs(wait_s),
+        ..AgentOptions::new(required(MASTER_ENV, AGENT)?, required(TOKEN_ENV, AGENT)?)
     })
 }
 

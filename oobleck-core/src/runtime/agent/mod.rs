@@ -13,6 +13,7 @@
 //!  worker exit ──► agent ──Message::Worker{.., report: Exited}──► master
 //! ```
 
+mod leave;
 mod notice;
 mod spawn;
 
@@ -22,7 +23,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
+use self::leave::{watch_notice, watch_sigterm, Leaving, SIGTERM};
 use self::spawn::{spawn_worker, stop_workers, tell_all, Worker};
 use super::error::{Context, Result, RuntimeError};
 use super::pipe::{ranks_of_node, resolve, StateSource, ToWorker, WorkerAssignment};
@@ -55,6 +58,30 @@ pub struct AgentOptions {
     pub exit_with_parent: bool,
     /// How long to keep retrying while the master cannot be reached (it may start later).
     pub wait: Duration,
+    /// A file that appears, or an `http://` endpoint, that says this machine will be taken
+    /// away (`notice.rs`): the node then drains, as at SIGTERM.
+    pub preemption_notice: Option<String>,
+    /// How often the notice is looked at.
+    pub notice_interval: Duration,
+    /// After asking to leave, how long to wait for the master to release the node at a step
+    /// boundary before leaving anyway.
+    pub drain_wait: Duration,
+}
+
+impl AgentOptions {
+    /// Options with the defaults for everything but where the master is and its token.
+    pub fn new(master: String, token: String) -> AgentOptions {
+        AgentOptions {
+            master,
+            token,
+            host: None,
+            exit_with_parent: false,
+            wait: Duration::from_secs(120),
+            preemption_notice: None,
+            notice_interval: Duration::from_secs(5),
+            drain_wait: Duration::from_secs(60),
+        }
+    }
 }
 
 impl std::fmt::Debug for AgentOptions {
@@ -65,6 +92,9 @@ impl std::fmt::Debug for AgentOptions {
             .field("host", &self.host)
             .field("exit_with_parent", &self.exit_with_parent)
             .field("wait", &self.wait)
+            .field("preemption_notice", &self.preemption_notice)
+            .field("notice_interval", &self.notice_interval)
+            .field("drain_wait", &self.drain_wait)
             .finish()
     }
 }
@@ -74,6 +104,8 @@ pub(super) enum Local {
     /// `(device, (generation, report))`: reports of an earlier generation are dropped.
     Report(u32, std::result::Result<(u64, WorkerReport), String>),
     StdinClosed,
+    /// This node was told it goes away (SIGTERM, a preemption notice): why.
+    Leave(String),
 }
 
 /// Runs one node of a job until the master shuts it down (`Ok`) or something fails. Builds
@@ -90,6 +122,10 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
     let (local_tx, mut local_rx) = mpsc::unbounded_channel::<Local>();
     if opts.exit_with_parent {
         watch_stdin(local_tx.clone());
+    }
+    watch_sigterm(local_tx.clone())?;
+    if let Some(source) = &opts.preemption_notice {
+        watch_notice(source, opts.notice_interval, local_tx.clone())?;
     }
     let token = Token::new(&opts.token).ctx("the job token")?;
     let master = resolve(&opts.master)?;
@@ -111,6 +147,8 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         workers: Vec::new(),
         exited: Vec::new(),
         ranks: Default::default(),
+        leaving: None,
+        drain_wait: opts.drain_wait,
     };
     let result = agent.serve(&mut local_rx).await;
     let grace = if result.is_ok() {
@@ -196,6 +234,9 @@ struct NodeAgent {
     exited: Vec<WorkerReport>,
     /// The rank of each device of this node in the running generation.
     ranks: std::collections::BTreeMap<u32, u32>,
+    /// It asked the master to let it go.
+    leaving: Option<Leaving>,
+    drain_wait: Duration,
 }
 
 impl NodeAgent {
@@ -221,6 +262,20 @@ impl NodeAgent {
                     .ctx("reporting a worker exit")?;
             }
             self.reap_workers().await?;
+            if let Some(l) = self
+                .leaving
+                .as_ref()
+                .filter(|l| Instant::now() >= l.deadline)
+            {
+                eprintln!(
+                    "oobleck agent: node {} leaves without being released ({}): the master did \
+                     not let it go within {} s",
+                    self.node,
+                    l.reason,
+                    self.drain_wait.as_secs()
+                );
+                return Ok(());
+            }
             // A worker's `Ready` goes out at once: every rank's commit waits for the slowest
             // report.
             let incoming = tokio::select! {
@@ -244,6 +299,38 @@ impl NodeAgent {
         }
     }
 
+    /// This node goes away: ask the master to drain it. A second SIGTERM leaves at once.
+    async fn leave(&mut self, reason: String) -> Result<()> {
+        if let Some(l) = &self.leaving {
+            if reason == SIGTERM {
+                return Err(self.error(format!(
+                    "a second SIGTERM while leaving ({}): leaving now",
+                    l.reason
+                )));
+            }
+            return Ok(());
+        }
+        eprintln!(
+            "oobleck agent: node {} leaves at the next step boundary ({reason}); waiting up to \
+             {} s for the master to release it (SIGTERM again: leave now)",
+            self.node,
+            self.drain_wait.as_secs()
+        );
+        let drain = Message::Drain {
+            node: self.node,
+            reason: reason.clone(),
+            force: true,
+        };
+        self.leaving = Some(Leaving {
+            reason,
+            deadline: Instant::now() + self.drain_wait,
+        });
+        self.conn
+            .send(drain, CONTROL_TIMEOUT)
+            .await
+            .with_ctx(|| format!("node {}: asking the master to drain it", self.node))
+    }
+
     async fn send_report(&self, report: WorkerReport) -> std::result::Result<(), ElasticError> {
         let msg = Message::Worker {
             node: self.node,
@@ -258,6 +345,7 @@ impl NodeAgent {
             Local::StdinClosed => {
                 Err(self.error("the process that started this agent is gone".into()))
             }
+            Local::Leave(reason) => self.leave(reason).await,
             Local::Report(device, r) => {
                 let (g, report) =
                     r.map_err(|e| self.error(format!("worker of device {device}: {e}")))?;
@@ -361,6 +449,10 @@ impl NodeAgent {
             return Err(self.error(format!(
                 "a plan of generation {g} arrived while generation {generation} runs"
             )));
+        }
+        if self.job.is_none() && ranks_of_node(plan, node).is_empty() {
+            // Waiting to join: the plan is for the others.
+            return Ok(());
         }
         let Some(job) = &self.job else {
             return Err(self.error("the master sent a plan before the job".into()));

@@ -56,7 +56,6 @@ const FLAVOR: (&str, &str) = ("Metadata-Flavor", "Google");
 
 /// Where the notice comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[allow(dead_code)] // wired into the agent loop by issue 11
 pub(crate) enum NoticeSource {
     /// A file that appears (any content; its trimmed content, if any, is the reason).
     File(PathBuf),
@@ -64,7 +63,6 @@ pub(crate) enum NoticeSource {
     Http { url: String },
 }
 
-#[allow(dead_code)] // wired into the agent loop by issue 11
 impl NoticeSource {
     /// `http://...` is an endpoint, anything without a `scheme://` a file path. `https://`,
     /// other schemes, a URL without a host and an empty string are errors saying what to pass.
@@ -100,7 +98,6 @@ impl NoticeSource {
 
 /// What to watch and how often.
 #[derive(Debug, Clone)]
-#[allow(dead_code)] // wired into the agent loop by issue 11
 pub(crate) struct NoticeWatch {
     pub source: NoticeSource,
     /// Time between polls (at least 10 ms; a smaller one is raised to that).
@@ -114,7 +111,6 @@ pub(crate) struct NoticeWatch {
 ///
 /// An endpoint that cannot be reached is no notice: it is warned about once per outage (on
 /// the log and on stderr) and watched on. Never returns an error; never panics.
-#[allow(dead_code)] // wired into the agent loop by issue 11
 pub(crate) async fn wait_for_notice(watch: &NoticeWatch) -> String {
     let interval = watch.interval.max(MIN_INTERVAL);
     let mut outage = Outage::default();

@@ -237,12 +237,7 @@ impl<'a> Driver<'a> {
     /// Tells `node` to stop its workers and exit; its agent's exit is expected from now on.
     async fn release(&mut self, node: u32, reason: String) {
         self.p.agents.release(node);
-        if let Err(e) = self
-            .p
-            .master
-            .send_to(node, Message::Shutdown { reason })
-            .await
-        {
+        if let Err(e) = self.p.master.release(node, reason).await {
             tracing::warn!(node, error = %e, "could not tell a released node to go");
         }
     }

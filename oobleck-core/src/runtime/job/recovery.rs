@@ -55,6 +55,8 @@ pub(super) struct Timer {
     pub copy_bytes: u64,
     /// The reconfiguration in words, for the progress line of the first commit after it.
     pub summary: String,
+    /// Joins and drains at a boundary, not a failure.
+    pub planned: bool,
 }
 
 /// Where a recovery stands.
@@ -105,6 +107,7 @@ impl JobMachine {
             phases: BTreeMap::new(),
             copy_bytes: 0,
             summary: String::new(),
+            planned: failure.planned,
         });
         self.phase = Phase::Recovering(Recovery::Settling { failure });
         self.recovery_tick(now);

@@ -167,8 +167,13 @@ impl JobMachine {
         self.phase_done(now, "first_step");
         if let Some(t) = self.timer.take() {
             let since = now.saturating_sub(t.failed).as_secs_f64();
+            let (done, event) = if t.planned {
+                ("reconfigured", "it began")
+            } else {
+                ("recovered", "the failure")
+            };
             self.note(format!(
-                "recovered: {} step {step} committed {since:.2} s after the failure",
+                "{done}: {} step {step} committed {since:.2} s after {event}",
                 t.summary
             ));
             self.record(Event::Resumed {
