@@ -263,6 +263,7 @@ impl Trainer {
                 last_val = Some(v);
             }
             let m = StepMetrics {
+                microbatches: String::new(),
                 step,
                 loss,
                 lr,

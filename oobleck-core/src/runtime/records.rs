@@ -150,6 +150,30 @@ pub struct StepMetrics {
     pub wall_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// The global microbatches the step trained, as ranges (`0-15`): the data cursor, so a
+    /// run's log shows every sample trained once per step (a microbatch's samples are a
+    /// function of the seed, the step and its index).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub microbatches: String,
+}
+
+/// `[0, 1, 2, 5, 7, 8]` as `0-2,5,7-8` (sorted input).
+pub fn ranges(ids: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        let mut j = i;
+        while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            ids[i].to_string()
+        } else {
+            format!("{}-{}", ids[i], ids[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
 }
 
 /// The start of a run (or of its resumption).
@@ -406,5 +430,13 @@ mod tests {
         let back: Event = serde_json::from_value(v).expect("typed");
         assert_eq!(back, start);
         assert_eq!(back.kind(), "start");
+    }
+
+    #[test]
+    fn microbatch_ranges_are_compact_and_exact() {
+        assert_eq!(ranges(&[]), "");
+        assert_eq!(ranges(&[3]), "3");
+        assert_eq!(ranges(&[0, 1, 2, 3]), "0-3");
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
     }
 }

@@ -189,8 +189,10 @@ impl<'a> Driver<'a> {
                 pipelines,
                 nodes,
                 eval_due,
+                microbatches,
             } => {
-                let m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
+                let mut m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
+                m.microbatches = crate::runtime::records::ranges(&microbatches);
                 self.commit(m, eval_due).await?;
             }
             Action::Abort { generation } => {
@@ -285,6 +287,7 @@ impl<'a> Driver<'a> {
             nodes,
             wall_s: self.p.t0.elapsed().as_secs_f64(),
             val_loss: None,
+            microbatches: String::new(),
         }
     }
 

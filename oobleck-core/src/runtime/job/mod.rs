@@ -233,6 +233,8 @@ pub enum Action {
         pipelines: usize,
         nodes: usize,
         eval_due: bool,
+        /// The global microbatches it trained, sorted (each once).
+        microbatches: Vec<u32>,
     },
     /// Generation `generation` failed: tell its workers to stop their step now.
     Abort { generation: u64 },

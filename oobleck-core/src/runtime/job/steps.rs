@@ -148,19 +148,21 @@ impl JobMachine {
             Ok(v) => v,
             Err(e) => return self.fail(e),
         };
-        self.commit(now, step, loss, grad_norm, pipelines, nodes);
-    }
-
-    fn commit(&mut self, now: Duration, step: u64, loss: f64, grad_norm: f64, p: usize, n: usize) {
         self.push(Action::Commit {
             step,
             loss,
             grad_norm,
             generation: self.generation,
-            pipelines: p,
-            nodes: n,
+            pipelines,
+            nodes,
             eval_due: step < self.spec.steps && self.spec.eval_due(step),
+            microbatches: read,
         });
+        self.commit(now, step);
+    }
+
+    /// `step` is committed (its [`Action::Commit`] is out).
+    fn commit(&mut self, now: Duration, step: u64) {
         self.committed = step;
         self.steps_run += 1;
         self.distrusted.clear();
