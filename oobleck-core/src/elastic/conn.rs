@@ -47,6 +47,8 @@ pub(super) struct JobState {
     pub(super) joining: Vec<u32>,
     pub(super) draining: Vec<(u32, String)>,
     pub(super) spare: Vec<u32>,
+    /// Nodes the smallest template of the current plan needs.
+    pub(super) min_pipeline_nodes: u32,
 }
 
 pub(super) struct Shared {
@@ -425,7 +427,10 @@ async fn serve_client(
                 reason,
                 force,
             })) => {
-                if shared.nodes().contains_key(&node) {
+                let refusal = drain_refusal(&shared, node, force);
+                if let Some(reason) = refusal {
+                    Message::Refused { reason }
+                } else if shared.nodes().contains_key(&node) {
                     warn!(node, %peer, %reason, "drain requested");
                     shared.emit(MasterEvent::DrainRequested {
                         node,
@@ -475,6 +480,33 @@ async fn serve_client(
             return;
         }
     }
+}
+
+/// Why a tool's drain of `node` cannot be taken, where the current plan shows it already
+/// (the job decides the rest: `runtime::job::membership::drain_verdict`).
+fn drain_refusal(shared: &Shared, node: u32, force: bool) -> Option<String> {
+    let job = shared.job();
+    let in_plan: std::collections::BTreeSet<u32> =
+        job.pipelines.iter().flat_map(|p| p.nodes.clone()).collect();
+    if !in_plan.contains(&node) {
+        return None;
+    }
+    let leaving = job
+        .draining
+        .iter()
+        .map(|d| d.0)
+        .chain([node])
+        .filter(|n| in_plan.contains(n))
+        .collect::<std::collections::BTreeSet<u32>>()
+        .len();
+    let case = crate::runtime::job::membership::DrainCase {
+        nodes: in_plan.len(),
+        leaving,
+        min_nodes: job.min_pipeline_nodes as usize,
+        unique_layers: Vec::new(),
+        force,
+    };
+    crate::runtime::job::membership::drain_verdict(&case).err()
 }
 
 /// Sends queued messages, and a heartbeat whenever the interval passes, so the agent can tell a

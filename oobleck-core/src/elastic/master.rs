@@ -223,6 +223,7 @@ impl Master {
     pub fn set_plan(&self, plan: &Plan) {
         let mut job = self.shared.job();
         job.generation = plan.generation;
+        job.min_pipeline_nodes = plan.templates.iter().map(|t| t.nodes).min().unwrap_or(1);
         job.pipelines = plan
             .pipelines
             .iter()

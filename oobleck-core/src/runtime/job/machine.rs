@@ -149,6 +149,8 @@ pub struct JobMachine {
     pub(super) join_waiting_told: bool,
     /// Nodes of the plan that leave at the next step boundary, and why.
     pub(super) draining: BTreeMap<u32, String>,
+    /// When each drain was asked for.
+    pub(super) drain_asked: BTreeMap<u32, Duration>,
     /// Nodes told to go: their exits and closed connections are expected.
     pub(super) departed: BTreeSet<u32>,
 }
@@ -194,6 +196,7 @@ impl JobMachine {
             admit: None,
             join_waiting_told: false,
             draining: BTreeMap::new(),
+            drain_asked: BTreeMap::new(),
             departed: BTreeSet::new(),
         }
     }
@@ -250,7 +253,7 @@ impl JobMachine {
                 node,
                 reason,
                 force,
-            } => self.on_drain_requested(node, reason, force),
+            } => self.on_drain_requested(now, node, reason, force),
             Input::Planned(result) => self.on_planned(now, result),
             Input::Unreachable { node, what } => {
                 self.node_failure(now, format!("node {node} did not get {what}"))

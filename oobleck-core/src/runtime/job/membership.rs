@@ -217,7 +217,13 @@ impl JobMachine {
     }
 
     /// `node` will go away: it leaves at the next step boundary, if [`drain_verdict`] takes it.
-    pub(super) fn on_drain_requested(&mut self, node: u32, reason: String, force: bool) {
+    pub(super) fn on_drain_requested(
+        &mut self,
+        now: Duration,
+        node: u32,
+        reason: String,
+        force: bool,
+    ) {
         let in_plan = self.gen.as_ref().is_some_and(|g| g.nodes.contains(&node));
         if self.draining.contains_key(&node) || self.departed.contains(&node) {
             return;
@@ -253,6 +259,7 @@ impl JobMachine {
                     "node {node} drains at the next step boundary ({reason}): {cost}"
                 ));
                 self.draining.insert(node, reason);
+                self.drain_asked.insert(node, now);
                 self.publish_membership();
             }
         }
@@ -319,8 +326,16 @@ impl JobMachine {
             .filter(|(n, _)| in_plan(n))
             .map(|(n, why)| format!("node {n} drains ({why})"))
             .collect();
+        let mut asked = self
+            .drain_asked
+            .iter()
+            .filter(|(n, _)| in_plan(n))
+            .map(|(_, t)| *t)
+            .min()
+            .unwrap_or(now);
         let mut causes = drains;
         if let Some(why) = self.admit.as_ref().filter(|_| !self.joining.is_empty()) {
+            asked = asked.min(self.joining.values().min().copied().unwrap_or(now));
             let nodes: Vec<u32> = self.joining.keys().copied().collect();
             causes.push(format!("node(s) {nodes:?} join ({why})"));
         }
@@ -331,7 +346,7 @@ impl JobMachine {
         self.note(format!(
             "step {step} committed; reconfiguring at this boundary: {reason}"
         ));
-        let failure = Failure::planned(reason, now, step);
+        let failure = Failure::planned(reason, now, step, asked);
         self.open_recovery(now, failure);
     }
 

@@ -21,8 +21,10 @@ pub(super) struct Failure {
     pub detected: Duration,
     /// The committed step when it happened.
     pub failed_at: u64,
-    /// Not a failure: joins and drains taken at the boundary after `failed_at`.
+    /// Not a failure: joins and drains taken at the boundary after `failed_at`...
     pub planned: bool,
+    /// ...the first of them asked for (a drain) or registered (a join) then.
+    pub asked: Duration,
 }
 
 impl Failure {
@@ -32,13 +34,15 @@ impl Failure {
             detected,
             failed_at,
             planned: false,
+            asked: detected,
         }
     }
 
     /// The reconfiguration at the boundary after committed step `step`.
-    pub fn planned(reason: String, now: Duration, step: u64) -> Failure {
+    pub fn planned(reason: String, now: Duration, step: u64, asked: Duration) -> Failure {
         Failure {
             planned: true,
+            asked,
             ..Failure::new(reason, now, step)
         }
     }
@@ -109,6 +113,12 @@ impl JobMachine {
             summary: String::new(),
             planned: failure.planned,
         });
+        if let (true, Some(t)) = (failure.planned, self.timer.as_mut()) {
+            // From the first request taken to the boundary that takes it.
+            let waited = now.saturating_sub(failure.asked);
+            t.phases
+                .insert("wait_boundary_s".into(), waited.as_secs_f64());
+        }
         self.phase = Phase::Recovering(Recovery::Settling { failure });
         self.recovery_tick(now);
     }
@@ -131,7 +141,7 @@ impl JobMachine {
                 node,
                 reason,
                 force,
-            } => self.on_drain_requested(node, reason, force),
+            } => self.on_drain_requested(now, node, reason, force),
             Input::Lost { node, .. } if self.departed.contains(&node) => {}
             Input::Lost { node, reason } => {
                 self.joining.remove(&node);
@@ -366,6 +376,7 @@ impl JobMachine {
     fn settle_membership(&mut self, change: &Change) -> Vec<u32> {
         for &n in &change.drained {
             self.draining.remove(&n);
+            self.drain_asked.remove(&n);
             self.release(n, "drained".into());
         }
         for n in &change.joined {
