@@ -294,13 +294,6 @@ fn a_hung_node_is_fenced_off_and_the_job_finishes_without_it() {
 }
 
 /// The `reconfig` events of a run, in order.
-fn reconfigs(run: &std::path::Path) -> Vec<serde_json::Value> {
-    events(run)
-        .into_iter()
-        .filter(|e| e["event"] == "reconfig")
-        .collect()
-}
-
 /// Runs `train` for 8 steps with `flags` and the environment `env` (a test hook) beside an
 /// uninterrupted single process: the run must succeed and end exactly where the single
 /// process ends (every step once, same losses and parameters). Returns its run directory, to
@@ -339,7 +332,7 @@ fn two_nodes_killed_at_once_with_f_2_are_recovered_in_place() {
         "2@4",
     ];
     let (out, _) = recovered_run(dir.path(), &flags, &[]);
-    let r = reconfigs(&out);
+    let r = reconfig_events(&out);
     assert_eq!(r.len(), 1, "one reconfiguration for both losses: {r:?}");
     assert_eq!(r[0]["lost_nodes"], serde_json::json!([1, 2]), "{}", r[0]);
     assert_eq!(r[0]["in_place"], true, "{}", r[0]);
@@ -356,7 +349,7 @@ fn a_worker_killed_during_gradient_sync_is_recovered_in_place() {
     let dir = tempfile::tempdir().expect("tempdir");
     let flags = ["--nodes", "3", "--fault-threshold", "1"];
     let (out, _) = recovered_run(dir.path(), &flags, &[(TEST_KILL_ENV, "sync:0:1:5")]);
-    let r = reconfigs(&out);
+    let r = reconfig_events(&out);
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!(r[0]["lost_nodes"], serde_json::json!([]), "{}", r[0]);
     assert_eq!(r[0]["in_place"], true, "{}", r[0]);
@@ -386,7 +379,7 @@ fn a_failure_during_the_copies_starts_another_reconfiguration() {
         stderr.contains("SIGKILL"),
         "the copy kill did not fire: {stderr}"
     );
-    let r = reconfigs(&out);
+    let r = reconfig_events(&out);
     assert_eq!(r.len(), 2, "{r:?}");
     for (i, lost) in [(0, serde_json::json!([1])), (1, serde_json::json!([]))] {
         assert_eq!(r[i]["lost_nodes"], lost, "{}", r[i]);
@@ -420,7 +413,7 @@ fn a_corrupted_layer_copy_is_refused_and_the_job_falls_back_to_the_checkpoint() 
         stderr.contains("lost every replica; going back to the newest checkpoint"),
         "{stderr}"
     );
-    let r = reconfigs(&out);
+    let r = reconfig_events(&out);
     assert_eq!(r.len(), 2, "{r:?}");
     assert_eq!(r[0]["in_place"], true, "{}", r[0]);
     assert_eq!(r[1]["in_place"], false, "{}", r[1]);

@@ -241,3 +241,115 @@ pub fn kill_worker_once_checkpointed(out: &Path, rank: u32) {
         .expect("kill");
     assert!(killed.success());
 }
+
+/// Runs `oobleck ARGS...` (a tool talking to a running job) within 15 s.
+pub fn oobleck_tool(args: &[&str]) -> Output {
+    let mut c = Command::new(OOBLECK);
+    c.args(args)
+        .env_remove("OOBLECK_TOKEN")
+        .env("OOBLECK_BIN", OOBLECK)
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    run(c, Duration::from_secs(15))
+}
+
+/// Processes a test started outside `train` (agents of `oobleck add-node`): killed when the
+/// test ends, also on failure.
+#[derive(Default)]
+pub struct Strays(pub Vec<u32>);
+
+impl Drop for Strays {
+    fn drop(&mut self) {
+        for &pid in self.0.iter().filter(|&&p| alive(p)) {
+            let _ = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+impl Strays {
+    /// `oobleck add-node --run RUN EXTRA...`: one more local agent for the running job.
+    pub fn add_node(&mut self, run: &Path, extra: &[&str]) -> u32 {
+        let run_s = run.to_str().expect("utf-8 path");
+        let o = oobleck_tool(&[&["add-node", "--run", run_s][..], extra].concat());
+        let said = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "{said}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let pid: u32 = said
+            .split("(pid ")
+            .nth(1)
+            .and_then(|s| s.split(')').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no pid in {said:?}"));
+        self.0.push(pid);
+        pid
+    }
+
+    /// Every stray is gone within 10 s.
+    pub fn assert_gone(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.0.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left: Vec<u32> = self.0.iter().copied().filter(|&p| alive(p)).collect();
+        assert!(left.is_empty(), "added agents left behind: {left:?}");
+    }
+}
+
+/// Waits (at most `limit`) until the run has committed `step`.
+pub fn wait_for_step(run: &Path, step: u64, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let done = std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| {
+            m.lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .any(|v| v["step"].as_u64().is_some_and(|s| s >= step))
+        });
+        if done {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "step {step} not committed within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits (at most `limit`) until `count` events satisfy `pred`.
+pub fn wait_for_events(
+    run: &Path,
+    count: usize,
+    limit: Duration,
+    what: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let n = std::fs::read_to_string(run.join("events.jsonl")).map_or(0, |t| {
+            t.lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter(|e| pred(e))
+                .count()
+        });
+        if n >= count {
+            return;
+        }
+        assert!(start.elapsed() < limit, "no {what} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The run's `reconfig` events, in order.
+pub fn reconfig_events(run: &Path) -> Vec<serde_json::Value> {
+    events(run)
+        .into_iter()
+        .filter(|e| e["event"] == "reconfig")
+        .collect()
+}
