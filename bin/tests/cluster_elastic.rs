@@ -346,3 +346,50 @@ fn a_join_raises_the_fault_tolerance_a_failure_lowered_and_bad_requests_disturb_
 fn run_tool(c: std::process::Command) -> std::process::Output {
     run(c, Duration::from_secs(20))
 }
+
+/// One pipeline over 2 nodes (f = 0), so the drained node holds the only replica of its
+/// layers: it joins the next generation's data plane as a donor, sends them to the node that
+/// stays, and only then goes. Nothing is replayed and no checkpoint is used.
+#[test]
+fn a_drained_node_with_the_only_replica_copies_its_layers_off_before_it_goes() {
+    const STEPS: u64 = 16;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let out = dir.path().join("run");
+    let run = out.to_str().expect("utf-8");
+    let flags = ["--nodes", "2", "--pipeline-nodes", "2"];
+    let mut g = Guard(Some(train_cmd(&out, STEPS, &flags).spawn().expect("train")));
+    wait_for_step(&out, 3, WAIT);
+    let drained = oobleck_tool(&["drain", "1", "--run", run]);
+    assert!(
+        drained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drained.stderr)
+    );
+    let o = g.finish(LIMIT);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("they are copied off before it leaves"),
+        "{stderr}"
+    );
+    let r = reconfig_events(&out);
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(r[0]["drained_nodes"], json!([1]), "{}", r[0]);
+    assert!(r[0]["copies"].as_u64().is_some_and(|c| c >= 1), "{}", r[0]);
+    assert!(r[0]["checkpoint"].is_null(), "{}", r[0]);
+    let released = events(&out)
+        .into_iter()
+        .find(|e| e["event"] == "released")
+        .expect("a released event");
+    assert!(
+        released["reason"]
+            .as_str()
+            .expect("reason")
+            .contains("copied off"),
+        "{released}"
+    );
+    assert_nothing_replayed(&out);
+    assert_same_training(&out, &want, &want_params);
+    assert_all_gone(&out, 2 + 2);
+}

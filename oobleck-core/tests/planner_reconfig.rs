@@ -6,7 +6,7 @@ use oobleck_core::planning::{
     generate_templates, instantiate, plan_with_pipelines, ClusterSpec, Fingerprint, JobSpec,
     LayerProfile, LinkModel, ModelProfile, Plan, TemplateMicrobatches, TemplateSet,
 };
-use oobleck_core::reconfig::decide;
+use oobleck_core::reconfig::{decide, decide_leaving, Holdings};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
@@ -232,6 +232,44 @@ fn losing_every_replica_of_a_layer_is_reported() {
     // last layer everywhere.
     let r = decide(&plan, &[1, 4, 8, 13], &[]).expect("decision");
     assert!(r.missing_layers.contains(&(L - 1)));
+}
+
+/// Draining every pipeline's last node at once: the layers only they hold are not missing,
+/// they are copied off them. The leaving nodes become donors, ranks after the new plan's,
+/// and every layer of the new plan is held or received exactly once per device.
+#[test]
+fn drained_nodes_holding_the_only_replica_donate_it() {
+    let plan = golden_plan();
+    let old = Holdings::of(&plan);
+    let leaving = [1, 4, 8, 13];
+    let r = decide_leaving(&plan, &old, &[], &leaving, &[]).expect("decision");
+    assert!(r.missing_layers.is_empty(), "{:?}", r.missing_layers);
+    let world: u32 = r.plan.pipelines.iter().map(|p| p.nodes.len() as u32).sum();
+    assert!(!r.donors.is_empty());
+    for (i, d) in r.donors.iter().enumerate() {
+        assert!(leaving.contains(&d.node), "{d:?}");
+        assert_eq!(d.rank, world + i as u32, "donor ranks follow the plan's");
+    }
+    let from_donors: Vec<_> = r.copies.iter().filter(|c| c.from_rank >= world).collect();
+    assert!(from_donors.iter().any(|c| c.layer == L - 1));
+    for c in &from_donors {
+        let d = r
+            .donors
+            .iter()
+            .find(|d| d.rank == c.from_rank)
+            .expect("a donor");
+        assert!(old
+            .layers(d.node, d.device)
+            .is_some_and(|l| l.contains(&c.layer)));
+        assert!(!leaving.contains(&c.to_node), "{c:?}");
+    }
+    let mut seen = BTreeSet::new();
+    for c in &r.copies {
+        assert!(seen.insert((c.to_rank, c.layer)), "copied twice: {c:?}");
+    }
+    // The same nodes lost (not drained) hold nothing: that layer is gone.
+    let lost = decide_leaving(&plan, &old, &leaving, &[], &[]).expect("decision");
+    assert!(lost.missing_layers.contains(&(L - 1)) && lost.donors.is_empty());
 }
 
 #[test]

@@ -504,6 +504,7 @@ fn drain_refusal(shared: &Shared, node: u32, force: bool) -> Option<String> {
         leaving,
         min_nodes: job.min_pipeline_nodes as usize,
         unique_layers: Vec::new(),
+        copy_off: true,
         force,
     };
     crate::runtime::job::membership::drain_verdict(&case).err()

@@ -5,9 +5,13 @@
 //! runtime must perform, the layers nobody holds any more (the runtime then restores them from
 //! a checkpoint), and the fault tolerance left.
 
+mod leave;
+
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
+
+pub use leave::{decide_leaving, Donor};
 
 use crate::planning::instantiate::{assemble, choose_counts, Ctx};
 use crate::planning::{Plan, PlanError, TemplateSet};
@@ -68,6 +72,10 @@ pub struct ReconfigPlan {
     pub actions: Vec<Action>,
     pub lost: Vec<u32>,
     pub joined: Vec<u32>,
+    /// Devices of drained nodes that send the layers only they hold ([`decide_leaving`]):
+    /// they join the next generation's data plane for its copies, then go.
+    #[serde(default)]
+    pub donors: Vec<Donor>,
 }
 
 impl ReconfigPlan {
@@ -294,6 +302,7 @@ pub fn decide_with(
         actions,
         lost: lost.into_iter().collect(),
         joined: joined.into_iter().collect(),
+        donors: Vec::new(),
     })
 }
 

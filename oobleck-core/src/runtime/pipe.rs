@@ -26,7 +26,7 @@ use super::error::{Context, Result};
 use super::spec::JobConfig;
 use crate::elastic::protocol::Rendezvous;
 use crate::planning::Plan;
-use crate::reconfig::LayerCopy;
+use crate::reconfig::{Donor, LayerCopy};
 
 /// What an agent gives each of its workers (the first JSON line on the worker's stdin).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -66,7 +66,14 @@ pub enum StateSource {
     /// In place, after a failure: every worker keeps what it holds of committed `step` and
     /// receives the layers its new stage lacks from their holders, as `copies` say (ranks of
     /// the new generation, in an order every rank follows).
-    Peers { step: u64, copies: Vec<LayerCopy> },
+    Peers {
+        step: u64,
+        copies: Vec<LayerCopy>,
+        /// Devices of drained nodes that send the layers only they hold, as ranks after the
+        /// plan's own (`reconfig::Donor`); every rank's data plane includes them.
+        #[serde(default)]
+        donors: Vec<Donor>,
+    },
 }
 
 /// What an agent tells a worker after its assignment, one JSON object per stdin line.

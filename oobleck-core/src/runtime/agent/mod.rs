@@ -450,7 +450,21 @@ impl NodeAgent {
                 "a plan of generation {g} arrived while generation {generation} runs"
             )));
         }
-        if self.job.is_none() && ranks_of_node(plan, node).is_empty() {
+        let g_dev = plan.devices_per_node;
+        let mut ranks: Vec<(u32, u32)> = ranks_of_node(plan, node)
+            .into_iter()
+            .map(|r| (r % g_dev, r))
+            .collect();
+        if let StateSource::Peers { donors, .. } = &start.source {
+            // Drained, with layers only this node holds: its workers send them first.
+            ranks.extend(
+                donors
+                    .iter()
+                    .filter(|d| d.node == node)
+                    .map(|d| (d.device, d.rank)),
+            );
+        }
+        if self.job.is_none() && ranks.is_empty() {
             // Waiting to join: the plan is for the others.
             return Ok(());
         }
@@ -458,9 +472,9 @@ impl NodeAgent {
             return Err(self.error("the master sent a plan before the job".into()));
         };
         let in_place = matches!(start.source, StateSource::Peers { .. });
-        let assignments: Vec<(u32, WorkerAssignment)> = ranks_of_node(plan, node)
+        let assignments: Vec<(u32, WorkerAssignment)> = ranks
             .into_iter()
-            .map(|rank| {
+            .map(|(device, rank)| {
                 let a = WorkerAssignment {
                     generation: g,
                     rank,
@@ -475,7 +489,7 @@ impl NodeAgent {
                     state_sink: SocketAddr::new(self.master.ip(), start.state_port).to_string(),
                     state_key: start.state_key.clone(),
                 };
-                (rank % plan.devices_per_node, a)
+                (device, a)
             })
             .collect();
         let mut keep: Vec<Worker> = Vec::new();

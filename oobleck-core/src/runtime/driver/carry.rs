@@ -156,9 +156,17 @@ impl<'a> Driver<'a> {
                 plan,
                 holdings,
                 lost,
+                drained,
                 joined,
             } => {
-                let r = crate::reconfig::decide_with(&plan, &holdings, &lost, &joined);
+                let mut holdings = holdings;
+                if self.spec().data_plane != DataPlane::Tcp {
+                    // Donors join the data plane as extra ranks, which only TCP has.
+                    for &n in &drained {
+                        holdings.drop_node(n);
+                    }
+                }
+                let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
                 self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
             }
             Action::WeighJoins {

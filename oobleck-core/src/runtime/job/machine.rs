@@ -69,6 +69,10 @@ pub(super) struct Generation {
     /// Nodes lost and steps run when the generation started.
     pub lost_before: usize,
     pub steps_before: u64,
+    /// Devices of drained nodes that send their layers into this generation (ranks from
+    /// `world` on), and those that have.
+    pub donors: Vec<crate::reconfig::Donor>,
+    pub donated: BTreeSet<u32>,
 }
 
 impl Generation {
@@ -458,7 +462,7 @@ impl JobMachine {
         });
         self.push(Action::Deploy {
             plan: Box::new(plan.clone()),
-            source,
+            source: source.clone(),
         });
         self.gen = Some(Generation {
             plan,
@@ -480,6 +484,11 @@ impl JobMachine {
             copy_bytes: 0,
             lost_before: self.lost.len(),
             steps_before: self.steps_run,
+            donors: match &source {
+                StateSource::Peers { donors, .. } => donors.clone(),
+                _ => Vec::new(),
+            },
+            donated: BTreeSet::new(),
         });
         self.phase = Phase::Rendezvous;
     }

@@ -78,6 +78,8 @@ pub struct DrainCase {
     pub min_nodes: usize,
     /// Layers that only the leaving nodes hold.
     pub unique_layers: Vec<usize>,
+    /// They can be copied off the leaving nodes (the TCP data plane takes donors).
+    pub copy_off: bool,
     /// Take it even if it costs steps (the node goes away whatever we decide).
     pub force: bool,
 }
@@ -106,17 +108,23 @@ pub fn drain_verdict(c: &DrainCase) -> Result<Option<String>, String> {
         return Ok(None);
     }
     let what = format!(
-        "layers {:?} are held only by the leaving nodes (f + 1 = 1 pipeline holds them)",
+        "layers {:?} are held only by the leaving nodes",
         c.unique_layers
     );
+    if c.copy_off {
+        return Ok(Some(format!(
+            "{what}: they are copied off before it leaves, no step is lost"
+        )));
+    }
     if c.force {
         Ok(Some(format!(
             "{what}: the job goes back to its newest checkpoint for them"
         )))
     } else {
         Err(format!(
-            "{what}; raise the fault threshold so that every layer has a replica, or pass \
-             --force (the job then goes back to its newest checkpoint)"
+            "{what}, and the NCCL data plane cannot copy them off; raise the fault threshold so \
+             that every layer has a replica, or pass --force (the job then goes back to its \
+             newest checkpoint)"
         ))
     }
 }
@@ -310,6 +318,7 @@ impl JobMachine {
             leaving: leaving.len(),
             min_nodes: g.plan.templates.iter().map(|t| t.nodes).min().unwrap_or(1) as usize,
             unique_layers,
+            copy_off: self.spec.data_plane == crate::runtime::spec::DataPlane::Tcp,
             force,
         }
     }

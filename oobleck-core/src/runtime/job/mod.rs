@@ -187,13 +187,14 @@ pub enum Action {
         fault_threshold: u32,
         pinned: Option<Vec<u32>>,
     },
-    /// Decide the next generation after losing `lost` from `plan`'s nodes (failed or
-    /// drained) and gaining `joined`, the devices holding `holdings`
-    /// ([`crate::reconfig::decide_with`]); answer with [`Input::Reconfigured`].
+    /// Decide the next generation after losing `lost` from `plan`'s nodes, letting `drained`
+    /// go (their layers can be copied off them) and gaining `joined`, the devices holding
+    /// `holdings` ([`crate::reconfig::decide_leaving`]); answer with [`Input::Reconfigured`].
     Reconfigure {
         plan: Box<Plan>,
         holdings: Holdings,
         lost: Vec<u32>,
+        drained: Vec<u32>,
         joined: Vec<u32>,
     },
     /// How many pipelines would `plan` have with `joined` admitted (the devices holding

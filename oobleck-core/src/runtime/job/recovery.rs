@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::{Action, Input};
-use crate::reconfig::ReconfigPlan;
+use crate::reconfig::{Donor, ReconfigPlan};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::pipe::StateSource;
 use crate::runtime::records::{Event, WorkerReport};
@@ -290,18 +290,15 @@ impl JobMachine {
         self.phase_done(now, "detect");
         let change = self.change_of(&plan, &lost);
         let mut plan = plan;
-        let mut holdings = self.holdings.clone();
-        for &n in &change.drained {
-            holdings.drop_node(n);
-        }
         if !change.joined.is_empty() {
             // A fresh instantiation: back to the job's own f, which a failure may have lowered.
             plan.fault_threshold = self.spec.fault_threshold;
         }
         self.push(Action::Reconfigure {
             plan: Box::new(plan),
-            holdings,
-            lost: lost.iter().chain(&change.drained).copied().collect(),
+            holdings: self.holdings.clone(),
+            lost,
+            drained: change.drained.clone(),
             joined: change.joined.clone(),
         });
         self.phase = Phase::Recovering(Recovery::Deciding {
@@ -373,11 +370,16 @@ impl JobMachine {
 
     /// The nodes of the next generation: the job's live nodes, less those lost and those
     /// drained; the drained ones are told to go.
-    fn settle_membership(&mut self, change: &Change) -> Vec<u32> {
+    fn settle_membership(&mut self, change: &Change, donors: &[Donor]) -> Vec<u32> {
         for &n in &change.drained {
             self.draining.remove(&n);
             self.drain_asked.remove(&n);
-            self.release(n, "drained".into());
+            if donors.iter().any(|d| d.node == n) {
+                // Still needed: it sends what only it holds, then goes (`on_donated`).
+                self.nodes.remove(&n);
+            } else {
+                self.release(n, "drained".into());
+            }
         }
         for n in &change.joined {
             self.joining.remove(n);
@@ -427,12 +429,18 @@ impl JobMachine {
             (_, true) => StateSource::Peers {
                 step: from_step,
                 copies: r.copies.clone(),
+                donors: r.donors.clone(),
             },
             (Some((path, _)), false) => StateSource::Checkpoint { path: path.into() },
             (None, false) => StateSource::Init,
         };
         let replayed = failure.failed_at.saturating_sub(from_step);
-        let left = self.settle_membership(&change);
+        let donors = if in_place {
+            r.donors.clone()
+        } else {
+            Vec::new()
+        };
+        let left = self.settle_membership(&change, &donors);
         let new: Vec<Vec<u32>> = r.plan.pipelines.iter().map(|p| p.nodes.clone()).collect();
         self.push(Action::TruncateMetrics { after: from_step });
         self.committed = from_step;
@@ -477,7 +485,7 @@ impl JobMachine {
         change: Change,
     ) {
         let gen_nodes = self.gen.take().map(|g| g.nodes).unwrap_or_default();
-        let left = self.settle_membership(&change);
+        let left = self.settle_membership(&change, &[]);
         if left.is_empty() {
             let newest = match &from {
                 Some((c, _)) => format!("the newest checkpoint is {c}"),

@@ -20,6 +20,10 @@ impl JobMachine {
         generation: u64,
         report: WorkerReport,
     ) {
+        if self.departed.contains(&node) {
+            // Told to go: what it still says is not the job's business.
+            return;
+        }
         if generation > self.generation {
             // No worker can be there yet: a confused or foreign process. Never acted on.
             let (rank, now_at) = (report.rank(), self.generation);

@@ -32,7 +32,8 @@ impl JobMachine {
         }
         let Some(g) = self.gen.as_mut() else { return };
         g.listening.insert(rank, addr);
-        if !matches!(self.phase, Phase::Rendezvous) || g.listening.len() < g.world {
+        let ranks = g.world + g.donors.len();
+        if !matches!(self.phase, Phase::Rendezvous) || g.listening.len() < ranks {
             return;
         }
         let rendezvous: Vec<Rendezvous> = g
@@ -81,6 +82,9 @@ impl JobMachine {
             });
         }
         let Some(g) = self.gen.as_mut() else { return };
+        if rank as usize >= g.world {
+            return self.on_donated(rank);
+        }
         g.built.insert(rank);
         g.connect_s = g.connect_s.max(connect_s);
         g.copy_s = g.copy_s.max(copy_s);
@@ -102,6 +106,23 @@ impl JobMachine {
                     bytes as f64 / 1e9 / copy_s.max(1e-9)
                 );
             }
+        }
+    }
+
+    /// Donor `rank` sent what it had to: once every donor of its node has, the node goes.
+    fn on_donated(&mut self, rank: u32) {
+        let Some(g) = self.gen.as_mut() else { return };
+        let Some(node) = g.donors.iter().find(|d| d.rank == rank).map(|d| d.node) else {
+            return;
+        };
+        g.donated.insert(rank);
+        let done = g
+            .donors
+            .iter()
+            .filter(|d| d.node == node)
+            .all(|d| g.donated.contains(&d.rank));
+        if done {
+            self.release(node, "drained, its layers copied off".into());
         }
     }
 

@@ -80,7 +80,7 @@ pub(super) fn load(
             };
             Ok((loaded, CopyStats::default()))
         }
-        StateSource::Peers { step, copies } => {
+        StateSource::Peers { step, copies, .. } => {
             if held.layers.is_empty() {
                 held.step = *step;
             }

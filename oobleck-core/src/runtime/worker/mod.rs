@@ -19,6 +19,7 @@
 //! A worker exits when its stdin closes (its agent is gone), after `Done`, or when no word
 //! comes after a failure.
 
+mod donate;
 mod inbox;
 mod load;
 mod state;
@@ -113,6 +114,15 @@ pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
                 workload.insert(w)
             }
         };
+        if donate::is_donor(&a) {
+            match donate::donate(&a, listening, &inbox, held)? {
+                Flow::Done => return Ok(()),
+                Flow::Next(next, kept) => {
+                    (a, held) = (*next, kept);
+                    continue;
+                }
+            }
+        }
         let flow = match Generation::form(&a, w.as_ref(), listening, &inbox, held) {
             Ok(mut generation) => generation.run(w.as_ref(), &inbox)?,
             Err(failed) => {
@@ -388,6 +398,40 @@ fn connect(
     listening: Listening,
     inbox: &Inbox,
 ) -> Result<Box<dyn Communicator>> {
+    let world = layout.ranks().len() + donate::donors(a);
+    match &a.nccl_id {
+        None => connect_tcp(a, world, listening, inbox),
+        Some(id) => {
+            rendezvous_addrs(a, world, &listening, inbox)?;
+            nccl_comm(a, layout, model, id)
+        }
+    }
+}
+
+/// Waits for the rendezvous and connects this rank's TCP data plane of `world` ranks.
+fn connect_tcp(
+    a: &WorkerAssignment,
+    world: usize,
+    listening: Listening,
+    inbox: &Inbox,
+) -> Result<Box<dyn Communicator>> {
+    let rank = a.rank;
+    let addrs = rendezvous_addrs(a, world, &listening, inbox)?;
+    let mut tcp = TcpConfig::new(rank as usize, a.generation, addrs);
+    tcp.connect_timeout = DATA_TIMEOUT;
+    tcp.key = Some(a.key.clone());
+    let comm = TcpCommunicator::connect(tcp, Some(listening.listener))
+        .with_ctx(|| format!("rank {rank}: connecting the data plane"))?;
+    Ok(Box::new(comm))
+}
+
+/// Waits for the rendezvous: every rank's address, checked against where this one listens.
+fn rendezvous_addrs(
+    a: &WorkerAssignment,
+    world: usize,
+    listening: &Listening,
+    inbox: &Inbox,
+) -> Result<Vec<SocketAddr>> {
     let rank = a.rank;
     let rendezvous = match inbox.next(COMMIT_TIMEOUT, "rendezvous")? {
         ToWorker::Rendezvous { rendezvous } => rendezvous,
@@ -406,7 +450,7 @@ fn connect(
             ))
         }
     };
-    let addrs = peer_addrs(rank, &rendezvous, layout.ranks().len())?;
+    let addrs = peer_addrs(rank, &rendezvous, world)?;
     if addrs[rank as usize] != listening.addr {
         return Err(protocol(
             rank,
@@ -416,17 +460,7 @@ fn connect(
             ),
         ));
     }
-    match &a.nccl_id {
-        None => {
-            let mut tcp = TcpConfig::new(rank as usize, a.generation, addrs);
-            tcp.connect_timeout = DATA_TIMEOUT;
-            tcp.key = Some(a.key.clone());
-            let comm = TcpCommunicator::connect(tcp, Some(listening.listener))
-                .with_ctx(|| format!("rank {rank}: connecting the data plane"))?;
-            Ok(Box::new(comm))
-        }
-        Some(id) => nccl_comm(a, layout, model, id),
-    }
+    Ok(addrs)
 }
 
 /// The data-plane address of every rank, indexed by rank.

@@ -105,7 +105,6 @@ pub(super) struct CopyHooks<F> {
     pub corrupt_next_send: bool,
 }
 
-#[cfg(test)]
 impl CopyHooks<fn()> {
     pub fn none() -> Self {
         CopyHooks {

@@ -157,6 +157,11 @@ fn assignment() -> WorkerAssignment {
                 to_node: 1,
                 bytes: 64,
             }],
+            donors: vec![crate::reconfig::Donor {
+                node: 2,
+                device: 0,
+                rank: 2,
+            }],
         },
         state_sink: "127.0.0.1:7100".into(),
         state_key: oobleck_comm::SecretKey::random(),

@@ -48,11 +48,23 @@ fn a_join_is_taken_at_once_when_it_adds_a_pipeline_else_after_join_after() {
 }
 
 fn drain(nodes: usize, leaving: usize, min: usize, unique: &[usize], force: bool) -> String {
+    drain_on(nodes, leaving, min, unique, force, false)
+}
+
+fn drain_on(
+    nodes: usize,
+    leaving: usize,
+    min: usize,
+    unique: &[usize],
+    force: bool,
+    copy_off: bool,
+) -> String {
     match drain_verdict(&DrainCase {
         nodes,
         leaving,
         min_nodes: min,
         unique_layers: unique.to_vec(),
+        copy_off,
         force,
     }) {
         Ok(None) => "ok".into(),
@@ -78,6 +90,12 @@ fn a_drain_is_refused_with_the_numbers_when_it_would_cost_steps() {
         "{e}"
     );
     assert!(drain(3, 1, 1, &[2], true).contains("newest checkpoint"));
+    // On TCP the only replicas are copied off the leaving node: nothing is lost.
+    let e = drain_on(3, 1, 1, &[2, 3], false, true);
+    assert!(
+        e.starts_with("ok: layers [2, 3] are held only by the leaving nodes: they are copied off"),
+        "{e}"
+    );
 }
 
 /// Every rank of the running generation stopped at committed `step` (after the abort of a
@@ -223,12 +241,15 @@ fn a_drained_node_leaves_at_the_boundary_and_its_exit_is_expected() {
     );
     let a = all_broken(&mut h, 2.1, 2);
     assert!(
-        has(&a, "reconfigure:[1]") && !has(&a, "fence:1"),
+        has(&a, "reconfigure:[]-[1]") && !has(&a, "fence:1"),
         "{:?}",
         kinds(&a)
     );
     let (held, _) = reconfigure_request(&a);
-    assert_eq!(held.layers(1, 0), None, "a drained node is no source");
+    assert!(
+        held.layers(1, 0).is_some(),
+        "a drained node can still send its layers"
+    );
     let a = h.reconfigured(2.2, plan(&[&[0], &[2]]), 0, Vec::new());
     assert!(has(&a, "release:1"), "{:?}", kinds(&a));
     let Event::Reconfig {

@@ -228,6 +228,7 @@ impl H {
             actions: Vec::new(),
             lost: Vec::new(),
             joined: Vec::new(),
+            donors: Vec::new(),
         };
         self.at(t, Input::Reconfigured(Ok(r)))
     }
@@ -381,10 +382,21 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Abort { generation } => format!("abort:{generation}"),
             Action::KillNode { node } => format!("kill:{node}"),
             Action::Fence { node } => format!("fence:{node}"),
-            Action::Reconfigure { lost, joined, .. } if joined.is_empty() => {
-                format!("reconfigure:{lost:?}")
+            Action::Reconfigure {
+                lost,
+                drained,
+                joined,
+                ..
+            } => {
+                let mut k = format!("reconfigure:{lost:?}");
+                if !drained.is_empty() {
+                    k.push_str(&format!("-{drained:?}"));
+                }
+                if !joined.is_empty() {
+                    k.push_str(&format!("+{joined:?}"));
+                }
+                k
             }
-            Action::Reconfigure { lost, joined, .. } => format!("reconfigure:{lost:?}+{joined:?}"),
             Action::WeighJoins { joined, .. } => format!("weigh:{joined:?}"),
             Action::Release { node, .. } => format!("release:{node}"),
             Action::Membership { .. } => "membership".into(),

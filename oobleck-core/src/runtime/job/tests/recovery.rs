@@ -35,7 +35,7 @@ fn a_loss_during_a_step_is_recovered_in_place_with_no_step_lost() {
     };
     assert_eq!((from_step, replayed_steps, in_place), (2, 0, true));
     assert_eq!((nodes, lost_nodes, copies), (vec![0, 1], vec![2], 1));
-    let StateSource::Peers { step, copies } = deployed(&a) else {
+    let StateSource::Peers { step, copies, .. } = deployed(&a) else {
         panic!("not in place: {:?}", deployed(&a))
     };
     assert_eq!((step, copies.len()), (2, 1));
