@@ -208,3 +208,42 @@ pub(super) fn show(a: &StatusArgs, status: &ClusterStatus, head: Option<&str>) -
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oobleck_core::elastic::protocol::NodeStatus;
+
+    #[test]
+    fn status_names_joining_draining_and_spare_nodes() {
+        let node = |n: u32| NodeStatus {
+            node: n,
+            addr: format!("127.0.0.1:{}", 5000 + n),
+            devices: 1,
+            last_seen_ms: 20,
+        };
+        let s = ClusterStatus {
+            nodes: (0..4).map(node).collect(),
+            expected_nodes: 3,
+            pipelines: Vec::new(),
+            generation: 2,
+            committed_step: Some(41),
+            samples_per_s: 12.0,
+            joining: vec![3],
+            draining: vec![(1, "SIGTERM".into())],
+            spare: vec![2],
+        };
+        let text = render(&s);
+        assert!(
+            text.starts_with("nodes 4/3 | generation 2 | committed step 41"),
+            "{text}"
+        );
+        assert!(text.contains("node 0 at 127.0.0.1:5000: 1 devices, last seen 20 ms ago\n"));
+        assert!(text.contains("node 1 at 127.0.0.1:5001: 1 devices, last seen 20 ms ago | draining (SIGTERM): leaves at the next step boundary\n"), "{text}");
+        assert!(
+            text.contains("| spare: no template combination uses it"),
+            "{text}"
+        );
+        assert!(text.contains("node 3 at 127.0.0.1:5003: 1 devices, last seen 20 ms ago | joining: admitted at a step boundary"), "{text}");
+    }
+}
