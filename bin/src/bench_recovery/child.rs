@@ -97,10 +97,13 @@ pub struct Exit {
     pub wall_s: f64,
 }
 
-/// One running `train` and its process group; killed and reaped on drop unless waited for.
+/// One running `train` (or `oobleck` tool) and its process group; killed and reaped on drop
+/// unless waited for.
 #[derive(Debug)]
 pub struct TrainProcess {
     child: Child,
+    /// The binary's file name, for messages.
+    what: String,
     pgid: u32,
     reaper: Reaper,
     started: Instant,
@@ -132,6 +135,10 @@ impl TrainProcess {
         reaper.register(pgid);
         Ok(TrainProcess {
             child,
+            what: bin.file_name().map_or_else(
+                || bin.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            ),
             pgid,
             reaper: reaper.clone(),
             started,
@@ -141,13 +148,36 @@ impl TrainProcess {
 
     /// Waits for the exit, at most `timeout`; past it the group is killed and this is an error.
     /// Whatever the master left running in its group is killed too.
-    pub fn wait(mut self, timeout: Duration) -> Result<Exit> {
+    pub fn wait(self, timeout: Duration) -> Result<Exit> {
+        self.wait_with(timeout, || {})
+    }
+
+    /// [`wait`](Self::wait), calling `tick` at every look at the child (the membership run
+    /// drains and joins from there).
+    pub fn wait_with(mut self, timeout: Duration, mut tick: impl FnMut()) -> Result<Exit> {
+        let exit = self.wait_exit(timeout, &mut tick)?;
+        kill_group(self.pgid);
+        self.reaper.unregister(self.pgid);
+        Ok(exit)
+    }
+
+    /// Waits for the exit of a tool that leaves a process behind in its group (the agent of
+    /// `oobleck add-node`): the group is not killed but handed over, still registered.
+    pub fn wait_leaving(mut self, timeout: Duration) -> Result<(Exit, Group)> {
+        let exit = self.wait_exit(timeout, &mut || {})?;
+        let group = Group {
+            pgid: self.pgid,
+            reaper: self.reaper.clone(),
+            done: false,
+        };
+        Ok((exit, group))
+    }
+
+    fn wait_exit(&mut self, timeout: Duration, tick: &mut dyn FnMut()) -> Result<Exit> {
         let deadline = self.started + timeout;
         loop {
-            if let Some(status) = self.child.try_wait().context("waiting for train")? {
+            if let Some(status) = self.child.try_wait().context("waiting for a child")? {
                 self.reaped = true;
-                kill_group(self.pgid);
-                self.reaper.unregister(self.pgid);
                 return Ok(Exit {
                     status,
                     wall_s: self.started.elapsed().as_secs_f64(),
@@ -156,11 +186,13 @@ impl TrainProcess {
             if Instant::now() >= deadline {
                 self.kill_and_reap();
                 bail!(
-                    "train (pid {}) was still running after {} s (--timeout-s); killed",
+                    "{} (pid {}) was still running after {} s; killed",
+                    self.what,
                     self.pgid,
                     timeout.as_secs()
                 );
             }
+            tick();
             std::thread::sleep(POLL);
         }
     }
@@ -186,6 +218,62 @@ impl Drop for TrainProcess {
     fn drop(&mut self) {
         self.kill_and_reap();
     }
+}
+
+/// A process group whose leader exited and left a process the bench did not start directly
+/// (the agent of `oobleck add-node`, reparented away from the bench): killed on drop and on
+/// Ctrl-C unless [`Group::wait_gone`] saw it go.
+#[derive(Debug)]
+pub struct Group {
+    pgid: u32,
+    reaper: Reaper,
+    done: bool,
+}
+
+impl Group {
+    /// Waits at most `timeout` for `pid` of this group to be gone; past it the group is
+    /// killed. The seconds it took, or `None` if it had to be killed.
+    pub fn wait_gone(&mut self, pid: u32, timeout: Duration) -> Option<f64> {
+        let t0 = Instant::now();
+        while alive_in_group(pid, self.pgid) {
+            if t0.elapsed() >= timeout {
+                self.kill();
+                return None;
+            }
+            std::thread::sleep(POLL);
+        }
+        self.done = true;
+        self.reaper.unregister(self.pgid);
+        Some(t0.elapsed().as_secs_f64())
+    }
+
+    fn kill(&mut self) {
+        if !self.done {
+            kill_group(self.pgid);
+            self.reaper.unregister(self.pgid);
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Whether `pid` runs (not a zombie: nobody may reap it here) in process group `pgid`, from
+/// `/proc/PID/stat` (`pid (comm) state ppid pgrp ...`).
+fn alive_in_group(pid: u32, pgid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let running = f.first().is_some_and(|s| !matches!(*s, "Z" | "X" | "x"));
+    running && f.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
 }
 
 /// The bench's scratch directory (one run directory per run), removed on drop unless kept.

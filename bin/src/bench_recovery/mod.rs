@@ -6,12 +6,18 @@
 //!    from surviving replicas (Oobleck's recovery);
 //! 3. **checkpoint restart** (the Varuna-style baseline): the same failures with `f = 0`, so
 //!    each one ends the job, which is started again with `--resume` on the nodes left, from its
-//!    newest checkpoint, computing again the steps since.
+//!    newest checkpoint, computing again the steps since;
+//! 4. **drain + join** (`membership`, skipped with `--no-membership`): no failure; the bench
+//!    drains the highest node from outside (`oobleck drain`) after 3/8 of the steps and adds
+//!    one (`oobleck add-node`) after 17/24, each taken at a step boundary with no step replayed.
+//!    Its reconfigurations get a table of their own beside the failures' phases, with targets:
+//!    a drain costs under 1 s, a join under 1.5 s (`membership` says precisely what a cost is).
 //!
 //! ```text
 //!  FailurePlan (pure) ─► train (fault-free) ─┐
 //!                     ─► train (in place) ───┼─► records ─► summary (pure) ─► table / --json
 //!                     ─► train ─► train --resume ─► ... (checkpoint restart)
+//!  MembershipPlan ─────► train + oobleck drain + oobleck add-node ─┘ (drain + join)
 //! ```
 //!
 //! Each run is the `train` binary beside this one, as child processes in a scratch directory
@@ -34,11 +40,18 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 mod child;
+mod membership;
+mod membership_run;
+mod membership_table;
+mod plan;
 mod records;
 mod summary;
 mod table;
 
 use child::{tail, Reaper, Scratch, TrainProcess};
+use membership::{membership_checks, Membership, MembershipPlan};
+use plan::restart_shapes;
+pub use plan::FailurePlan;
 use records::{parse_events, parse_metrics, Event};
 use summary::{checks, compare, summarize, Check, Job, RunInput, RunKind, RunSummary, Segment};
 
@@ -83,9 +96,23 @@ pub struct BenchRecoveryArgs {
     /// One more flag for every `train` (repeatable), e.g. `--train-arg=--lr=1e-3`.
     #[arg(long, allow_hyphen_values = true)]
     pub train_arg: Vec<String>,
+    /// Skip the drain + join run (a fourth run of the job: about a quarter of the bench's time).
+    #[arg(long)]
+    pub no_membership: bool,
+    /// The drain + join run drains the highest node once this step committed [default: 3/8
+    /// of --steps].
+    #[arg(long)]
+    pub drain_after_step: Option<u64>,
+    /// ... and adds a node once this step committed [default: 17/24 of --steps].
+    #[arg(long)]
+    pub join_after_step: Option<u64>,
     /// The `train` binary [default: the one beside this `oobleck`].
     #[arg(long)]
     pub train_bin: Option<PathBuf>,
+    /// The `oobleck` binary whose `drain` and `add-node` the drain + join run uses [default:
+    /// the one beside `train`, normally this one].
+    #[arg(long)]
+    pub oobleck_bin: Option<PathBuf>,
     /// Bound of each `train` process, seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
@@ -100,111 +127,6 @@ pub struct BenchRecoveryArgs {
     pub json: Option<PathBuf>,
 }
 
-/// Who is killed when, and the pipelines each job starts with (pure, from the flags).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct FailurePlan {
-    /// `(node, step)`: `node` dies after `step` commits.
-    pub failures: Vec<(usize, u64)>,
-    /// Pipeline sizes in nodes of the first job.
-    pub pins: Vec<usize>,
-}
-
-impl FailurePlan {
-    pub fn new(a: &BenchRecoveryArgs) -> Result<FailurePlan> {
-        let f = a.fault_threshold;
-        if f == 0 {
-            bail!("recovery in place needs --fault-threshold 1 or more");
-        }
-        if a.nodes < f + 2 {
-            bail!(
-                "--nodes {} leaves no node to lose with f = {f}: at least f + 1 pipelines must \
-                 fit on the nodes left; pass --nodes {} or more",
-                a.nodes,
-                f + 2
-            );
-        }
-        let pins = match &a.pipeline_nodes {
-            Some(p) => p.clone(),
-            None => even_split(a.nodes, f + 1),
-        };
-        if pins.iter().sum::<usize>() != a.nodes || pins.contains(&0) || pins.len() < f + 1 {
-            bail!(
-                "--pipeline-nodes {pins:?}: need at least f + 1 = {} pipelines of 1+ nodes \
-                 adding up to --nodes {}",
-                f + 1,
-                a.nodes
-            );
-        }
-        let most = a.nodes - (f + 1);
-        if let Some(n) = a.failures.filter(|&n| n > most || n == 0) {
-            bail!("--failures {n}: between 1 and nodes - (f + 1) = {most}");
-        }
-        if a.fail_every == 0 {
-            bail!("--fail-every must be at least 1");
-        }
-        let failures: Vec<(usize, u64)> = (1..)
-            .map(|k| k * a.fail_every + a.fail_offset)
-            .take_while(|&s| s < a.steps)
-            .take(a.failures.unwrap_or(most))
-            .enumerate()
-            .map(|(i, s)| (a.nodes - 1 - i, s))
-            .collect();
-        if failures.is_empty() {
-            bail!(
-                "no failure fits in --steps {}: the first would be after step {}",
-                a.steps,
-                a.fail_every + a.fail_offset
-            );
-        }
-        Ok(FailurePlan { failures, pins })
-    }
-}
-
-/// `nodes` into `parts` sizes as even as possible, larger first.
-fn even_split(nodes: usize, parts: usize) -> Vec<usize> {
-    (0..parts)
-        .map(|i| nodes / parts + usize::from(i < nodes % parts))
-        .collect()
-}
-
-/// One node fewer: taken from the last of the largest pipelines (dropped if it empties).
-fn shrink(pins: &[usize]) -> Vec<usize> {
-    let mut p = pins.to_vec();
-    if let Some(max) = p.iter().copied().max() {
-        if let Some(i) = p.iter().rposition(|&x| x == max) {
-            p[i] -= 1;
-        }
-    }
-    p.retain(|&x| x > 0);
-    p
-}
-
-/// Pipeline sizes of each job of the restart run: those the in-place run recovered to after
-/// each failure, where it did, else [`shrink`].
-fn restart_shapes(plan: &FailurePlan, in_place: &RunInput) -> Vec<Vec<usize>> {
-    let recovered: Vec<Vec<usize>> = in_place
-        .segments
-        .iter()
-        .flat_map(|s| &s.events)
-        .filter_map(|e| match e {
-            Event::Reconfig { new_pipelines, .. } => {
-                Some(new_pipelines.iter().map(Vec::len).collect())
-            }
-            _ => None,
-        })
-        .collect();
-    let mut shapes = vec![plan.pins.clone()];
-    for k in 0..plan.failures.len() {
-        let want = shapes[k].iter().sum::<usize>() - 1;
-        let next = match recovered.get(k) {
-            Some(r) if r.iter().sum::<usize>() == want => r.clone(),
-            _ => shrink(&shapes[k]),
-        };
-        shapes.push(next);
-    }
-    shapes
-}
-
 /// Everything the bench measured; the `--json` output.
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -217,23 +139,25 @@ pub struct Report {
     pub plan: FailurePlan,
     pub failure_note: String,
     pub runs: Vec<RunSummary>,
+    /// The drain + join run's drain and join (absent with `--no-membership`).
+    pub membership: Option<Membership>,
     pub checks: Vec<Check>,
     /// The `train` command lines of each run, in order.
     pub commands: Vec<String>,
 }
 
-/// The `train` beside the running binary, or `--train-bin`.
-fn train_binary(given: Option<&Path>) -> Result<PathBuf> {
+/// The `name` binary beside the running one, or the one `--{name}-bin` gives.
+fn binary(name: &str, given: Option<&Path>) -> Result<PathBuf> {
     let path = match given {
         Some(p) => p.to_path_buf(),
         None => std::env::current_exe()
             .context("locating the running binary")?
-            .with_file_name("train"),
+            .with_file_name(name),
     };
     if !path.is_file() {
         bail!(
             "{} not found: build it with `cargo build --release -p oobleck-cli` or pass \
-             --train-bin",
+             --{name}-bin",
             path.display()
         );
     }
@@ -249,9 +173,14 @@ enum Out<'a> {
 /// Runs the three jobs and prints the table.
 pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
     let plan = FailurePlan::new(a)?;
+    let members = MembershipPlan::new(a)?;
     let bench = Bench {
         a,
-        bin: train_binary(a.train_bin.as_deref())?,
+        bin: binary("train", a.train_bin.as_deref())?,
+        oobleck: match members {
+            Some(_) => binary("oobleck", a.oobleck_bin.as_deref())?,
+            None => PathBuf::new(),
+        },
         reaper: Reaper::install()?,
         scratch: Scratch::create(a.scratch.as_deref(), a.keep)?,
         commands: Default::default(),
@@ -260,7 +189,13 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
     let ff = bench.single(RunKind::FaultFree, "fault-free", &plan, &[]);
     let ip = bench.single(RunKind::InPlace, "in-place", &plan, &plan.failures);
     let rs = bench.restart(&plan, &restart_shapes(&plan, &ip));
-    let report = bench.report(&plan, [ff, ip, rs]);
+    let mb = members.map(|m| {
+        let t = Instant::now();
+        let (input, outcome) = bench.membership(&plan, &m);
+        (m, input, outcome, t.elapsed().as_secs_f64())
+    });
+    let share = mb.as_ref().map(|x| x.3 / t0.elapsed().as_secs_f64());
+    let report = bench.report(&plan, [ff, ip, rs], mb.map(|(m, i, o, _)| (m, i, o)));
     println!("{}", table::render(&report));
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&report)?;
@@ -280,6 +215,12 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
         eprintln!("run directories kept in {}", scratch.root.display());
     }
     eprintln!("bench recovery: {:.0} s in all", t0.elapsed().as_secs_f64());
+    if let Some(share) = share {
+        eprintln!(
+            "bench recovery: the drain + join run took {:.0} % of it (--no-membership skips it)",
+            share * 100.0
+        );
+    }
     if !failed.is_empty() {
         bail!(
             "the {} run(s) failed (see the table's notes)",
@@ -292,6 +233,8 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
 struct Bench<'a> {
     a: &'a BenchRecoveryArgs,
     bin: PathBuf,
+    /// `oobleck`, for the drain + join run's tools.
+    oobleck: PathBuf,
     reaper: Reaper,
     scratch: Scratch,
     commands: std::cell::RefCell<Vec<String>>,
@@ -341,6 +284,7 @@ impl Bench<'_> {
         args: &[String],
         log: &str,
         gap_s: f64,
+        tick: &mut dyn FnMut(),
     ) -> Result<(Segment, Option<String>)> {
         let events_path = dir.join("events.jsonl");
         let offset = std::fs::metadata(&events_path).map_or(0, |m| m.len() as usize);
@@ -350,7 +294,8 @@ impl Bench<'_> {
         let log = self.scratch.root.join(log);
         let load_1m = load_average();
         let child = TrainProcess::spawn(&self.reaper, &self.bin, args, &log)?;
-        let (wall_s, problem, how) = match child.wait(Duration::from_secs(self.a.timeout_s)) {
+        let timeout = Duration::from_secs(self.a.timeout_s);
+        let (wall_s, problem, how) = match child.wait_with(timeout, tick) {
             Ok(exit) if exit.status.success() => (exit.wall_s, None, "finished".to_string()),
             Ok(exit) => {
                 let err = tail(&log.with_extension("stderr"), 3).replace('\n', " / ");
@@ -387,7 +332,7 @@ impl Bench<'_> {
     ) -> RunInput {
         let dir = self.scratch.root.join(slug);
         let args = self.train_args(Out::Fresh(&dir), self.a.fault_threshold, &plan.pins, kills);
-        match self.segment(&dir, &args, slug, 0.0) {
+        match self.segment(&dir, &args, slug, 0.0, &mut || {}) {
             Ok((seg, error)) => RunInput {
                 kind,
                 segments: vec![seg],
@@ -429,7 +374,7 @@ impl Bench<'_> {
             let args = self.train_args(out, 0, pins, &kills);
             let gap = exited.map_or(0.0, |t| t.elapsed().as_secs_f64());
             let log = format!("restart-{k}");
-            let result = self.segment(&dir, &args, &log, gap);
+            let result = self.segment(&dir, &args, &log, gap, &mut || {});
             exited = Some(Instant::now());
             let (seg, problem) = match result {
                 Ok(r) => r,
@@ -472,8 +417,13 @@ impl Bench<'_> {
         }
     }
 
-    /// The numbers of the three runs.
-    fn report(&self, plan: &FailurePlan, inputs: [RunInput; 3]) -> Report {
+    /// The numbers of the three runs, and of the drain + join run if there was one.
+    fn report(
+        &self,
+        plan: &FailurePlan,
+        inputs: [RunInput; 3],
+        members: Option<(MembershipPlan, RunInput, membership::Outcome)>,
+    ) -> Report {
         let a = self.a;
         let job = Job {
             steps: a.steps,
@@ -481,8 +431,18 @@ impl Bench<'_> {
             failures: plan.failures.len(),
         };
         let mut runs: Vec<RunSummary> = inputs.iter().map(|i| summarize(i, &job)).collect();
+        let step_s = runs[0].step_s.filter(|_| runs[0].ok);
+        let membership = members.map(|(m, input, outcome)| {
+            let s = summarize(&input, &job);
+            let m = Membership::new(&m, outcome, &input, &s, step_s);
+            runs.push(s);
+            m
+        });
         compare(&mut runs);
-        let checks = checks(&runs[0], &runs[1]);
+        let mut checks = checks(&runs[0], &runs[1]);
+        if let (Some(m), Some(s)) = (&membership, runs.get(3)) {
+            checks.extend(membership_checks(&runs[0], s, m));
+        }
         let kills: Vec<String> = plan
             .failures
             .iter()
@@ -502,6 +462,7 @@ impl Bench<'_> {
                 a.checkpoint_every
             ),
             runs,
+            membership,
             checks,
             commands: self.commands.borrow().clone(),
         }
@@ -519,43 +480,4 @@ fn has_checkpoint(dir: &Path) -> bool {
         oobleck_core::checkpoint::latest_checkpoint(dir),
         Ok(Some(_))
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: BenchRecoveryArgs,
-    }
-
-    fn args(extra: &[&str]) -> BenchRecoveryArgs {
-        Cli::parse_from(std::iter::once("bench").chain(extra.iter().copied())).a
-    }
-
-    #[test]
-    fn defaults_kill_two_nodes_between_checkpoints() {
-        let p = FailurePlan::new(&args(&[])).unwrap();
-        assert_eq!(p.pins, vec![2, 2]);
-        assert_eq!(p.failures, vec![(3, 60), (2, 100)]);
-    }
-
-    #[test]
-    fn more_failures_than_the_tolerance_allows_are_refused() {
-        let e = FailurePlan::new(&args(&["--failures", "3"])).unwrap_err();
-        assert!(e.to_string().contains("nodes - (f + 1) = 2"), "{e}");
-        assert!(FailurePlan::new(&args(&["--fault-threshold", "0"])).is_err());
-        assert!(FailurePlan::new(&args(&["--steps", "50"])).is_err());
-    }
-
-    #[test]
-    fn shrinking_takes_from_the_last_largest_pipeline() {
-        assert_eq!(shrink(&[2, 2]), vec![2, 1]);
-        assert_eq!(shrink(&[2, 1]), vec![1, 1]);
-        assert_eq!(shrink(&[1, 1]), vec![1]);
-        assert_eq!(even_split(5, 2), vec![3, 2]);
-    }
 }

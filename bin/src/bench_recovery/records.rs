@@ -8,7 +8,11 @@ use serde::{Deserialize, Serialize};
 /// Seconds of each phase of one recovery in place (the `phases` of a `resumed` event).
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq)]
 pub struct Phases {
-    /// Failure -> every rank's state known.
+    /// Joins and drains only: the first request taken (a drain asked for, a join registered)
+    /// -> the step boundary where the reconfiguration begins (at most a step, by design).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_boundary_s: Option<f64>,
+    /// Failure (or that boundary) -> every rank's state known.
     pub detect_s: f64,
     /// The reconfiguration decision.
     pub decide_s: f64,
@@ -34,7 +38,17 @@ pub enum Event {
     InjectFailure { node: u32, step: u64 },
     /// With f = 0 (or no way to recover): the job ends.
     Abort { reason: String },
-    /// A recovery was decided.
+    /// A generation's pipelines (the first one's before any join of a running job).
+    Plan,
+    /// `node` registered (at the start, or while the job runs: a join).
+    Join { node: u32, addr: String },
+    /// A drain of `node` was taken: it leaves at the next step boundary.
+    Drain { node: u32, reason: String },
+    /// A drain of `node` was refused, and why.
+    DrainRefused { node: u32, refusal: String },
+    /// `node` was told to go (drained, or not needed).
+    Released { node: u32, reason: String },
+    /// A recovery (or a join or drain at a step boundary) was decided.
     Reconfig {
         lost_nodes: Vec<u32>,
         from_step: u64,
@@ -46,6 +60,13 @@ pub enum Event {
         #[serde(default)]
         copy_bytes: u64,
         new_pipelines: Vec<Vec<u32>>,
+        /// What caused it, in words ("node 3 drains (oobleck drain)").
+        #[serde(default)]
+        cause: String,
+        #[serde(default)]
+        joined_nodes: Vec<u32>,
+        #[serde(default)]
+        drained_nodes: Vec<u32>,
     },
     /// The first commit after a recovery.
     Resumed {

@@ -13,6 +13,8 @@ pub enum RunKind {
     FaultFree,
     InPlace,
     CheckpointRestart,
+    /// A drain and a join from outside (`oobleck drain`, `oobleck add-node`), no failure.
+    Membership,
 }
 
 impl RunKind {
@@ -21,6 +23,7 @@ impl RunKind {
             RunKind::FaultFree => "fault-free",
             RunKind::InPlace => "in place",
             RunKind::CheckpointRestart => "checkpoint restart",
+            RunKind::Membership => "drain + join",
         }
     }
 }
@@ -80,7 +83,11 @@ impl Stat {
 /// One recovery in place: its `reconfig` and the `resumed` at the first commit after it.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Recovery {
+    /// What caused it, in words (the `reconfig` event's `cause`).
+    pub cause: String,
     pub lost_nodes: Vec<u32>,
+    pub joined_nodes: Vec<u32>,
+    pub drained_nodes: Vec<u32>,
     pub from_step: u64,
     pub in_place: bool,
     pub replayed_steps: u64,
@@ -98,6 +105,12 @@ impl Recovery {
     pub fn reconfigure_s(&self) -> Option<f64> {
         self.phases
             .map(|p| p.decide_s + p.restart_s + p.connect_copy_s)
+    }
+
+    /// A join or drain: its request (or registration) -> the next commit, i.e. the wait for
+    /// the step boundary plus boundary -> next commit.
+    pub fn event_to_commit_s(&self) -> Option<f64> {
+        Some(self.phases?.wait_boundary_s? + self.since_failure_s?)
     }
 
     pub fn copy_gb_per_s(&self) -> Option<f64> {
@@ -221,7 +234,10 @@ fn recoveries<'a>(events: impl Iterator<Item = &'a Event>) -> Vec<Recovery> {
     for e in events {
         match e {
             Event::Reconfig {
+                cause,
                 lost_nodes,
+                joined_nodes,
+                drained_nodes,
                 from_step,
                 replayed_steps,
                 in_place,
@@ -229,7 +245,10 @@ fn recoveries<'a>(events: impl Iterator<Item = &'a Event>) -> Vec<Recovery> {
                 copy_bytes,
                 ..
             } => out.push(Recovery {
+                cause: cause.clone(),
                 lost_nodes: lost_nodes.clone(),
+                joined_nodes: joined_nodes.clone(),
+                drained_nodes: drained_nodes.clone(),
                 from_step: *from_step,
                 in_place: *in_place,
                 replayed_steps: *replayed_steps,
@@ -328,7 +347,7 @@ pub struct Check {
     pub pass: Option<bool>,
 }
 
-fn check(name: &str, limit: f64, at_least: bool, measured: Option<f64>) -> Check {
+pub(super) fn check(name: &str, limit: f64, at_least: bool, measured: Option<f64>) -> Check {
     let pass = measured.map(|m| if at_least { m >= limit } else { m < limit });
     Check {
         name: name.to_string(),

@@ -6,7 +6,7 @@ use std::fmt::Write;
 use super::summary::{Check, Recovery, RunKind, RunSummary, Stat};
 use super::Report;
 
-fn num(x: f64, digits: usize) -> String {
+pub(super) fn num(x: f64, digits: usize) -> String {
     if x.is_finite() {
         format!("{x:.digits$}")
     } else {
@@ -14,11 +14,11 @@ fn num(x: f64, digits: usize) -> String {
     }
 }
 
-fn opt(x: Option<f64>, digits: usize) -> String {
+pub(super) fn opt(x: Option<f64>, digits: usize) -> String {
     x.map_or_else(|| "-".into(), |x| num(x, digits))
 }
 
-fn stat(s: Option<Stat>, digits: usize) -> String {
+pub(super) fn stat(s: Option<Stat>, digits: usize) -> String {
     s.map_or_else(
         || "-".into(),
         |s| format!("{} / {}", num(s.median, digits), num(s.max, digits)),
@@ -26,11 +26,11 @@ fn stat(s: Option<Stat>, digits: usize) -> String {
 }
 
 /// Median / max over the in-place run's recoveries of one quantity.
-fn over(recoveries: &[Recovery], f: impl Fn(&Recovery) -> Option<f64>) -> Option<Stat> {
+pub(super) fn over(recoveries: &[Recovery], f: impl Fn(&Recovery) -> Option<f64>) -> Option<Stat> {
     Stat::of(&recoveries.iter().filter_map(f).collect::<Vec<_>>())
 }
 
-fn verdict(c: &Check) -> &'static str {
+pub(super) fn verdict(c: &Check) -> &'static str {
     match c.pass {
         Some(true) => "PASS",
         Some(false) => "MISS",
@@ -38,7 +38,7 @@ fn verdict(c: &Check) -> &'static str {
     }
 }
 
-fn bound(c: &Check) -> String {
+pub(super) fn bound(c: &Check) -> String {
     format!(
         "{} {}",
         if c.at_least { ">=" } else { "<" },
@@ -52,24 +52,33 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
-    fn row(&mut self, label: &str, cells: [String; 3], check: Option<&Check>) {
+    /// Columns: the three runs, and the drain + join run when there was one.
+    fn columns(&self) -> usize {
+        self.runs.len().max(3)
+    }
+
+    fn row(&mut self, label: &str, cells: Vec<String>, check: Option<&Check>) {
         let (target, verdict) = check.map_or((String::new(), ""), |c| (bound(c), verdict(c)));
         let _ = writeln!(
             self.out,
-            "| {label} | {} | {} | {} | {target} | {verdict} |",
-            cells[0], cells[1], cells[2]
+            "| {label} | {} | {target} | {verdict} |",
+            cells.join(" | ")
         );
     }
 
     /// A row with one cell per run from `f`.
     fn each(&mut self, label: &str, f: impl Fn(&RunSummary) -> String) {
-        let cells = [0, 1, 2].map(|i| self.runs.get(i).map_or_else(|| "-".into(), &f));
+        let cells = (0..self.columns())
+            .map(|i| self.runs.get(i).map_or_else(|| "-".into(), &f))
+            .collect();
         self.row(label, cells, None);
     }
 
     /// A row only the in-place run fills (the recovery phases).
     fn in_place(&mut self, label: &str, cell: String, check: Option<&Check>) {
-        self.row(label, ["-".into(), cell, "-".into()], check);
+        let mut cells = vec!["-".to_string(); self.columns()];
+        cells[1] = cell;
+        self.row(label, cells, check);
     }
 }
 
@@ -79,9 +88,12 @@ pub fn render(r: &Report) -> String {
         out: String::new(),
         runs: &r.runs,
     };
+    let labels: Vec<&str> = r.runs.iter().map(|s| s.kind.label()).collect();
     let _ = writeln!(
         t.out,
-        "| | fault-free | in place | checkpoint restart | target | check |\n|---|---|---|---|---|---|"
+        "| | {} | target | check |\n|{}",
+        labels.join(" | "),
+        "---|".repeat(labels.len() + 3)
     );
     t.each("status", |s| {
         if s.ok {
@@ -99,11 +111,13 @@ pub fn render(r: &Report) -> String {
         .checks
         .iter()
         .find(|c| c.name.starts_with("in-place throughput"));
-    let cells = [0, 1, 2].map(|i| {
-        r.runs
-            .get(i)
-            .map_or_else(|| "-".into(), |s| opt(s.vs_fault_free, 3))
-    });
+    let cells = (0..t.columns())
+        .map(|i| {
+            r.runs
+                .get(i)
+                .map_or_else(|| "-".into(), |s| opt(s.vs_fault_free, 3))
+        })
+        .collect();
     t.row("throughput / fault-free", cells, tput);
     t.each("throughput / checkpoint restart", |s| opt(s.vs_restart, 3));
     t.each("median step time (s)", |s| opt(s.step_s, 3));
@@ -114,6 +128,11 @@ pub fn render(r: &Report) -> String {
             format!("{} ({inp} in place)", s.recoveries.len())
         }
         RunKind::CheckpointRestart => format!("{} restarts", s.restarts.len()),
+        RunKind::Membership => {
+            let d = s.recoveries.iter().filter(|r| !r.drained_nodes.is_empty());
+            let j = s.recoveries.iter().filter(|r| !r.joined_nodes.is_empty());
+            format!("0 ({} drain, {} join)", d.count(), j.count())
+        }
     });
     t.each("checkpoint stall ms (median / max)", |s| {
         stat(s.checkpoint_stall_ms, 1)
@@ -128,6 +147,10 @@ pub fn render(r: &Report) -> String {
         |s| restart_stat(s, |x| x.to_regained_s),
     );
     let mut out = t.out;
+    if let Some(m) = &r.membership {
+        out.push('\n');
+        out.push_str(&super::membership_table::render(r, m));
+    }
     notes(&mut out, r);
     out
 }
