@@ -19,6 +19,48 @@ use serde_json::json;
 const LIMIT: Duration = Duration::from_secs(180);
 const WAIT: Duration = Duration::from_secs(60);
 
+/// A run directory beside the uninterrupted single process of `steps` that it must equal.
+struct Case {
+    dir: tempfile::TempDir,
+    out: std::path::PathBuf,
+    want: Vec<(u64, f64)>,
+    want_params: std::collections::BTreeMap<String, candle_core::Tensor>,
+}
+
+impl Case {
+    fn new(steps: u64) -> Case {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (want, want_params) = single_process(dir.path(), steps);
+        let out = dir.path().join("run");
+        Case {
+            dir,
+            out,
+            want,
+            want_params,
+        }
+    }
+
+    fn run(&self) -> &str {
+        self.out.to_str().expect("utf-8")
+    }
+
+    /// `train` ended well: its stderr.
+    fn finish(&self, g: &mut Guard) -> String {
+        let o = g.finish(LIMIT);
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{stderr}");
+        stderr
+    }
+
+    /// Nothing replayed, every step equal to the single process, none of the `procs`
+    /// processes the run reported left.
+    fn check(&self, procs: usize) {
+        assert_nothing_replayed(&self.out);
+        assert_same_training(&self.out, &self.want, &self.want_params);
+        assert_all_gone(&self.out, procs);
+    }
+}
+
 fn cluster(out: &Path, steps: u64, nodes: &str) -> Guard {
     let flags = ["--nodes", nodes, "--fault-threshold", "1"];
     Guard(Some(train_cmd(out, steps, &flags).spawn().expect("train")))
@@ -64,47 +106,41 @@ fn agent_of(out: &Path, node: u64) -> u32 {
 #[test]
 fn a_node_joins_a_running_job_without_a_restart_and_training_is_unchanged() {
     const STEPS: u64 = 20;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
+    let c = Case::new(STEPS);
+    let out = &c.out;
     let mut strays = Strays::default();
-    let mut g = cluster(&out, STEPS, "3");
-    wait_for_step(&out, 3, WAIT);
-    strays.add_node(&out, &[]);
-    let o = g.finish(LIMIT);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
+    let mut g = cluster(out, STEPS, "3");
+    wait_for_step(out, 3, WAIT);
+    strays.add_node(out, &[]);
+    let stderr = c.finish(&mut g);
     assert!(
         stderr.contains("reconfigured: node(s) [3] join"),
         "{stderr}"
     );
-    let r = reconfig_events(&out);
+    let r = reconfig_events(out);
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!(r[0]["joined_nodes"], json!([3]), "{}", r[0]);
     assert_eq!(r[0]["nodes"], json!([0, 1, 2, 3]), "{}", r[0]);
-    assert_nothing_replayed(&out);
-    assert_same_training(&out, &want, &want_params);
-    assert_eq!(workers_per_node(&out), [(0, 1), (1, 1), (2, 1), (3, 1)]);
-    assert_all_gone(&out, 3 + 4);
+    assert_eq!(workers_per_node(out), [(0, 1), (1, 1), (2, 1), (3, 1)]);
+    c.check(3 + 4);
     strays.assert_gone();
 }
 
 #[test]
 fn nodes_drained_by_sigterm_and_by_oobleck_drain_leave_with_no_step_replayed() {
     const STEPS: u64 = 24;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let run = out.to_str().expect("utf-8");
-    let mut g = cluster(&out, STEPS, "4");
-    wait_for_step(&out, 3, WAIT);
-    let agent = agent_of(&out, 1);
+    let c = Case::new(STEPS);
+    let out = &c.out;
+    let run = c.run();
+    let mut g = cluster(out, STEPS, "4");
+    wait_for_step(out, 3, WAIT);
+    let agent = agent_of(out, 1);
     let term = std::process::Command::new("kill")
         .args(["-TERM", &agent.to_string()])
         .status()
         .expect("kill");
     assert!(term.success());
-    wait_for_events(&out, 1, WAIT, "reconfiguration", |e| {
+    wait_for_events(out, 1, WAIT, "reconfiguration", |e| {
         e["event"] == "reconfig"
     });
     let unknown = oobleck_tool(&["drain", "9", "--run", run]);
@@ -117,10 +153,8 @@ fn nodes_drained_by_sigterm_and_by_oobleck_drain_leave_with_no_step_replayed() {
         "{}",
         String::from_utf8_lossy(&drained.stderr)
     );
-    let o = g.finish(LIMIT);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
-    let r = reconfig_events(&out);
+    c.finish(&mut g);
+    let r = reconfig_events(out);
     assert_eq!(r.len(), 2, "{r:?}");
     assert_eq!(r[0]["drained_nodes"], json!([1]), "{}", r[0]);
     assert!(r[0]["cause"].as_str().expect("cause").contains("SIGTERM"));
@@ -130,9 +164,7 @@ fn nodes_drained_by_sigterm_and_by_oobleck_drain_leave_with_no_step_replayed() {
         .expect("cause")
         .contains("oobleck drain"));
     assert_eq!(r[1]["nodes"], json!([0, 3]), "{}", r[1]);
-    assert_nothing_replayed(&out);
-    assert_same_training(&out, &want, &want_params);
-    assert_all_gone(&out, 4 + 4);
+    c.check(4 + 4);
 }
 
 /// A notice endpoint in the style of AWS's: 404 until `notice` is set, then 200 with a body.
@@ -200,33 +232,30 @@ impl Drop for NoticeServer {
 #[test]
 fn nodes_drained_by_a_notice_file_and_an_http_notice_leave_with_no_step_replayed() {
     const STEPS: u64 = 30;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let notice_file = dir.path().join("preempted");
+    let c = Case::new(STEPS);
+    let out = &c.out;
+    let notice_file = c.dir.path().join("preempted");
     let server = NoticeServer::start();
     let mut strays = Strays::default();
-    let mut g = cluster(&out, STEPS, "2");
-    wait_for_step(&out, 2, WAIT);
+    let mut g = cluster(out, STEPS, "2");
+    wait_for_step(out, 2, WAIT);
     let fast = ["--notice-interval", "0.05"];
     let file_arg = notice_file.to_str().expect("utf-8");
     strays.add_node(
-        &out,
+        out,
         &[&["--preemption-notice", file_arg][..], &fast].concat(),
     );
     strays.add_node(
-        &out,
+        out,
         &[&["--preemption-notice", &server.url][..], &fast].concat(),
     );
-    wait_for_events(&out, 1, WAIT, "a plan on 4 nodes", |e| {
+    wait_for_events(out, 1, WAIT, "a plan on 4 nodes", |e| {
         e["event"] == "reconfig" && e["nodes"].as_array().is_some_and(|n| n.len() == 4)
     });
     std::fs::write(&notice_file, "spot reclaim").expect("notice file");
     server.notice.store(true, Ordering::Relaxed);
-    let o = g.finish(LIMIT);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
-    let drains: Vec<String> = events(&out)
+    c.finish(&mut g);
+    let drains: Vec<String> = events(out)
         .into_iter()
         .filter(|e| e["event"] == "drain")
         .map(|e| e["reason"].as_str().expect("reason").to_string())
@@ -244,11 +273,9 @@ fn nodes_drained_by_a_notice_file_and_an_http_notice_leave_with_no_step_replayed
             .any(|r| r.contains("preemption notice from http://") && r.contains("HTTP 200")),
         "{drains:?}"
     );
-    let last = reconfig_events(&out).pop().expect("a reconfiguration");
+    let last = reconfig_events(out).pop().expect("a reconfiguration");
     assert_eq!(last["nodes"], json!([0, 1]), "{last}");
-    assert_nothing_replayed(&out);
-    assert_same_training(&out, &want, &want_params);
-    assert_all_gone(&out, 2 + 4);
+    c.check(2 + 4);
     strays.assert_gone();
 }
 
@@ -260,20 +287,19 @@ fn nodes_drained_by_a_notice_file_and_an_http_notice_leave_with_no_step_replayed
 #[test]
 fn a_join_raises_the_fault_tolerance_a_failure_lowered_and_bad_requests_disturb_nothing() {
     const STEPS: u64 = 30;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let run = out.to_str().expect("utf-8");
+    let c = Case::new(STEPS);
+    let out = &c.out;
+    let run = c.run();
     let mut strays = Strays::default();
-    let mut g = cluster(&out, STEPS, "2");
-    wait_for_step(&out, 2, WAIT);
+    let mut g = cluster(out, STEPS, "2");
+    wait_for_step(out, 2, WAIT);
     let killed = oobleck_tool(&["kill-node", "1", "--run", run]);
     assert!(
         killed.status.success(),
         "{}",
         String::from_utf8_lossy(&killed.stderr)
     );
-    wait_for_events(&out, 1, WAIT, "recovery", |e| e["event"] == "resumed");
+    wait_for_events(out, 1, WAIT, "recovery", |e| e["event"] == "resumed");
     let refused = oobleck_tool(&["drain", "0", "--run", run]);
     assert!(!refused.status.success());
     let err = String::from_utf8_lossy(&refused.stderr);
@@ -295,7 +321,7 @@ fn a_join_raises_the_fault_tolerance_a_failure_lowered_and_bad_requests_disturb_
     let said = String::from_utf8_lossy(&intruder.stderr);
     assert!(said.contains("refused"), "{said}");
     strays.add_node(
-        &out,
+        out,
         &[
             "--preemption-notice",
             "http://127.0.0.1:1/",
@@ -303,10 +329,8 @@ fn a_join_raises_the_fault_tolerance_a_failure_lowered_and_bad_requests_disturb_
             "0.05",
         ],
     );
-    let o = g.finish(LIMIT);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
-    let r = reconfig_events(&out);
+    c.finish(&mut g);
+    let r = reconfig_events(out);
     assert_eq!(r.len(), 2, "{r:?}");
     assert_eq!(
         (r[0]["lost_nodes"].clone(), r[0]["fault_tolerance"].clone()),
@@ -331,15 +355,13 @@ fn a_join_raises_the_fault_tolerance_a_failure_lowered_and_bad_requests_disturb_
         "{}",
         r[1]
     );
-    assert!(events(&out).iter().all(|e| e["event"] != "drain"));
+    assert!(events(out).iter().all(|e| e["event"] != "drain"));
     let logs = std::fs::read_dir(out.join("logs")).expect("logs");
     let log: String = logs
         .map(|l| std::fs::read_to_string(l.expect("entry").path()).expect("log"))
         .collect();
     assert!(log.contains("unreachable"), "{log}");
-    assert_nothing_replayed(&out);
-    assert_same_training(&out, &want, &want_params);
-    assert_all_gone(&out, 2 + 3);
+    c.check(2 + 3);
     strays.assert_gone();
 }
 
@@ -353,32 +375,29 @@ fn run_tool(c: std::process::Command) -> std::process::Output {
 #[test]
 fn a_drained_node_with_the_only_replica_copies_its_layers_off_before_it_goes() {
     const STEPS: u64 = 16;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let run = out.to_str().expect("utf-8");
+    let c = Case::new(STEPS);
+    let out = &c.out;
+    let run = c.run();
     let flags = ["--nodes", "2", "--pipeline-nodes", "2"];
-    let mut g = Guard(Some(train_cmd(&out, STEPS, &flags).spawn().expect("train")));
-    wait_for_step(&out, 3, WAIT);
+    let mut g = Guard(Some(train_cmd(out, STEPS, &flags).spawn().expect("train")));
+    wait_for_step(out, 3, WAIT);
     let drained = oobleck_tool(&["drain", "1", "--run", run]);
     assert!(
         drained.status.success(),
         "{}",
         String::from_utf8_lossy(&drained.stderr)
     );
-    let o = g.finish(LIMIT);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
+    let stderr = c.finish(&mut g);
     assert!(
         stderr.contains("they are copied off before it leaves"),
         "{stderr}"
     );
-    let r = reconfig_events(&out);
+    let r = reconfig_events(out);
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!(r[0]["drained_nodes"], json!([1]), "{}", r[0]);
     assert!(r[0]["copies"].as_u64().is_some_and(|c| c >= 1), "{}", r[0]);
     assert!(r[0]["checkpoint"].is_null(), "{}", r[0]);
-    let released = events(&out)
+    let released = events(out)
         .into_iter()
         .find(|e| e["event"] == "released")
         .expect("a released event");
@@ -389,7 +408,5 @@ fn a_drained_node_with_the_only_replica_copies_its_layers_off_before_it_goes() {
             .contains("copied off"),
         "{released}"
     );
-    assert_nothing_replayed(&out);
-    assert_same_training(&out, &want, &want_params);
-    assert_all_gone(&out, 2 + 2);
+    c.check(2 + 2);
 }
