@@ -197,7 +197,7 @@ fn notes(o: &mut String, r: &Report, m: &Membership) {
          time lost. Targets: a drain costs < {DRAIN_COST_S} s, a join < {JOIN_COST_S} s, i.e. \
          boundary -> next commit < {DRAIN_COST_S} s / {JOIN_COST_S} s + that step. Request -> \
          next commit adds the wait for the boundary (up to a step by design; the job trains \
-         meanwhile) and is not checked.",
+         meanwhile; a join's from its registration) and is not checked.",
         opt(m.step_s, 3)
     );
     if [m.drain_cost_s, m.join_cost_s]
