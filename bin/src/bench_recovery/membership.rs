@@ -218,20 +218,10 @@ pub fn membership_checks(fault_free: &RunSummary, run: &RunSummary, m: &Membersh
 
 #[cfg(test)]
 pub(super) mod tests {
+    use super::super::plan::tests::args;
     use super::super::records::{parse_events, parse_metrics};
     use super::super::summary::{summarize, Job, RunKind, Segment};
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: BenchRecoveryArgs,
-    }
-
-    fn args(extra: &[&str]) -> BenchRecoveryArgs {
-        Cli::parse_from(std::iter::once("bench").chain(extra.iter().copied())).a
-    }
 
     #[test]
     fn defaults_drain_the_highest_node_a_third_in_and_join_two_thirds_in() {

@@ -114,7 +114,7 @@ pub(super) fn restart_shapes(plan: &FailurePlan, in_place: &RunInput) -> Vec<Vec
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use clap::Parser;
 
@@ -124,7 +124,8 @@ mod tests {
         a: BenchRecoveryArgs,
     }
 
-    fn args(extra: &[&str]) -> BenchRecoveryArgs {
+    /// The bench's arguments from `extra` flags, as clap parses them.
+    pub(in crate::bench_recovery) fn args(extra: &[&str]) -> BenchRecoveryArgs {
         Cli::parse_from(std::iter::once("bench").chain(extra.iter().copied())).a
     }
 
