@@ -271,8 +271,10 @@ impl JobMachine {
             .filter(|n| self.lost.contains(n))
             .collect();
         // A rank of a surviving node that never said it stopped, nor did its agent (it hangs),
-        // holds nothing anyone can count on.
+        // holds nothing anyone can count on. Before the rendezvous nobody can have said so:
+        // no rank has copied anything yet, so each still holds what it held before.
         let silent: Vec<(u32, u32)> = (0..g.world as u32)
+            .filter(|_| g.formed)
             .filter(|r| {
                 !g.broken.contains_key(r) && !g.ready.contains_key(r) && !g.exited.contains(r)
             })

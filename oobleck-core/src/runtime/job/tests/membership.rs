@@ -312,3 +312,25 @@ fn a_node_waiting_to_join_that_drains_or_dies_costs_nothing() {
     );
     assert!(!has(&h.step(2.0, 1), "abort:0"));
 }
+
+/// Two nodes lost one after the other: the second while the generation that recovers from
+/// the first is still forming (before its rendezvous). No rank of that generation could say
+/// anything yet, and none has copied anything: they still hold what they held, so the next
+/// decision goes on in place instead of emptying them and falling back to a checkpoint.
+#[test]
+fn a_loss_while_the_next_generation_forms_keeps_what_its_ranks_hold() {
+    let mut h = H::running(spec(4, 1, 10), plan(&[&[0], &[1], &[2], &[3]]));
+    h.step(1.0, 1);
+    h.step(2.0, 2);
+    h.at(2.5, lost(3));
+    for rank in 0..3 {
+        h.broken(2.6, rank, 2);
+    }
+    let a = h.reconfigured(2.7, plan(&[&[0], &[1], &[2]]), 0, Vec::new());
+    assert!(has(&a, "deploy"), "{:?}", kinds(&a));
+    let a = h.at(2.8, lost(2));
+    assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
+    let (held, _) = reconfigure_request(&a);
+    assert!(held.layers(0, 0).is_some() && held.layers(1, 0).is_some());
+    assert_eq!(held.layers(2, 0), None, "the lost node holds nothing");
+}
