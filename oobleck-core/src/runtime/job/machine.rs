@@ -69,6 +69,8 @@ pub(super) struct Generation {
     /// Nodes lost and steps run when the generation started.
     pub lost_before: usize,
     pub steps_before: u64,
+    /// Agent processes of the driver dead when the generation started.
+    pub agents_dead_before: usize,
     /// Devices of drained nodes that send their layers into this generation (ranks from
     /// `world` on), and those that have.
     pub donors: Vec<crate::reconfig::Donor>,
@@ -157,6 +159,8 @@ pub struct JobMachine {
     pub(super) drain_asked: BTreeMap<u32, Duration>,
     /// Nodes told to go: their exits and closed connections are expected.
     pub(super) departed: BTreeSet<u32>,
+    /// Joins, drains or spare nodes were shown to `oobleck status`.
+    pub(super) membership_shown: bool,
 }
 
 impl JobMachine {
@@ -202,6 +206,7 @@ impl JobMachine {
             draining: BTreeMap::new(),
             drain_asked: BTreeMap::new(),
             departed: BTreeSet::new(),
+            membership_shown: false,
         }
     }
 
@@ -259,8 +264,9 @@ impl JobMachine {
                 force,
             } => self.on_drain_requested(now, node, reason, force),
             Input::Planned(result) => self.on_planned(now, result),
+            // Gone (node ids are never reused) or stuck: lost either way.
             Input::Unreachable { node, what } => {
-                self.node_failure(now, format!("node {node} did not get {what}"))
+                self.on_node_lost(now, node, format!("it did not get {what}"))
             }
             Input::Assembled {
                 step,
@@ -484,6 +490,7 @@ impl JobMachine {
             copy_bytes: 0,
             lost_before: self.lost.len(),
             steps_before: self.steps_run,
+            agents_dead_before: self.dead_agents,
             donors: match &source {
                 StateSource::Peers { donors, .. } => donors.clone(),
                 _ => Vec::new(),
@@ -491,6 +498,10 @@ impl JobMachine {
             donated: BTreeSet::new(),
         });
         self.phase = Phase::Rendezvous;
+        if self.membership_shown {
+            // What status showed of joins and drains is about the plan before this one.
+            self.publish_membership();
+        }
     }
 
     /// The generation just deployed cannot start from its checkpoint: start it from the

@@ -374,6 +374,7 @@ impl JobMachine {
 
     /// The nodes waiting, leaving and idle, for `oobleck status`.
     pub(super) fn publish_membership(&mut self) {
+        self.membership_shown = true;
         let in_plan: BTreeSet<u32> = self
             .gen
             .as_ref()

@@ -228,7 +228,9 @@ impl JobMachine {
         // cannot bind its port, cannot load its state), would fail the same way again.
         let recoverable = self.spec.fault_threshold > 0
             && !matches!(self.phase, Phase::Planning { .. })
-            && (g.formed || self.lost.len() > g.lost_before);
+            && (g.formed
+                || self.lost.len() > g.lost_before
+                || self.dead_agents > g.agents_dead_before);
         if !recoverable {
             return self.fail(RuntimeError::NodeFailure { what });
         }

@@ -167,6 +167,12 @@ fn a_join_that_adds_a_pipeline_is_admitted_at_the_next_boundary_in_place() {
     );
     assert!(matches!(deployed(&a), StateSource::Peers { step: 2, .. }));
     assert_eq!(h.m.committed(), 2);
+    // Status shows them as part of the plan now, not as joining.
+    let shown = a.iter().rev().find_map(|a| match a {
+        Action::Membership { joining, spare, .. } => Some((joining.clone(), spare.clone())),
+        _ => None,
+    });
+    assert_eq!(shown, Some((Vec::new(), Vec::new())), "{:?}", kinds(&a));
 }
 
 #[test]
@@ -333,4 +339,50 @@ fn a_loss_while_the_next_generation_forms_keeps_what_its_ranks_hold() {
     let (held, _) = reconfigure_request(&a);
     assert!(held.layers(0, 0).is_some() && held.layers(1, 0).is_some());
     assert_eq!(held.layers(2, 0), None, "the lost node holds nothing");
+}
+
+/// Two agents killed back to back: the second one's exit reaches the driver before its node
+/// is reported lost, while the generation recovering from the first still forms. That is a
+/// node failure like any other (its loss follows), not a worker that cannot start.
+#[test]
+fn an_agent_exit_while_the_next_generation_forms_is_recovered_from() {
+    let mut h = H::running(spec(4, 1, 10), plan(&[&[0], &[1], &[2], &[3]]));
+    h.step(1.0, 1);
+    let first = Input::AgentExited {
+        which: 3,
+        status: "signal: 9 (SIGKILL)".into(),
+    };
+    h.at(1.4, first);
+    h.at(1.5, lost(3));
+    for rank in 0..3 {
+        h.broken(1.6, rank, 1);
+    }
+    h.reconfigured(1.7, plan(&[&[0], &[1], &[2]]), 0, Vec::new());
+    let exited = Input::AgentExited {
+        which: 2,
+        status: "signal: 9 (SIGKILL)".into(),
+    };
+    let a = h.at(1.8, exited);
+    assert!(
+        has(&a, "record:failure") && !has(&a, "fail"),
+        "{:?}",
+        kinds(&a)
+    );
+    let a = h.at(1.9, lost(2));
+    assert!(has(&a, "reconfigure:[2]"), "{:?}", kinds(&a));
+    // A node the plan went to but the master no longer knows is lost, not a dead end.
+    let a = h.reconfigured(2.0, plan(&[&[0], &[1]]), 0, Vec::new());
+    assert!(has(&a, "deploy"), "{:?}", kinds(&a));
+    let a = h.at(
+        2.1,
+        Input::Unreachable {
+            node: 1,
+            what: "the job: node 1 is not registered".into(),
+        },
+    );
+    assert!(
+        has(&a, "record:lost") && !has(&a, "fail"),
+        "{:?}",
+        kinds(&a)
+    );
 }
