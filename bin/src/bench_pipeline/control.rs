@@ -77,6 +77,7 @@ async fn commit_one_step(
                 loss: 0.0,
                 grad_norm: 0.0,
                 microbatches: vec![0, 1],
+                times: None,
             },
         };
         a.send(msg, timeout).await?;

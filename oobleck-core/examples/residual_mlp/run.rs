@@ -119,6 +119,7 @@ fn job_options(
         config: JobConfig {
             training: spec.clone(),
             workload: settings.clone(),
+            watch: Default::default(),
         },
         run_dir: run_dir.canonicalize()?,
         resume: None,

@@ -41,7 +41,7 @@ use crate::runtime::records::WorkerReport;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 12;
 /// Largest body accepted: far above any plan, small enough that a corrupt length cannot make

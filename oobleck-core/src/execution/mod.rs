@@ -17,10 +17,12 @@
 //! See `README.md` beside this file for why the result equals a single-process run.
 
 mod layout;
+mod progress;
 mod sync;
 mod worker;
 
 pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
+pub use progress::{Doing, Kind, Mark, Progress, Snapshot, StepTimes, Watched};
 pub use sync::{sync_gradients, SyncReport, BUCKET_ELEMS};
 pub use worker::{IterationOutput, OverlapStats, StageWorker, WorkerConfig};
 

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -10,6 +10,7 @@ use oobleck_comm::{Communicator, Rank};
 use tracing::debug_span;
 
 use super::layout::{Layout, Position};
+use super::progress::{Doing, Mark, Progress};
 use super::sync::{all_reduce_named, sync_buckets, SyncBucket};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
@@ -80,6 +81,8 @@ pub struct StageWorker {
     total_mb: u32,
     device: Device,
     pub(super) cfg: WorkerConfig,
+    /// Where its microbatches' compute is marked for a watchdog (`progress`), if anywhere.
+    progress: Option<Arc<Progress>>,
 }
 
 /// Message tags: `iteration | microbatch | kind`, below bit 63 (reserved for collectives).
@@ -141,7 +144,18 @@ impl StageWorker {
             total_mb: layout.total_microbatches(),
             device: device.clone(),
             cfg,
+            progress: None,
         })
+    }
+
+    /// Marks the compute of every microbatch in `progress` from now on (the data plane's
+    /// operations are marked by a [`super::Watched`] communicator).
+    pub fn watch(&mut self, progress: Arc<Progress>) {
+        self.progress = Some(progress);
+    }
+
+    fn mark(&self, doing: Doing) -> Option<Mark<'_>> {
+        self.progress.as_ref().map(|p| p.enter(doing))
     }
 
     pub fn stage(&self) -> &Stage {
@@ -246,6 +260,9 @@ impl StageWorker {
                     }
                     Instruction::Forward { mb } => {
                         let global = u64::from(self.first_mb + mb);
+                        let _mark = self.mark(Doing::Forward {
+                            mb: self.first_mb + mb,
+                        });
                         let (ids, targets) = if self.is_first() || self.is_last() {
                             let (i, tg) = data(iteration, global)?;
                             (
@@ -308,6 +325,9 @@ impl StageWorker {
                         upstream.insert(mb, g);
                     }
                     Instruction::Backward { mb } => {
+                        let _mark = self.mark(Doing::Backward {
+                            mb: self.first_mb + mb,
+                        });
                         let fwd = stash.remove(&mb).ok_or_else(|| missing("forward", mb))?;
                         let up = if self.is_last() {
                             None

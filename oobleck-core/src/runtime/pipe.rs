@@ -6,8 +6,11 @@
 //!                              after a failure, Reassign: the next generation's assignment
 //!                              (the same process goes on, with the state it holds)
 //!  agent ◄─stdout── worker     WorkerReport lines, after records::REPORT_PREFIX and the
-//!                              generation they belong to; any other line is the worker's own
-//!                              output, passed on to the agent's stderr
+//!                              generation they belong to; progress beats (an
+//!                              execution::Snapshot after PROGRESS_PREFIX, every 50 ms while
+//!                              it moves, every 500 ms while it does not), which the agent's
+//!                              watchdog reads and keeps to itself; any other line is the
+//!                              worker's own output, passed on to the agent's stderr
 //! ```
 //!
 //! The worker exits when its stdin closes: the agent that started it is gone, so nobody would
@@ -25,6 +28,7 @@ use oobleck_comm::SecretKey;
 use super::error::{Context, Result};
 use super::spec::JobConfig;
 use crate::elastic::protocol::Rendezvous;
+use crate::execution::Snapshot;
 use crate::planning::Plan;
 use crate::reconfig::{Donor, LayerCopy};
 
@@ -90,6 +94,21 @@ pub enum ToWorker {
     /// The next generation, for a worker that keeps running: leave the current one (its open
     /// step is not applied) and take this assignment with the state it holds.
     Reassign { assignment: Box<WorkerAssignment> },
+}
+
+/// Lines of a worker's stdout that carry a progress beat start with this.
+pub const PROGRESS_PREFIX: &str = "oobleck-progress ";
+
+/// The line a worker prints for a progress beat.
+pub fn progress_line(s: &Snapshot) -> String {
+    let body = serde_json::to_string(s).expect("a snapshot always serialises");
+    format!("{PROGRESS_PREFIX}{body}")
+}
+
+/// Parses a worker's line into a progress beat; `None` for lines that are not beats.
+pub fn parse_progress(line: &str) -> Option<std::result::Result<Snapshot, String>> {
+    let body = line.strip_prefix(PROGRESS_PREFIX)?;
+    Some(serde_json::from_str(body).map_err(|e| format!("malformed progress beat {body:?}: {e}")))
 }
 
 /// Resolves `HOST:PORT` (a name or an IP) to its first address.
@@ -265,5 +284,20 @@ mod tests {
             assert_eq!(serde_json::from_str::<ToWorker>(&line).expect("back"), msg);
         }
         assert!(serde_json::from_str::<ToWorker>(r#"{"to_worker":"explode"}"#).is_err());
+    }
+
+    #[test]
+    fn progress_beats_round_trip_and_a_bad_one_says_what_it_was() {
+        let s = Snapshot {
+            seq: 9,
+            step: 4,
+            in_step: true,
+            doing: vec![crate::execution::Doing::Backward { mb: 1 }],
+        };
+        let line = progress_line(&s);
+        assert_eq!(parse_progress(&line), Some(Ok(s)));
+        assert_eq!(parse_progress("loss 3.2"), None);
+        let e = parse_progress("oobleck-progress {\"seq\":1}").expect("a beat line");
+        assert!(e.expect_err("bad").contains("malformed progress beat"));
     }
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::elastic::protocol::ExitStatus;
+use crate::execution::StepTimes;
 
 /// What a worker tells the master about itself. The worker writes it on its stdout (after
 /// [`REPORT_PREFIX`] and its generation); its agent wraps it, as it is, in a
@@ -44,6 +45,10 @@ pub enum WorkerReport {
         /// every sample of the step is trained on exactly once.
         #[serde(default)]
         microbatches: Vec<u32>,
+        /// Where this rank's time of the step went (compute, p2p and collective waits): how
+        /// the master names a straggler.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        times: Option<StepTimes>,
     },
     /// The master has this worker's part of the state after committed `step`, at `state`
     /// (a path on the master's machine). `stall_ms`: how long training waited for it (the
@@ -72,6 +77,17 @@ pub enum WorkerReport {
         step: u64,
         state: Option<String>,
         commit_wait_ms: f64,
+    },
+    /// The worker made no progress for `for_s` seconds, past its watchdog's `limit_s`, in
+    /// `what` (`all_reduce #3 (2 ranks, 0.52 MB) of step 4`); `stopped`: the process does not
+    /// run at all (SIGSTOP, or no progress beat either). Reported by its agent, which fences
+    /// the process (SIGTERM, then SIGKILL) so it cannot come back and write; its exit follows.
+    Hung {
+        rank: u32,
+        what: String,
+        for_s: f64,
+        limit_s: f64,
+        stopped: bool,
     },
     /// The worker process ended (reported by its agent). `error`: the end of what a failed
     /// worker printed, so the master can say why without access to its machine.
@@ -105,6 +121,7 @@ impl WorkerReport {
             | WorkerReport::Saved { rank, .. }
             | WorkerReport::Broken { rank, .. }
             | WorkerReport::Done { rank, .. }
+            | WorkerReport::Hung { rank, .. }
             | WorkerReport::Exited { rank, .. } => *rank,
         }
     }
@@ -281,6 +298,16 @@ pub enum Event {
         step: u64,
         reason: String,
     },
+    /// A worker's watchdog found it hung (`WorkerReport::Hung`) and fenced it.
+    Hang {
+        generation: u64,
+        node: u32,
+        rank: u32,
+        what: String,
+        for_s: f64,
+        limit_s: f64,
+        stopped: bool,
+    },
     /// A lost node that still ran was killed, so it cannot come back.
     Fenced {
         node: u32,
@@ -382,6 +409,7 @@ mod tests {
             loss: 1.5,
             grad_norm: 0.25,
             microbatches: vec![0, 1],
+            times: None,
         };
         let back = WorkerReport::parse(&r.line(4))
             .expect("a report line")

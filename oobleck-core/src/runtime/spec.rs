@@ -224,4 +224,75 @@ impl TrainingSpec {
 pub struct JobConfig {
     pub training: TrainingSpec,
     pub workload: serde_json::Value,
+    /// How the agents' watchdogs hold workers to their progress, and how stragglers are named.
+    #[serde(default)]
+    pub watch: WatchSpec,
+}
+
+/// The watchdog's and the straggler report's settings (`runtime/timeouts.rs` has how they fit
+/// with the other timeouts).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchSpec {
+    /// A worker inside a step that makes no progress for
+    /// `max(hang_timeout_s, hang_factor x its recent median step time)` is hung.
+    pub hang_timeout_s: f64,
+    pub hang_factor: f64,
+    /// ...and, before a step time is known (the first step), this long.
+    pub first_step_s: f64,
+    /// A rank whose compute per step exceeds this factor times its peers' median, step after
+    /// step, is a straggler.
+    pub straggler_factor: f64,
+    /// Drain a persistent straggler's node, as `oobleck drain` would.
+    pub evict_stragglers: bool,
+}
+
+impl Default for WatchSpec {
+    fn default() -> Self {
+        WatchSpec {
+            hang_timeout_s: 2.0,
+            hang_factor: 3.0,
+            first_step_s: 60.0,
+            straggler_factor: 1.5,
+            evict_stragglers: false,
+        }
+    }
+}
+
+impl WatchSpec {
+    /// The smallest `--hang-timeout` taken: below it, scheduling noise on a loaded machine
+    /// (a progress beat late by a few hundred ms) would pass for a hang.
+    pub const MIN_HANG_TIMEOUT_S: f64 = 1.0;
+
+    /// Refuses settings the watchdog cannot work with, saying which and why.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(RuntimeError::Invalid(m));
+        if !(self.hang_timeout_s.is_finite() && self.hang_timeout_s >= Self::MIN_HANG_TIMEOUT_S) {
+            return bad(format!(
+                "--hang-timeout {} s: it must be at least {} s (a progress beat can be late by a                  few hundred ms on a loaded machine); it is raised to {} x the median step time                  by itself when steps are slower",
+                self.hang_timeout_s,
+                Self::MIN_HANG_TIMEOUT_S,
+                self.hang_factor
+            ));
+        }
+        if !(self.hang_factor.is_finite() && self.hang_factor >= 1.5) {
+            return bad(format!(
+                "--hang-factor {}: it must be at least 1.5 (a step varies; a rank is hung only                  when it stalls well past its usual step time)",
+                self.hang_factor
+            ));
+        }
+        if !(self.first_step_s.is_finite() && self.first_step_s >= self.hang_timeout_s) {
+            return bad(format!(
+                "the first step's hang limit ({} s) must be at least --hang-timeout ({} s)",
+                self.first_step_s, self.hang_timeout_s
+            ));
+        }
+        if !(self.straggler_factor.is_finite() && self.straggler_factor > 1.0) {
+            return bad(format!(
+                "--straggler-factor {}: it must be above 1 (a straggler is slower than its                  peers by that factor)",
+                self.straggler_factor
+            ));
+        }
+        Ok(())
+    }
 }

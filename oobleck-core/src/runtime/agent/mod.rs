@@ -16,6 +16,7 @@
 mod leave;
 mod notice;
 mod spawn;
+mod watchdog;
 
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
@@ -27,12 +28,14 @@ use tokio::time::Instant;
 
 use self::leave::{watch_notice, watch_sigterm, Leaving, SIGTERM};
 use self::spawn::{spawn_worker, stop_workers, tell_all, Worker};
+use self::watchdog::Watch;
 use super::error::{Context, Result, RuntimeError};
 use super::pipe::{ranks_of_node, resolve, StateSource, ToWorker, WorkerAssignment};
 use super::records::WorkerReport;
 use super::spec::JobConfig;
 use crate::elastic::protocol::{ExitStatus, GenerationStart, Rendezvous};
 use crate::elastic::{Agent, ElasticError, Message, Token};
+use crate::execution::Snapshot;
 use crate::planning::Plan;
 
 /// Bound of the registration and of every message to the master or a worker.
@@ -103,6 +106,8 @@ impl std::fmt::Debug for AgentOptions {
 pub(super) enum Local {
     /// `(device, (generation, report))`: reports of an earlier generation are dropped.
     Report(u32, std::result::Result<(u64, WorkerReport), String>),
+    /// A worker's progress beat, for the watchdog.
+    Beat(u32, std::result::Result<Snapshot, String>),
     StdinClosed,
     /// This node was told it goes away (SIGTERM, a preemption notice): why.
     Leave(String),
@@ -149,6 +154,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         ranks: Default::default(),
         leaving: None,
         drain_wait: opts.drain_wait,
+        watch: Default::default(),
     };
     let result = agent.serve(&mut local_rx).await;
     let grace = if result.is_ok() {
@@ -237,6 +243,8 @@ struct NodeAgent {
     /// It asked the master to let it go.
     leaving: Option<Leaving>,
     drain_wait: Duration,
+    /// The watchdog's view of each device's worker (`watchdog.rs`).
+    watch: std::collections::BTreeMap<u32, Watch>,
 }
 
 impl NodeAgent {
@@ -262,6 +270,7 @@ impl NodeAgent {
                     .ctx("reporting a worker exit")?;
             }
             self.reap_workers().await?;
+            self.watch_workers().await?;
             if let Some(l) = self
                 .leaving
                 .as_ref()
@@ -346,6 +355,14 @@ impl NodeAgent {
                 Err(self.error("the process that started this agent is gone".into()))
             }
             Local::Leave(reason) => self.leave(reason).await,
+            Local::Beat(device, beat) => {
+                match beat {
+                    Ok(s) => self.on_beat(device, s),
+                    // Progress is advisory: a garbled beat is said, never acted on.
+                    Err(e) => eprintln!("oobleck agent: worker of device {device}: {e}"),
+                }
+                Ok(())
+            }
             Local::Report(device, r) => {
                 let (g, report) =
                     r.map_err(|e| self.error(format!("worker of device {device}: {e}")))?;
@@ -355,7 +372,12 @@ impl NodeAgent {
                 // Not looked up in `workers`: a worker's last reports can arrive after it
                 // was reaped.
                 let rank = self.ranks.get(&device).copied();
-                if rank != Some(report.rank()) || matches!(report, WorkerReport::Exited { .. }) {
+                if rank != Some(report.rank())
+                    || matches!(
+                        report,
+                        WorkerReport::Exited { .. } | WorkerReport::Hung { .. }
+                    )
+                {
                     return Err(self.error(format!(
                         "the worker of device {device} (rank {rank:?}) sent {report:?}, which is not a report of its own"
                     )));
@@ -373,6 +395,7 @@ impl NodeAgent {
         let mut i = 0;
         while i < self.workers.len() {
             let Some(st) = self.workers[i].child.try_wait().ctx("polling a worker")? else {
+                self.check_pipe(i);
                 i += 1;
                 continue;
             };
@@ -384,7 +407,14 @@ impl NodeAgent {
                 .ok()
                 .and_then(std::result::Result::ok)
                 .unwrap_or_default();
-            let error = (!st.success() && !tail.is_empty()).then(|| tail.join("\n"));
+            let mut error = (!st.success() && !tail.is_empty()).then(|| tail.join("\n"));
+            if w.pipe_broken {
+                let why = "its report pipe (stdout) closed while it ran: treated as a crash";
+                error = Some(match error {
+                    Some(e) => format!("{why}\n{e}"),
+                    None => why.into(),
+                });
+            }
             self.exited.push(WorkerReport::Exited {
                 rank: w.rank,
                 status: ExitStatus {
@@ -507,6 +537,7 @@ impl NodeAgent {
         self.exited.clear();
         self.generation = g;
         self.ranks = assignments.iter().map(|(d, a)| (*d, a.rank)).collect();
+        self.rewatch(assignments.iter().map(|(d, _)| *d));
         for (device, a) in assignments {
             match keep.iter().position(|w| w.device == device) {
                 Some(i) => {

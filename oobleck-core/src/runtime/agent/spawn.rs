@@ -20,7 +20,7 @@ use crate::runtime::entry::{
     WORKER,
 };
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::pipe::{ToWorker, WorkerAssignment};
+use crate::runtime::pipe::{parse_progress, ToWorker, WorkerAssignment};
 use crate::runtime::records::WorkerReport;
 
 /// Lines of a worker's stderr kept to explain its failure to the master.
@@ -39,6 +39,13 @@ pub(super) struct Worker {
     pub(super) relay: tokio::task::JoinHandle<()>,
     /// Relays its stderr and returns its last lines; done once the worker closed it.
     pub(super) errors: tokio::task::JoinHandle<Vec<String>>,
+    /// Found hung and sent SIGTERM: SIGKILL at this time if it still runs.
+    pub(super) kill_at: Option<tokio::time::Instant>,
+    /// When its stdout was seen closed while it still ran.
+    pub(super) pipe_eof: Option<tokio::time::Instant>,
+    /// ...and it still ran [`super::watchdog::PIPE_GRACE`] later: killed as crashed (its
+    /// reports cannot reach anyone).
+    pub(super) pipe_broken: bool,
 }
 
 /// `v` as one line of a worker's stdin.
@@ -120,13 +127,16 @@ pub(super) async fn spawn_worker(
     let relay = tokio::spawn(async move {
         let mut lines = BufReader::new(stdout).lines();
         while let Ok(Some(l)) = lines.next_line().await {
-            match WorkerReport::parse(&l) {
-                Some(r) => {
-                    if reports.send(Local::Report(device, r)).is_err() {
-                        break;
-                    }
+            let local = match (WorkerReport::parse(&l), parse_progress(&l)) {
+                (Some(r), _) => Local::Report(device, r),
+                (None, Some(beat)) => Local::Beat(device, beat),
+                (None, None) => {
+                    eprintln!("[device {device}] {l}");
+                    continue;
                 }
-                None => eprintln!("[device {device}] {l}"),
+            };
+            if reports.send(local).is_err() {
+                break;
             }
         }
     });
@@ -138,6 +148,9 @@ pub(super) async fn spawn_worker(
         stdin,
         relay,
         errors,
+        kill_at: None,
+        pipe_eof: None,
+        pipe_broken: false,
     })
 }
 

@@ -19,7 +19,9 @@
 //! A worker exits when its stdin closes (its agent is gone), after `Done`, or when no word
 //! comes after a failure.
 
+mod beat;
 mod donate;
+mod hooks;
 mod inbox;
 mod load;
 mod state;
@@ -34,6 +36,8 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 
+pub use self::beat::{BEAT, IDLE_BEAT};
+pub use self::hooks::{TEST_HANG_ENV, TEST_SLOW_ENV};
 use self::inbox::{report, Inbox};
 use self::load::{load, Loaded};
 pub use self::load::{TEST_CORRUPT_ENV, TEST_KILL_ENV};
@@ -43,7 +47,7 @@ use super::pipe::{resolve, ToWorker, WorkerAssignment};
 use super::records::{CorruptCopy, WorkerReport};
 use super::spec::{Factory, Workload};
 use crate::elastic::protocol::Rendezvous;
-use crate::execution::{Layout, StageWorker, WorkerConfig, BUCKET_ELEMS};
+use crate::execution::{Layout, Progress, StageWorker, Watched, WorkerConfig, BUCKET_ELEMS};
 use crate::model::{LayeredModel, ParamSource};
 use crate::optim::AdamW;
 
@@ -101,6 +105,8 @@ pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
     }
     let mut a = first;
     let mut held = Held::nothing(0);
+    let progress = Progress::new();
+    beat::start(progress.clone());
     let mut workload: Option<Box<dyn Workload>> = None;
     loop {
         let listening = Listening::bind(&a)?;
@@ -123,7 +129,7 @@ pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
                 }
             }
         }
-        let flow = match Generation::form(&a, w.as_ref(), listening, &inbox, held) {
+        let flow = match Generation::form(&a, w.as_ref(), listening, &inbox, held, &progress) {
             Ok(mut generation) => generation.run(w.as_ref(), &inbox)?,
             Err(failed) => {
                 let (error, kept) = *failed;
@@ -183,7 +189,10 @@ impl Listening {
 struct Generation<'a> {
     a: &'a WorkerAssignment,
     worker: StageWorker,
+    /// The data plane, every operation marked in `progress`.
     comm: Arc<dyn Communicator>,
+    /// What the rank is doing, for the agent's watchdog (`beat.rs`) and its step times.
+    progress: Arc<Progress>,
     opt: AdamW,
     /// The last step whose update this rank applied: the state it holds.
     committed: u64,
@@ -206,6 +215,7 @@ impl<'a> Generation<'a> {
         listening: Listening,
         inbox: &Inbox,
         held: Held,
+        progress: &Arc<Progress>,
     ) -> std::result::Result<Generation<'a>, FormError> {
         let model = workload.model();
         let layout = match check_plan(a, model)
@@ -236,9 +246,13 @@ impl<'a> Generation<'a> {
                 return Err(e);
             }
         };
-        let comm: Arc<dyn Communicator> = Arc::from(comm);
+        let mut comm: Arc<dyn Communicator> = Arc::from(comm);
+        if hooks::hangs_wanted() {
+            comm = hooks::HangHook::wrap(comm, progress.clone(), a);
+        }
+        let comm: Arc<dyn Communicator> = Arc::new(Watched::new(comm, progress.clone()));
         inbox.abort.arm(a.generation, a.rank, comm.clone());
-        let generation = Generation::build(a, model, &layout, comm, loaded)
+        let generation = Generation::build(a, model, &layout, comm, loaded, progress)
             .map_err(|e| not_formed(e, Held::nothing(0)))?;
         report(
             a.generation,
@@ -262,6 +276,7 @@ impl<'a> Generation<'a> {
         layout: &Layout,
         comm: Arc<dyn Communicator>,
         loaded: Loaded,
+        progress: &Arc<Progress>,
     ) -> Result<Generation<'a>> {
         let training = &a.job.training;
         let source = if loaded.params.is_empty() {
@@ -271,7 +286,7 @@ impl<'a> Generation<'a> {
         } else {
             ParamSource::Tensors(&loaded.params)
         };
-        let worker = StageWorker::new(
+        let mut worker = StageWorker::new(
             model,
             layout,
             a.rank as usize,
@@ -284,6 +299,7 @@ impl<'a> Generation<'a> {
                 bucket_elems: BUCKET_ELEMS,
             },
         )?;
+        worker.watch(progress.clone());
         let mut opt = training.optimizer()?;
         if !loaded.optimizer.is_empty() {
             // Only this stage's entries: the state this rank saves must hold its own layers.
@@ -295,6 +311,7 @@ impl<'a> Generation<'a> {
             a,
             worker,
             comm,
+            progress: progress.clone(),
             opt,
             committed: loaded.step,
         })

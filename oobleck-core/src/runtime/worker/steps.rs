@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 use oobleck_comm::send_blob;
 
+use super::hooks;
 use super::inbox::{report, Inbox};
 use super::state::Held;
 use super::{protocol, state_path, state_path_at, Flow, Generation, COMMIT_TIMEOUT};
-use crate::execution::sync_gradients;
+use crate::execution::{sync_gradients, Doing};
 use crate::optim::AdamW;
 use crate::runtime::entry::error_chain;
 use crate::runtime::error::{Context, Result, RuntimeError};
@@ -47,6 +48,8 @@ impl Generation<'_> {
             Ok(()) => return Ok(Flow::Done),
             Err(stop) => stop,
         };
+        // Waiting for the master from now on: nothing for the watchdog to hold to a step.
+        self.progress.end_step();
         self.comm.abort();
         let held = Held::of_stage(&self.worker, &mut self.opt, self.committed)?;
         match stop {
@@ -98,16 +101,22 @@ impl Generation<'_> {
         step: u64,
     ) -> std::result::Result<Duration, Stop> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
-        let seed = training.seed;
+        let (seed, node) = (training.seed, self.a.node);
         let abort = &inbox.abort;
         let pos = self.worker.position();
         let lead_of_first_stage = pos.stage == 0 && pos.device == 0;
         let mut read = std::collections::BTreeSet::new();
+        let slow = hooks::slowness(node);
+        self.progress.begin_step(step + 1);
         let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
             if abort.is_set() {
                 return Err(crate::Error::workload(
                     "stopped: the master ended this generation after a failure",
                 ));
+            }
+            hooks::hang_point(node, step + 1, hooks::Place::Compute);
+            if let Some(d) = slow {
+                std::thread::sleep(d);
             }
             let mb = u32::try_from(mb)
                 .map_err(|_| crate::Error::workload(format!("microbatch {mb} is past u32")))?;
@@ -137,14 +146,22 @@ impl Generation<'_> {
                 loss: sync.loss,
                 grad_norm: sync.grad_norm,
                 microbatches: read.into_iter().collect(),
+                times: Some(self.progress.step_times()),
             },
         )?;
         let waited = Instant::now();
-        self.wait_commit(inbox, step)?;
+        {
+            let _commit = self.progress.enter(Doing::Commit);
+            self.wait_commit(inbox, step)?;
+        }
         let waited = waited.elapsed();
-        self.opt
-            .step(params, &grads, training.lr.lr_at(step))
-            .with_ctx(|| format!("rank {rank}: optimizer step {}", step + 1))?;
+        {
+            let _optimizer = self.progress.enter(Doing::Optimizer);
+            self.opt
+                .step(params, &grads, training.lr.lr_at(step))
+                .with_ctx(|| format!("rank {rank}: optimizer step {}", step + 1))?;
+        }
+        self.progress.end_step();
         Ok(waited)
     }
 

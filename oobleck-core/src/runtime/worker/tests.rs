@@ -144,6 +144,7 @@ fn assignment() -> WorkerAssignment {
         job: JobConfig {
             training: training(),
             workload: serde_json::json!({ "preset": "tiny" }),
+            watch: Default::default(),
         },
         nccl_id: None,
         key: oobleck_comm::SecretKey::random(),

@@ -74,6 +74,7 @@ fn ranks_that_disagree_on_the_loss_end_the_job() {
             loss: 9.0,
             grad_norm: 0.5,
             microbatches: vec![2, 3],
+            times: None,
         },
     );
     assert!(failure(&a).contains("ranks disagree on step 1"));
@@ -93,6 +94,7 @@ fn a_step_that_did_not_train_each_microbatch_once_ends_the_job() {
             loss: 2.5,
             grad_norm: 0.5,
             microbatches: vec![1, 2],
+            times: None,
         },
     );
     let e = failure(&a);
@@ -248,6 +250,7 @@ fn a_report_of_a_generation_that_does_not_exist_is_ignored_with_a_note() {
                 loss: 2.5,
                 grad_norm: 0.5,
                 microbatches: vec![2, 3],
+                times: None,
             },
         },
     );

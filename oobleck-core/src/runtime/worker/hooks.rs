@@ -1,0 +1,157 @@
+//! Test hooks for hangs and slowness, read from the environment the agent passes on (never set
+//! in a real job): a worker that stops itself with SIGSTOP at a chosen place, as a GPU kernel
+//! or a collective that never returns would leave it, and a worker slowed on purpose.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use oobleck_comm::{Communicator, Rank, Result as CommResult, TensorBuf};
+
+use crate::execution::Progress;
+use crate::runtime::pipe::WorkerAssignment;
+
+/// `OOBLECK_TEST_HANG=NODE:STEP:WHERE[,...]`: the worker of `NODE` stops itself with SIGSTOP
+/// in step `STEP` (1-based), `WHERE` being `compute` (the forward of its first microbatch),
+/// `p2p` (its first receive) or `all_reduce` (its first all-reduce). Once per process.
+pub const TEST_HANG_ENV: &str = "OOBLECK_TEST_HANG";
+
+/// `OOBLECK_TEST_SLOW=NODE:MS`: the workers of `NODE` sleep `MS` ms in the forward of every
+/// microbatch they read (a slow device, still making progress).
+pub const TEST_SLOW_ENV: &str = "OOBLECK_TEST_SLOW";
+
+/// How long a hook stays inside its operation before it stops: long enough for a progress
+/// beat to say where it is.
+const BEFORE_STOP: Duration = Duration::from_millis(200);
+
+static HUNG: AtomicBool = AtomicBool::new(false);
+
+/// The places a hang can be injected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Place {
+    Compute,
+    P2p,
+    AllReduce,
+}
+
+/// Whether [`TEST_HANG_ENV`] asks node `node` to hang at `place` in step `step`.
+fn wants_hang(node: u32, step: u64, place: Place) -> bool {
+    let Ok(spec) = std::env::var(TEST_HANG_ENV) else {
+        return false;
+    };
+    let name = match place {
+        Place::Compute => "compute",
+        Place::P2p => "p2p",
+        Place::AllReduce => "all_reduce",
+    };
+    let want = format!("{node}:{step}:{name}");
+    spec.split(',').any(|s| s.trim() == want)
+}
+
+/// Stops this process with SIGSTOP here if [`TEST_HANG_ENV`] says so.
+pub(super) fn hang_point(node: u32, step: u64, place: Place) {
+    if HUNG.load(Ordering::SeqCst) || !wants_hang(node, step, place) {
+        return;
+    }
+    HUNG.store(true, Ordering::SeqCst);
+    std::thread::sleep(BEFORE_STOP);
+    eprintln!("oobleck worker: {TEST_HANG_ENV}: node {node} stops itself (SIGSTOP) in step {step}");
+    let _ = std::process::Command::new("kill")
+        .args(["-STOP", &std::process::id().to_string()])
+        .status();
+}
+
+/// The sleep [`TEST_SLOW_ENV`] asks of node `node`'s workers per microbatch.
+pub(super) fn slowness(node: u32) -> Option<Duration> {
+    let spec = std::env::var(TEST_SLOW_ENV).ok()?;
+    let (n, ms) = spec.trim().split_once(':')?;
+    let ms: u64 = ms.parse().ok()?;
+    (n.parse::<u32>().ok()? == node).then(|| Duration::from_millis(ms))
+}
+
+/// Whether any hang hook is set: only then is the data plane wrapped in [`HangHook`].
+pub(super) fn hangs_wanted() -> bool {
+    std::env::var_os(TEST_HANG_ENV).is_some()
+}
+
+/// A communicator that hangs at the operation [`TEST_HANG_ENV`] names, inside the watched
+/// one (so the progress marks say the rank is in that operation).
+pub(super) struct HangHook {
+    inner: Arc<dyn Communicator>,
+    progress: Arc<Progress>,
+    node: u32,
+}
+
+impl HangHook {
+    pub(super) fn wrap(
+        inner: Arc<dyn Communicator>,
+        progress: Arc<Progress>,
+        a: &WorkerAssignment,
+    ) -> Arc<dyn Communicator> {
+        Arc::new(HangHook {
+            inner,
+            progress,
+            node: a.node,
+        })
+    }
+
+    fn at(&self, place: Place) {
+        hang_point(self.node, self.progress.snapshot().step, place);
+    }
+}
+
+impl Communicator for HangHook {
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn generation(&self) -> u64 {
+        self.inner.generation()
+    }
+    fn send(&self, dst: Rank, tag: u64, tensor: &TensorBuf, timeout: Duration) -> CommResult<()> {
+        self.inner.send(dst, tag, tensor, timeout)
+    }
+    fn recv(&self, src: Rank, tag: u64, timeout: Duration) -> CommResult<TensorBuf> {
+        self.at(Place::P2p);
+        self.inner.recv(src, tag, timeout)
+    }
+    fn recv_into(
+        &self,
+        src: Rank,
+        tag: u64,
+        dst: &mut TensorBuf,
+        timeout: Duration,
+    ) -> CommResult<()> {
+        self.at(Place::P2p);
+        self.inner.recv_into(src, tag, dst, timeout)
+    }
+    fn all_reduce(
+        &self,
+        group: &[Rank],
+        tensor: &mut TensorBuf,
+        timeout: Duration,
+    ) -> CommResult<()> {
+        self.at(Place::AllReduce);
+        self.inner.all_reduce(group, tensor, timeout)
+    }
+    fn broadcast(
+        &self,
+        group: &[Rank],
+        root: Rank,
+        tensor: &mut TensorBuf,
+        timeout: Duration,
+    ) -> CommResult<()> {
+        self.inner.broadcast(group, root, tensor, timeout)
+    }
+    fn barrier(&self, group: &[Rank], timeout: Duration) -> CommResult<()> {
+        self.inner.barrier(group, timeout)
+    }
+    fn abort(&self) {
+        self.inner.abort()
+    }
+    fn is_aborted(&self) -> bool {
+        self.inner.is_aborted()
+    }
+}
