@@ -86,6 +86,24 @@ pub struct TrainConfig {
     /// bring their VMs up within tens of seconds of each other) while a lone node waits at
     /// most 30 s to contribute.
     pub join_after_s: f64,
+    /// The least time (s) a worker inside a step may go without progress before its agent
+    /// declares it hung, tells the master what it was doing and kills it. The limit used is
+    /// `max(hang_timeout_s, hang_factor x the worker's median step time)` (60 s before its
+    /// first step time is known). 2 s: progress moves at every microbatch and data-plane
+    /// operation (well under 100 ms apart for gpt-tiny..gpt2 on CPU, where a step takes
+    /// 0.3-3 s), and beats go every 50-500 ms, so a healthy worker on a loaded 2-core
+    /// machine never comes near it; a hung one is found within 2 s or 3 steps.
+    pub hang_timeout_s: f64,
+    /// See `hang_timeout_s`: 3 steps lets one step run 3x its usual time (a checkpoint's
+    /// copy, a slow microbatch) without being taken for a hang.
+    pub hang_factor: f64,
+    /// A rank whose compute per step is this many times its peers' median, step after step,
+    /// is reported as a straggler (1.5: in 1F1B a stage 50% slower holds every pipeline back
+    /// by about as much).
+    pub straggler_factor: f64,
+    /// Drain a persistent straggler's node (as `oobleck drain` would), when the job can do
+    /// without it.
+    pub evict_stragglers: bool,
 }
 
 impl Default for TrainConfig {
@@ -120,6 +138,10 @@ impl Default for TrainConfig {
             data_plane: "tcp".into(),
             lease_ms: 3000,
             join_after_s: 30.0,
+            hang_timeout_s: 2.0,
+            hang_factor: 3.0,
+            straggler_factor: 1.5,
+            evict_stragglers: false,
         }
     }
 }
@@ -225,6 +247,21 @@ pub struct TrainArgs {
     /// admitted; one that adds a pipeline is admitted at the next step [default: 30].
     #[arg(long)]
     pub join_after: Option<f64>,
+    /// Seconds a worker inside a step may make no progress before its agent kills it as
+    /// hung; raised to --hang-factor x its median step time when steps are slower
+    /// [default: 2].
+    #[arg(long, value_name = "SECS")]
+    pub hang_timeout: Option<f64>,
+    /// See --hang-timeout [default: 3].
+    #[arg(long)]
+    pub hang_factor: Option<f64>,
+    /// A rank this many times slower in compute than its peers, step after step, is reported
+    /// as a straggler [default: 1.5].
+    #[arg(long)]
+    pub straggler_factor: Option<f64>,
+    /// Drain a persistent straggler's node, as `oobleck drain` would.
+    #[arg(long)]
+    pub evict_stragglers: bool,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]
@@ -291,6 +328,16 @@ impl TrainArgs {
         if let Some(s) = self.join_after {
             c.join_after_s = s;
         }
+        if let Some(s) = self.hang_timeout {
+            c.hang_timeout_s = s;
+        }
+        if let Some(f) = self.hang_factor {
+            c.hang_factor = f;
+        }
+        if let Some(f) = self.straggler_factor {
+            c.straggler_factor = f;
+        }
+        c.evict_stragglers |= self.evict_stragglers;
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if self.$f.is_some() { c.$f = self.$f.clone(); } )* };
         }
@@ -313,6 +360,17 @@ impl TrainArgs {
 }
 
 impl TrainConfig {
+    /// The agents' watchdog settings.
+    pub fn watch_spec(&self) -> oobleck_core::runtime::WatchSpec {
+        oobleck_core::runtime::WatchSpec {
+            hang_timeout_s: self.hang_timeout_s,
+            hang_factor: self.hang_factor,
+            straggler_factor: self.straggler_factor,
+            evict_stragglers: self.evict_stragglers,
+            ..Default::default()
+        }
+    }
+
     /// Rejects configurations that cannot run, saying what to change.
     pub fn validate(&self) -> Result<()> {
         if self.lease_ms <= 500 {
@@ -328,6 +386,9 @@ impl TrainConfig {
                 self.join_after_s
             );
         }
+        self.watch_spec()
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         if self.microbatch_size == 0 {
             bail!("--microbatch-size must be at least 1");
         }

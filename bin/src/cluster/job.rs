@@ -197,7 +197,7 @@ pub fn run(
         config: JobConfig {
             training: spec.clone(),
             workload: serde_json::to_value(workload_config(&cfg))?,
-            watch: Default::default(),
+            watch: cfg.watch_spec(),
         },
         run_dir: out.clone(),
         resume,

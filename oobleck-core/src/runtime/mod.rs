@@ -31,4 +31,4 @@ pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
 pub use pipe::StateSource;
 pub use records::{Event, StepMetrics, WorkerReport};
-pub use spec::{DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, Workload};
+pub use spec::{DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, WatchSpec, Workload};

@@ -269,7 +269,7 @@ impl WatchSpec {
         let bad = |m: String| Err(RuntimeError::Invalid(m));
         if !(self.hang_timeout_s.is_finite() && self.hang_timeout_s >= Self::MIN_HANG_TIMEOUT_S) {
             return bad(format!(
-                "--hang-timeout {} s: it must be at least {} s (a progress beat can be late by a                  few hundred ms on a loaded machine); it is raised to {} x the median step time                  by itself when steps are slower",
+                "--hang-timeout {} s: it must be at least {} s (a progress beat can be late by a few hundred ms on a loaded machine); it is raised to {} x the median step time by itself when steps are slower",
                 self.hang_timeout_s,
                 Self::MIN_HANG_TIMEOUT_S,
                 self.hang_factor
@@ -277,7 +277,7 @@ impl WatchSpec {
         }
         if !(self.hang_factor.is_finite() && self.hang_factor >= 1.5) {
             return bad(format!(
-                "--hang-factor {}: it must be at least 1.5 (a step varies; a rank is hung only                  when it stalls well past its usual step time)",
+                "--hang-factor {}: it must be at least 1.5 (a step varies; a rank is hung only when it stalls well past its usual step time)",
                 self.hang_factor
             ));
         }
@@ -289,7 +289,7 @@ impl WatchSpec {
         }
         if !(self.straggler_factor.is_finite() && self.straggler_factor > 1.0) {
             return bad(format!(
-                "--straggler-factor {}: it must be above 1 (a straggler is slower than its                  peers by that factor)",
+                "--straggler-factor {}: it must be above 1 (a straggler is slower than its peers by that factor)",
                 self.straggler_factor
             ));
         }

@@ -143,7 +143,7 @@ impl JobMachine {
         self.node_failure(
             now,
             format!(
-                "worker rank {rank} on node {node} {how} in {what} for {for_s:.1} s (watchdog                  limit {limit_s:.1} s); its agent fenced it"
+                "worker rank {rank} on node {node} {how} in {what} for {for_s:.1} s (watchdog limit {limit_s:.1} s); its agent fenced it"
             ),
         );
     }

@@ -11,9 +11,10 @@ use oobleck_comm::{Communicator, Rank, Result as CommResult, TensorBuf};
 use crate::execution::Progress;
 use crate::runtime::pipe::WorkerAssignment;
 
-/// `OOBLECK_TEST_HANG=NODE:STEP:WHERE[,...]`: the worker of `NODE` stops itself with SIGSTOP
-/// in step `STEP` (1-based), `WHERE` being `compute` (the forward of its first microbatch),
-/// `p2p` (its first receive) or `all_reduce` (its first all-reduce). Once per process.
+/// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
+/// `GENERATION` stops itself with SIGSTOP in step `STEP` (1-based), `WHERE` being `compute`
+/// (the forward of the first microbatch it reads), `p2p` (its first receive) or `all_reduce`
+/// (its first all-reduce). Once per process.
 pub const TEST_HANG_ENV: &str = "OOBLECK_TEST_HANG";
 
 /// `OOBLECK_TEST_SLOW=NODE:MS`: the workers of `NODE` sleep `MS` ms in the forward of every
@@ -34,8 +35,9 @@ pub(super) enum Place {
     AllReduce,
 }
 
-/// Whether [`TEST_HANG_ENV`] asks node `node` to hang at `place` in step `step`.
-fn wants_hang(node: u32, step: u64, place: Place) -> bool {
+/// Whether [`TEST_HANG_ENV`] asks node `node` to hang at `place` in step `step` of
+/// `generation`.
+fn wants_hang(generation: u64, node: u32, step: u64, place: Place) -> bool {
     let Ok(spec) = std::env::var(TEST_HANG_ENV) else {
         return false;
     };
@@ -44,13 +46,13 @@ fn wants_hang(node: u32, step: u64, place: Place) -> bool {
         Place::P2p => "p2p",
         Place::AllReduce => "all_reduce",
     };
-    let want = format!("{node}:{step}:{name}");
+    let want = format!("{generation}:{node}:{step}:{name}");
     spec.split(',').any(|s| s.trim() == want)
 }
 
 /// Stops this process with SIGSTOP here if [`TEST_HANG_ENV`] says so.
-pub(super) fn hang_point(node: u32, step: u64, place: Place) {
-    if HUNG.load(Ordering::SeqCst) || !wants_hang(node, step, place) {
+pub(super) fn hang_point(generation: u64, node: u32, step: u64, place: Place) {
+    if HUNG.load(Ordering::SeqCst) || !wants_hang(generation, node, step, place) {
         return;
     }
     HUNG.store(true, Ordering::SeqCst);
@@ -79,6 +81,7 @@ pub(super) fn hangs_wanted() -> bool {
 pub(super) struct HangHook {
     inner: Arc<dyn Communicator>,
     progress: Arc<Progress>,
+    generation: u64,
     node: u32,
 }
 
@@ -91,12 +94,18 @@ impl HangHook {
         Arc::new(HangHook {
             inner,
             progress,
+            generation: a.generation,
             node: a.node,
         })
     }
 
     fn at(&self, place: Place) {
-        hang_point(self.node, self.progress.snapshot().step, place);
+        hang_point(
+            self.generation,
+            self.node,
+            self.progress.snapshot().step,
+            place,
+        );
     }
 }
 

@@ -101,7 +101,7 @@ impl Generation<'_> {
         step: u64,
     ) -> std::result::Result<Duration, Stop> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
-        let (seed, node) = (training.seed, self.a.node);
+        let (seed, node, g) = (training.seed, self.a.node, self.a.generation);
         let abort = &inbox.abort;
         let pos = self.worker.position();
         let lead_of_first_stage = pos.stage == 0 && pos.device == 0;
@@ -114,7 +114,7 @@ impl Generation<'_> {
                     "stopped: the master ended this generation after a failure",
                 ));
             }
-            hooks::hang_point(node, step + 1, hooks::Place::Compute);
+            hooks::hang_point(g, node, step + 1, hooks::Place::Compute);
             if let Some(d) = slow {
                 std::thread::sleep(d);
             }
