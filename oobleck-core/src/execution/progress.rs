@@ -141,6 +141,10 @@ pub struct StepTimes {
     pub collective_ms: f64,
     /// From the step's start to its gradients being reduced.
     pub step_ms: f64,
+    /// Progress marks taken in that time (each entry and exit counts): what the watchdog's
+    /// bookkeeping costs per step is this times the cost of one mark.
+    #[serde(default)]
+    pub marks: u64,
 }
 
 /// What a watcher sees of a rank at one moment.
@@ -189,6 +193,8 @@ struct State {
     stack: Vec<(u64, Doing, Instant)>,
     collectives: u32,
     step_started: Option<Instant>,
+    /// `seq` when the step began.
+    step_seq: u64,
     compute: Duration,
     p2p: Duration,
     collective: Duration,
@@ -250,6 +256,7 @@ impl Progress {
         s.in_step = true;
         s.collectives = 0;
         s.step_started = Some(Instant::now());
+        s.step_seq = s.seq;
         s.compute = Duration::ZERO;
         s.p2p = Duration::ZERO;
         s.collective = Duration::ZERO;
@@ -264,6 +271,7 @@ impl Progress {
             p2p_ms: ms(s.p2p),
             collective_ms: ms(s.collective),
             step_ms: s.step_started.map_or(0.0, |t| ms(t.elapsed())),
+            marks: s.seq - s.step_seq,
         }
     }
 
@@ -422,6 +430,8 @@ mod tests {
         assert!(p.snapshot().waits_for_control());
         let t = p.step_times();
         assert!(t.compute_ms >= 0.0 && t.step_ms >= t.compute_ms, "{t:?}");
+        // Two marks entered and left, one entered, after the step began.
+        assert_eq!(t.marks, 5, "{t:?}");
         p.end_step();
         assert!(!p.snapshot().in_step);
     }
