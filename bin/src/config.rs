@@ -88,7 +88,7 @@ pub struct TrainConfig {
     pub join_after_s: f64,
     /// The least time (s) a worker inside a step may go without progress before its agent
     /// declares it hung, tells the master what it was doing and kills it. The limit used is
-    /// `max(hang_timeout_s, hang_factor x the worker's median step time)` (60 s before its
+    /// `max(hang_timeout_s, hang_factor x the worker's median step time)` (30 s before its
     /// first step time is known). 2 s: progress moves at every microbatch and data-plane
     /// operation (well under 100 ms apart for gpt-tiny..gpt2 on CPU, where a step takes
     /// 0.3-3 s), and beats go every 50-500 ms, so a healthy worker on a loaded 2-core

@@ -25,6 +25,7 @@ pub mod job;
 pub mod pipe;
 pub mod records;
 pub mod spec;
+pub mod timeouts;
 pub mod worker;
 
 pub use entry::{agent_command, role, take_over};

@@ -252,7 +252,7 @@ impl Default for WatchSpec {
         WatchSpec {
             hang_timeout_s: 2.0,
             hang_factor: 3.0,
-            first_step_s: 60.0,
+            first_step_s: super::timeouts::FIRST_STEP_HANG.as_secs_f64(),
             straggler_factor: 1.5,
             evict_stragglers: false,
         }

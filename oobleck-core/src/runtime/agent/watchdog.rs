@@ -311,7 +311,7 @@ mod tests {
         assert!((l - 6.0).abs() < 0.2, "{l}");
         // No step time yet: the first step's own limit.
         let w = Watch::new(Instant::now());
-        assert_eq!(w.limit(&spec), Duration::from_secs(60));
+        assert_eq!(w.limit(&spec), Duration::from_secs(30));
     }
 
     #[test]

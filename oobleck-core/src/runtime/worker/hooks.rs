@@ -14,7 +14,9 @@ use crate::runtime::pipe::WorkerAssignment;
 /// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
 /// `GENERATION` stops itself with SIGSTOP in step `STEP` (1-based), `WHERE` being `compute`
 /// (the forward of the first microbatch it reads), `p2p` (its first receive) or `all_reduce`
-/// (its first all-reduce). Once per process.
+/// (its first all-reduce). Two more places do not stop the process: `stuck` (the forward
+/// never returns while the process runs on, as a GPU kernel that hangs) and `close_stdout`
+/// (the worker closes its pipe to the agent in that forward). Once per process.
 pub const TEST_HANG_ENV: &str = "OOBLECK_TEST_HANG";
 
 /// `OOBLECK_TEST_SLOW=NODE:MS`: the workers of `NODE` sleep `MS` ms in the forward of every
@@ -35,32 +37,64 @@ pub(super) enum Place {
     AllReduce,
 }
 
-/// Whether [`TEST_HANG_ENV`] asks node `node` to hang at `place` in step `step` of
-/// `generation`.
-fn wants_hang(generation: u64, node: u32, step: u64, place: Place) -> bool {
-    let Ok(spec) = std::env::var(TEST_HANG_ENV) else {
-        return false;
-    };
-    let name = match place {
-        Place::Compute => "compute",
-        Place::P2p => "p2p",
-        Place::AllReduce => "all_reduce",
-    };
-    let want = format!("{generation}:{node}:{step}:{name}");
-    spec.split(',').any(|s| s.trim() == want)
+/// What the hook does at a `compute` place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Act {
+    Stop,
+    Stuck,
+    CloseStdout,
 }
 
-/// Stops this process with SIGSTOP here if [`TEST_HANG_ENV`] says so.
+/// What [`TEST_HANG_ENV`] asks node `node` to do at `place` in step `step` of `generation`.
+fn wanted(generation: u64, node: u32, step: u64, place: Place) -> Option<Act> {
+    let spec = std::env::var(TEST_HANG_ENV).ok()?;
+    let names: &[(&str, Act)] = match place {
+        Place::Compute => &[
+            ("compute", Act::Stop),
+            ("stuck", Act::Stuck),
+            ("close_stdout", Act::CloseStdout),
+        ],
+        Place::P2p => &[("p2p", Act::Stop)],
+        Place::AllReduce => &[("all_reduce", Act::Stop)],
+    };
+    names.iter().find_map(|(name, act)| {
+        let want = format!("{generation}:{node}:{step}:{name}");
+        spec.split(',').any(|s| s.trim() == want).then_some(*act)
+    })
+}
+
+/// Hangs here if [`TEST_HANG_ENV`] says so.
 pub(super) fn hang_point(generation: u64, node: u32, step: u64, place: Place) {
-    if HUNG.load(Ordering::SeqCst) || !wants_hang(generation, node, step, place) {
+    if HUNG.load(Ordering::SeqCst) {
         return;
     }
+    let Some(act) = wanted(generation, node, step, place) else {
+        return;
+    };
     HUNG.store(true, Ordering::SeqCst);
     std::thread::sleep(BEFORE_STOP);
-    eprintln!("oobleck worker: {TEST_HANG_ENV}: node {node} stops itself (SIGSTOP) in step {step}");
-    let _ = std::process::Command::new("kill")
-        .args(["-STOP", &std::process::id().to_string()])
-        .status();
+    eprintln!("oobleck worker: {TEST_HANG_ENV}: node {node}, step {step}: {act:?}");
+    match act {
+        Act::Stop => {
+            let _ = std::process::Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+        }
+        // The process runs on (its beats too); this thread never comes back.
+        Act::Stuck => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
+        Act::CloseStdout => close_stdout(),
+    }
+}
+
+/// Closes this process's stdout (file descriptor 1), as a broken pipe leaves it.
+fn close_stdout() {
+    use std::os::fd::FromRawFd;
+    let _guard = std::io::stdout().lock();
+    // SAFETY: fd 1 is this process's stdout, open since it started; the `File` takes it
+    // over and closes it when dropped, while the stdout lock keeps Rust's own writers out.
+    drop(unsafe { std::fs::File::from_raw_fd(1) });
 }
 
 /// The sleep [`TEST_SLOW_ENV`] asks of node `node`'s workers per microbatch.

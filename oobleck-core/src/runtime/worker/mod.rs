@@ -31,7 +31,7 @@ use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::Device;
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
@@ -51,12 +51,7 @@ use crate::execution::{Layout, Progress, StageWorker, Watched, WorkerConfig, BUC
 use crate::model::{LayeredModel, ParamSource};
 use crate::optim::AdamW;
 
-/// How long a worker waits on any send, receive or collective of the data plane.
-pub const DATA_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// How long a worker waits for the commit of a step it is ready for (or for the rendezvous):
-/// every other rank has to finish the step first, so this bounds the slowest rank's step.
-pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(180);
+pub use super::timeouts::{COMMIT_TIMEOUT, DATA_TIMEOUT};
 
 /// Where rank `rank` leaves its final parameters and optimizer state.
 fn state_path(run_dir: &Path, rank: u32) -> PathBuf {

@@ -22,8 +22,7 @@ use crate::runtime::spec::Workload;
 /// The longest a state upload to the master may take.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// How long a worker whose step failed waits for the master's instructions.
-pub(super) const BROKEN_WAIT: Duration = Duration::from_secs(120);
+pub(super) use crate::runtime::timeouts::BROKEN_WAIT;
 
 /// Why a generation's training stopped early.
 enum Stop {
