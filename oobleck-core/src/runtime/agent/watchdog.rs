@@ -52,6 +52,8 @@ pub(super) struct Watch {
     steps: VecDeque<f64>,
     /// It was found hung (told once).
     pub(super) hung: bool,
+    /// Its limit was said to be above `--hang-timeout` (said once).
+    raised_told: bool,
 }
 
 /// A hung worker, in the words of its report.
@@ -73,6 +75,7 @@ impl Watch {
             step_seen: None,
             steps: VecDeque::new(),
             hung: false,
+            raised_told: false,
         }
     }
 
@@ -81,8 +84,26 @@ impl Watch {
         let steps = std::mem::take(&mut self.steps);
         *self = Watch {
             steps,
+            raised_told: self.raised_told,
             ..Watch::new(now)
         };
+    }
+
+    /// Once: the sentence that says its limit is above `--hang-timeout` because its steps are
+    /// slow (the flag is a floor, never a limit below what the worker's steps need).
+    pub(super) fn raised(&mut self, spec: &WatchSpec) -> Option<String> {
+        let m = self.median_step_s()?;
+        if self.raised_told || spec.hang_factor * m <= spec.hang_timeout_s {
+            return None;
+        }
+        self.raised_told = true;
+        Some(format!(
+            "its steps take {m:.2} s (median), so its hang limit is {:.1} s ({} x that), above \
+             --hang-timeout {} s",
+            spec.hang_factor * m,
+            spec.hang_factor,
+            spec.hang_timeout_s
+        ))
     }
 
     pub(super) fn on_beat(&mut self, now: Instant, s: Snapshot) {
@@ -210,6 +231,12 @@ impl super::NodeAgent {
             let Some(watch) = self.watch.get_mut(&w.device) else {
                 continue;
             };
+            if let Some(why) = watch.raised(&spec) {
+                eprintln!(
+                    "oobleck agent: node {}: worker rank {}: {why}",
+                    self.node, w.rank
+                );
+            }
             if let Some(h) = verdict(watch, now, &spec) {
                 watch.hung = true;
                 hung.push((i, h));
@@ -309,6 +336,13 @@ mod tests {
         let (slow, _) = steady(4, 2.0);
         let l = slow.limit(&spec).as_secs_f64();
         assert!((l - 6.0).abs() < 0.2, "{l}");
+        let (mut slow, _) = steady(4, 2.0);
+        let said = slow.raised(&spec).expect("said once");
+        assert!(
+            said.contains("hang limit is 6.0 s") && said.contains("--hang-timeout 2 s"),
+            "{said}"
+        );
+        assert_eq!(slow.raised(&spec), None);
         // No step time yet: the first step's own limit.
         let w = Watch::new(Instant::now());
         assert_eq!(w.limit(&spec), Duration::from_secs(30));
