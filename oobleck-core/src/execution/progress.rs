@@ -88,14 +88,20 @@ impl Doing {
         matches!(self.kind(), Kind::P2p | Kind::Collective)
     }
 
-    /// In words, for a report: `all_reduce #3 (2 ranks, 1.2 MB)`.
+    /// In words, for a report: `all_reduce #3 (2 ranks, 1.20 MB)`.
     pub fn describe(&self) -> String {
         let part = |mb: &Option<u32>, gradient: bool| match mb {
             Some(m) if gradient => format!(" of microbatch {m}'s gradient"),
             Some(m) => format!(" of microbatch {m}'s activation"),
             None => String::new(),
         };
-        let mb_of = |b: u64| b as f64 / 1e6;
+        let size = |b: u64| {
+            if b < 1_000_000 {
+                format!("{:.1} KB", b as f64 / 1e3)
+            } else {
+                format!("{:.2} MB", b as f64 / 1e6)
+            }
+        };
         match self {
             Doing::Forward { mb } => format!("the forward of microbatch {mb}"),
             Doing::Backward { mb } => format!("the backward of microbatch {mb}"),
@@ -110,18 +116,12 @@ impl Doing {
                 index,
                 ranks,
                 bytes,
-            } => format!(
-                "all_reduce #{index} ({ranks} ranks, {:.2} MB)",
-                mb_of(*bytes)
-            ),
+            } => format!("all_reduce #{index} ({ranks} ranks, {})", size(*bytes)),
             Doing::Broadcast {
                 index,
                 ranks,
                 bytes,
-            } => format!(
-                "broadcast #{index} ({ranks} ranks, {:.2} MB)",
-                mb_of(*bytes)
-            ),
+            } => format!("broadcast #{index} ({ranks} ranks, {})", size(*bytes)),
             Doing::Barrier { index, ranks } => format!("barrier #{index} ({ranks} ranks)"),
             Doing::Commit => "waiting for the commit".into(),
         }
