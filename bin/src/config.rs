@@ -579,4 +579,32 @@ mod tests {
             .unwrap_err();
         assert!(format!("{e:#}").contains("NODE"), "{e:#}");
     }
+
+    #[test]
+    fn watchdog_flags_reach_the_job_and_bad_ones_say_why() {
+        let c = TrainArgs::parse_from([
+            "train",
+            "--hang-timeout",
+            "5",
+            "--straggler-factor",
+            "2",
+            "--evict-stragglers",
+        ])
+        .resolve()
+        .unwrap();
+        let w = c.watch_spec();
+        assert_eq!((w.hang_timeout_s, w.hang_factor), (5.0, 3.0));
+        assert!(w.evict_stragglers && w.straggler_factor == 2.0);
+        for (flag, value, says) in [
+            ("--hang-timeout", "0.2", "at least 1 s"),
+            ("--hang-timeout", "nan", "at least 1 s"),
+            ("--hang-factor", "1", "at least 1.5"),
+            ("--straggler-factor", "0.9", "above 1"),
+        ] {
+            let e = TrainArgs::parse_from(["train", flag, value])
+                .resolve()
+                .unwrap_err();
+            assert!(format!("{e:#}").contains(says), "{flag} {value}: {e:#}");
+        }
+    }
 }
