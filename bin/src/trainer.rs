@@ -275,6 +275,7 @@ impl Trainer {
                 nodes: 1,
                 wall_s: started.elapsed().as_secs_f64(),
                 val_loss,
+                times: Default::default(),
             };
             writeln!(self.metrics, "{}", serde_json::to_string(&m)?)
                 .context("writing metrics.jsonl")?;

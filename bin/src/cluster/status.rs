@@ -134,6 +134,38 @@ pub fn render(s: &ClusterStatus) -> String {
             n.node, n.addr, n.devices, n.last_seen_ms
         ));
     }
+    out.push_str(&render_ranks(s));
+    out
+}
+
+/// Each rank's times of the last committed step, one line each, stragglers marked:
+/// `rank 1 on node 1: compute 310.2 ms | p2p 4.1 ms | collective 12.0 ms | step 402.3 ms`.
+pub fn render_ranks(s: &ClusterStatus) -> String {
+    if s.ranks.is_empty() {
+        return String::new();
+    }
+    let step = s
+        .committed_step
+        .map_or_else(|| "-".into(), |c| c.to_string());
+    let mut out = format!("ranks in step {step}:\n");
+    for r in &s.ranks {
+        let t = &r.times;
+        out.push_str(&format!(
+            "rank {} on node {}: compute {:.1} ms | p2p {:.1} ms | collective {:.1} ms | step \
+             {:.1} ms{}\n",
+            r.rank,
+            r.node,
+            t.compute_ms,
+            t.p2p_ms,
+            t.collective_ms,
+            t.step_ms,
+            if r.straggler {
+                " | STRAGGLER: slower than its peers for the same work, step after step"
+            } else {
+                ""
+            }
+        ));
+    }
     out
 }
 
@@ -232,6 +264,7 @@ mod tests {
             joining: vec![3],
             draining: vec![(1, "SIGTERM".into())],
             spare: vec![2],
+            ranks: Vec::new(),
         };
         let text = render(&s);
         assert!(
@@ -245,5 +278,47 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("node 3 at 127.0.0.1:5003: 1 devices, last seen 20 ms ago | joining: admitted at a step boundary"), "{text}");
+        assert!(
+            !text.contains("ranks in step"),
+            "no times, no rank lines: {text}"
+        );
+    }
+
+    #[test]
+    fn status_shows_each_ranks_times_and_marks_stragglers() {
+        use oobleck_core::elastic::protocol::RankStatus;
+        use oobleck_core::execution::StepTimes;
+        let rank = |rank: u32, compute_ms: f64, straggler: bool| RankStatus {
+            rank,
+            node: rank,
+            times: StepTimes {
+                compute_ms,
+                p2p_ms: 4.0,
+                collective_ms: 12.5,
+                step_ms: 402.3,
+                marks: 40,
+            },
+            straggler,
+        };
+        let s = ClusterStatus {
+            nodes: Vec::new(),
+            expected_nodes: 2,
+            pipelines: Vec::new(),
+            generation: 0,
+            committed_step: Some(9),
+            samples_per_s: 1.0,
+            joining: Vec::new(),
+            draining: Vec::new(),
+            spare: Vec::new(),
+            ranks: vec![rank(0, 120.0, false), rank(1, 310.2, true)],
+        };
+        let text = render(&s);
+        assert!(text.contains("ranks in step 9:\nrank 0 on node 0: compute 120.0 ms | p2p 4.0 ms | collective 12.5 ms | step 402.3 ms\n"), "{text}");
+        assert!(text.contains("rank 1 on node 1: compute 310.2 ms | p2p 4.0 ms | collective 12.5 ms | step 402.3 ms | STRAGGLER: slower than its peers for the same work, step after step\n"), "{text}");
+        // Older masters send no ranks: their status still reads.
+        let mut v = serde_json::to_value(&s).expect("json");
+        v.as_object_mut().expect("an object").remove("ranks");
+        let back: ClusterStatus = serde_json::from_value(v).expect("parses without ranks");
+        assert!(back.ranks.is_empty());
     }
 }

@@ -18,7 +18,8 @@ use super::auth;
 use super::error::{ElasticError, ElasticResult};
 use super::master::{LossReason, MasterConfig, MasterEvent, BINARY_VERSION};
 use super::protocol::{
-    self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, PROTOCOL_VERSION,
+    self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, RankStatus,
+    PROTOCOL_VERSION,
 };
 use crate::runtime::records::WorkerReport;
 
@@ -47,6 +48,7 @@ pub(super) struct JobState {
     pub(super) joining: Vec<u32>,
     pub(super) draining: Vec<(u32, String)>,
     pub(super) spare: Vec<u32>,
+    pub(super) ranks: Vec<RankStatus>,
     /// Nodes the smallest template of the current plan needs.
     pub(super) min_pipeline_nodes: u32,
 }
@@ -121,6 +123,7 @@ impl Shared {
             joining: job.joining.clone(),
             draining: job.draining.clone(),
             spare: job.spare.clone(),
+            ranks: job.ranks.clone(),
         }
     }
 

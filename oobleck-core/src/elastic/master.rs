@@ -21,7 +21,7 @@ use super::auth::Token;
 use super::conn::{accept_loop, Outgoing, Shared};
 use super::error::{ElasticError, ElasticResult};
 use super::protocol::{
-    ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, StageStatus,
+    ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, RankStatus, StageStatus,
 };
 use crate::planning::Plan;
 use crate::runtime::records::WorkerReport;
@@ -223,6 +223,8 @@ impl Master {
     pub fn set_plan(&self, plan: &Plan) {
         let mut job = self.shared.job();
         job.generation = plan.generation;
+        // Ranks are renumbered by a new plan.
+        job.ranks.clear();
         job.min_pipeline_nodes = plan.templates.iter().map(|t| t.nodes).min().unwrap_or(1);
         job.pipelines = plan
             .pipelines
@@ -269,6 +271,11 @@ impl Master {
         job.joining = joining;
         job.draining = draining;
         job.spare = spare;
+    }
+
+    /// Records where each rank's time of the last committed step went, for status.
+    pub fn set_rank_times(&self, ranks: Vec<RankStatus>) {
+        self.shared.job().ranks = ranks;
     }
 
     /// Records a committed step and its throughput, for status.

@@ -34,6 +34,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::error::{ElasticError, ElasticResult};
 use oobleck_comm::SecretKey;
 
+use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::runtime::pipe::StateSource;
 use crate::runtime::records::WorkerReport;
@@ -138,6 +139,21 @@ pub struct ClusterStatus {
     /// Live nodes the current plan leaves idle (no template combination covers them).
     #[serde(default)]
     pub spare: Vec<u32>,
+    /// Where each rank's time of the last committed step went, stragglers marked.
+    #[serde(default)]
+    pub ranks: Vec<RankStatus>,
+}
+
+/// One rank's times in the last committed step, in a status report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankStatus {
+    pub rank: u32,
+    pub node: u32,
+    pub times: StepTimes,
+    /// Named a straggler: slower than its peers, for the same work, step after step.
+    #[serde(default)]
+    pub straggler: bool,
 }
 
 /// What a generation's workers need besides the plan: where the data plane listens (filled

@@ -172,6 +172,10 @@ pub struct StepMetrics {
     /// function of the seed, the step and its index).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub microbatches: String,
+    /// Where each rank's time of the step went (rank -> compute, p2p and collective ms): how
+    /// a straggler shows. Empty in runs from before it was recorded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub times: BTreeMap<u32, StepTimes>,
 }
 
 /// `[0, 1, 2, 5, 7, 8]` as `0-2,5,7-8` (sorted input).
@@ -307,6 +311,24 @@ pub enum Event {
         for_s: f64,
         limit_s: f64,
         stopped: bool,
+    },
+    /// Rank `rank` on `node` computed `compute_ms` per step (the mean of the last `steps`
+    /// committed steps, up to `step`), `factor` times what its peers took for the same work
+    /// (`peers_median_ms`), every one of those steps. Once per episode. `evicted`: its node
+    /// drains at the next boundary (`--evict-stragglers`); `refusal`: why it does not.
+    Straggler {
+        generation: u64,
+        step: u64,
+        node: u32,
+        rank: u32,
+        compute_ms: f64,
+        peers_median_ms: f64,
+        factor: f64,
+        steps: u32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        evicted: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        refusal: Option<String>,
     },
     /// A lost node that still ran was killed, so it cannot come back.
     Fenced {
@@ -458,6 +480,30 @@ mod tests {
         let back: Event = serde_json::from_value(v).expect("typed");
         assert_eq!(back, start);
         assert_eq!(back.kind(), "start");
+    }
+
+    #[test]
+    fn metrics_lines_from_before_per_rank_times_still_parse_and_new_ones_carry_them() {
+        let old = r#"{"step":3,"loss":2.5,"lr":0.001,"grad_norm":0.5,"samples_per_s":8.0,
+            "tokens_per_s":256.0,"generation":0,"pipelines":2,"nodes":3,"wall_s":1.5}"#;
+        let mut m: StepMetrics = serde_json::from_str(old).expect("an old line");
+        assert!(m.times.is_empty());
+        assert!(serde_json::to_value(&m)
+            .expect("json")
+            .get("times")
+            .is_none());
+        let t = StepTimes {
+            compute_ms: 310.0,
+            p2p_ms: 4.0,
+            collective_ms: 12.0,
+            step_ms: 400.0,
+            marks: 30,
+        };
+        m.times.insert(2, t);
+        let v = serde_json::to_value(&m).expect("json");
+        assert_eq!(v["times"]["2"]["compute_ms"], 310.0);
+        let back: StepMetrics = serde_json::from_value(v).expect("typed");
+        assert_eq!(back.times[&2], t);
     }
 
     #[test]

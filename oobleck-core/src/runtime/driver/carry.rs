@@ -184,6 +184,7 @@ impl<'a> Driver<'a> {
                 draining,
                 spare,
             } => self.p.master.set_membership(joining, draining, spare),
+            Action::RankTimes { step: _, ranks } => self.p.master.set_rank_times(ranks),
             Action::Deploy { plan, source } => self.deploy_checked(&plan, source).await?,
             Action::Rendezvous {
                 generation,
@@ -198,9 +199,11 @@ impl<'a> Driver<'a> {
                 nodes,
                 eval_due,
                 microbatches,
+                times,
             } => {
                 let mut m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
                 m.microbatches = crate::runtime::records::ranges(&microbatches);
+                m.times = times;
                 self.commit(m, eval_due).await?;
             }
             Action::Abort { generation } => {
@@ -296,6 +299,7 @@ impl<'a> Driver<'a> {
             wall_s: self.p.t0.elapsed().as_secs_f64(),
             val_loss: None,
             microbatches: String::new(),
+            times: BTreeMap::new(),
         }
     }
 

@@ -30,7 +30,7 @@ use self::agents::{AgentSet, EXIT_GRACE};
 use self::assemble::Assembler;
 use self::rundir::RunFiles;
 use super::error::{Context, Result, RuntimeError};
-use super::job::{Input, JobMachine, JobStart, Limits};
+use super::job::{Input, JobMachine, JobStart, Limits, StragglerRule};
 use super::records::{Event, StartInfo, StepMetrics};
 use super::spec::{JobConfig, TrainingSpec, Workload};
 use crate::elastic::master::MasterEvent;
@@ -157,7 +157,9 @@ async fn drive(
     let start = start_agents(&mut opts, &mut agents, &mut files, &master, observer).await?;
     let limits = opts.limits;
     let t0 = Instant::now();
-    let machine = JobMachine::new(spec.clone(), start, limits, Duration::ZERO);
+    let stragglers = StragglerRule::of(&opts.config.watch);
+    let machine =
+        JobMachine::new(spec.clone(), start, limits, Duration::ZERO).with_stragglers(stragglers);
     let assembler = Assembler {
         workload: workload.clone(),
         out: opts.run_dir.clone(),

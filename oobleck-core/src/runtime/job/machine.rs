@@ -5,7 +5,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use super::recovery::Recovery;
+use super::stragglers::{StragglerRule, StragglerWatch};
 use super::{Action, Input, JobStart, Limits};
+use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
@@ -49,6 +51,8 @@ pub(super) struct Generation {
     pub ready: BTreeMap<u32, (f64, f64)>,
     /// The global microbatches the open step's first stages read.
     pub read: Vec<u32>,
+    /// Where each rank's time of the open step went, as it said.
+    pub times: BTreeMap<u32, StepTimes>,
     /// Ranks whose step failed, holding the state of a committed step: `(node, step)`.
     pub broken: BTreeMap<u32, (u32, u64)>,
     pub exited: BTreeSet<u32>,
@@ -161,6 +165,9 @@ pub struct JobMachine {
     pub(super) departed: BTreeSet<u32>,
     /// Joins, drains or spare nodes were shown to `oobleck status`.
     pub(super) membership_shown: bool,
+    /// When a rank is a straggler, and the recent steps' computes (`stragglers.rs`).
+    pub(super) straggler_rule: StragglerRule,
+    pub(super) stragglers: StragglerWatch,
 }
 
 impl JobMachine {
@@ -207,7 +214,15 @@ impl JobMachine {
             drain_asked: BTreeMap::new(),
             departed: BTreeSet::new(),
             membership_shown: false,
+            straggler_rule: StragglerRule::default(),
+            stragglers: StragglerWatch::default(),
         }
+    }
+
+    /// Names stragglers (and drains their nodes, if asked) by `rule`, not the default.
+    pub fn with_stragglers(mut self, rule: StragglerRule) -> JobMachine {
+        self.straggler_rule = rule;
+        self
     }
 
     /// The next thing to do, in order; `None` when there is nothing until the next input.
@@ -444,6 +459,8 @@ impl JobMachine {
         if !matches!(source, StateSource::Peers { .. }) {
             self.holdings = Holdings::empty(plan.devices_per_node);
         }
+        // Its ranks are numbered afresh.
+        self.stragglers.reset();
         let nodes: Vec<u32> = plan
             .nodes()
             .into_iter()
@@ -478,6 +495,7 @@ impl JobMachine {
             listening: BTreeMap::new(),
             ready: BTreeMap::new(),
             read: Vec::new(),
+            times: BTreeMap::new(),
             broken: BTreeMap::new(),
             exited: BTreeSet::new(),
             done: BTreeMap::new(),

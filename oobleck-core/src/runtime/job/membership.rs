@@ -285,7 +285,7 @@ impl JobMachine {
     }
 
     /// The drain of `node` next to the ones already asked for.
-    fn drain_case(&self, node: u32, force: bool) -> DrainCase {
+    pub(super) fn drain_case(&self, node: u32, force: bool) -> DrainCase {
         let g = self.gen.as_ref().expect("checked by the caller");
         let leaving: BTreeSet<u32> = self
             .draining

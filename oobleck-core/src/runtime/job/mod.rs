@@ -29,6 +29,7 @@ pub mod membership;
 mod recovery;
 mod reports;
 mod steps;
+pub mod stragglers;
 #[cfg(test)]
 mod tests;
 
@@ -36,11 +37,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 pub use machine::JobMachine;
+pub use stragglers::StragglerRule;
 
 use super::error::RuntimeError;
 use super::pipe::StateSource;
 use super::records::{Event, WorkerReport};
-use crate::elastic::protocol::Rendezvous;
+use crate::elastic::protocol::{RankStatus, Rendezvous};
+use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::reconfig::{Holdings, ReconfigPlan};
 
@@ -213,6 +216,9 @@ pub enum Action {
         draining: Vec<(u32, String)>,
         spare: Vec<u32>,
     },
+    /// Where each rank's time of the last committed step went, stragglers marked, for
+    /// `oobleck status`.
+    RankTimes { step: u64, ranks: Vec<RankStatus> },
     /// Start the plan's generation: record it in `plan.json`, send the job and the plan (with
     /// a fresh data-plane key and where the state comes from) to its nodes.
     Deploy {
@@ -236,6 +242,8 @@ pub enum Action {
         eval_due: bool,
         /// The global microbatches it trained, sorted (each once).
         microbatches: Vec<u32>,
+        /// Where each rank's time of the step went (ranks that said).
+        times: BTreeMap<u32, StepTimes>,
     },
     /// Generation `generation` failed: tell its workers to stop their step now.
     Abort { generation: u64 },

@@ -51,10 +51,13 @@ impl JobMachine {
                 loss,
                 grad_norm,
                 microbatches,
-                times: _,
+                times,
             } => {
                 if let Some(g) = self.gen.as_mut() {
                     g.read.extend(microbatches);
+                    if let Some(t) = times {
+                        g.times.insert(rank, t);
+                    }
                 }
                 self.on_step_ready(now, rank, step, loss, grad_norm)
             }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use super::Action;
 use crate::elastic::protocol::Rendezvous;
+use crate::execution::StepTimes;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::records::Event;
 
@@ -152,6 +153,7 @@ impl JobMachine {
             return;
         }
         let ready = std::mem::take(&mut g.ready);
+        let times = std::mem::take(&mut g.times);
         let mut read = std::mem::take(&mut g.read);
         read.sort_unstable();
         let every: Vec<u32> = (0..self.spec.global_microbatches).collect();
@@ -178,12 +180,13 @@ impl JobMachine {
             nodes,
             eval_due: step < self.spec.steps && self.spec.eval_due(step),
             microbatches: read,
+            times: times.clone(),
         });
-        self.commit(now, step);
+        self.commit(now, step, times);
     }
 
     /// `step` is committed (its [`Action::Commit`] is out).
-    fn commit(&mut self, now: Duration, step: u64) {
+    fn commit(&mut self, now: Duration, step: u64, times: BTreeMap<u32, StepTimes>) {
         self.committed = step;
         self.steps_run += 1;
         self.distrusted.clear();
@@ -218,6 +221,7 @@ impl JobMachine {
         if step >= self.spec.steps {
             self.phase = Phase::Finishing;
         }
+        self.on_step_times(now, step, &times);
         self.at_boundary(now, step);
     }
 

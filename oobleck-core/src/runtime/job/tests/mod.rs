@@ -4,6 +4,7 @@
 mod membership;
 mod recovery;
 mod steps;
+mod stragglers;
 
 use std::time::Duration;
 
@@ -401,6 +402,7 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::WeighJoins { joined, .. } => format!("weigh:{joined:?}"),
             Action::Release { node, .. } => format!("release:{node}"),
             Action::Membership { .. } => "membership".into(),
+            Action::RankTimes { .. } => "rank_times".into(),
             Action::Assemble { step, .. } => format!("assemble:{step}"),
             Action::ValLoss { step, .. } => format!("val:{step}"),
             Action::ReleaseHeld => "release".into(),
