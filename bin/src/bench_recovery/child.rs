@@ -264,7 +264,7 @@ impl Drop for Group {
 
 /// Whether `pid` runs (not a zombie: nobody may reap it here) in process group `pgid`, from
 /// `/proc/PID/stat` (`pid (comm) state ppid pgrp ...`).
-fn alive_in_group(pid: u32, pgid: u32) -> bool {
+pub(super) fn alive_in_group(pid: u32, pgid: u32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };

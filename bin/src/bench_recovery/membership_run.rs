@@ -174,7 +174,7 @@ impl Driver<'_> {
 }
 
 /// The newest committed step of the run in `dir` (0 before the first, or unreadable).
-fn committed_step(dir: &Path) -> u64 {
+pub(super) fn committed_step(dir: &Path) -> u64 {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
     parse_metrics(&text)
         .ok()

@@ -255,6 +255,7 @@ mod tests {
             failure_note: String::new(),
             runs: vec![ff, ip, rs, mb],
             membership: Some(m),
+            hang: None,
             checks,
             commands: vec![],
         };

@@ -12,12 +12,19 @@
 //!    one (`oobleck add-node`) after 17/24, each taken at a step boundary with no step replayed.
 //!    Its reconfigurations get a table of their own beside the failures' phases, with targets:
 //!    a drain costs under 1 s, a join under 1.5 s (`membership` says precisely what a cost is).
+//! 5. **hang** (skipped with `--no-hang`): no failure; the bench stops one worker process with
+//!    SIGSTOP half-way through a step after `--hang-after-step` (default: half the steps) and
+//!    times its detection by the watchdog and the next commit; beside it, the watchdog's cost
+//!    per step (its marks and beats, timed in this process). Targets: detected within
+//!    max(3 x the median step, 2 s), no step replayed, a cost under 0.5 % of a step (`hang`).
 //!
 //! ```text
 //!  FailurePlan (pure) ─► train (fault-free) ─┐
 //!                     ─► train (in place) ───┼─► records ─► summary (pure) ─► table / --json
 //!                     ─► train ─► train --resume ─► ... (checkpoint restart)
-//!  MembershipPlan ─────► train + oobleck drain + oobleck add-node ─┘ (drain + join)
+//!  MembershipPlan ─────► train + oobleck drain + oobleck add-node ─┤ (drain + join)
+//!  HangPlan ───────────► train + SIGSTOP of a worker ──────────────┤ (hang)
+//!  watchdog_cost ──────► Progress marks and beats, timed here ─────┘
 //! ```
 //!
 //! Each run is the `train` binary beside this one, as child processes in a scratch directory
@@ -40,6 +47,9 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 mod child;
+mod hang;
+mod hang_run;
+mod hang_table;
 mod membership;
 mod membership_run;
 mod membership_table;
@@ -47,15 +57,19 @@ mod plan;
 mod records;
 mod summary;
 mod table;
+mod watchdog_cost;
 
 use child::{tail, Reaper, Scratch, TrainProcess};
+use hang::{hang_checks, Hang, HangPlan, MarkCosts};
+use hang_run::HangInput;
 use membership::{membership_checks, Membership, MembershipPlan};
 use plan::restart_shapes;
 pub use plan::FailurePlan;
 use records::{parse_events, parse_metrics, Event};
 use summary::{checks, compare, summarize, Check, Job, RunInput, RunKind, RunSummary, Segment};
 
-/// Compare recovery in place with a fault-free run and with checkpoint restart, same job.
+/// Compare recovery in place with a fault-free run and with checkpoint restart, same job; and
+/// time a drain + join and a hung worker (SIGSTOP), with the watchdog's cost per step.
 #[derive(clap::Args, Clone, Debug)]
 pub struct BenchRecoveryArgs {
     /// Model preset (see `oobleck models`); gpt-mini: 7.2M parameters, ~86 MB with AdamW state.
@@ -106,6 +120,13 @@ pub struct BenchRecoveryArgs {
     /// ... and adds a node once this step committed [default: 17/24 of --steps].
     #[arg(long)]
     pub join_after_step: Option<u64>,
+    /// Skip the hang run (another run of the job, and the watchdog's cost beside it).
+    #[arg(long)]
+    pub no_hang: bool,
+    /// The hang run stops a worker half a median step after this step committed [default:
+    /// half of --steps].
+    #[arg(long)]
+    pub hang_after_step: Option<u64>,
     /// The `train` binary [default: the one beside this `oobleck`].
     #[arg(long)]
     pub train_bin: Option<PathBuf>,
@@ -141,6 +162,9 @@ pub struct Report {
     pub runs: Vec<RunSummary>,
     /// The drain + join run's drain and join (absent with `--no-membership`).
     pub membership: Option<Membership>,
+    /// The hang run's stop, detection, recovery and the watchdog's cost (absent with
+    /// `--no-hang`).
+    pub hang: Option<Hang>,
     pub checks: Vec<Check>,
     /// The `train` command lines of each run, in order.
     pub commands: Vec<String>,
@@ -170,10 +194,11 @@ enum Out<'a> {
     Resume(&'a Path),
 }
 
-/// Runs the three jobs and prints the table.
+/// Runs the jobs and prints the table.
 pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
     let plan = FailurePlan::new(a)?;
     let members = MembershipPlan::new(a)?;
+    let hang = HangPlan::new(a)?;
     let bench = Bench {
         a,
         bin: binary("train", a.train_bin.as_deref())?,
@@ -186,16 +211,7 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
         commands: Default::default(),
     };
     let t0 = Instant::now();
-    let ff = bench.single(RunKind::FaultFree, "fault-free", &plan, &[]);
-    let ip = bench.single(RunKind::InPlace, "in-place", &plan, &plan.failures);
-    let rs = bench.restart(&plan, &restart_shapes(&plan, &ip));
-    let mb = members.map(|m| {
-        let t = Instant::now();
-        let (input, outcome) = bench.membership(&plan, &m);
-        (m, input, outcome, t.elapsed().as_secs_f64())
-    });
-    let share = mb.as_ref().map(|x| x.3 / t0.elapsed().as_secs_f64());
-    let report = bench.report(&plan, [ff, ip, rs], mb.map(|(m, i, o, _)| (m, i, o)));
+    let (report, shares) = bench.all(&plan, members, hang)?;
     println!("{}", table::render(&report));
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&report)?;
@@ -214,11 +230,12 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
     if scratch.kept() {
         eprintln!("run directories kept in {}", scratch.root.display());
     }
-    eprintln!("bench recovery: {:.0} s in all", t0.elapsed().as_secs_f64());
-    if let Some(share) = share {
+    let all_s = t0.elapsed().as_secs_f64();
+    eprintln!("bench recovery: {all_s:.0} s in all");
+    for (what, flag, s) in shares {
         eprintln!(
-            "bench recovery: the drain + join run took {:.0} % of it (--no-membership skips it)",
-            share * 100.0
+            "bench recovery: the {what} run took {:.0} % of it ({flag} skips it)",
+            s / all_s * 100.0
         );
     }
     if !failed.is_empty() {
@@ -240,7 +257,41 @@ struct Bench<'a> {
     commands: std::cell::RefCell<Vec<String>>,
 }
 
+/// The optional runs' seconds: `(run, the flag that skips it, s)`.
+type Shares = Vec<(&'static str, &'static str, f64)>;
+
 impl Bench<'_> {
+    /// Every run, in order, and the report.
+    fn all(
+        &self,
+        plan: &FailurePlan,
+        members: Option<MembershipPlan>,
+        hang: Option<HangPlan>,
+    ) -> Result<(Report, Shares)> {
+        // Timed first, while no train runs beside it.
+        let costs = hang
+            .as_ref()
+            .map(|_| watchdog_cost::measure())
+            .transpose()?;
+        let ff = self.single(RunKind::FaultFree, "fault-free", plan, &[]);
+        let ip = self.single(RunKind::InPlace, "in-place", plan, &plan.failures);
+        let rs = self.restart(plan, &restart_shapes(plan, &ip));
+        let mut shares = Shares::new();
+        let mb = members.map(|m| {
+            let t = Instant::now();
+            let (input, outcome) = self.membership(plan, &m);
+            shares.push(("drain + join", "--no-membership", t.elapsed().as_secs_f64()));
+            (m, input, outcome)
+        });
+        let hg = hang.zip(costs).map(|(h, costs)| {
+            let t = Instant::now();
+            let input = self.hang(plan, &h);
+            shares.push(("hang", "--no-hang", t.elapsed().as_secs_f64()));
+            (h, input, costs)
+        });
+        Ok((self.report(plan, [ff, ip, rs], mb, hg), shares))
+    }
+
     /// The flags of one `train`.
     fn train_args(
         &self,
@@ -417,12 +468,13 @@ impl Bench<'_> {
         }
     }
 
-    /// The numbers of the three runs, and of the drain + join run if there was one.
+    /// The numbers of the three runs, and of the drain + join and hang runs if there were.
     fn report(
         &self,
         plan: &FailurePlan,
         inputs: [RunInput; 3],
         members: Option<(MembershipPlan, RunInput, membership::Outcome)>,
+        hang: Option<(HangPlan, HangInput, MarkCosts)>,
     ) -> Report {
         let a = self.a;
         let job = Job {
@@ -438,10 +490,19 @@ impl Bench<'_> {
             runs.push(s);
             m
         });
+        let hang = hang.map(|(h, input, costs)| {
+            let s = summarize(&input.run, &job);
+            let x = Hang::new(&h, input.observed, costs, &input.run, &s, &input.marks);
+            runs.push(s);
+            x
+        });
         compare(&mut runs);
         let mut checks = checks(&runs[0], &runs[1]);
         if let (Some(m), Some(s)) = (&membership, runs.get(3)) {
             checks.extend(membership_checks(&runs[0], s, m));
+        }
+        if let (Some(h), Some(s)) = (&hang, runs.last()) {
+            checks.extend(hang_checks(s, h));
         }
         let kills: Vec<String> = plan
             .failures
@@ -463,6 +524,7 @@ impl Bench<'_> {
             ),
             runs,
             membership,
+            hang,
             checks,
             commands: self.commands.borrow().clone(),
         }

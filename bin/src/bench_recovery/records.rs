@@ -2,6 +2,8 @@
 //! typed. Other events and fields are ignored; a line that does not parse is an error naming
 //! the file and line, except an unterminated last line (a process killed mid-write).
 
+use std::collections::BTreeMap;
+
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
@@ -30,8 +32,22 @@ pub struct Phases {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
-    /// A new run (not a resumed one) started.
-    Start,
+    /// A new run (not a resumed one) started; `pid`: the `train` process (the master), whose
+    /// process group holds the whole local cluster.
+    Start {
+        #[serde(default)]
+        pid: Option<u32>,
+    },
+    /// A process of the job started (`role`: `agent`, `ssh` or `worker`; a worker kept across
+    /// generations is recorded once, with its first rank).
+    Process {
+        role: String,
+        pid: Option<u32>,
+        #[serde(default)]
+        node: Option<u32>,
+        #[serde(default)]
+        rank: Option<u32>,
+    },
     /// A run resumed from the checkpoint of `step`.
     Resume { step: u64 },
     /// `--inject-failure`: `node` is being killed after `step` committed.
@@ -48,6 +64,16 @@ pub enum Event {
     DrainRefused { node: u32, refusal: String },
     /// `node` was told to go (drained, or not needed).
     Released { node: u32, reason: String },
+    /// A worker's watchdog found it hung, and its agent fenced it: no progress for `for_s`
+    /// seconds inside `what`, past the limit `limit_s`; `stopped`: no progress beat either.
+    Hang {
+        node: u32,
+        rank: u32,
+        what: String,
+        for_s: f64,
+        limit_s: f64,
+        stopped: bool,
+    },
     /// A recovery (or a join or drain at a step boundary) was decided.
     Reconfig {
         lost_nodes: Vec<u32>,
@@ -94,6 +120,21 @@ pub struct Metric {
     pub generation: u64,
 }
 
+/// The per-rank times of a `metrics.jsonl` line, of which the bench reads the progress marks.
+#[derive(Clone, Debug, Default, Deserialize)]
+struct RankTimes {
+    #[serde(default)]
+    marks: u64,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct StepTimes {
+    step: u64,
+    /// Rank -> its times; absent in runs from before they were recorded.
+    #[serde(default)]
+    times: BTreeMap<u32, RankTimes>,
+}
+
 /// Parses the JSON lines of `text` (`what` names the file in errors).
 fn parse_lines<T: serde::de::DeserializeOwned>(text: &str, what: &str) -> Result<Vec<T>> {
     let terminated = text.ends_with('\n');
@@ -120,13 +161,23 @@ pub fn parse_metrics(text: &str) -> Result<Vec<Metric>> {
     parse_lines(text, "metrics.jsonl")
 }
 
+/// `(step, the most progress marks any rank took in it)` of each `metrics.jsonl` line that has
+/// per-rank times.
+pub fn parse_rank_marks(text: &str) -> Result<Vec<(u64, u64)>> {
+    let lines: Vec<StepTimes> = parse_lines(text, "metrics.jsonl")?;
+    Ok(lines
+        .iter()
+        .filter_map(|l| Some((l.step, l.times.values().map(|t| t.marks).max()?)))
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn unknown_events_are_other_and_a_cut_last_line_is_dropped() {
-        let text = "{\"event\":\"process\",\"role\":\"agent\",\"pid\":1}\n\
+        let text = "{\"event\":\"rendezvous\",\"generation\":0,\"addrs\":[]}\n\
                     {\"event\":\"checkpoint\",\"step\":2,\"path\":\"x\",\"stall_ms\":14.5}\n\
                     {\"event\":\"finish\",\"st";
         let e = parse_events(text).unwrap();
@@ -139,6 +190,22 @@ mod tests {
                     stall_ms: 14.5
                 }
             ]
+        );
+    }
+
+    #[test]
+    fn the_busiest_ranks_marks_are_read_where_metrics_have_them() {
+        let text = "{\"step\":1,\"wall_s\":0.5}\n\
+                    {\"step\":2,\"wall_s\":1.5,\"times\":{\"0\":{\"compute_ms\":3.0,\
+                    \"marks\":40},\"1\":{\"compute_ms\":2.0,\"marks\":52}}}\n";
+        assert_eq!(parse_rank_marks(text).unwrap(), vec![(2, 52)]);
+        let e = parse_events(
+            "{\"event\":\"process\",\"role\":\"worker\",\"pid\":9,\"node\":3,\"rank\":1}\n",
+        )
+        .unwrap();
+        assert!(
+            matches!(&e[0], Event::Process { role, pid: Some(9), node: Some(3), rank: Some(1) } if role == "worker"),
+            "{e:?}"
         );
     }
 

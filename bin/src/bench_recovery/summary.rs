@@ -15,6 +15,8 @@ pub enum RunKind {
     CheckpointRestart,
     /// A drain and a join from outside (`oobleck drain`, `oobleck add-node`), no failure.
     Membership,
+    /// One worker stopped with SIGSTOP mid-step, no other failure.
+    Hang,
 }
 
 impl RunKind {
@@ -24,6 +26,7 @@ impl RunKind {
             RunKind::InPlace => "in place",
             RunKind::CheckpointRestart => "checkpoint restart",
             RunKind::Membership => "drain + join",
+            RunKind::Hang => "hang",
         }
     }
 }

@@ -133,6 +133,7 @@ pub fn render(r: &Report) -> String {
             let j = s.recoveries.iter().filter(|r| !r.joined_nodes.is_empty());
             format!("0 ({} drain, {} join)", d.count(), j.count())
         }
+        RunKind::Hang => format!("{} (a hung worker)", s.recoveries.len()),
     });
     t.each("checkpoint stall ms (median / max)", |s| {
         stat(s.checkpoint_stall_ms, 1)
@@ -150,6 +151,10 @@ pub fn render(r: &Report) -> String {
     if let Some(m) = &r.membership {
         out.push('\n');
         out.push_str(&super::membership_table::render(r, m));
+    }
+    if let Some(h) = &r.hang {
+        out.push('\n');
+        out.push_str(&super::hang_table::render(r, h));
     }
     notes(&mut out, r);
     out

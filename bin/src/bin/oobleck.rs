@@ -65,7 +65,8 @@ enum BenchCmd {
     /// gradient sync and control-plane cost per step.
     Pipeline(oobleck_cli::bench_pipeline::BenchPipelineArgs),
     /// The same job fault-free, recovering in place from injected failures, and restarting
-    /// from checkpoints after each (Varuna-style), side by side: throughput, recovery phases.
+    /// from checkpoints after each (Varuna-style), side by side: throughput, recovery phases;
+    /// then a drain + join, and a worker stopped mid-step (SIGSTOP) against the watchdog.
     Recovery(oobleck_cli::bench_recovery::BenchRecoveryArgs),
 }
 

@@ -1,0 +1,268 @@
+//! The hang run's table: the stop, its detection and recovery, and the watchdog's cost per
+//! step, with the targets of [`super::hang`] and notes on the clocks.
+
+use std::fmt::Write;
+
+use super::hang::{Hang, COST_PCT, DETECT_FLOOR_S, DETECT_STEPS, POLL_MS};
+use super::summary::RunKind;
+use super::table::{bound, num, opt, verdict};
+use super::Report;
+
+/// One row: the quantity, its value, and the check of that name if there is one (its bound
+/// as the target, unless `target` says it in words).
+fn row(out: &mut String, r: &Report, label: &str, value: String, check: Option<&str>) {
+    row_as(out, r, label, value, check, None);
+}
+
+fn row_as(
+    out: &mut String,
+    r: &Report,
+    label: &str,
+    value: String,
+    check: Option<&str>,
+    target: Option<&str>,
+) {
+    let c = check.and_then(|name| r.checks.iter().find(|c| c.name == name));
+    let (bound, v) = c.map_or((String::new(), ""), |c| (bound(c), verdict(c)));
+    let target = target.map_or(bound, str::to_string);
+    let _ = writeln!(out, "| {label} | {value} | {target} | {v} |");
+}
+
+/// The table and its notes.
+pub fn render(r: &Report, h: &Hang) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| hang: one worker SIGSTOPped mid-step | measured | target | check |\n|---|---|---|---|"
+    );
+    let o = &h.observed;
+    let who = match (o.pid, o.stopped_after) {
+        (Some(pid), Some(after)) => format!(
+            "node {} (rank {}, pid {pid}), {} s after step {after} committed",
+            h.plan.node,
+            o.rank.map_or("?".into(), |r| r.to_string()),
+            opt(o.into_step_s, 2)
+        ),
+        _ => "-".into(),
+    };
+    row(&mut out, r, "worker stopped", who, None);
+    let found = h.event.as_ref().map_or("-".into(), |e| {
+        format!(
+            "rank {} {} in {}: no progress for {} s, limit {} s",
+            e.rank,
+            if e.stopped { "stopped" } else { "hung" },
+            e.what,
+            num(e.for_s, 3),
+            num(e.limit_s, 3)
+        )
+    });
+    row(&mut out, r, "watchdog's hang event", found, None);
+    time_rows(&mut out, r, h);
+    cost_rows(&mut out, r, h);
+    notes(&mut out, r, h);
+    out
+}
+
+/// The median step, the times from the stop, and the steps replayed.
+fn time_rows(out: &mut String, r: &Report, h: &Hang) {
+    let o = &h.observed;
+    row(
+        out,
+        r,
+        "median step before the stop s",
+        opt(h.step_s, 3),
+        None,
+    );
+    row(
+        out,
+        r,
+        "SIGSTOP -> hang event s",
+        opt(o.detected_s, 3),
+        Some("hang: SIGSTOP -> detected (s)"),
+    );
+    row(
+        out,
+        r,
+        "SIGSTOP -> stopped process gone s",
+        opt(o.gone_s, 3),
+        None,
+    );
+    let since = h.recovery.as_ref().and_then(|x| x.since_failure_s);
+    row(
+        out,
+        r,
+        "hang at the master -> next commit s (job's since_failure_s)",
+        opt(since, 3),
+        None,
+    );
+    let next = match (o.next_commit_s, o.next_commit_step) {
+        (Some(s), Some(step)) => format!("{} (step {step})", num(s, 3)),
+        _ => "-".into(),
+    };
+    row(out, r, "SIGSTOP -> next commit s", next, None);
+    let replayed = h
+        .recovery
+        .as_ref()
+        .map_or("-".into(), |x| x.replayed_steps.to_string());
+    row_as(
+        out,
+        r,
+        "steps replayed",
+        replayed,
+        Some("hang: steps replayed"),
+        Some("0"),
+    );
+}
+
+/// The watchdog's cost per step and its parts.
+fn cost_rows(out: &mut String, r: &Report, h: &Hang) {
+    let c = &h.costs;
+    row(
+        out,
+        r,
+        "marks per step (busiest rank, median)",
+        opt(h.marks_per_step, 0),
+        None,
+    );
+    row(out, r, "one mark ns", num(c.mark_ns, 1), None);
+    row(
+        out,
+        r,
+        "beats per step (median step / beat period)",
+        opt(h.beats_per_step, 1),
+        None,
+    );
+    row(
+        out,
+        r,
+        "one beat µs (snapshot + serialise + write)",
+        num(c.beat_us, 2),
+        None,
+    );
+    row(out, r, "watchdog cost per step ms", opt(h.cost_ms, 4), None);
+    row(
+        out,
+        r,
+        "watchdog cost / median step %",
+        opt(h.cost_pct, 4),
+        Some("hang: watchdog cost / step (%)"),
+    );
+}
+
+fn notes(o: &mut String, r: &Report, h: &Hang) {
+    let _ = writeln!(
+        o,
+        "\nHang run: SIGSTOP to the worker of node {} once step {} committed and half a median \
+         step more passed (`kill -STOP` took {} ms). Target: detected within max({DETECT_STEPS} \
+         x the median step before the stop, {DETECT_FLOOR_S} s) = {} s, no step replayed, the \
+         watchdog's cost < {COST_PCT} % of that step.",
+        h.plan.node,
+        h.plan.after_step,
+        opt(h.observed.signal_ms, 1),
+        opt(h.detect_limit_s, 3)
+    );
+    let _ = writeln!(
+        o,
+        "Clocks: SIGSTOP -> ... on the bench's clock, from just before `kill -STOP` to the line \
+         seen in events.jsonl / metrics.jsonl (polled every {POLL_MS} ms: late by at most that \
+         and the write, never early); `no progress for` is the agent's clock, since the \
+         worker's last mark; since_failure_s the master's, from its receipt of the hang."
+    );
+    let _ = writeln!(
+        o,
+        "Cost: marks per step from the job's metrics.jsonl (each mark's entry and exit count); \
+         one mark and one beat timed here over many of each with the real Progress and \
+         progress line; the beat thread runs beside the compute, so counting it is an upper \
+         bound."
+    );
+    if let (Some(e), Some(target)) = (&h.event, h.detect_limit_s) {
+        if e.limit_s >= target {
+            let _ = writeln!(
+                o,
+                "The watchdog's own limit was {} s (max(--hang-timeout, --hang-factor x its \
+                 median of its recent step times, seen from the beats)), at or over the target's \
+                 {} s: a stopped worker is declared hung once it is silent past that limit, so \
+                 detection meets the target only while the watchdog's median is below the \
+                 bench's.",
+                num(e.limit_s, 3),
+                num(target, 3)
+            );
+        }
+    }
+    let o2 = &h.observed;
+    if let (Some(c), Some(d)) = (o2.next_commit_s, o2.detected_s) {
+        if c < d {
+            let _ = writeln!(
+                o,
+                "**A step committed before the hang was found**: the stop landed outside the \
+                 step's work (waiting for its commit), which the watchdog does not watch."
+            );
+        }
+    }
+    if h.marks_per_step.is_none() {
+        let _ = writeln!(
+            o,
+            "**No marks per step**: the job's metrics.jsonl carries no per-rank times, so the \
+             cost is not checked."
+        );
+    }
+    if r.runs.iter().any(|s| s.kind == RunKind::Hang && !s.ok) {
+        let _ = writeln!(o, "(the hang run failed: its targets are not checked)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::hang::{hang_checks, tests::hang};
+    use super::super::membership::tests::summary;
+    use super::super::{table, FailurePlan, Job};
+    use super::*;
+
+    #[test]
+    fn every_row_has_its_columns_and_the_checks_show() {
+        let (_, ff) = summary(RunKind::FaultFree, "{\"event\":\"start\",\"step\":0}\n", 8);
+        let (_, ip) = summary(RunKind::InPlace, "", 8);
+        let (_, rs) = summary(RunKind::CheckpointRestart, "", 8);
+        let (hs, h) = hang(3.4);
+        let report = Report {
+            model: "gpt-mini".into(),
+            nodes: 4,
+            fault_threshold: 1,
+            cores: 2,
+            job: Job {
+                steps: 8,
+                tokens_per_step: 100,
+                failures: 0,
+            },
+            plan: FailurePlan {
+                failures: vec![],
+                pins: vec![2, 2],
+            },
+            failure_note: String::new(),
+            checks: hang_checks(&hs, &h),
+            runs: vec![ff, ip, rs, hs],
+            membership: None,
+            hang: Some(h),
+            commands: vec![],
+        };
+        let text = table::render(&report);
+        let (main, hung) = text.split_once("| hang: one worker").unwrap();
+        let pipes = |l: &str| l.matches('|').count();
+        assert!(main
+            .lines()
+            .filter(|l| l.starts_with('|'))
+            .all(|l| pipes(l) == 8));
+        let rows: Vec<&str> = hung
+            .lines()
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .collect();
+        assert!(rows.iter().all(|l| pipes(l) == 5), "{rows:#?}");
+        let find = |p: &str| *rows.iter().find(|l| l.starts_with(p)).unwrap();
+        // 3.4 s against max(3 x 1 s, 2 s): a miss.
+        assert!(find("| SIGSTOP -> hang event s").ends_with("| 3.400 | < 3.00 | MISS |"));
+        assert!(find("| steps replayed").ends_with("| 0 | 0 | PASS |"));
+        assert!(find("| watchdog cost / median step %").ends_with("| 0.0105 | < 0.50 | PASS |"));
+        assert!(find("| watchdog's hang event").contains("stopped in the forward"));
+    }
+}
