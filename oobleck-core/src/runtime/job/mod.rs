@@ -78,8 +78,8 @@ impl Default for Limits {
         Limits {
             settle: Duration::ZERO,
             loss_wait: Duration::from_secs(15),
-            ranks_wait: Duration::from_secs(60),
-            stall: Duration::from_secs(180),
+            ranks_wait: super::timeouts::RANKS_WAIT,
+            stall: super::timeouts::STALL,
             join: Duration::from_secs(60),
             lease: Duration::from_secs(3),
             max_fruitless_recoveries: 3,
