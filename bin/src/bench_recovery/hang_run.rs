@@ -319,6 +319,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_stopped_process_left_behind_is_killed() {
+        use std::os::unix::process::{CommandExt, ExitStatusExt};
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let stop = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status();
+        assert!(stop.unwrap().success());
+        let said = Stopped { pid, pgid: pid }.kill();
+        assert!(said.is_some_and(|s| s.contains("killed it")));
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        // Gone already: nothing to say, nothing killed.
+        assert_eq!(Stopped { pid, pgid: pid }.kill(), None);
+    }
+
+    #[test]
     fn the_worker_of_a_node_is_found_and_never_the_master() {
         let text = "{\"event\":\"start\",\"step\":0,\"pid\":7}\n\
                     {\"event\":\"process\",\"role\":\"agent\",\"pid\":8}\n\

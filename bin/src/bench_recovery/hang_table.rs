@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::hang::{Hang, COST_PCT, DETECT_FLOOR_S, DETECT_STEPS, POLL_MS};
+use super::hang::{Hang, COST_PCT, DETECT_FLOOR_S, DETECT_STEPS, POLL_MS, RECENT_STEPS};
 use super::summary::RunKind;
 use super::table::{bound, num, opt, verdict};
 use super::Report;
@@ -71,6 +71,13 @@ fn time_rows(out: &mut String, r: &Report, h: &Hang) {
         r,
         "median step before the stop s",
         opt(h.step_s, 3),
+        None,
+    );
+    row(
+        out,
+        r,
+        &format!("... of the last {RECENT_STEPS} (the watchdog's window) s"),
+        opt(h.recent_step_s, 3),
         None,
     );
     row(
