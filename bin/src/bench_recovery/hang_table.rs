@@ -183,18 +183,22 @@ fn notes(o: &mut String, r: &Report, h: &Hang) {
          bound."
     );
     if let (Some(e), Some(target)) = (&h.event, h.detect_limit_s) {
-        if e.limit_s >= target {
-            let _ = writeln!(
-                o,
-                "The watchdog's own limit was {} s (max(--hang-timeout, --hang-factor x its \
-                 median of its recent step times, seen from the beats)), at or over the target's \
-                 {} s: a stopped worker is declared hung once it is silent past that limit, so \
-                 detection meets the target only while the watchdog's median is below the \
-                 bench's.",
-                num(e.limit_s, 3),
-                num(target, 3)
-            );
-        }
+        let over = if e.limit_s > target + 1e-3 {
+            " over the target: the watchdog's median (from its beats, its last 16 steps) was above \
+             the bench's, and detection at its limit misses"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            o,
+            "Detection by design: the agent declares a worker stopped once it has heard no beat \
+             for max(its limit, 2 s), its limit max(--hang-timeout, --hang-factor x its median \
+             step); the last beat left up to 50 ms (working) or 500 ms (waiting on a peer, no \
+             progress) before the stop, so detection lands between the limit - 0.5 s and the \
+             limit + the agent's next look. Its limit here: {} s, against the target's {} s{over}.",
+            num(e.limit_s, 3),
+            num(target, 3)
+        );
     }
     let o2 = &h.observed;
     if let (Some(c), Some(d)) = (o2.next_commit_s, o2.detected_s) {
