@@ -87,12 +87,17 @@ pub struct TrainConfig {
     /// most 30 s to contribute.
     pub join_after_s: f64,
     /// The least time (s) a worker inside a step may go without progress before its agent
-    /// declares it hung, tells the master what it was doing and kills it. The limit used is
-    /// `max(hang_timeout_s, hang_factor x the worker's median step time)` (30 s before its
-    /// first step time is known). 2 s: progress moves at every microbatch and data-plane
-    /// operation (well under 100 ms apart for gpt-tiny..gpt2 on CPU, where a step takes
-    /// 0.3-3 s), and beats go every 50-500 ms, so a healthy worker on a loaded 2-core
-    /// machine never comes near it; a hung one is found within 2 s or 3 steps.
+    /// declares it hung, tells the master what it was doing and kills it. Two limits:
+    /// a worker whose progress beats stop (a stopped or frozen process) is hung after
+    /// `hang_timeout_s`, whatever its step time, since its beat thread reports every 500 ms
+    /// at the latest; one that beats but does not move, after
+    /// `max(hang_timeout_s, hang_factor x its median step time)` (30 s before its first step
+    /// time is known). Progress moves at every microbatch's forward and backward and every
+    /// data-plane operation (22 marks per step in `oobleck bench recovery`'s gpt-mini job),
+    /// so a healthy worker would need one operation to take 3 whole median steps to be taken
+    /// for hung. 1.5 s is three idle beats: the smallest silence that a beat thread on a loaded
+    /// 2-core machine (late by tens of ms) cannot cause, and it keeps the detection of a
+    /// stopped worker under the 2 s the watchdog is held to.
     pub hang_timeout_s: f64,
     /// See `hang_timeout_s`: 3 steps lets one step run 3x its usual time (a checkpoint's
     /// copy, a slow microbatch) without being taken for a hang.
@@ -138,7 +143,7 @@ impl Default for TrainConfig {
             data_plane: "tcp".into(),
             lease_ms: 3000,
             join_after_s: 30.0,
-            hang_timeout_s: 2.0,
+            hang_timeout_s: 1.5,
             hang_factor: 3.0,
             straggler_factor: 1.5,
             evict_stragglers: false,
@@ -248,8 +253,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub join_after: Option<f64>,
     /// Seconds a worker inside a step may make no progress before its agent kills it as
-    /// hung; raised to --hang-factor x its median step time when steps are slower
-    /// [default: 2].
+    /// hung; raised to --hang-factor x its median step time when steps are slower (not for a
+    /// worker whose progress beats stop) [default: 1.5].
     #[arg(long, value_name = "SECS")]
     pub hang_timeout: Option<f64>,
     /// See --hang-timeout [default: 3].

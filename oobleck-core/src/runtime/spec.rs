@@ -234,8 +234,9 @@ pub struct JobConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WatchSpec {
-    /// A worker inside a step that makes no progress for
-    /// `max(hang_timeout_s, hang_factor x its recent median step time)` is hung.
+    /// A worker inside a step whose progress beats stop for `hang_timeout_s` is hung (stopped);
+    /// one that beats but makes no progress for
+    /// `max(hang_timeout_s, hang_factor x its recent median step time)` is hung too.
     pub hang_timeout_s: f64,
     pub hang_factor: f64,
     /// ...and, before a step time is known (the first step), this long.
@@ -250,7 +251,7 @@ pub struct WatchSpec {
 impl Default for WatchSpec {
     fn default() -> Self {
         WatchSpec {
-            hang_timeout_s: 2.0,
+            hang_timeout_s: 1.5,
             hang_factor: 3.0,
             first_step_s: super::timeouts::FIRST_STEP_HANG.as_secs_f64(),
             straggler_factor: 1.5,

@@ -8,9 +8,11 @@
 //!  level                      what it catches                      default           flag
 //!  ─────────────────────────  ───────────────────────────────────  ────────────────  ───────────────
 //!  1 progress beat            (a worker's liveness, to its agent)  50 ms / 500 ms    -
-//!  2 worker watchdog          a worker hung inside a step          max(2 s, 3 x      --hang-timeout
-//!                             (SIGSTOP, a kernel or a collective   median step);     --hang-factor
-//!                             that never returns)                  first step 30 s
+//!  2 worker watchdog          a worker hung inside a step: its     1.5 s             --hang-timeout
+//!                             beats stop (SIGSTOP, frozen)
+//!                             ...or it beats, nothing moves (a     max(1.5 s, 3 x    --hang-factor
+//!                             kernel that never returns)           median step);
+//!                                                                  first step 30 s
 //!  2 control-plane lease      a node whose agent is silent (a      3 s (heartbeat    --lease-ms
 //!                             hung or cut-off machine)             every 500 ms)
 //!  3 data-plane operation     a peer that never answers though     60 s              -

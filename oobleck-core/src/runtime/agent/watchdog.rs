@@ -5,13 +5,18 @@
 //! failure. The lease cannot see this: the agent itself is fine.
 //!
 //! ```text
-//!  limit = max(--hang-timeout, --hang-factor x median of its recent step times)
-//!          (before any step time is known: WatchSpec::first_step_s)
-//!  no beat for max(limit, SILENT_FLOOR)            -> hung, "stopped" (SIGSTOP, a frozen host)
-//!  beats, no progress for limit, working           -> hung (a kernel that never returns)
-//!  beats, no progress, waiting on peers            -> not this rank: its peer's watchdog, or
-//!                                                     the data-plane timeout, finds the cause
-//!  between steps, waiting for a commit, broken     -> not watched (the master's business)
+//!  inside a step (its commit wait included):
+//!    no beat for max(--hang-timeout, SILENT_FLOOR)  -> hung, "stopped" (SIGSTOP, a frozen
+//!                                                      process: its beat thread is stopped too,
+//!                                                      whatever the step's length)
+//!  inside a step, but not waiting for the commit:
+//!    limit = max(--hang-timeout, --hang-factor x median of its recent step times)
+//!            (before any step time is known: WatchSpec::first_step_s)
+//!    beats, no progress for limit, working          -> hung (a kernel that never returns)
+//!    beats, no progress, waiting on peers           -> not this rank: its peer's watchdog, or
+//!                                                      the data-plane timeout, finds the cause
+//!  waiting for the commit with beats, between steps, forming, broken
+//!                                                   -> not watched (the master's business)
 //! ```
 //!
 //! A slow worker still moves at every microbatch and data-plane operation, so it is never
@@ -30,8 +35,8 @@ use crate::runtime::worker::IDLE_BEAT;
 
 /// Step times kept for the median.
 const STEP_WINDOW: usize = 16;
-/// The least silence taken for a stopped process: a few idle beats missed in a row.
-pub(super) const SILENT_FLOOR: Duration = IDLE_BEAT.saturating_mul(4);
+/// The least silence taken for a stopped process: three idle beats missed in a row.
+pub(super) const SILENT_FLOOR: Duration = IDLE_BEAT.saturating_mul(3);
 /// After SIGTERM, how long a hung worker gets before SIGKILL.
 pub(super) const FENCE_GRACE: Duration = Duration::from_secs(1);
 /// A worker whose stdout closed while it runs is killed after this long.
@@ -150,22 +155,24 @@ impl Watch {
 /// Whether the worker watched by `w` is hung at `now`.
 pub(super) fn verdict(w: &Watch, now: Instant, spec: &WatchSpec) -> Option<Hang> {
     let snap = w.snap.as_ref()?;
-    if w.hung || !snap.in_step || snap.waits_for_control() {
+    if w.hung || !snap.in_step {
         return None;
     }
-    let limit = w.limit(spec);
     let still = now.saturating_duration_since(w.last_move);
     let silent = now.saturating_duration_since(w.last_beat.unwrap_or(w.since));
-    let hang = |stopped| Hang {
+    let hang = |stopped, limit: Duration| Hang {
         what: snap.describe(),
         for_s: still.as_secs_f64(),
         limit_s: limit.as_secs_f64(),
         stopped,
     };
-    if silent > limit.max(SILENT_FLOOR) {
-        return Some(hang(true));
+    let silent_limit = Duration::from_secs_f64(spec.hang_timeout_s).max(SILENT_FLOOR);
+    if silent > silent_limit {
+        return Some(hang(true, silent_limit));
     }
-    (still > limit && !snap.waits_on_peers()).then(|| hang(false))
+    let limit = w.limit(spec);
+    (still > limit && !snap.waits_for_control() && !snap.waits_on_peers())
+        .then(|| hang(false, limit))
 }
 
 /// What the agent does about hung workers and broken pipes.
@@ -328,18 +335,18 @@ mod tests {
     #[test]
     fn the_limit_is_the_hang_timeout_or_k_median_steps_and_the_first_step_gets_longer() {
         let spec = spec();
-        let (w, _) = steady(5, 0.5);
+        let (w, _) = steady(5, 0.4);
         let m = w.median_step_s().expect("steps seen");
-        assert!((m - 0.5).abs() < 0.06, "{m}");
-        // 3 x 0.5 s is under the 2 s floor.
-        assert_eq!(w.limit(&spec), Duration::from_secs(2));
+        assert!((m - 0.4).abs() < 0.06, "{m}");
+        // 3 x 0.4 s is under the 1.5 s floor.
+        assert_eq!(w.limit(&spec), Duration::from_millis(1500));
         let (slow, _) = steady(4, 2.0);
         let l = slow.limit(&spec).as_secs_f64();
         assert!((l - 6.0).abs() < 0.2, "{l}");
         let (mut slow, _) = steady(4, 2.0);
         let said = slow.raised(&spec).expect("said once");
         assert!(
-            said.contains("hang limit is 6.0 s") && said.contains("--hang-timeout 2 s"),
+            said.contains("hang limit is 6.0 s") && said.contains("--hang-timeout 1.5 s"),
             "{said}"
         );
         assert_eq!(slow.raised(&spec), None);
@@ -352,11 +359,24 @@ mod tests {
     fn a_worker_that_stops_beating_is_stopped_and_one_stuck_in_compute_is_hung() {
         let spec = spec();
         let (w, last) = steady(5, 0.5);
-        assert_eq!(verdict(&w, last + Duration::from_millis(1900), &spec), None);
-        let h = verdict(&w, last + Duration::from_millis(2100), &spec).expect("stopped");
+        assert_eq!(verdict(&w, last + Duration::from_millis(1400), &spec), None);
+        let h = verdict(&w, last + Duration::from_millis(1600), &spec).expect("stopped");
         assert!(h.stopped, "{h:?}");
         assert_eq!(h.what, "the forward of microbatch 0 of step 5");
-        assert!((h.limit_s - 2.0).abs() < 1e-9);
+        assert!((h.limit_s - 1.5).abs() < 1e-9);
+
+        // Stopped while it waited for the commit: its peers go on to the next step and wait
+        // on it, so only its own silence can tell.
+        let (mut w, last) = steady(5, 0.5);
+        w.on_beat(last, snap(77_777, 5, vec![Doing::Commit]));
+        let h = verdict(&w, last + Duration::from_millis(1600), &spec).expect("stopped");
+        assert!(
+            h.stopped && h.what == "waiting for the commit of step 5",
+            "{h:?}"
+        );
+        // The silence limit does not grow with the step time: beats do not depend on it.
+        let (w, last) = steady(4, 2.0);
+        assert!(verdict(&w, last + Duration::from_millis(1600), &spec).is_some());
 
         // Beats go on (the process runs) but nothing moves, inside the forward.
         let (mut w, last) = steady(5, 0.5);
@@ -399,10 +419,10 @@ mod tests {
     #[test]
     fn a_slow_worker_that_moves_is_never_hung() {
         let spec = spec();
-        // Steps of 0.5 s, then one microbatch takes 1.9 s at a time, for 20 s: it moves.
+        // Steps of 0.5 s, then one microbatch takes 1.4 s at a time, for 14 s: it moves.
         let (mut w, mut t) = steady(5, 0.5);
         for seq in 10_000..10_010 {
-            for _ in 0..38 {
+            for _ in 0..28 {
                 t += Duration::from_millis(50);
                 w.on_beat(t, snap(seq, 6, fwd()));
                 assert_eq!(verdict(&w, t, &spec), None);

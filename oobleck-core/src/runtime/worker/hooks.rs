@@ -14,7 +14,7 @@ use crate::runtime::pipe::WorkerAssignment;
 /// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
 /// `GENERATION` stops itself with SIGSTOP in step `STEP` (1-based), `WHERE` being `compute`
 /// (the forward of the first microbatch it reads), `p2p` (its first receive) or `all_reduce`
-/// (its first all-reduce). Two more places do not stop the process: `stuck` (the forward
+/// (its first all-reduce) or `commit` (waiting for the step's commit). Two more places do not stop the process: `stuck` (the forward
 /// never returns while the process runs on, as a GPU kernel that hangs) and `close_stdout`
 /// (the worker closes its pipe to the agent in that forward). Once per process.
 pub const TEST_HANG_ENV: &str = "OOBLECK_TEST_HANG";
@@ -35,6 +35,7 @@ pub(super) enum Place {
     Compute,
     P2p,
     AllReduce,
+    Commit,
 }
 
 /// What the hook does at a `compute` place.
@@ -56,6 +57,7 @@ fn wanted(generation: u64, node: u32, step: u64, place: Place) -> Option<Act> {
         ],
         Place::P2p => &[("p2p", Act::Stop)],
         Place::AllReduce => &[("all_reduce", Act::Stop)],
+        Place::Commit => &[("commit", Act::Stop)],
     };
     names.iter().find_map(|(name, act)| {
         let want = format!("{generation}:{node}:{step}:{name}");

@@ -151,6 +151,7 @@ impl Generation<'_> {
         let waited = Instant::now();
         {
             let _commit = self.progress.enter(Doing::Commit);
+            hooks::hang_point(g, node, step + 1, hooks::Place::Commit);
             self.wait_commit(inbox, step)?;
         }
         let waited = waited.elapsed();
