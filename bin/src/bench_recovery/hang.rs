@@ -40,7 +40,8 @@ use super::summary::{check, step_time, Check, Recovery, RunInput, RunSummary};
 use super::BenchRecoveryArgs;
 use crate::bench_pipeline::median;
 
-/// The floor of the detection target, s: `--hang-timeout`'s default, the "or 2 s".
+/// The floor of the detection target, s: the "or 2 s" (`--hang-timeout`'s default,
+/// 1.5 s, is under it).
 pub const DETECT_FLOOR_S: f64 = 2.0;
 /// Detection within this many median steps (the "3x the median step time").
 pub const DETECT_STEPS: f64 = 3.0;

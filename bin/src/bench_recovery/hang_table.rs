@@ -184,18 +184,19 @@ fn notes(o: &mut String, r: &Report, h: &Hang) {
     );
     if let (Some(e), Some(target)) = (&h.event, h.detect_limit_s) {
         let over = if e.limit_s > target + 1e-3 {
-            " over the target: the watchdog's median (from its beats, its last 16 steps) was above \
-             the bench's, and detection at its limit misses"
+            " over the target: a --hang-timeout above it (or, for a worker that beat but did not \
+             move, 3 of the watchdog's own median steps above the bench's), and detection at its \
+             limit misses"
         } else {
             ""
         };
         let _ = writeln!(
             o,
             "Detection by design: the agent declares a worker stopped once it has heard no beat \
-             for max(its limit, 2 s), its limit max(--hang-timeout, --hang-factor x its median \
-             step); the last beat left up to 50 ms (working) or 500 ms (waiting on a peer, no \
-             progress) before the stop, so detection lands between the limit - 0.5 s and the \
-             limit + the agent's next look. Its limit here: {} s, against the target's {} s{over}.",
+             for --hang-timeout (1.5 s by default, whatever the step time); the last beat left \
+             up to 50 ms (working) or 500 ms (waiting on a peer, no progress) before the stop, \
+             so detection lands between the limit - 0.5 s and the limit + the agent's next \
+             look. Its limit here: {} s, against the target's {} s{over}.",
             num(e.limit_s, 3),
             num(target, 3)
         );

@@ -1,0 +1,83 @@
+//! Tests of `config.rs`: flags over the job file over the defaults, derived values, and the
+//! errors bad settings get.
+
+use super::*;
+use clap::Parser;
+
+#[test]
+fn flags_override_the_job_file_which_overrides_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, "steps = 7\nlr = 0.01\nseq_len = 32\n").unwrap();
+    let args = TrainArgs::parse_from(["train", "--config", job.to_str().unwrap(), "--steps", "9"]);
+    let c = args.resolve().unwrap();
+    assert_eq!((c.steps, c.lr, c.seq_len), (9, 0.01, 32));
+    assert_eq!(c.model, "gpt-mini");
+}
+
+#[test]
+fn derived_values_are_stored_resolved_and_old_nulls_come_from_the_saved_steps() {
+    let c = TrainArgs::parse_from(["train", "--steps", "200", "--lr", "0.01"])
+        .resolve()
+        .unwrap();
+    assert_eq!((c.warmup_steps, c.min_lr), (Some(20), Some(0.001)));
+    let dir = tempfile::tempdir().unwrap();
+    save_resolved(&TrainConfig::default(), dir.path()).unwrap();
+    let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    assert!(text.contains("\"warmup_steps\": 15"), "{text}");
+    // A config.json of a run made before: nulls, 200 steps.
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["steps"] = 200.into();
+    v["warmup_steps"] = serde_json::Value::Null;
+    v["min_lr"] = serde_json::Value::Null;
+    std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+    let old = load_resolved(dir.path()).unwrap();
+    assert_eq!((old.warmup_steps, old.min_lr), (Some(20), Some(2e-4)));
+}
+
+#[test]
+fn unknown_job_fields_and_bad_batches_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, "stepz = 7\n").unwrap();
+    let e = TrainArgs::parse_from(["train", "--config", job.to_str().unwrap()])
+        .resolve()
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("stepz"), "{e:#}");
+    let e = TrainArgs::parse_from(["train", "--global-batch-size", "10"])
+        .resolve()
+        .unwrap_err();
+    assert!(e.to_string().contains("multiple"), "{e}");
+    let e = TrainArgs::parse_from(["train", "--inject-failure", "x@y"])
+        .resolve()
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("NODE"), "{e:#}");
+}
+
+#[test]
+fn watchdog_flags_reach_the_job_and_bad_ones_say_why() {
+    let c = TrainArgs::parse_from([
+        "train",
+        "--hang-timeout",
+        "5",
+        "--straggler-factor",
+        "2",
+        "--evict-stragglers",
+    ])
+    .resolve()
+    .unwrap();
+    let w = c.watch_spec();
+    assert_eq!((w.hang_timeout_s, w.hang_factor), (5.0, 3.0));
+    assert!(w.evict_stragglers && w.straggler_factor == 2.0);
+    for (flag, value, says) in [
+        ("--hang-timeout", "0.2", "at least 1 s"),
+        ("--hang-timeout", "nan", "at least 1 s"),
+        ("--hang-factor", "1", "at least 1.5"),
+        ("--straggler-factor", "0.9", "above 1"),
+    ] {
+        let e = TrainArgs::parse_from(["train", flag, value])
+            .resolve()
+            .unwrap_err();
+        assert!(format!("{e:#}").contains(says), "{flag} {value}: {e:#}");
+    }
+}
