@@ -132,8 +132,8 @@ impl Doing {
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StepTimes {
-    /// Forward, backward and the optimizer (the optimizer of the step before, applied at the
-    /// start of this one's clock), on the rank's main thread.
+    /// Forward and backward of its microbatches (data reads included), on the rank's main
+    /// thread. The optimizer runs after the step's `Ready`, so it is not in here.
     pub compute_ms: f64,
     /// Inside sends and receives of activations and gradients.
     pub p2p_ms: f64,

@@ -3,7 +3,7 @@
 //! pace (the others wait for its activations and gradients, then for its all-reduce), so one
 //! slow device costs the whole job, while its peers only show it as p2p and collective wait.
 //!
-//! What is compared is each rank's *compute* (forward, backward, optimizer): the waits are
+//! What is compared is each rank's *compute* (its microbatches' forward and backward): the waits are
 //! what a straggler causes in the others, not a sign of their own slowness. Pipelines of
 //! different templates give their ranks different work (the planner balances iteration
 //! times, not each rank's compute: a single-node pipeline of all layers next to a two-node
