@@ -22,7 +22,7 @@ mod sync;
 mod worker;
 
 pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
-pub use progress::{Doing, Kind, Mark, Progress, Snapshot, StepTimes, Watched};
+pub use progress::{Doing, Kind, Mark, OpHook, Progress, Snapshot, StepTimes, Watched};
 pub use sync::{sync_gradients, SyncReport, BUCKET_ELEMS};
 pub use worker::{IterationOutput, OverlapStats, StageWorker, WorkerConfig};
 

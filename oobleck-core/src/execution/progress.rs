@@ -306,28 +306,60 @@ fn tag_parts(tag: u64) -> Option<(u32, bool)> {
     (tag >> 63 == 0).then_some((((tag >> 1) & 0x7fff_ffff) as u32, tag & 1 == 1))
 }
 
+/// Called with each data-plane operation once it is marked, before it runs: where a test
+/// injects a fault inside an operation.
+pub type OpHook = Arc<dyn Fn(&Doing) + Send + Sync>;
+
 /// A communicator whose every operation is marked in `progress`.
 pub struct Watched {
     inner: Arc<dyn Communicator>,
     progress: Arc<Progress>,
+    hook: Option<OpHook>,
 }
 
 impl Watched {
     pub fn new(inner: Arc<dyn Communicator>, progress: Arc<Progress>) -> Watched {
-        Watched { inner, progress }
+        Watched {
+            inner,
+            progress,
+            hook: None,
+        }
     }
 
-    fn p2p(&self, peer: Rank, tag: u64, send: bool) -> Mark<'_> {
+    /// Calls `hook` inside every operation (see [`OpHook`]).
+    pub fn with_hook(self, hook: OpHook) -> Watched {
+        Watched {
+            hook: Some(hook),
+            ..self
+        }
+    }
+
+    /// Runs `op` marked as `doing`.
+    fn marked<T>(&self, doing: Doing, op: impl FnOnce() -> T) -> T {
+        let _m = self.progress.enter(doing);
+        if let Some(h) = &self.hook {
+            h(&doing);
+        }
+        op()
+    }
+
+    fn p2p(peer: Rank, tag: u64, send: bool) -> Doing {
         let (mb, gradient) = match tag_parts(tag) {
             Some((m, g)) => (Some(m), g),
             None => (None, false),
         };
         let peer = peer as u32;
-        self.progress.enter(if send {
+        if send {
             Doing::Send { peer, mb, gradient }
         } else {
             Doing::Recv { peer, mb, gradient }
-        })
+        }
+    }
+
+    /// The next collective of the step, over `group`, `bytes` long.
+    fn collective(&self, group: &[Rank], bytes: usize) -> (u32, u32, u64) {
+        let index = self.progress.next_collective();
+        (index, group.len() as u32, bytes as u64)
     }
 }
 
@@ -342,12 +374,14 @@ impl Communicator for Watched {
         self.inner.generation()
     }
     fn send(&self, dst: Rank, tag: u64, tensor: &TensorBuf, timeout: Duration) -> CommResult<()> {
-        let _m = self.p2p(dst, tag, true);
-        self.inner.send(dst, tag, tensor, timeout)
+        self.marked(Self::p2p(dst, tag, true), || {
+            self.inner.send(dst, tag, tensor, timeout)
+        })
     }
     fn recv(&self, src: Rank, tag: u64, timeout: Duration) -> CommResult<TensorBuf> {
-        let _m = self.p2p(src, tag, false);
-        self.inner.recv(src, tag, timeout)
+        self.marked(Self::p2p(src, tag, false), || {
+            self.inner.recv(src, tag, timeout)
+        })
     }
     fn recv_into(
         &self,
@@ -356,8 +390,9 @@ impl Communicator for Watched {
         dst: &mut TensorBuf,
         timeout: Duration,
     ) -> CommResult<()> {
-        let _m = self.p2p(src, tag, false);
-        self.inner.recv_into(src, tag, dst, timeout)
+        self.marked(Self::p2p(src, tag, false), || {
+            self.inner.recv_into(src, tag, dst, timeout)
+        })
     }
     fn all_reduce(
         &self,
@@ -365,12 +400,15 @@ impl Communicator for Watched {
         tensor: &mut TensorBuf,
         timeout: Duration,
     ) -> CommResult<()> {
-        let _m = self.progress.enter(Doing::AllReduce {
-            index: self.progress.next_collective(),
-            ranks: group.len() as u32,
-            bytes: tensor.as_bytes().len() as u64,
-        });
-        self.inner.all_reduce(group, tensor, timeout)
+        let (index, ranks, bytes) = self.collective(group, tensor.as_bytes().len());
+        self.marked(
+            Doing::AllReduce {
+                index,
+                ranks,
+                bytes,
+            },
+            || self.inner.all_reduce(group, tensor, timeout),
+        )
     }
     fn broadcast(
         &self,
@@ -379,19 +417,21 @@ impl Communicator for Watched {
         tensor: &mut TensorBuf,
         timeout: Duration,
     ) -> CommResult<()> {
-        let _m = self.progress.enter(Doing::Broadcast {
-            index: self.progress.next_collective(),
-            ranks: group.len() as u32,
-            bytes: tensor.as_bytes().len() as u64,
-        });
-        self.inner.broadcast(group, root, tensor, timeout)
+        let (index, ranks, bytes) = self.collective(group, tensor.as_bytes().len());
+        self.marked(
+            Doing::Broadcast {
+                index,
+                ranks,
+                bytes,
+            },
+            || self.inner.broadcast(group, root, tensor, timeout),
+        )
     }
     fn barrier(&self, group: &[Rank], timeout: Duration) -> CommResult<()> {
-        let _m = self.progress.enter(Doing::Barrier {
-            index: self.progress.next_collective(),
-            ranks: group.len() as u32,
-        });
-        self.inner.barrier(group, timeout)
+        let (index, ranks, _) = self.collective(group, 0);
+        self.marked(Doing::Barrier { index, ranks }, || {
+            self.inner.barrier(group, timeout)
+        })
     }
     fn abort(&self) {
         self.inner.abort()

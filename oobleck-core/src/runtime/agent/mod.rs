@@ -155,6 +155,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         leaving: None,
         drain_wait: opts.drain_wait,
         watch: Default::default(),
+        limits_told: false,
     };
     let result = agent.serve(&mut local_rx).await;
     let grace = if result.is_ok() {
@@ -245,6 +246,8 @@ struct NodeAgent {
     drain_wait: Duration,
     /// The watchdog's view of each device's worker (`watchdog.rs`).
     watch: std::collections::BTreeMap<u32, Watch>,
+    /// It said that its workers' steps outlast `--hang-timeout` (once per node).
+    limits_told: bool,
 }
 
 impl NodeAgent {

@@ -57,8 +57,6 @@ pub(super) struct Watch {
     steps: VecDeque<f64>,
     /// It was found hung (told once).
     pub(super) hung: bool,
-    /// Its limit was said to be above `--hang-timeout` (said once).
-    raised_told: bool,
 }
 
 /// A hung worker, in the words of its report.
@@ -80,7 +78,6 @@ impl Watch {
             step_seen: None,
             steps: VecDeque::new(),
             hung: false,
-            raised_told: false,
         }
     }
 
@@ -89,26 +86,26 @@ impl Watch {
         let steps = std::mem::take(&mut self.steps);
         *self = Watch {
             steps,
-            raised_told: self.raised_told,
             ..Watch::new(now)
         };
     }
 
-    /// Once: the sentence that says its limit is above `--hang-timeout` because its steps are
-    /// slow (the flag is a floor, never a limit below what the worker's steps need).
-    pub(super) fn raised(&mut self, spec: &WatchSpec) -> Option<String> {
+    /// When `--hang-timeout` is below the worker's measured step time, the sentence that says
+    /// what its limits are instead (the flag is a floor, never a limit below what its steps
+    /// need).
+    pub(super) fn raised(&self, spec: &WatchSpec) -> Option<String> {
         let m = self.median_step_s()?;
-        if self.raised_told || spec.hang_factor * m <= spec.hang_timeout_s {
-            return None;
-        }
-        self.raised_told = true;
-        Some(format!(
-            "its steps take {m:.2} s (median), so its hang limit is {:.1} s ({} x that), above \
-             --hang-timeout {} s",
-            spec.hang_factor * m,
-            spec.hang_factor,
-            spec.hang_timeout_s
-        ))
+        (m > spec.hang_timeout_s).then(|| {
+            format!(
+                "steps take {m:.2} s (median), longer than --hang-timeout {} s: a worker that \
+                 reports but does not move is taken for hung after {:.1} s ({} steps), one \
+                 whose reports stop after {} s",
+                spec.hang_timeout_s,
+                spec.hang_factor * m,
+                spec.hang_factor,
+                spec.hang_timeout_s.max(SILENT_FLOOR.as_secs_f64())
+            )
+        })
     }
 
     pub(super) fn on_beat(&mut self, now: Instant, s: Snapshot) {
@@ -238,11 +235,9 @@ impl super::NodeAgent {
             let Some(watch) = self.watch.get_mut(&w.device) else {
                 continue;
             };
-            if let Some(why) = watch.raised(&spec) {
-                eprintln!(
-                    "oobleck agent: node {}: worker rank {}: {why}",
-                    self.node, w.rank
-                );
+            if let Some(why) = watch.raised(&spec).filter(|_| !self.limits_told) {
+                eprintln!("oobleck agent: node {}: {why}", self.node);
+                self.limits_told = true;
             }
             if let Some(h) = verdict(watch, now, &spec) {
                 watch.hung = true;
@@ -343,13 +338,13 @@ mod tests {
         let (slow, _) = steady(4, 2.0);
         let l = slow.limit(&spec).as_secs_f64();
         assert!((l - 6.0).abs() < 0.2, "{l}");
-        let (mut slow, _) = steady(4, 2.0);
-        let said = slow.raised(&spec).expect("said once");
+        let said = slow.raised(&spec).expect("steps above the flag");
         assert!(
-            said.contains("hang limit is 6.0 s") && said.contains("--hang-timeout 1.5 s"),
+            said.contains("after 6.0 s (3 steps)") && said.contains("--hang-timeout 1.5 s"),
             "{said}"
         );
-        assert_eq!(slow.raised(&spec), None);
+        // Steps shorter than the flag: nothing to say.
+        assert_eq!(w.raised(&spec), None);
         // No step time yet: the first step's own limit.
         let w = Watch::new(Instant::now());
         assert_eq!(w.limit(&spec), Duration::from_secs(30));

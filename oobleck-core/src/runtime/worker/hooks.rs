@@ -6,9 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use oobleck_comm::{Communicator, Rank, Result as CommResult, TensorBuf};
-
-use crate::execution::Progress;
+use crate::execution::{Doing, OpHook, Progress};
 use crate::runtime::pipe::WorkerAssignment;
 
 /// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
@@ -107,96 +105,17 @@ pub(super) fn slowness(node: u32) -> Option<Duration> {
     (n.parse::<u32>().ok()? == node).then(|| Duration::from_millis(ms))
 }
 
-/// Whether any hang hook is set: only then is the data plane wrapped in [`HangHook`].
-pub(super) fn hangs_wanted() -> bool {
-    std::env::var_os(TEST_HANG_ENV).is_some()
-}
-
-/// A communicator that hangs at the operation [`TEST_HANG_ENV`] names, inside the watched
-/// one (so the progress marks say the rank is in that operation).
-pub(super) struct HangHook {
-    inner: Arc<dyn Communicator>,
-    progress: Arc<Progress>,
-    generation: u64,
-    node: u32,
-}
-
-impl HangHook {
-    pub(super) fn wrap(
-        inner: Arc<dyn Communicator>,
-        progress: Arc<Progress>,
-        a: &WorkerAssignment,
-    ) -> Arc<dyn Communicator> {
-        Arc::new(HangHook {
-            inner,
-            progress,
-            generation: a.generation,
-            node: a.node,
-        })
-    }
-
-    fn at(&self, place: Place) {
-        hang_point(
-            self.generation,
-            self.node,
-            self.progress.snapshot().step,
-            place,
-        );
-    }
-}
-
-impl Communicator for HangHook {
-    fn rank(&self) -> Rank {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn generation(&self) -> u64 {
-        self.inner.generation()
-    }
-    fn send(&self, dst: Rank, tag: u64, tensor: &TensorBuf, timeout: Duration) -> CommResult<()> {
-        self.inner.send(dst, tag, tensor, timeout)
-    }
-    fn recv(&self, src: Rank, tag: u64, timeout: Duration) -> CommResult<TensorBuf> {
-        self.at(Place::P2p);
-        self.inner.recv(src, tag, timeout)
-    }
-    fn recv_into(
-        &self,
-        src: Rank,
-        tag: u64,
-        dst: &mut TensorBuf,
-        timeout: Duration,
-    ) -> CommResult<()> {
-        self.at(Place::P2p);
-        self.inner.recv_into(src, tag, dst, timeout)
-    }
-    fn all_reduce(
-        &self,
-        group: &[Rank],
-        tensor: &mut TensorBuf,
-        timeout: Duration,
-    ) -> CommResult<()> {
-        self.at(Place::AllReduce);
-        self.inner.all_reduce(group, tensor, timeout)
-    }
-    fn broadcast(
-        &self,
-        group: &[Rank],
-        root: Rank,
-        tensor: &mut TensorBuf,
-        timeout: Duration,
-    ) -> CommResult<()> {
-        self.inner.broadcast(group, root, tensor, timeout)
-    }
-    fn barrier(&self, group: &[Rank], timeout: Duration) -> CommResult<()> {
-        self.inner.barrier(group, timeout)
-    }
-    fn abort(&self) {
-        self.inner.abort()
-    }
-    fn is_aborted(&self) -> bool {
-        self.inner.is_aborted()
-    }
+/// The data-plane hook of [`TEST_HANG_ENV`] for the worker of `a`, if it is set: it stops
+/// the worker inside the first receive or all-reduce the variable names.
+pub(super) fn hang_hook(a: &WorkerAssignment, progress: &Arc<Progress>) -> Option<OpHook> {
+    std::env::var_os(TEST_HANG_ENV)?;
+    let (generation, node, progress) = (a.generation, a.node, progress.clone());
+    Some(Arc::new(move |doing: &Doing| {
+        let place = match doing {
+            Doing::Recv { .. } => Place::P2p,
+            Doing::AllReduce { .. } => Place::AllReduce,
+            _ => return,
+        };
+        hang_point(generation, node, progress.snapshot().step, place);
+    }))
 }

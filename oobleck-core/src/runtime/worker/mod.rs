@@ -241,11 +241,11 @@ impl<'a> Generation<'a> {
                 return Err(e);
             }
         };
-        let mut comm: Arc<dyn Communicator> = Arc::from(comm);
-        if hooks::hangs_wanted() {
-            comm = hooks::HangHook::wrap(comm, progress.clone(), a);
+        let mut watched = Watched::new(Arc::from(comm), progress.clone());
+        if let Some(hook) = hooks::hang_hook(a, progress) {
+            watched = watched.with_hook(hook);
         }
-        let comm: Arc<dyn Communicator> = Arc::new(Watched::new(comm, progress.clone()));
+        let comm: Arc<dyn Communicator> = Arc::new(watched);
         inbox.abort.arm(a.generation, a.rank, comm.clone());
         let generation = Generation::build(a, model, &layout, comm, loaded, progress)
             .map_err(|e| not_formed(e, Held::nothing(0)))?;
