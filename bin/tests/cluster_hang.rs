@@ -34,21 +34,6 @@ fn hung_run(dir: &Path, hangs: &str) -> std::path::PathBuf {
     out
 }
 
-/// `wall_s` of every committed step.
-fn commit_times(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .expect("metrics.jsonl")
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            (
-                v["step"].as_u64().expect("step"),
-                v["wall_s"].as_f64().expect("wall_s"),
-            )
-        })
-        .collect()
-}
-
 fn of_kind(run: &Path, kind: &str) -> Vec<serde_json::Value> {
     events(run)
         .into_iter()
@@ -61,7 +46,7 @@ fn of_kind(run: &Path, kind: &str) -> Vec<serde_json::Value> {
 /// the time from the hang to the next commit is under the limit plus the recovery that
 /// followed (`resumed`'s since_failure_s).
 fn assert_found_in_time(run: &Path, h: &serde_json::Value, resumed: &serde_json::Value) {
-    let commits = commit_times(run);
+    let commits = per_step(run, "wall_s");
     let what = h["what"].as_str().expect("what");
     let step: u64 = what
         .rsplit_once("of step ")

@@ -104,15 +104,18 @@ pub fn single_process(dir: &Path, steps: u64) -> (Vec<(u64, f64)>, BTreeMap<Stri
 }
 
 pub fn losses(run: &Path) -> Vec<(u64, f64)> {
+    per_step(run, "loss")
+}
+
+/// `(step, value of key)` of every line of the run's `metrics.jsonl`, in file order.
+pub fn per_step(run: &Path, key: &str) -> Vec<(u64, f64)> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            (
-                v["step"].as_u64().expect("step"),
-                v["loss"].as_f64().expect("loss"),
-            )
+            let value = v[key].as_f64().unwrap_or_else(|| panic!("no {key} in {l}"));
+            (v["step"].as_u64().expect("step"), value)
         })
         .collect()
 }
