@@ -131,6 +131,55 @@ fn workers_stopped_in_compute_all_reduce_and_p2p_are_found_fenced_and_replaced()
     assert_all_gone(&out, 10);
 }
 
+/// A collective that never returns on any member (node 1's first all-reduce of step 6 hangs
+/// until its generation is aborted, as a hung NCCL call does until `ncclCommAbort`): every
+/// rank only waits on its peers, so no watchdog blames one, but each agent says its worker
+/// waits; once every rank of the step does, the master ends the generation. Nobody is
+/// killed, every rank holds step 5, and training goes on in place within seconds, not after
+/// the data plane's 60 s timeout.
+#[test]
+fn a_collective_that_hangs_on_every_member_ends_the_generation_in_seconds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = hung_run(dir.path(), "0:1:6:all_reduce_stuck");
+    assert!(of_kind(&out, "hang").is_empty(), "nobody is blamed");
+    let dp = of_kind(&out, "data_plane_hang");
+    assert_eq!(dp.len(), 1, "{dp:?}");
+    assert_eq!(dp[0]["step"], 6, "{}", dp[0]);
+    assert_eq!(
+        dp[0]["waiting"].as_array().map(Vec::len),
+        Some(3),
+        "{}",
+        dp[0]
+    );
+    let r = reconfig_events(&out);
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(r[0]["in_place"], true, "{}", r[0]);
+    assert_eq!(r[0]["replayed_steps"], 0, "{}", r[0]);
+    assert!(
+        r[0]["cause"]
+            .as_str()
+            .expect("cause")
+            .contains("every rank waits"),
+        "{}",
+        r[0]
+    );
+    let commits = per_step(&out, "wall_s");
+    let at = |s: u64| commits.iter().find(|c| c.0 == s).expect("committed").1;
+    let stall = at(6) - at(5);
+    eprintln!("a hung collective: step 6 committed {stall:.2} s after step 5");
+    assert!(
+        stall < 15.0,
+        "{stall:.2} s: found by a timeout, not the watchdogs"
+    );
+    let killed: Vec<_> = of_kind(&out, "worker_exit")
+        .into_iter()
+        .filter(|e| !e["signal"].is_null())
+        .collect();
+    assert!(killed.is_empty(), "nobody killed: {killed:?}");
+    // 3 agents and 3 workers, none replaced.
+    assert_all_gone(&out, 6);
+}
+
 /// A worker whose forward never returns while its process runs on (its progress beats go on,
 /// nothing moves: a GPU kernel that hangs) is hung, SIGTERMed and replaced; then a worker
 /// whose pipe to its agent closes is killed as crashed. No step is lost.

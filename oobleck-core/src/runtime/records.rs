@@ -89,6 +89,17 @@ pub enum WorkerReport {
         limit_s: f64,
         stopped: bool,
     },
+    /// The worker has waited on its peers in a data-plane operation (`what`) of `step` for
+    /// `for_s` seconds, past its watchdog's limit, while its process runs and beats: it is not
+    /// what is stuck, but when every rank of a generation says this, the data plane itself
+    /// hangs (a collective that never returns) and the master aborts the generation.
+    /// Reported by its agent, once per stall.
+    Waiting {
+        rank: u32,
+        step: u64,
+        what: String,
+        for_s: f64,
+    },
     /// The worker process ended (reported by its agent). `error`: the end of what a failed
     /// worker printed, so the master can say why without access to its machine.
     Exited {
@@ -122,6 +133,7 @@ impl WorkerReport {
             | WorkerReport::Broken { rank, .. }
             | WorkerReport::Done { rank, .. }
             | WorkerReport::Hung { rank, .. }
+            | WorkerReport::Waiting { rank, .. }
             | WorkerReport::Exited { rank, .. } => *rank,
         }
     }
@@ -329,6 +341,13 @@ pub enum Event {
         evicted: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         refusal: Option<String>,
+    },
+    /// Every rank of the generation waited on its peers in `step` and none moved: the data
+    /// plane hangs; the generation is ended (`waiting`: each rank, where and how long).
+    DataPlaneHang {
+        generation: u64,
+        step: u64,
+        waiting: Vec<String>,
     },
     /// A lost node that still ran was killed, so it cannot come back.
     Fenced {

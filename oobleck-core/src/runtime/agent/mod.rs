@@ -378,7 +378,9 @@ impl NodeAgent {
                 if rank != Some(report.rank())
                     || matches!(
                         report,
-                        WorkerReport::Exited { .. } | WorkerReport::Hung { .. }
+                        WorkerReport::Exited { .. }
+                            | WorkerReport::Hung { .. }
+                            | WorkerReport::Waiting { .. }
                     )
                 {
                     return Err(self.error(format!(

@@ -13,8 +13,10 @@
 //!    limit = max(--hang-timeout, --hang-factor x median of its recent step times)
 //!            (before any step time is known: WatchSpec::first_step_s)
 //!    beats, no progress for limit, working          -> hung (a kernel that never returns)
-//!    beats, no progress, waiting on peers           -> not this rank: its peer's watchdog, or
-//!                                                      the data-plane timeout, finds the cause
+//!    beats, no progress, waiting on peers           -> not this rank: its peer's watchdog
+//!                                                      finds the cause; the master is told it
+//!                                                      waits, and when every rank of the step
+//!                                                      waits the data plane hangs (job/hangs.rs)
 //!  waiting for the commit with beats, between steps, forming, broken
 //!                                                   -> not watched (the master's business)
 //! ```
@@ -57,11 +59,15 @@ pub(super) struct Watch {
     steps: VecDeque<f64>,
     /// It was found hung (told once).
     pub(super) hung: bool,
+    /// The progress counter at which it was said to wait on its peers (once per stall).
+    pub(super) waiting_told: Option<u64>,
 }
 
 /// A hung worker, in the words of its report.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Hang {
+    pub step: u64,
+    pub seq: u64,
     pub what: String,
     pub for_s: f64,
     pub limit_s: f64,
@@ -78,6 +84,7 @@ impl Watch {
             step_seen: None,
             steps: VecDeque::new(),
             hung: false,
+            waiting_told: None,
         }
     }
 
@@ -158,6 +165,8 @@ pub(super) fn verdict(w: &Watch, now: Instant, spec: &WatchSpec) -> Option<Hang>
     let still = now.saturating_duration_since(w.last_move);
     let silent = now.saturating_duration_since(w.last_beat.unwrap_or(w.since));
     let hang = |stopped, limit: Duration| Hang {
+        step: snap.step,
+        seq: snap.seq,
         what: snap.describe(),
         for_s: still.as_secs_f64(),
         limit_s: limit.as_secs_f64(),
@@ -170,6 +179,23 @@ pub(super) fn verdict(w: &Watch, now: Instant, spec: &WatchSpec) -> Option<Hang>
     let limit = w.limit(spec);
     (still > limit && !snap.waits_for_control() && !snap.waits_on_peers())
         .then(|| hang(false, limit))
+}
+
+/// Whether the worker watched by `w` has waited on its peers, without moving, past its limit
+/// (and not said so yet for this stall): not hung itself, but the master is told.
+pub(super) fn waits_too_long(w: &Watch, now: Instant, spec: &WatchSpec) -> Option<Hang> {
+    let snap = w.snap.as_ref()?;
+    let limit = w.limit(spec);
+    let still = now.saturating_duration_since(w.last_move);
+    let fresh = w.waiting_told != Some(snap.seq);
+    (!w.hung && snap.in_step && snap.waits_on_peers() && still > limit && fresh).then(|| Hang {
+        step: snap.step,
+        seq: snap.seq,
+        what: snap.describe(),
+        for_s: still.as_secs_f64(),
+        limit_s: limit.as_secs_f64(),
+        stopped: false,
+    })
 }
 
 /// What the agent does about hung workers and broken pipes.
@@ -224,6 +250,7 @@ impl super::NodeAgent {
         let spec = job.config.watch;
         let now = Instant::now();
         let mut hung = Vec::new();
+        let mut waiting = Vec::new();
         for (i, w) in self.workers.iter_mut().enumerate() {
             if let Some(t) = w.kill_at {
                 if now >= t {
@@ -242,7 +269,20 @@ impl super::NodeAgent {
             if let Some(h) = verdict(watch, now, &spec) {
                 watch.hung = true;
                 hung.push((i, h));
+            } else if let Some(h) = waits_too_long(watch, now, &spec) {
+                watch.waiting_told = Some(h.seq);
+                waiting.push(WorkerReport::Waiting {
+                    rank: w.rank,
+                    step: h.step,
+                    what: h.what,
+                    for_s: h.for_s,
+                });
             }
+        }
+        for report in waiting {
+            self.send_report(report)
+                .await
+                .ctx("telling the master a worker waits on its peers")?;
         }
         for (i, h) in hung {
             let rank = self.workers[i].rank;
@@ -409,6 +449,41 @@ mod tests {
             let at = later(&mut w, last, s.clone());
             assert_eq!(verdict(&w, at, &spec), None, "{s:?}");
         }
+    }
+
+    #[test]
+    fn a_worker_waiting_on_its_peers_too_long_is_said_once_per_stall() {
+        let spec = spec();
+        let (mut w, last) = steady(5, 0.5);
+        let recv = |seq| {
+            snap(
+                seq,
+                6,
+                vec![Doing::AllReduce {
+                    index: 1,
+                    ranks: 3,
+                    bytes: 4096,
+                }],
+            )
+        };
+        for i in 1..=40 {
+            w.on_beat(last + Duration::from_millis(50 * i), recv(5000));
+        }
+        let at = last + Duration::from_millis(2000);
+        let h = waits_too_long(&w, at, &spec).expect("waits past its limit");
+        assert_eq!((h.step, h.seq), (6, 5000));
+        assert!(
+            h.what.starts_with("all_reduce #1 (3 ranks, 4.1 KB)"),
+            "{h:?}"
+        );
+        assert_eq!(verdict(&w, at, &spec), None, "waiting is not hung");
+        w.waiting_told = Some(h.seq);
+        assert_eq!(waits_too_long(&w, at, &spec), None, "said once");
+        // It moves, then stalls again: a new stall, said again.
+        for i in 41..=80 {
+            w.on_beat(last + Duration::from_millis(50 * i), recv(5001));
+        }
+        assert!(waits_too_long(&w, last + Duration::from_millis(4100), &spec).is_some());
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub(super) struct Generation {
     pub read: Vec<u32>,
     /// Where each rank's time of the open step went, as it said.
     pub times: BTreeMap<u32, StepTimes>,
+    /// Ranks whose watchdog says they wait on their peers: `(step, what, for how long)`.
+    pub waiting: BTreeMap<u32, (u64, String, f64)>,
     /// Ranks whose step failed, holding the state of a committed step: `(node, step)`.
     pub broken: BTreeMap<u32, (u32, u64)>,
     pub exited: BTreeSet<u32>,
@@ -496,6 +498,7 @@ impl JobMachine {
             ready: BTreeMap::new(),
             read: Vec::new(),
             times: BTreeMap::new(),
+            waiting: BTreeMap::new(),
             broken: BTreeMap::new(),
             exited: BTreeSet::new(),
             done: BTreeMap::new(),

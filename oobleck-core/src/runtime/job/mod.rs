@@ -24,6 +24,7 @@
 //!                                   └──────────────────► Failed (beyond what can recover)
 //! ```
 
+mod hangs;
 mod machine;
 pub mod membership;
 mod recovery;

@@ -100,13 +100,9 @@ impl JobMachine {
                 state,
                 commit_wait_ms,
             } => self.on_worker_done(rank, step, state, commit_wait_ms),
-            WorkerReport::Hung {
-                rank,
-                what,
-                for_s,
-                limit_s,
-                stopped,
-            } => self.on_hung(now, node, rank, what, for_s, limit_s, stopped),
+            r @ (WorkerReport::Hung { .. } | WorkerReport::Waiting { .. }) => {
+                self.on_watchdog(now, node, r)
+            }
             WorkerReport::Exited {
                 rank,
                 status,
@@ -115,40 +111,6 @@ impl JobMachine {
             // Only after an abort, which only a failure causes (handled in `recovery.rs`).
             WorkerReport::Stopping { .. } => {}
         }
-    }
-
-    /// A worker's watchdog fenced it: a failure now, not when its exit is seen.
-    #[allow(clippy::too_many_arguments)]
-    fn on_hung(
-        &mut self,
-        now: Duration,
-        node: u32,
-        rank: u32,
-        what: String,
-        for_s: f64,
-        limit_s: f64,
-        stopped: bool,
-    ) {
-        self.record(Event::Hang {
-            generation: self.generation,
-            node,
-            rank,
-            what: what.clone(),
-            for_s,
-            limit_s,
-            stopped,
-        });
-        let how = if stopped {
-            "stopped (no progress report either)"
-        } else {
-            "hung"
-        };
-        self.node_failure(
-            now,
-            format!(
-                "worker rank {rank} on node {node} {how} in {what} for {for_s:.1} s (watchdog limit {limit_s:.1} s); its agent fenced it"
-            ),
-        );
     }
 
     /// A worker process ended: a failure unless it finished cleanly.

@@ -6,15 +6,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::inbox::AbortSwitch;
 use crate::execution::{Doing, OpHook, Progress};
 use crate::runtime::pipe::WorkerAssignment;
 
 /// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
 /// `GENERATION` stops itself with SIGSTOP in step `STEP` (1-based), `WHERE` being `compute`
 /// (the forward of the first microbatch it reads), `p2p` (its first receive) or `all_reduce`
-/// (its first all-reduce) or `commit` (waiting for the step's commit). Two more places do not stop the process: `stuck` (the forward
-/// never returns while the process runs on, as a GPU kernel that hangs) and `close_stdout`
-/// (the worker closes its pipe to the agent in that forward). Once per process.
+/// (its first all-reduce) or `commit` (waiting for the step's commit). Three more acts do not stop the process: `stuck` (the forward
+/// never returns while the process runs on, as a GPU kernel that hangs), `close_stdout`
+/// (the worker closes its pipe to the agent in that forward) and `all_reduce_stuck` (its
+/// first all-reduce does not return until the generation is aborted, as a hung NCCL
+/// collective does until `ncclCommAbort`). Once per process.
 pub const TEST_HANG_ENV: &str = "OOBLECK_TEST_HANG";
 
 /// `OOBLECK_TEST_SLOW=NODE:MS`: the workers of `NODE` sleep `MS` ms in the forward of every
@@ -42,6 +45,7 @@ enum Act {
     Stop,
     Stuck,
     CloseStdout,
+    StuckUntilAbort,
 }
 
 /// What [`TEST_HANG_ENV`] asks node `node` to do at `place` in step `step` of `generation`.
@@ -54,7 +58,10 @@ fn wanted(generation: u64, node: u32, step: u64, place: Place) -> Option<Act> {
             ("close_stdout", Act::CloseStdout),
         ],
         Place::P2p => &[("p2p", Act::Stop)],
-        Place::AllReduce => &[("all_reduce", Act::Stop)],
+        Place::AllReduce => &[
+            ("all_reduce", Act::Stop),
+            ("all_reduce_stuck", Act::StuckUntilAbort),
+        ],
         Place::Commit => &[("commit", Act::Stop)],
     };
     names.iter().find_map(|(name, act)| {
@@ -64,7 +71,7 @@ fn wanted(generation: u64, node: u32, step: u64, place: Place) -> Option<Act> {
 }
 
 /// Hangs here if [`TEST_HANG_ENV`] says so.
-pub(super) fn hang_point(generation: u64, node: u32, step: u64, place: Place) {
+pub(super) fn hang_point(generation: u64, node: u32, step: u64, place: Place, abort: &AbortSwitch) {
     if HUNG.load(Ordering::SeqCst) {
         return;
     }
@@ -85,6 +92,11 @@ pub(super) fn hang_point(generation: u64, node: u32, step: u64, place: Place) {
             std::thread::sleep(Duration::from_secs(3600));
         },
         Act::CloseStdout => close_stdout(),
+        Act::StuckUntilAbort => {
+            while !abort.is_set() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
     }
 }
 
@@ -107,15 +119,20 @@ pub(super) fn slowness(node: u32) -> Option<Duration> {
 
 /// The data-plane hook of [`TEST_HANG_ENV`] for the worker of `a`, if it is set: it stops
 /// the worker inside the first receive or all-reduce the variable names.
-pub(super) fn hang_hook(a: &WorkerAssignment, progress: &Arc<Progress>) -> Option<OpHook> {
+pub(super) fn hang_hook(
+    a: &WorkerAssignment,
+    progress: &Arc<Progress>,
+    abort: &Arc<AbortSwitch>,
+) -> Option<OpHook> {
     std::env::var_os(TEST_HANG_ENV)?;
     let (generation, node, progress) = (a.generation, a.node, progress.clone());
+    let abort = abort.clone();
     Some(Arc::new(move |doing: &Doing| {
         let place = match doing {
             Doing::Recv { .. } => Place::P2p,
             Doing::AllReduce { .. } => Place::AllReduce,
             _ => return,
         };
-        hang_point(generation, node, progress.snapshot().step, place);
+        hang_point(generation, node, progress.snapshot().step, place, &abort);
     }))
 }

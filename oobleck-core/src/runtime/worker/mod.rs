@@ -242,7 +242,7 @@ impl<'a> Generation<'a> {
             }
         };
         let mut watched = Watched::new(Arc::from(comm), progress.clone());
-        if let Some(hook) = hooks::hang_hook(a, progress) {
+        if let Some(hook) = hooks::hang_hook(a, progress, &inbox.abort) {
             watched = watched.with_hook(hook);
         }
         let comm: Arc<dyn Communicator> = Arc::new(watched);

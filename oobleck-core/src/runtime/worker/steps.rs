@@ -113,7 +113,7 @@ impl Generation<'_> {
                     "stopped: the master ended this generation after a failure",
                 ));
             }
-            hooks::hang_point(g, node, step + 1, hooks::Place::Compute);
+            hooks::hang_point(g, node, step + 1, hooks::Place::Compute, abort);
             if let Some(d) = slow {
                 std::thread::sleep(d);
             }
@@ -151,7 +151,7 @@ impl Generation<'_> {
         let waited = Instant::now();
         {
             let _commit = self.progress.enter(Doing::Commit);
-            hooks::hang_point(g, node, step + 1, hooks::Place::Commit);
+            hooks::hang_point(g, node, step + 1, hooks::Place::Commit, &inbox.abort);
             self.wait_commit(inbox, step)?;
         }
         let waited = waited.elapsed();
