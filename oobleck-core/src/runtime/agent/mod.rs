@@ -19,7 +19,6 @@ mod spawn;
 mod watchdog;
 
 use std::net::SocketAddr;
-use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -33,7 +32,7 @@ use super::error::{Context, Result, RuntimeError};
 use super::pipe::{ranks_of_node, resolve, StateSource, ToWorker, WorkerAssignment};
 use super::records::WorkerReport;
 use super::spec::JobConfig;
-use crate::elastic::protocol::{ExitStatus, GenerationStart, Rendezvous};
+use crate::elastic::protocol::{GenerationStart, Rendezvous};
 use crate::elastic::{Agent, ElasticError, Message, Token};
 use crate::execution::Snapshot;
 use crate::planning::Plan;
@@ -392,44 +391,6 @@ impl NodeAgent {
                     .ctx("relaying a worker's report to the master")
             }
         }
-    }
-
-    /// Notes the workers that exited; their exits go out on the next turn, after the reports
-    /// their relays read last.
-    async fn reap_workers(&mut self) -> Result<()> {
-        let mut i = 0;
-        while i < self.workers.len() {
-            let Some(st) = self.workers[i].child.try_wait().ctx("polling a worker")? else {
-                self.check_pipe(i);
-                i += 1;
-                continue;
-            };
-            let w = self.workers.remove(i);
-            // Its relay ends at the EOF of its stdout; the reports it read are then queued.
-            let _ = tokio::time::timeout(GRACE, w.relay).await;
-            let tail = tokio::time::timeout(GRACE, w.errors)
-                .await
-                .ok()
-                .and_then(std::result::Result::ok)
-                .unwrap_or_default();
-            let mut error = (!st.success() && !tail.is_empty()).then(|| tail.join("\n"));
-            if w.pipe_broken {
-                let why = "its report pipe (stdout) closed while it ran: treated as a crash";
-                error = Some(match error {
-                    Some(e) => format!("{why}\n{e}"),
-                    None => why.into(),
-                });
-            }
-            self.exited.push(WorkerReport::Exited {
-                rank: w.rank,
-                status: ExitStatus {
-                    code: st.code(),
-                    signal: st.signal(),
-                },
-                error,
-            });
-        }
-        Ok(())
     }
 
     async fn on_message(&mut self, msg: Message) -> Result<Flow> {

@@ -1,11 +1,12 @@
 //! An agent's worker processes: started by re-running this binary as `OOBLECK_ROLE=worker`,
 //! fed through their stdin, heard through their stdout (reports) and stderr (their log, whose
-//! last lines explain a failure), and stopped.
+//! last lines explain a failure), reaped, and stopped.
 //!
 //! The agent is a process role, like a binary's `main`: a worker's log goes on to the agent's
 //! stderr, so this module prints.
 
 use std::collections::VecDeque;
+use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use tokio::sync::mpsc;
 
 use super::{Local, CONTROL_TIMEOUT, GRACE};
 use crate::elastic::auth::TOKEN_ENV;
+use crate::elastic::protocol::ExitStatus;
 use crate::runtime::entry::{
     AGENT_WAIT_ENV, ERROR_TAG, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
     WORKER,
@@ -194,6 +196,46 @@ pub(super) async fn stop_workers(workers: &mut Vec<Worker>, grace: Duration) {
         }
     }
     workers.clear();
+}
+
+impl super::NodeAgent {
+    /// Notes the workers that exited; their exits go out on the next turn, after the reports
+    /// their relays read last.
+    pub(super) async fn reap_workers(&mut self) -> Result<()> {
+        let mut i = 0;
+        while i < self.workers.len() {
+            let Some(st) = self.workers[i].child.try_wait().ctx("polling a worker")? else {
+                self.check_pipe(i);
+                i += 1;
+                continue;
+            };
+            let w = self.workers.remove(i);
+            // Its relay ends at the EOF of its stdout; the reports it read are then queued.
+            let _ = tokio::time::timeout(GRACE, w.relay).await;
+            let tail = tokio::time::timeout(GRACE, w.errors)
+                .await
+                .ok()
+                .and_then(std::result::Result::ok)
+                .unwrap_or_default();
+            let mut error = (!st.success() && !tail.is_empty()).then(|| tail.join("\n"));
+            if w.pipe_broken {
+                let why = "its report pipe (stdout) closed while it ran: treated as a crash";
+                error = Some(match error {
+                    Some(e) => format!("{why}\n{e}"),
+                    None => why.into(),
+                });
+            }
+            self.exited.push(WorkerReport::Exited {
+                rank: w.rank,
+                status: ExitStatus {
+                    code: st.code(),
+                    signal: st.signal(),
+                },
+                error,
+            });
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
