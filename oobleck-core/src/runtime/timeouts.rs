@@ -13,11 +13,14 @@
 //!                             ...or it beats, nothing moves (a     max(1.5 s, 3 x    --hang-factor
 //!                             kernel that never returns)           median step);
 //!                                                                  first step 30 s
+//!  2 ...and at the master      every rank of a step waits on its    the watchdog's    (the same)
+//!                             peers, none moves (a collective      limit, once the
+//!                             that never returns on any member)    last rank says it
 //!  2 control-plane lease      a node whose agent is silent (a      3 s (heartbeat    --lease-ms
 //!                             hung or cut-off machine)             every 500 ms)
 //!  3 data-plane operation     a peer that never answers though     60 s              -
-//!    (DATA_TIMEOUT)           nothing above fired (every rank of
-//!                             a collective waits: a hung NCCL)
+//!    (DATA_TIMEOUT)           nothing above fired (the last
+//!                             resort; a fault of the detectors)
 //!  4 ranks' state after an    a rank whose state never comes       = DATA_TIMEOUT    -
 //!    abort (Limits::ranks_wait)  (a surviving rank stuck in an op)
 //!  5 commit / rendezvous      the master or the other ranks never  3 x DATA_TIMEOUT  -
