@@ -3,7 +3,7 @@
 //! or a collective that never returns would leave it, and a worker slowed on purpose.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::inbox::AbortSwitch;
@@ -12,12 +12,13 @@ use crate::runtime::pipe::WorkerAssignment;
 
 /// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
 /// `GENERATION` stops itself with SIGSTOP in step `STEP` (1-based), `WHERE` being `compute`
-/// (the forward of the first microbatch it reads), `p2p` (its first receive) or `all_reduce`
-/// (its first all-reduce) or `commit` (waiting for the step's commit). Three more acts do not stop the process: `stuck` (the forward
-/// never returns while the process runs on, as a GPU kernel that hangs), `close_stdout`
-/// (the worker closes its pipe to the agent in that forward) and `all_reduce_stuck` (its
-/// first all-reduce does not return until the generation is aborted, as a hung NCCL
-/// collective does until `ncclCommAbort`). Once per process.
+/// (the forward of the first microbatch it reads), `p2p` (its first receive), `all_reduce`
+/// (its first all-reduce) or `commit` (waiting for the step's commit). Three more acts do
+/// not stop the process: `stuck` (the forward never returns while the process runs on, as a
+/// GPU kernel that hangs), `close_stdout` (the worker closes its pipe to the agent in that
+/// forward) and `all_reduce_stuck` (its first all-reduce does not return until the
+/// generation is aborted, as a hung NCCL collective does until `ncclCommAbort`). Once per
+/// process. Read once, when first needed: the places it is looked at are on the step's path.
 pub const TEST_HANG_ENV: &str = "OOBLECK_TEST_HANG";
 
 /// `OOBLECK_TEST_SLOW=NODE:MS`: the workers of `NODE` sleep `MS` ms in the forward of every
@@ -29,6 +30,26 @@ pub const TEST_SLOW_ENV: &str = "OOBLECK_TEST_SLOW";
 const BEFORE_STOP: Duration = Duration::from_millis(200);
 
 static HUNG: AtomicBool = AtomicBool::new(false);
+
+/// One entry of [`TEST_HANG_ENV`]: `(generation, node, step, what)`.
+type Want = (u64, u32, u64, String);
+
+/// [`TEST_HANG_ENV`], parsed once (empty when unset; entries that do not parse are ignored).
+fn wants() -> &'static [Want] {
+    static WANTS: OnceLock<Vec<Want>> = OnceLock::new();
+    WANTS.get_or_init(|| {
+        let spec = std::env::var(TEST_HANG_ENV).unwrap_or_default();
+        spec.split(',')
+            .filter_map(|s| {
+                let mut f = s.trim().splitn(4, ':');
+                let generation = f.next()?.parse().ok()?;
+                let node = f.next()?.parse().ok()?;
+                let step = f.next()?.parse().ok()?;
+                Some((generation, node, step, f.next()?.to_string()))
+            })
+            .collect()
+    })
+}
 
 /// The places a hang can be injected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +71,9 @@ enum Act {
 
 /// What [`TEST_HANG_ENV`] asks node `node` to do at `place` in step `step` of `generation`.
 fn wanted(generation: u64, node: u32, step: u64, place: Place) -> Option<Act> {
-    let spec = std::env::var(TEST_HANG_ENV).ok()?;
+    let want = wants()
+        .iter()
+        .find(|w| (w.0, w.1, w.2) == (generation, node, step))?;
     let names: &[(&str, Act)] = match place {
         Place::Compute => &[
             ("compute", Act::Stop),
@@ -64,10 +87,9 @@ fn wanted(generation: u64, node: u32, step: u64, place: Place) -> Option<Act> {
         ],
         Place::Commit => &[("commit", Act::Stop)],
     };
-    names.iter().find_map(|(name, act)| {
-        let want = format!("{generation}:{node}:{step}:{name}");
-        spec.split(',').any(|s| s.trim() == want).then_some(*act)
-    })
+    names
+        .iter()
+        .find_map(|(name, act)| (*name == want.3).then_some(*act))
 }
 
 /// Hangs here if [`TEST_HANG_ENV`] says so.
@@ -109,12 +131,15 @@ fn close_stdout() {
     drop(unsafe { std::fs::File::from_raw_fd(1) });
 }
 
-/// The sleep [`TEST_SLOW_ENV`] asks of node `node`'s workers per microbatch.
+/// The sleep [`TEST_SLOW_ENV`] asks of node `node`'s workers per microbatch (read once).
 pub(super) fn slowness(node: u32) -> Option<Duration> {
-    let spec = std::env::var(TEST_SLOW_ENV).ok()?;
-    let (n, ms) = spec.trim().split_once(':')?;
-    let ms: u64 = ms.parse().ok()?;
-    (n.parse::<u32>().ok()? == node).then(|| Duration::from_millis(ms))
+    static SLOW: OnceLock<Option<(u32, Duration)>> = OnceLock::new();
+    let slow = SLOW.get_or_init(|| {
+        let spec = std::env::var(TEST_SLOW_ENV).ok()?;
+        let (n, ms) = spec.trim().split_once(':')?;
+        Some((n.parse().ok()?, Duration::from_millis(ms.parse().ok()?)))
+    });
+    slow.filter(|(n, _)| *n == node).map(|(_, d)| d)
 }
 
 /// The data-plane hook of [`TEST_HANG_ENV`] for the worker of `a`, if it is set: it stops
@@ -124,7 +149,9 @@ pub(super) fn hang_hook(
     progress: &Arc<Progress>,
     abort: &Arc<AbortSwitch>,
 ) -> Option<OpHook> {
-    std::env::var_os(TEST_HANG_ENV)?;
+    if wants().is_empty() {
+        return None;
+    }
     let (generation, node, progress) = (a.generation, a.node, progress.clone());
     let abort = abort.clone();
     Some(Arc::new(move |doing: &Doing| {
