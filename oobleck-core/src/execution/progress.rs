@@ -210,6 +210,7 @@ pub struct Progress {
 pub struct Mark<'a> {
     progress: &'a Progress,
     id: u64,
+    doing: Doing,
 }
 
 impl Drop for Mark<'_> {
@@ -240,12 +241,29 @@ impl Progress {
 
     /// `doing` starts now; it ends when the returned mark is dropped.
     pub fn enter(&self, doing: Doing) -> Mark<'_> {
+        self.enter_with(|_| doing)
+    }
+
+    /// The next collective of the step starts now: `make(its 1-based index)` says which.
+    pub fn enter_collective(&self, make: impl FnOnce(u32) -> Doing) -> Mark<'_> {
+        self.enter_with(|s| {
+            s.collectives += 1;
+            make(s.collectives)
+        })
+    }
+
+    fn enter_with(&self, doing: impl FnOnce(&mut State) -> Doing) -> Mark<'_> {
         let mut s = self.lock();
+        let doing = doing(&mut s);
         s.seq += 1;
         s.next_id += 1;
         let id = s.next_id;
         s.stack.push((id, doing, Instant::now()));
-        Mark { progress: self, id }
+        Mark {
+            progress: self,
+            id,
+            doing,
+        }
     }
 
     /// Step `step` (1-based) starts: its times and collective count start from zero.
@@ -281,13 +299,6 @@ impl Progress {
         let mut s = self.lock();
         s.seq += 1;
         s.in_step = false;
-    }
-
-    /// The next collective of this step: its 1-based index.
-    fn next_collective(&self) -> u32 {
-        let mut s = self.lock();
-        s.collectives += 1;
-        s.collectives
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -334,11 +345,10 @@ impl Watched {
         }
     }
 
-    /// Runs `op` marked as `doing`.
-    fn marked<T>(&self, doing: Doing, op: impl FnOnce() -> T) -> T {
-        let _m = self.progress.enter(doing);
+    /// Runs `op` under `mark`.
+    fn marked<T>(&self, mark: Mark<'_>, op: impl FnOnce() -> T) -> T {
         if let Some(h) = &self.hook {
-            h(&doing);
+            h(&mark.doing);
         }
         op()
     }
@@ -355,12 +365,6 @@ impl Watched {
             Doing::Recv { peer, mb, gradient }
         }
     }
-
-    /// The next collective of the step, over `group`, `bytes` long.
-    fn collective(&self, group: &[Rank], bytes: usize) -> (u32, u32, u64) {
-        let index = self.progress.next_collective();
-        (index, group.len() as u32, bytes as u64)
-    }
 }
 
 impl Communicator for Watched {
@@ -374,12 +378,12 @@ impl Communicator for Watched {
         self.inner.generation()
     }
     fn send(&self, dst: Rank, tag: u64, tensor: &TensorBuf, timeout: Duration) -> CommResult<()> {
-        self.marked(Self::p2p(dst, tag, true), || {
+        self.marked(self.progress.enter(Self::p2p(dst, tag, true)), || {
             self.inner.send(dst, tag, tensor, timeout)
         })
     }
     fn recv(&self, src: Rank, tag: u64, timeout: Duration) -> CommResult<TensorBuf> {
-        self.marked(Self::p2p(src, tag, false), || {
+        self.marked(self.progress.enter(Self::p2p(src, tag, false)), || {
             self.inner.recv(src, tag, timeout)
         })
     }
@@ -390,7 +394,7 @@ impl Communicator for Watched {
         dst: &mut TensorBuf,
         timeout: Duration,
     ) -> CommResult<()> {
-        self.marked(Self::p2p(src, tag, false), || {
+        self.marked(self.progress.enter(Self::p2p(src, tag, false)), || {
             self.inner.recv_into(src, tag, dst, timeout)
         })
     }
@@ -400,15 +404,13 @@ impl Communicator for Watched {
         tensor: &mut TensorBuf,
         timeout: Duration,
     ) -> CommResult<()> {
-        let (index, ranks, bytes) = self.collective(group, tensor.as_bytes().len());
-        self.marked(
-            Doing::AllReduce {
-                index,
-                ranks,
-                bytes,
-            },
-            || self.inner.all_reduce(group, tensor, timeout),
-        )
+        let (ranks, bytes) = (group.len() as u32, tensor.as_bytes().len() as u64);
+        let mark = self.progress.enter_collective(|index| Doing::AllReduce {
+            index,
+            ranks,
+            bytes,
+        });
+        self.marked(mark, || self.inner.all_reduce(group, tensor, timeout))
     }
     fn broadcast(
         &self,
@@ -417,21 +419,20 @@ impl Communicator for Watched {
         tensor: &mut TensorBuf,
         timeout: Duration,
     ) -> CommResult<()> {
-        let (index, ranks, bytes) = self.collective(group, tensor.as_bytes().len());
-        self.marked(
-            Doing::Broadcast {
-                index,
-                ranks,
-                bytes,
-            },
-            || self.inner.broadcast(group, root, tensor, timeout),
-        )
+        let (ranks, bytes) = (group.len() as u32, tensor.as_bytes().len() as u64);
+        let mark = self.progress.enter_collective(|index| Doing::Broadcast {
+            index,
+            ranks,
+            bytes,
+        });
+        self.marked(mark, || self.inner.broadcast(group, root, tensor, timeout))
     }
     fn barrier(&self, group: &[Rank], timeout: Duration) -> CommResult<()> {
-        let (index, ranks, _) = self.collective(group, 0);
-        self.marked(Doing::Barrier { index, ranks }, || {
-            self.inner.barrier(group, timeout)
-        })
+        let ranks = group.len() as u32;
+        let mark = self
+            .progress
+            .enter_collective(|index| Doing::Barrier { index, ranks });
+        self.marked(mark, || self.inner.barrier(group, timeout))
     }
     fn abort(&self) {
         self.inner.abort()
