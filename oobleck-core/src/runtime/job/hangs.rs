@@ -9,14 +9,10 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use crate::runtime::records::{Event, WorkerReport};
 
-/// Whether every rank of a generation of `world` ranks waits on its peers in step `step`, per
-/// `waiting` (`rank -> (step, ...)`).
-pub(super) fn all_waiting<T>(
-    world: usize,
-    step: u64,
-    waiting: &std::collections::BTreeMap<u32, (u64, T, f64)>,
-) -> bool {
-    world > 0 && waiting.values().filter(|w| w.0 == step).count() == world
+/// Whether every rank of a generation of `world` ranks waits on its peers in step `step`,
+/// given the step each waiting rank said it waits in.
+pub(super) fn all_waiting(world: usize, step: u64, waits_in: impl Iterator<Item = u64>) -> bool {
+    world > 0 && waits_in.filter(|&s| s == step).count() == world
 }
 
 impl JobMachine {
@@ -68,7 +64,9 @@ impl JobMachine {
             return;
         };
         g.waiting.insert(rank, (step, what, for_s));
-        if !matches!(self.phase, Phase::Stepping) || !all_waiting(g.world, open, &g.waiting) {
+        if !matches!(self.phase, Phase::Stepping)
+            || !all_waiting(g.world, open, g.waiting.values().map(|w| w.0))
+        {
             return;
         }
         let each: Vec<String> = g
@@ -98,19 +96,23 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
+    fn steps(w: &BTreeMap<u32, (u64, (), f64)>) -> impl Iterator<Item = u64> + '_ {
+        w.values().map(|v| v.0)
+    }
+
     #[test]
     fn the_data_plane_hangs_only_when_every_rank_waits_in_the_open_step() {
         let mut w: BTreeMap<u32, (u64, (), f64)> = BTreeMap::new();
         w.insert(0, (5, (), 2.0));
         w.insert(1, (5, (), 2.0));
-        assert!(!all_waiting(3, 5, &w), "rank 2 is not waiting");
+        assert!(!all_waiting(3, 5, steps(&w)), "rank 2 is not waiting");
         w.insert(2, (4, (), 2.0));
         assert!(
-            !all_waiting(3, 5, &w),
+            !all_waiting(3, 5, steps(&w)),
             "rank 2 waited in a step that committed"
         );
         w.insert(2, (5, (), 1.8));
-        assert!(all_waiting(3, 5, &w));
-        assert!(!all_waiting(0, 5, &BTreeMap::<u32, (u64, (), f64)>::new()));
+        assert!(all_waiting(3, 5, steps(&w)));
+        assert!(!all_waiting(0, 5, steps(&BTreeMap::new())));
     }
 }

@@ -516,55 +516,17 @@ mod tests {
 
     #[test]
     fn planned_work_follows_the_pipelines_microbatches_and_stages() {
-        use crate::planning::{Pipeline, Stage, Template};
-        let stage = |node, ns| Stage {
-            layer_start: 0,
-            layer_end: 1,
-            node,
-            first_device: 0,
-            devices: 1,
-            forward_ns: ns,
-            backward_ns: 2 * ns,
-            p2p_ns: 7,
-            memory_bytes: 1,
-        };
-        let template = |stages: Vec<Stage>| Template {
-            nodes: stages.len() as u32,
-            devices_per_node: 1,
-            stages,
-            microbatches: 1,
-            t1_ns: 1,
-            t3_ns: 1,
-            bottleneck_stage: 0,
-            bottleneck_ns: 1,
-            iteration_ns: 1,
-            peak_memory_bytes: 1,
-        };
-        let pipeline = |id, nodes: Vec<u32>, first_rank, microbatches| Pipeline {
-            id,
-            template_nodes: nodes.len() as u32,
-            nodes,
-            first_rank,
-            microbatches,
-            predicted_ns: 1,
-        };
-        let plan = Plan {
-            generation: 0,
-            devices_per_node: 1,
-            fault_threshold: 1,
-            global_microbatches: 4,
-            min_nodes: 1,
-            templates: vec![
-                template(vec![stage(0, 10)]),
-                template(vec![stage(0, 4), stage(1, 6)]),
-            ],
-            pipelines: vec![pipeline(0, vec![0], 0, 1), pipeline(1, vec![1, 2], 1, 3)],
-            compute_ns: 1,
-            sync_ns: 0,
-            sync_model_ns: 0,
-            layer_state_bytes: Vec::new(),
-            iteration_ns: 1,
-        };
+        // Pipelines [0] and [1, 2] with 1 and 3 microbatches; stage F + B of 10 + 20 (the
+        // one-node template), 4 + 8 and 6 + 12 (the two-node one).
+        let mut plan = crate::runtime::job::tests::plan(&[&[0], &[1, 2]]);
+        plan.pipelines[0].microbatches = 1;
+        plan.pipelines[1].microbatches = 3;
+        for t in &mut plan.templates {
+            let ns: &[u64] = if t.nodes == 1 { &[10] } else { &[4, 6] };
+            for (s, &f) in t.stages.iter_mut().zip(ns) {
+                (s.forward_ns, s.backward_ns) = (f, 2 * f);
+            }
+        }
         let got: Vec<(u32, f64)> = planned_work(&plan).into_iter().collect();
         assert_eq!(got, [(0, 30.0), (1, 36.0), (2, 54.0)]);
     }
