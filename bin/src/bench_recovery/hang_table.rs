@@ -258,19 +258,8 @@ mod tests {
             commands: vec![],
         };
         let text = table::render(&report);
-        let (main, hung) = text.split_once("| hang: one worker").unwrap();
-        let pipes = |l: &str| l.matches('|').count();
-        assert!(main
-            .lines()
-            .filter(|l| l.starts_with('|'))
-            .all(|l| pipes(l) == 8));
-        let rows: Vec<&str> = hung
-            .lines()
-            .skip(2)
-            .take_while(|l| l.starts_with('|'))
-            .collect();
-        assert!(rows.iter().all(|l| pipes(l) == 5), "{rows:#?}");
-        let find = |p: &str| *rows.iter().find(|l| l.starts_with(p)).unwrap();
+        let rows = table::section_rows(&text, "| hang: one worker", 2, 5);
+        let find = |p: &str| table::row_starting(&rows, p);
         // 3.4 s against max(3 x 1 s, 2 s): a miss.
         assert!(find("| SIGSTOP -> hang event s").ends_with("| 3.400 | < 3.00 | MISS |"));
         assert!(find("| steps replayed").ends_with("| 0 | 0 | PASS |"));

@@ -260,19 +260,8 @@ mod tests {
             commands: vec![],
         };
         let text = table::render(&report);
-        let (main, planned) = text.split_once("| planned reconfiguration").unwrap();
-        let pipes = |l: &str| l.matches('|').count();
-        assert!(main
-            .lines()
-            .filter(|l| l.starts_with('|'))
-            .all(|l| pipes(l) == 8));
-        let rows: Vec<&str> = planned
-            .lines()
-            .skip(1)
-            .take_while(|l| l.starts_with('|'))
-            .collect();
-        assert!(rows.iter().all(|l| pipes(l) == 7), "{rows:#?}");
-        let find = |p: &str| *rows.iter().find(|l| l.starts_with(p)).unwrap();
+        let rows = table::section_rows(&text, "| planned reconfiguration", 1, 7);
+        let find = |p: &str| table::row_starting(&rows, p);
         // Over a fault-free step of 1 s: the drain costs 0.8 s, the join 1.6 s, a miss.
         assert!(find("| boundary -> next commit s").ends_with("| PASS, MISS |"));
         assert!(find("| cost: ").contains("| 0.800 | 1.600 |"));

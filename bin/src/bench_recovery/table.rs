@@ -269,3 +269,36 @@ pub fn in_place_note(ip: &RunSummary, planned: usize) -> String {
         )
     }
 }
+
+/// The rows of the rendered table's section that starts at `heading` (after its first
+/// `skip` lines), each with `pipes` column bars; every row of the main table before it has the
+/// main table's 8.
+#[cfg(test)]
+pub(super) fn section_rows<'a>(
+    text: &'a str,
+    heading: &str,
+    skip: usize,
+    pipes: usize,
+) -> Vec<&'a str> {
+    let (main, section) = text.split_once(heading).expect("the section is rendered");
+    let bars = |l: &str| l.matches('|').count();
+    assert!(main
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .all(|l| bars(l) == 8));
+    let rows: Vec<&str> = section
+        .lines()
+        .skip(skip)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert!(rows.iter().all(|l| bars(l) == pipes), "{rows:#?}");
+    rows
+}
+
+/// The row of `rows` that starts with `start`.
+#[cfg(test)]
+pub(super) fn row_starting<'a>(rows: &[&'a str], start: &str) -> &'a str {
+    rows.iter()
+        .find(|l| l.starts_with(start))
+        .expect("the row is rendered")
+}
