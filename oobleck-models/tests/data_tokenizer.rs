@@ -55,20 +55,60 @@ fn end_of_text_is_one_special_token() {
 }
 
 #[test]
-fn vocab_mismatch_names_both_sizes_and_the_tokenizer() {
+fn a_larger_model_vocabulary_is_padding_and_a_larger_tokenizer_is_refused() {
     let tok = shipped();
-    tok.check_vocab(GPT2_VOCAB_SIZE).unwrap();
-    let err = tok.check_vocab(50272).unwrap_err();
+    assert_eq!(tok.check_vocab(GPT2_VOCAB_SIZE).unwrap(), 0);
+    // OPT's 50272 rows: the 15 the tokenizer never produces are padding.
+    assert_eq!(tok.check_vocab(50272).unwrap(), 15);
+    // Fewer rows than ids: an id past the embedding, refused with both numbers.
+    let err = tok.check_vocab(50000).unwrap_err();
     assert!(matches!(
         err,
         DataError::VocabMismatch {
             tokenizer_vocab: 50257,
-            model_vocab: 50272,
+            model_vocab: 50000,
             ..
         }
     ));
     let msg = err.to_string();
-    assert!(msg.contains("50257") && msg.contains("50272") && msg.contains("gpt2-tokenizer"));
+    assert!(msg.contains("50257") && msg.contains("50000") && msg.contains("gpt2-tokenizer"));
+}
+
+#[test]
+fn opt_ids_differ_from_gpt2_ids_for_the_same_pieces() {
+    // `transformers`' OPTTokenizationTest: facebook/opt-350m encodes "A photo of a cat" to
+    // [2, 250, 1345, 9, 10, 4758] (BOS `</s>` = 2, then five pieces). GPT-2 cuts the same five
+    // pieces with other ids (datasets/README.md, "OPT and the GPT-2 tokenizer").
+    let ids = shipped().encode("A photo of a cat").unwrap();
+    assert_eq!(ids, vec![32, 4590, 286, 257, 3797]);
+    assert_eq!(ids.len(), [250, 1345, 9, 10, 4758].len());
+}
+
+#[test]
+fn files_are_the_bytes_it_was_built_from_under_hugging_face_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = shipped();
+    let files = tok.files();
+    let names: Vec<&str> = files.iter().map(|f| f.0).collect();
+    assert_eq!(names, ["vocab.json", "merges.txt"]);
+    assert!(Gpt2Tokenizer::in_model_dir(dir.path()).is_none());
+    for (name, bytes) in &files {
+        std::fs::write(dir.path().join(name), bytes).unwrap();
+    }
+    let found = Gpt2Tokenizer::in_model_dir(dir.path()).expect("vocab.json + merges.txt");
+    assert_eq!(found, dir.path());
+    let back = Gpt2Tokenizer::from_path(&found).unwrap();
+    assert_eq!(
+        back.hash(),
+        tok.hash(),
+        "the same ids, the same token cache"
+    );
+    assert_eq!(Gpt2Tokenizer::embedded().hash(), tok.hash());
+
+    // A tokenizer.json wins over the pair.
+    let json = dir.path().join("tokenizer.json");
+    std::fs::write(&json, b"{}").unwrap();
+    assert_eq!(Gpt2Tokenizer::in_model_dir(dir.path()), Some(json));
 }
 
 #[test]
@@ -136,6 +176,11 @@ fn a_small_custom_vocabulary_is_usable_and_reports_its_size() {
     // 5 entries plus <|endoftext|>, which this vocabulary lacks and gets appended.
     assert_eq!(tok.vocab_size(), 6);
     assert_eq!(tok.encode("ab ab").unwrap(), vec![3, 4]);
-    assert!(tok.check_vocab(GPT2_VOCAB_SIZE).is_err());
+    // A model with more rows than these 6 ids accepts it (the rest is padding); fewer refuse.
+    assert_eq!(
+        tok.check_vocab(GPT2_VOCAB_SIZE).unwrap(),
+        GPT2_VOCAB_SIZE - 6
+    );
+    assert!(tok.check_vocab(5).is_err());
     assert_ne!(tok.hash(), shipped().hash());
 }

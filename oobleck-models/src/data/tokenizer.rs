@@ -6,7 +6,13 @@
 //! against `datasets/gpt2-tokenizer/reference_ids.json` by the tests). One difference, the same
 //! as Hugging Face's `GPT2TokenizerFast`: the literal text `<|endoftext|>` encodes to the single
 //! special id 50256 instead of being spelled out in pieces.
+//!
+//! The same code loads other byte-level BPE vocabularies, OPT's among them: OPT's tokenizer
+//! is GPT-2's merges with the ids renumbered (fairseq's dictionary order, `</s>` = 2, `<pad>` =
+//! 1), see `datasets/README.md`. A model may have more embedding rows than the tokenizer has
+//! ids ([`Gpt2Tokenizer::check_vocab`]): OPT pads its vocabulary to a multiple of 8.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -25,18 +31,36 @@ pub const END_OF_TEXT: &str = "<|endoftext|>";
 /// Id of [`END_OF_TEXT`] in the GPT-2 vocabulary.
 pub const END_OF_TEXT_ID: u32 = 50256;
 
+/// Names of a tokenizer's files in a Hugging Face model directory.
+const HF_TOKENIZER_FILE: &str = "tokenizer.json";
+const HF_VOCAB_FILE: &str = "vocab.json";
+const HF_MERGES_FILE: &str = "merges.txt";
+
 /// Size of the pieces a long text is cut into before encoding (see [`cut_points`]).
 const CHUNK_BYTES: usize = 1 << 18;
 /// Pieces encoded per `encode_batch` call: bounds the memory of the `Encoding`s held at once.
 const CHUNKS_PER_BATCH: usize = 8;
 
 /// A GPT-2 byte-level BPE tokenizer plus the hash of the files it was built from (the token
-/// cache is keyed by it).
+/// cache is keyed by it) and those files' bytes (a checkpoint carries them, so the ids a model
+/// was trained with travel with its weights).
 pub struct Gpt2Tokenizer {
     inner: Tokenizer,
     source: PathBuf,
     hash: String,
     vocab_size: usize,
+    files: SourceFiles,
+}
+
+/// The bytes a tokenizer was built from.
+enum SourceFiles {
+    /// A `token -> id` vocabulary and a merges file (the built-in ones are borrowed).
+    Bpe {
+        vocab: Cow<'static, [u8]>,
+        merges: Cow<'static, [u8]>,
+    },
+    /// A Hugging Face `tokenizer.json`.
+    Json(Vec<u8>),
 }
 
 impl std::fmt::Debug for Gpt2Tokenizer {
@@ -94,8 +118,8 @@ impl Gpt2Tokenizer {
         let merges_bytes = read_input(merges_path, "tokenizer merges")?;
         let source = vocab_path.parent().unwrap_or(vocab_path).to_path_buf();
         Self::from_bpe_bytes(
-            (vocab_path, &vocab_bytes),
-            (merges_path, &merges_bytes),
+            (vocab_path, Cow::Owned(vocab_bytes)),
+            (merges_path, Cow::Owned(merges_bytes)),
             source,
         )
     }
@@ -105,8 +129,11 @@ impl Gpt2Tokenizer {
     pub fn embedded() -> Self {
         let dir = Path::new(EMBEDDED_TOKENIZER_NAME);
         Self::from_bpe_bytes(
-            (&dir.join("encoder.json"), EMBEDDED_ENCODER_JSON),
-            (&dir.join("vocab.bpe"), EMBEDDED_VOCAB_BPE),
+            (
+                &dir.join("encoder.json"),
+                Cow::Borrowed(EMBEDDED_ENCODER_JSON),
+            ),
+            (&dir.join("vocab.bpe"), Cow::Borrowed(EMBEDDED_VOCAB_BPE)),
             dir.to_path_buf(),
         )
         .expect("the built-in tokenizer files are the shipped ones, which the tests load")
@@ -115,13 +142,13 @@ impl Gpt2Tokenizer {
     /// GPT-2's byte-level BPE from the bytes of a vocabulary and a merges file; the paths name
     /// them in errors.
     fn from_bpe_bytes(
-        (vocab_path, vocab_bytes): (&Path, &[u8]),
-        (merges_path, merges_bytes): (&Path, &[u8]),
+        (vocab_path, vocab_bytes): (&Path, Cow<'static, [u8]>),
+        (merges_path, merges_bytes): (&Path, Cow<'static, [u8]>),
         source: PathBuf,
     ) -> Result<Self> {
-        let vocab = parse_vocab(vocab_path, vocab_bytes)?;
+        let vocab = parse_vocab(vocab_path, &vocab_bytes)?;
         let vocab_size = vocab.len();
-        let merges = parse_merges(merges_path, merges_bytes)?;
+        let merges = parse_merges(merges_path, &merges_bytes)?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -138,13 +165,17 @@ impl Gpt2Tokenizer {
         let mut h = Sha256::new();
         h.update(b"oobleck gpt2 byte-level bpe v1\0");
         h.update((vocab_bytes.len() as u64).to_le_bytes());
-        h.update(vocab_bytes);
-        h.update(merges_bytes);
+        h.update(&vocab_bytes);
+        h.update(&merges_bytes);
         Ok(Self {
             vocab_size: inner.get_vocab_size(true).max(vocab_size),
             inner,
             source,
             hash: hex::encode(h.finalize()),
+            files: SourceFiles::Bpe {
+                vocab: vocab_bytes,
+                merges: merges_bytes,
+            },
         })
     }
 
@@ -160,6 +191,7 @@ impl Gpt2Tokenizer {
             inner,
             source: path.to_path_buf(),
             hash: hex::encode(Sha256::digest(&bytes)),
+            files: SourceFiles::Json(bytes),
         })
     }
 
@@ -178,17 +210,51 @@ impl Gpt2Tokenizer {
         &self.hash
     }
 
-    /// Errors with both numbers unless this tokenizer's vocabulary is `model_vocab` tokens.
-    pub fn check_vocab(&self, model_vocab: usize) -> Result<()> {
-        if self.vocab_size == model_vocab {
-            Ok(())
-        } else {
-            Err(DataError::VocabMismatch {
+    /// The files this tokenizer was built from, under the names a Hugging Face model directory
+    /// gives them (`vocab.json` + `merges.txt`, or `tokenizer.json`): written beside a
+    /// checkpoint's weights, they make the directory name its own ids for `--init-from`
+    /// ([`Self::in_model_dir`]) and for `transformers`.
+    pub fn files(&self) -> Vec<(&'static str, &[u8])> {
+        match &self.files {
+            SourceFiles::Bpe { vocab, merges } => {
+                vec![
+                    (HF_VOCAB_FILE, vocab.as_ref()),
+                    (HF_MERGES_FILE, merges.as_ref()),
+                ]
+            }
+            SourceFiles::Json(bytes) => vec![(HF_TOKENIZER_FILE, bytes.as_slice())],
+        }
+    }
+
+    /// The tokenizer a model directory ships, as a path for [`Self::from_path`]: its
+    /// `tokenizer.json`, else the directory itself when it holds `vocab.json` + `merges.txt`
+    /// (what Hugging Face GPT-2 and OPT repositories and this project's checkpoints hold).
+    /// `None`: the directory names no tokenizer.
+    pub fn in_model_dir(dir: &Path) -> Option<PathBuf> {
+        let json = dir.join(HF_TOKENIZER_FILE);
+        if json.is_file() {
+            return Some(json);
+        }
+        (dir.join(HF_VOCAB_FILE).is_file() && dir.join(HF_MERGES_FILE).is_file())
+            .then(|| dir.to_path_buf())
+    }
+
+    /// Checks that every id this tokenizer produces has a row in a model of `model_vocab`
+    /// embedding rows, and returns how many rows it never produces (the model's padding).
+    ///
+    /// More rows than ids is padding, not a mismatch: OPT pads its 50,265 ids to 50,272 (a
+    /// multiple of 8, for fast matrix shapes), and with GPT-2's 50,257 ids 15 rows are never
+    /// an input or a target. Those rows only ever get the softmax's push-down in the tied LM
+    /// head, so training is that of a 50,257-token model. More ids than rows would index
+    /// past the embedding: that is refused with both numbers.
+    pub fn check_vocab(&self, model_vocab: usize) -> Result<usize> {
+        model_vocab
+            .checked_sub(self.vocab_size)
+            .ok_or_else(|| DataError::VocabMismatch {
                 path: self.source.clone(),
                 tokenizer_vocab: self.vocab_size,
                 model_vocab,
             })
-        }
     }
 
     /// Token ids of `text`. Long texts are cut at points where GPT-2's pre-tokenizer splits
