@@ -19,14 +19,40 @@ pub enum ModelConfig {
     Opt(OptConfig),
 }
 
-/// Every preset name, GPT family first.
+/// Every preset name, GPT family first; each variant right after the preset it derives from.
 pub fn preset_names() -> Vec<&'static str> {
-    GptConfig::PRESETS
-        .iter()
-        .chain(OptConfig::PRESETS)
-        .copied()
-        .collect()
+    let mut names = Vec::new();
+    for &name in GptConfig::PRESETS.iter().chain(OptConfig::PRESETS) {
+        names.push(name);
+        names.extend(VARIANTS.iter().filter(|v| v.base == name).map(|v| v.name));
+    }
+    names
 }
+
+/// A preset made from another one with a change: a tiny model of an architecture that only a
+/// large preset has, so it can be trained and tested in seconds.
+struct Variant {
+    name: &'static str,
+    base: &'static str,
+    change: fn(&mut ModelConfig),
+}
+
+/// `opt-tiny-postln`: opt-tiny built as opt-350m is, the only OPT preset of that kind
+/// (post-LayerNorm blocks, no final LayerNorm, word embeddings half the block width and
+/// projected in and out), so CI trains that architecture in seconds.
+const VARIANTS: &[Variant] = &[Variant {
+    name: "opt-tiny-postln",
+    base: "opt-tiny",
+    change: |c| {
+        if let ModelConfig::Opt(c) = c {
+            c.do_layer_norm_before = false;
+            c.word_embed_proj_dim = Some(c.hidden_size / 2);
+        }
+    },
+}];
+
+/// The families `from_hf_json` reads, by `model_type`, for its messages.
+const FAMILIES: &str = "gpt2 (GPT-2 and GPT-3) and opt (OPT)";
 
 impl ModelConfig {
     /// A preset by name; an unknown name lists the presets.
@@ -36,6 +62,11 @@ impl ModelConfig {
         }
         if let Some(c) = OptConfig::preset(name) {
             return Ok(Self::Opt(c));
+        }
+        if let Some(v) = VARIANTS.iter().find(|v| v.name == name) {
+            let mut c = Self::preset(v.base)?;
+            (v.change)(&mut c);
+            return Ok(c);
         }
         Err(Error::UnknownModel {
             name: name.into(),
@@ -58,7 +89,11 @@ impl ModelConfig {
         let model_type = v
             .get("model_type")
             .and_then(|m| m.as_str())
-            .ok_or_else(|| bad("no `model_type` field (expected \"gpt2\" or \"opt\")".into()))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "no `model_type` field; the families built are {FAMILIES}"
+                ))
+            })?;
         let cfg = match model_type {
             "gpt2" => Self::Gpt(
                 serde_json::from_value(v.clone())
@@ -70,12 +105,31 @@ impl ModelConfig {
             ),
             other => {
                 return Err(bad(format!(
-                    "model_type `{other}` is not supported (gpt2, opt)"
+                    "model_type `{other}` is not a family this project builds; the families \
+                     built are {FAMILIES}"
                 )))
             }
         };
         cfg.validate().map_err(|e| bad(e.to_string()))?;
         Ok(cfg)
+    }
+
+    /// The family's `model_type` (`gpt2`, `opt`), as in a Hugging Face `config.json`.
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            Self::Gpt(_) => "gpt2",
+            Self::Opt(_) => "opt",
+        }
+    }
+
+    /// The shape in words: `opt: 2 blocks, hidden 64, 4 heads, vocabulary 50272 ids`.
+    pub fn shape_summary(&self) -> String {
+        let (blocks, d, heads, _) = self.dims();
+        format!(
+            "{}: {blocks} blocks, hidden {d}, {heads} heads, vocabulary {} ids",
+            self.model_type(),
+            self.vocab_size()
+        )
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -170,19 +224,17 @@ impl ModelConfig {
     /// The `config.json` HF would write for this model (enough for `from_hf_json` and for
     /// `transformers` to load it).
     pub fn to_hf_json(&self) -> serde_json::Value {
-        let (mut v, ty, arch) = match self {
+        let (mut v, arch) = match self {
             Self::Gpt(c) => (
                 serde_json::to_value(c).expect("config serialises"),
-                "gpt2",
                 "GPT2LMHeadModel",
             ),
             Self::Opt(c) => (
                 serde_json::to_value(c).expect("config serialises"),
-                "opt",
                 "OPTForCausalLM",
             ),
         };
-        v["model_type"] = ty.into();
+        v["model_type"] = self.model_type().into();
         v["architectures"] = serde_json::json!([arch]);
         v
     }
