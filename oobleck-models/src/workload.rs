@@ -22,7 +22,7 @@ use oobleck_core::planning::{analytical_profile, DeviceSpec, Dtype, ModelProfile
 use oobleck_core::runtime::{BoxError, TrainingSpec, Workload};
 use serde::{Deserialize, Serialize};
 
-use crate::data::{self, Batch, BatchSpec, DataCursor, DataError, Dataset, Split};
+use crate::data::{self, Batch, BatchSpec, DataCursor, DataError, Dataset, Gpt2Tokenizer, Split};
 use crate::{hf, Error, ModelConfig, Result};
 
 /// What to train: the model and its data. The job runtime carries it as opaque JSON
@@ -57,7 +57,8 @@ pub struct GptWorkloadConfig {
     /// (`datasets/shakespeare.txt`, compiled in).
     pub dataset: Option<PathBuf>,
     /// GPT-2 tokenizer: `tokenizer.json`, or a directory with `encoder.json` + `vocab.bpe`.
-    /// Default none: the built-in GPT-2 tokenizer.
+    /// Default none: with `init_from`, the tokenizer its directory ships (see
+    /// [`GptWorkloadConfig::tokenizer_path`]); else the built-in GPT-2 tokenizer.
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -85,6 +86,47 @@ impl GptWorkloadConfig {
             None => ModelConfig::preset(&self.model),
         }
     }
+
+    /// The tokenizer to use (`None`: the built-in GPT-2 one). The ids must be those the model
+    /// was trained with, so with `init_from` and no `tokenizer`, the model directory's own
+    /// tokenizer is used (`tokenizer.json`, or `vocab.json` + `merges.txt`: what Hugging Face
+    /// repositories and this project's checkpoints hold). A directory without one is a GPT-2
+    /// model on OpenAI's ids, the built-in tokenizer's; an OPT directory without one is
+    /// refused, since OPT's ids are not GPT-2's (see `datasets/README.md`).
+    pub fn tokenizer_path(&self) -> Result<Option<PathBuf>> {
+        let pretrained = match &self.init_from {
+            Some(src) if self.tokenizer.is_none() => Some(hf::locate(src)?),
+            _ => None,
+        };
+        self.tokenizer_of(pretrained.as_ref())
+    }
+
+    /// [`Self::tokenizer_path`] with `init_from` already located.
+    fn tokenizer_of(&self, pretrained: Option<&hf::Pretrained>) -> Result<Option<PathBuf>> {
+        if self.tokenizer.is_some() {
+            return Ok(self.tokenizer.clone());
+        }
+        let Some(pre) = pretrained else {
+            return Ok(None);
+        };
+        if let Some(path) = Gpt2Tokenizer::in_model_dir(&pre.dir) {
+            return Ok(Some(path));
+        }
+        match pre.config {
+            ModelConfig::Gpt(_) => Ok(None),
+            ModelConfig::Opt(_) => Err(Error::BadConfig {
+                path: pre.dir.clone(),
+                reason: "an OPT model with no tokenizer beside it (tokenizer.json, or vocab.json \
+                         + merges.txt). OPT checkpoints number their tokens with OPT's own ids, \
+                         not the built-in GPT-2 tokenizer's (\"Hello\" is 31414 in OPT, 15496 in \
+                         GPT-2), so training on GPT-2's ids would scramble what it learned: copy \
+                         the tokenizer files that came with the model into this directory, or \
+                         name them with --tokenizer (datasets/gpt2-tokenizer for an OPT model \
+                         trained from scratch on GPT-2's ids)"
+                    .into(),
+            }),
+        }
+    }
 }
 
 /// A GPT/OPT model with its corpus, checked to fit each other (see [`GptWorkload::new`]).
@@ -98,6 +140,8 @@ pub struct GptWorkload {
     data: Dataset,
     spec: BatchSpec,
     iterations_per_epoch: usize,
+    /// What is trained, in words (see [`Workload::name`]).
+    description: String,
 }
 
 impl GptWorkload {
@@ -106,9 +150,20 @@ impl GptWorkload {
     /// vocabulary, the training split holds a global batch and the validation split the
     /// evaluation batches.
     pub fn new(cfg: GptWorkloadConfig) -> Result<Self> {
-        let (model_cfg, pretrained) = resolve_model(&cfg)?;
-        let (data, spec, iterations_per_epoch) = prepare_data(&cfg, &model_cfg)?;
+        let located = cfg.init_from.as_deref().map(hf::locate).transpose()?;
+        let model_cfg = match &located {
+            Some(pre) => pre.config.clone(),
+            None => cfg.model_config()?,
+        };
+        // Tokenizer and data first: a refusal there comes before reading the weights.
+        let tokenizer = cfg.tokenizer_of(located.as_ref())?;
+        let (data, spec, iterations_per_epoch) =
+            prepare_data(&cfg, &model_cfg, tokenizer.as_deref())?;
+        let pretrained = located
+            .map(|pre| hf::load_weights(&pre.dir, &pre.config))
+            .transpose()?;
         let model = model_cfg.build()?;
+        let description = describe(&cfg, &model_cfg, data.tokenizer().vocab_size());
         Ok(Self {
             cfg,
             model_cfg,
@@ -117,6 +172,7 @@ impl GptWorkload {
             data,
             spec,
             iterations_per_epoch,
+            description,
         })
     }
 
@@ -228,8 +284,11 @@ impl Workload for GptWorkload {
         Ok(())
     }
 
+    /// What is trained: the preset (`gpt-mini`), or with `init_from` the model's reference and
+    /// shape (`DIR (gpt2: 5 blocks, hidden 64, 4 heads, vocabulary 50257 ids)`), and, when the model
+    /// has more embedding rows than the tokenizer has ids, how many are padding.
     fn name(&self) -> String {
-        self.cfg.model.clone()
+        self.description.clone()
     }
 
     fn num_params(&self) -> usize {
@@ -278,8 +337,13 @@ impl Workload for GptWorkload {
         serde_json::to_value(self.cursor(step)).expect("a data cursor is two integers")
     }
 
+    /// `config.json` and the tokenizer's files: the checkpoint is a Hugging Face model
+    /// directory that names the ids it was trained with (`--init-from` it reads them back).
     fn checkpoint_files(&self) -> Vec<(String, Vec<u8>)> {
-        vec![(hf::CONFIG_FILE.into(), hf::config_json(&self.model_cfg))]
+        let mut files = vec![(hf::CONFIG_FILE.into(), hf::config_json(&self.model_cfg))];
+        let tokenizer = self.data.tokenizer().files();
+        files.extend(tokenizer.into_iter().map(|(n, b)| (n.into(), b.to_vec())));
+        files
     }
 }
 
@@ -292,16 +356,22 @@ pub fn to_tensors(batch: &Batch, device: &Device) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-/// The model: `init_from`'s HF config and weights, else the preset.
-fn resolve_model(
-    cfg: &GptWorkloadConfig,
-) -> Result<(ModelConfig, Option<HashMap<String, Tensor>>)> {
-    if let Some(src) = &cfg.init_from {
-        let pre = hf::locate(src)?;
-        let w = hf::load_weights(&pre.dir, &pre.config)?;
-        return Ok((pre.config, Some(w)));
+/// [`GptWorkload`]'s name: the preset or `init_from` with its shape, and the padding rows.
+fn describe(cfg: &GptWorkloadConfig, model: &ModelConfig, tokenizer_vocab: usize) -> String {
+    let padding = model.vocab_size().saturating_sub(tokenizer_vocab);
+    let note = match padding {
+        0 => String::new(),
+        n => format!(", {n} of them padding beyond the tokenizer's {tokenizer_vocab}"),
+    };
+    match &cfg.init_from {
+        Some(src) => format!("{src} ({}{note})", model.shape_summary()),
+        None if padding == 0 => cfg.model.clone(),
+        None => format!(
+            "{} (vocabulary {} ids{note})",
+            cfg.model,
+            model.vocab_size()
+        ),
     }
-    Ok((cfg.model_config()?, None))
 }
 
 /// Opens the corpus and checks it and the batch shape against the model; returns the dataset,
@@ -310,6 +380,7 @@ fn resolve_model(
 fn prepare_data(
     cfg: &GptWorkloadConfig,
     model_cfg: &ModelConfig,
+    tokenizer: Option<&std::path::Path>,
 ) -> Result<(Dataset, BatchSpec, usize)> {
     if cfg.seq_len > model_cfg.max_seq_len() {
         return Err(Error::Invalid(format!(
@@ -322,7 +393,8 @@ fn prepare_data(
     if cfg.eval_batches == 0 {
         return Err(DataError::InvalidRequest("--eval-batches must be at least 1".into()).into());
     }
-    let data = data::open_dataset(cfg.dataset.as_deref(), cfg.tokenizer.as_deref())?;
+    let data = data::open_dataset(cfg.dataset.as_deref(), tokenizer)?;
+    // More model rows than tokenizer ids is padding (OPT's), said in the workload's name.
     data.tokenizer().check_vocab(model_cfg.vocab_size())?;
     let spec = BatchSpec {
         seq_len: cfg.seq_len,

@@ -228,15 +228,25 @@ fn evaluation_is_the_mean_loss_of_the_first_validation_batches() {
 }
 
 #[test]
-fn checkpoints_carry_a_config_json_that_loads_back() {
+fn checkpoints_carry_a_config_json_and_the_tokenizer_that_load_back() {
     let (dir, corpus) = small_corpus(20_000);
     let w = GptWorkload::new(tiny(&corpus)).unwrap();
     let files = w.checkpoint_files();
-    assert_eq!(files.len(), 1);
-    assert_eq!(files[0].0, "config.json");
-    let path = dir.path().join("config.json");
-    std::fs::write(&path, &files[0].1).unwrap();
-    assert_eq!(&ModelConfig::from_hf_json(&path).unwrap(), w.model_config());
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    assert_eq!(names, ["config.json", "vocab.json", "merges.txt"]);
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir(&ckpt).unwrap();
+    for (name, bytes) in &files {
+        std::fs::write(ckpt.join(name), bytes).unwrap();
+    }
+    let config = ckpt.join("config.json");
+    assert_eq!(
+        &ModelConfig::from_hf_json(&config).unwrap(),
+        w.model_config()
+    );
+    let tok = Gpt2Tokenizer::in_model_dir(&ckpt).expect("the tokenizer beside the weights");
+    let tok = Gpt2Tokenizer::from_path(&tok).unwrap();
+    assert_eq!(tok.hash(), w.dataset().tokenizer().hash());
 }
 
 #[test]

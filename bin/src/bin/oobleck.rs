@@ -198,7 +198,8 @@ fn generate(a: &GenerateArgs) -> Result<()> {
         })?;
     // The model of the run without its starting weights (the checkpoint has the trained ones)
     // or its corpus (only the tokenizer is needed).
-    let model_cfg = oobleck_cli::cluster::job::workload_config(&cfg).model_config()?;
+    let workload = oobleck_cli::cluster::job::workload_config(&cfg);
+    let model_cfg = workload.model_config()?;
     let model = model_cfg.build()?;
     let params: HashMap<_, _> = ck.params.into_iter().collect();
     let stage = whole_model(
@@ -206,7 +207,15 @@ fn generate(a: &GenerateArgs) -> Result<()> {
         &candle_core::Device::Cpu,
         ParamSource::Tensors(&params),
     )?;
-    let tok = open_tokenizer(a.tokenizer.as_deref().or(cfg.tokenizer.as_deref()))?;
+    // The ids the model was trained with: --tokenizer, else the tokenizer files the checkpoint
+    // carries, else the run's (its --tokenizer, or its --init-from directory's).
+    let carried = oobleck_models::data::Gpt2Tokenizer::in_model_dir(&ckpt);
+    let tokenizer = match (&a.tokenizer, carried) {
+        (Some(path), _) => Some(path.clone()),
+        (None, Some(path)) => Some(path),
+        (None, None) => workload.tokenizer_path()?,
+    };
+    let tok = open_tokenizer(tokenizer.as_deref())?;
     tok.check_vocab(model_cfg.vocab_size())?;
     println!("checkpoint {} (step {})", ckpt.display(), ck.trainer.step);
     for i in 0..a.samples {
