@@ -138,10 +138,11 @@ fn train_one_process(cfg: TrainConfig, args: &TrainArgs) -> Result<()> {
         bail!("--inject-failure needs the local cluster: pass --nodes 2 or more");
     }
     let mut t = Trainer::start(cfg, args.resume.as_deref())?;
+    // The workload's name says what is trained (a preset, or an imported model and its shape).
     eprintln!(
-        "training {} ({:.2}M parameters, {} layers) on 1 CPU process: {} steps of {} samples x {} \
+        "training {}: {:.2}M parameters, {} layers, on 1 CPU process; {} steps of {} samples x {} \
          tokens; run directory {}",
-        t.cfg.model,
+        t.workload.name(),
         t.workload.num_params() as f64 / 1e6,
         t.workload.model_config().num_layers(),
         t.cfg.steps,
