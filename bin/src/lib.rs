@@ -10,6 +10,7 @@ pub mod bench_recovery;
 pub mod bench_train;
 pub mod cluster;
 pub mod config;
+pub mod exit;
 pub mod generate;
 pub mod plan_cmd;
 pub mod progress;

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -97,7 +98,11 @@ struct GenerateArgs {
     tokenizer: Option<PathBuf>,
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    oobleck_cli::exit::report(run())
+}
+
+fn run() -> Result<()> {
     // Started as a worker of a job (by `oobleck agent`): that role runs here.
     oobleck_core::runtime::take_over(oobleck_models::workload::GptWorkload::factory);
     tracing_subscriber::fmt()

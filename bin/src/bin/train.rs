@@ -7,6 +7,7 @@ use oobleck_cli::cluster::job::Launch;
 use oobleck_cli::cluster::resolve;
 use oobleck_cli::config::{TrainArgs, TrainConfig};
 use std::collections::HashMap;
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -20,7 +21,11 @@ use oobleck_core::model::ParamSource;
 use oobleck_core::runtime::Workload;
 use oobleck_models::workload::GptWorkload;
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    oobleck_cli::exit::report(run())
+}
+
+fn run() -> Result<()> {
     // Started as an agent or a worker of a job (by another `train`): that role runs here.
     oobleck_core::runtime::take_over(oobleck_models::workload::GptWorkload::factory);
     tracing_subscriber::fmt()
