@@ -164,6 +164,69 @@ fn knapsack_instantiation_equals_exhaustive_enumeration() {
     );
 }
 
+/// Where pipelines could outnumber microbatches (`B < N / n0`), with template sizes that skip
+/// node counts and shapes that make bigger templates slower as often as faster: the search
+/// that keeps microbatch totals per node count, not only capacity, against every multiset.
+#[test]
+fn instantiation_with_more_possible_pipelines_than_microbatches_equals_exhaustive() {
+    let strat = (
+        prop::collection::btree_set(1u32..=7, 1..=4), // template sizes, gaps allowed
+        prop::collection::vec((10u64..400, 1u64..60), 4), // (t1 extra, w)
+        0u32..=3,                                     // f
+        8u32..=28,                                    // N
+        0u64..50,                                     // sync
+        1u32..=100,                                   // B as a percentage of N / n0
+    );
+    let compared = std::cell::Cell::new(0);
+    let bound = std::cell::Cell::new(0);
+    runner(600)
+        .run(&strat, |(sizes, shapes, f, n, sync, pct)| {
+            let templates: Vec<Template> = sizes
+                .iter()
+                .zip(&shapes)
+                .map(|(&nodes, &(extra, w))| tpl(nodes, w * u64::from(nodes) + extra, w))
+                .collect();
+            let n0 = templates[0].nodes;
+            let b = (n / n0 * pct / 100).max(f + 1);
+            let set = TemplateSet {
+                min_nodes: n0,
+                templates,
+                layer_state_bytes: vec![1; 8],
+            };
+            let nodes: Vec<u32> = (0..n).collect();
+            let want = exhaustive(&set, f, b, n, sync);
+            let got = instantiate_with_sizes(&set, &job(f, b), 1, sync, &nodes, 0);
+            match (want, got) {
+                (Some(w), Ok(plan)) => {
+                    compared.set(compared.get() + 1);
+                    if b < n / n0 {
+                        bound.set(bound.get() + 1);
+                    }
+                    prop_assert_eq!(plan.iteration_ns, w);
+                    prop_assert_eq!(plan.num_nodes(), n);
+                    prop_assert!(plan.pipelines.len() as u32 > f);
+                    prop_assert_eq!(plan.batch_split().iter().sum::<u32>(), b);
+                    prop_assert!(plan.batch_split().iter().all(|&x| x >= 1));
+                }
+                (None, Err(_)) => {}
+                (w, g) => prop_assert!(
+                    false,
+                    "exhaustive {:?} vs planner {:?}",
+                    w,
+                    g.map(|p| p.iteration_ns)
+                ),
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert!(
+        compared.get() >= 150 && bound.get() >= 100,
+        "only {} comparable cases, {} with B < N / n0",
+        compared.get(),
+        bound.get()
+    );
+}
+
 #[test]
 fn batch_smaller_than_pipelines_is_an_error_with_numbers() {
     let set = TemplateSet {

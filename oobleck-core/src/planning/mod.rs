@@ -19,6 +19,7 @@
 //! are exact.
 
 pub mod analytical;
+pub(crate) mod compose;
 pub mod instantiate;
 pub mod profile;
 pub mod report;
@@ -55,13 +56,24 @@ pub enum PlanError {
     },
     #[error("job microbatch size {job} differs from the profile's {profile}")]
     MicrobatchMismatch { job: u32, profile: u32 },
-    #[error(
-        "the model does not fit: even one layer per stage needs {needed_bytes} bytes per device, \
-         the device has {device_bytes}"
-    )]
+    /// Even the finest split (one layer per stage, every device of a node on each stage) needs
+    /// more than a device holds. The numbers are those of its worst stage, per device, and
+    /// `needed_bytes = state_bytes + activation_bytes`.
+    #[error("{}", model_too_large_text(self))]
     ModelTooLarge {
         needed_bytes: u64,
         device_bytes: u64,
+        /// The layer of that stage (its index in the profile).
+        layer: usize,
+        /// Parameters, gradients and optimizer state of the layer.
+        state_bytes: u64,
+        /// Activations of every microbatch the stage holds in flight.
+        activation_bytes: u64,
+        /// Microbatches in flight on the stage under 1F1B (stage `k` of `S` holds `S - k`).
+        in_flight: u64,
+        /// Samples of each microbatch a device holds (the microbatch split over the stage's
+        /// devices along the batch, rounded up).
+        samples_per_device: u64,
     },
     #[error(
         "{nodes} nodes are too few: f+1 pipelines of at least n0 nodes need {min_nodes} nodes"
@@ -85,4 +97,58 @@ pub enum PlanError {
     UnknownNode { node: u32 },
     #[error("node {node} joined but is already part of the plan")]
     DuplicateNode { node: u32 },
+}
+
+/// The text of [`PlanError::ModelTooLarge`]: what does not fit, then the ways out that would
+/// help this case (a smaller microbatch only helps while a device holds several samples of it;
+/// nothing but a larger device helps when the layer's state alone is too large).
+fn model_too_large_text(e: &PlanError) -> String {
+    let PlanError::ModelTooLarge {
+        needed_bytes,
+        device_bytes,
+        layer,
+        state_bytes,
+        activation_bytes,
+        in_flight,
+        samples_per_device,
+    } = *e
+    else {
+        unreachable!("the Display of ModelTooLarge alone calls this");
+    };
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    let samples = match samples_per_device {
+        1 => "1 sample".to_string(),
+        n => format!("{n} samples"),
+    };
+    let mut text = format!(
+        "the model does not fit: even one layer per stage needs {:.1} GiB per device, the device \
+         has {:.1} GiB. Layer {layer}'s stage holds {:.1} GiB of parameters, gradients and \
+         optimizer state and {:.1} GiB of activations ({in_flight} microbatches in flight: under \
+         1F1B stage k of S holds S - k; {:.2} GiB each at {samples} per device). ",
+        gib(needed_bytes),
+        gib(device_bytes),
+        gib(state_bytes),
+        gib(activation_bytes),
+        gib(activation_bytes / in_flight.max(1)),
+    );
+    if state_bytes > device_bytes {
+        text.push_str(
+            "The layer's state alone exceeds the device: a larger device, or fewer bytes of \
+             optimizer state per parameter",
+        );
+        return text;
+    }
+    text.push_str(
+        "Ways out: activation recomputation (not yet available; it keeps only each layer's \
+         input per microbatch in flight), a shorter context",
+    );
+    if samples_per_device > 1 {
+        text.push_str(", a smaller microbatch or more devices per node, or a larger device");
+    } else {
+        text.push_str(
+            ", or a larger device; more devices per stage do not help, each already holds 1 \
+             sample of every microbatch",
+        );
+    }
+    text
 }
