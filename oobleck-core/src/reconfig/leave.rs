@@ -53,9 +53,9 @@ fn copy_off(r: &mut ReconfigPlan, old: &Holdings, leaving: &[u32]) {
         .sum();
     let leaving: BTreeSet<u32> = leaving.iter().copied().collect();
     let mut holders: BTreeMap<usize, Vec<(u32, u32)>> = BTreeMap::new();
-    for (&(node, d), layers) in &old.by_device {
+    for ((node, d), layers) in old.devices() {
         if leaving.contains(&node) {
-            for &l in layers {
+            for l in layers.iter() {
                 holders.entry(l).or_default().push((node, d));
             }
         }

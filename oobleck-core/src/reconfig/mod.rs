@@ -7,13 +7,15 @@
 
 mod leave;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use serde::{Deserialize, Serialize};
 
 pub use leave::{decide_leaving, Donor};
 
-use crate::planning::instantiate::{assemble, choose_counts, Ctx};
+use crate::planning::compose::choose_counts;
+use crate::planning::instantiate::{assemble, Ctx};
 use crate::planning::{Plan, PlanError, TemplateSet};
 
 /// Copy one layer's training state (parameters + optimizer state) between two devices.
@@ -89,26 +91,79 @@ impl ReconfigPlan {
 /// is what its devices hold while it runs; the runtime passes its own record when that differs
 /// (a worker that died on a surviving node holds nothing, a reconfiguration that failed during
 /// its copies leaves the devices with what they held before it).
+///
+/// Kept per node, and a device's layers as a range when they are contiguous (a stage's always
+/// are), so a 10,000-node plan's holdings take one entry per node and no set per device.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Holdings {
     g: u32,
-    /// (node, device) -> layers held.
-    by_device: BTreeMap<(u32, u32), BTreeSet<usize>>,
+    /// node -> per device: the layers held, `None` for nothing. No node maps to all `None`.
+    by_node: BTreeMap<u32, Vec<Option<Held>>>,
+}
+
+/// The layers one device holds: contiguous `[start, end)`, or any other non-empty set. A set
+/// that is contiguous is always a range, so equal holdings compare equal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Held {
+    Range(usize, usize),
+    Set(BTreeSet<usize>),
+}
+
+impl Held {
+    fn of(layers: BTreeSet<usize>) -> Option<Held> {
+        let (first, last) = (*layers.first()?, *layers.last()?);
+        if last - first + 1 == layers.len() {
+            Some(Held::Range(first, last + 1))
+        } else {
+            Some(Held::Set(layers))
+        }
+    }
+
+    fn contains(&self, layer: usize) -> bool {
+        match self {
+            Held::Range(a, b) => (*a..*b).contains(&layer),
+            Held::Set(s) => s.contains(&layer),
+        }
+    }
+
+    fn first(&self) -> usize {
+        match self {
+            Held::Range(a, _) => *a,
+            Held::Set(s) => *s.first().expect("a held set is not empty"),
+        }
+    }
+
+    fn iter(&self) -> Box<dyn Iterator<Item = usize> + '_> {
+        match self {
+            Held::Range(a, b) => Box::new(*a..*b),
+            Held::Set(s) => Box::new(s.iter().copied()),
+        }
+    }
 }
 
 impl Holdings {
     /// What every device of `plan` holds while the plan runs: its stage's layers.
     pub fn of(plan: &Plan) -> Self {
         let mut h = Holdings::empty(plan.devices_per_node);
+        let g = plan.devices_per_node as usize;
         for p in &plan.pipelines {
             let t = plan.template_of(p);
-            for s in &t.stages {
-                let node = p.nodes[s.node as usize];
-                for d in s.first_device..s.first_device + s.devices {
-                    h.set(node, d, s.layers().collect());
+            for (j, &node) in p.nodes.iter().enumerate() {
+                let mut devices = vec![None; g];
+                for s in t.stages.iter().filter(|s| s.node as usize == j) {
+                    for d in s.first_device..s.first_device + s.devices {
+                        let slot = d as usize;
+                        if slot >= devices.len() {
+                            devices.resize(slot + 1, None);
+                        }
+                        devices[slot] = Some(Held::Range(s.layer_start, s.layer_end))
+                            .filter(|_| s.layer_start < s.layer_end);
+                    }
                 }
+                h.by_node.insert(node, devices);
             }
         }
+        h.by_node.retain(|_, d| d.iter().any(Option::is_some));
         h
     }
 
@@ -116,50 +171,73 @@ impl Holdings {
     pub fn empty(devices_per_node: u32) -> Self {
         Holdings {
             g: devices_per_node,
-            by_device: BTreeMap::new(),
+            by_node: BTreeMap::new(),
         }
     }
 
     /// `(node, device)` holds exactly `layers` (none: it holds nothing).
     pub fn set(&mut self, node: u32, device: u32, layers: BTreeSet<usize>) {
-        if layers.is_empty() {
-            self.by_device.remove(&(node, device));
-        } else {
-            self.by_device.insert((node, device), layers);
+        let held = Held::of(layers);
+        let slot = device as usize;
+        let devices = self.by_node.entry(node).or_default();
+        if slot >= devices.len() {
+            devices.resize((self.g as usize).max(slot + 1), None);
+        }
+        devices[slot] = held;
+        if devices.iter().all(Option::is_none) {
+            self.by_node.remove(&node);
         }
     }
 
     /// What `(node, device)` holds.
-    pub fn layers(&self, node: u32, device: u32) -> Option<&BTreeSet<usize>> {
-        self.by_device.get(&(node, device))
+    pub fn layers(&self, node: u32, device: u32) -> Option<BTreeSet<usize>> {
+        self.held(node, device).map(|h| h.iter().collect())
     }
 
     /// Forgets everything `node` held (it is lost).
     pub fn drop_node(&mut self, node: u32) {
-        self.by_device.retain(|k, _| k.0 != node);
+        self.by_node.remove(&node);
     }
 
     /// The layers no device holds, of `0..num_layers`.
     pub fn missing(&self, num_layers: usize) -> Vec<usize> {
-        let held: BTreeSet<usize> = self.by_device.values().flatten().copied().collect();
-        (0..num_layers).filter(|l| !held.contains(l)).collect()
+        let mut held = vec![false; num_layers];
+        for (_, h) in self.devices() {
+            for l in h.iter().filter(|&l| l < num_layers) {
+                held[l] = true;
+            }
+        }
+        (0..num_layers).filter(|&l| !held[l]).collect()
+    }
+
+    /// Every device that holds something, in `(node, device)` order.
+    fn devices(&self) -> impl Iterator<Item = ((u32, u32), &Held)> {
+        self.by_node.iter().flat_map(|(&node, devices)| {
+            devices
+                .iter()
+                .enumerate()
+                .filter_map(move |(d, h)| h.as_ref().map(|h| ((node, d as u32), h)))
+        })
+    }
+
+    fn held(&self, node: u32, device: u32) -> Option<&Held> {
+        self.by_node.get(&node)?.get(device as usize)?.as_ref()
+    }
+
+    /// What each device of `node` holds (one lookup for all of them).
+    fn node(&self, node: u32) -> &[Option<Held>] {
+        self.by_node.get(&node).map_or(&[], Vec::as_slice)
     }
 
     fn first_layer(&self, node: u32) -> usize {
-        (0..self.g)
-            .filter_map(|d| {
-                self.by_device
-                    .get(&(node, d))
-                    .and_then(|r| r.first().copied())
-            })
+        self.by_node
+            .get(&node)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(Held::first)
             .min()
             .unwrap_or(usize::MAX)
-    }
-
-    fn holds(&self, node: u32, device: u32, layer: usize) -> bool {
-        self.by_device
-            .get(&(node, device))
-            .is_some_and(|r| r.contains(&layer))
     }
 }
 
@@ -169,13 +247,15 @@ fn moved_bytes(set: &TemplateSet, old: &Holdings, tpl_nodes: u32, nodes: &[u32])
         return u64::MAX;
     };
     let mut total = 0u64;
+    let mut at = (u32::MAX, &[][..]);
     for s in &t.stages {
-        let node = nodes[s.node as usize];
+        if at.0 != s.node {
+            at = (s.node, old.node(nodes[s.node as usize]));
+        }
         for d in s.first_device..s.first_device + s.devices {
-            for l in s.layers() {
-                if !old.holds(node, d, l) {
-                    total += set.layer_state_bytes.get(l).copied().unwrap_or(0);
-                }
+            let held = at.1.get(d as usize).and_then(Option::as_ref);
+            for l in s.layers().filter(|&l| !held.is_some_and(|h| h.contains(l))) {
+                total += set.layer_state_bytes.get(l).copied().unwrap_or(0);
             }
         }
     }
@@ -186,14 +266,16 @@ fn moved_bytes(set: &TemplateSet, old: &Holdings, tpl_nodes: u32, nodes: &[u32])
 /// sorted by the first layer they hold, nodes sorted by id) the one that moves the fewest bytes
 /// (ties: that order). Returns the bytes moved.
 fn arrange(set: &TemplateSet, old: &Holdings, nodes: &mut Vec<u32>) -> u64 {
+    let given = moved_bytes(set, old, nodes.len() as u32, nodes);
+    if given == 0 {
+        // Nothing moves (an untouched pipeline): no order can do better, and ties keep this.
+        return 0;
+    }
     let mut by_layer = nodes.clone();
     by_layer.sort_by_key(|&n| (old.first_layer(n), n));
     let mut by_id = nodes.clone();
     by_id.sort_unstable();
-    let mut best = (
-        moved_bytes(set, old, nodes.len() as u32, nodes),
-        nodes.clone(),
-    );
+    let mut best = (given, nodes.clone());
     for cand in [by_layer, by_id] {
         let m = moved_bytes(set, old, cand.len() as u32, &cand);
         if m < best.0 {
@@ -489,53 +571,47 @@ fn plan_copies(
 ) -> (Vec<LayerCopy>, Vec<usize>) {
     let g = new_plan.devices_per_node;
     let num_layers = new_plan.layer_state_bytes.len();
-    // New rank of each (node, device).
-    let mut new_rank: BTreeMap<(u32, u32), u32> = BTreeMap::new();
-    for p in &new_plan.pipelines {
-        for (j, &n) in p.nodes.iter().enumerate() {
-            for d in 0..g {
-                new_rank.insert((n, d), p.first_rank + j as u32 * g + d);
-            }
-        }
-    }
     // Surviving old holders per layer that are ranks of the new plan (a spare node runs no
-    // worker, so it cannot send).
-    let mut holders: Vec<Vec<(u32, u32)>> = vec![Vec::new(); num_layers];
-    for (&(node, d), layers) in &old.by_device {
-        if lost.contains(&node) || !new_rank.contains_key(&(node, d)) {
-            continue;
-        }
-        for &l in layers {
-            if let Some(h) = holders.get_mut(l) {
-                h.push((node, d));
+    // worker, so it cannot send), in new-rank order.
+    let mut holders: Vec<Vec<(u32, (u32, u32))>> = vec![Vec::new(); num_layers];
+    for p in &new_plan.pipelines {
+        for (j, &node) in p.nodes.iter().enumerate() {
+            if lost.contains(&node) {
+                continue;
+            }
+            let first = p.first_rank + j as u32 * g;
+            for (d, held) in old.node(node).iter().enumerate().take(g as usize) {
+                for l in held.iter().flat_map(Held::iter) {
+                    if let Some(h) = holders.get_mut(l) {
+                        h.push((first + d as u32, (node, d as u32)));
+                    }
+                }
             }
         }
     }
-    let mut load: BTreeMap<(u32, u32), u64> = BTreeMap::new();
+    let mut sources = Sources::new(holders);
     let mut copies = Vec::new();
     let mut missing = BTreeSet::new();
     for p in &new_plan.pipelines {
         let t = new_plan.template_of(p);
+        let mut at = (u32::MAX, &[][..]);
         for s in &t.stages {
             let node = p.nodes[s.node as usize];
+            if at.0 != s.node {
+                at = (s.node, old.node(node));
+            }
             for d in s.first_device..s.first_device + s.devices {
-                for l in s.layers() {
-                    if old.holds(node, d, l) {
-                        continue;
-                    }
+                let held = at.1.get(d as usize).and_then(Option::as_ref);
+                for l in s.layers().filter(|&l| !held.is_some_and(|h| h.contains(l))) {
                     let bytes = new_plan.layer_state_bytes[l];
-                    let Some(&src) = holders[l]
-                        .iter()
-                        .min_by_key(|h| (load.get(h).copied().unwrap_or(0), new_rank[h]))
-                    else {
+                    let Some((from_rank, src)) = sources.take(l, bytes) else {
                         missing.insert(l);
                         continue;
                     };
-                    *load.entry(src).or_insert(0) += bytes;
                     copies.push(LayerCopy {
                         layer: l,
-                        from_rank: new_rank[&src],
-                        to_rank: new_rank[&(node, d)],
+                        from_rank,
+                        to_rank: p.first_rank + s.node * g + d,
                         from_node: src.0,
                         to_node: node,
                         bytes,
@@ -546,4 +622,70 @@ fn plan_copies(
     }
     copies.sort_by_key(|c| (c.to_rank, c.layer));
     (copies, missing.into_iter().collect())
+}
+
+/// The surviving holders of each layer, least loaded first: the copy source is the holder
+/// with the fewest bytes assigned so far (ties: the lower new rank). Per layer, the holders
+/// nobody has charged yet are taken in rank order from a cursor (all at 0 bytes, so the next
+/// one is the least loaded of them), and charged ones wait in a heap with lazy updates (a
+/// holder's load grows with copies of other layers too; a stale entry is re-queued when it
+/// surfaces). A decision with a few copies on a 10,000-node plan touches a few holders, not
+/// every one of them for each copy.
+struct Sources {
+    /// Per layer: `(new rank, (node, device))` of each holder, in rank order.
+    holders: Vec<Vec<(u32, (u32, u32))>>,
+    cursor: Vec<usize>,
+    heaps: Vec<BinaryHeap<Reverse<(u64, u32, (u32, u32))>>>,
+    load: BTreeMap<(u32, u32), u64>,
+}
+
+impl Sources {
+    fn new(holders: Vec<Vec<(u32, (u32, u32))>>) -> Self {
+        Sources {
+            cursor: vec![0; holders.len()],
+            heaps: vec![BinaryHeap::new(); holders.len()],
+            holders,
+            load: BTreeMap::new(),
+        }
+    }
+
+    fn load_of(&self, h: (u32, u32)) -> u64 {
+        self.load.get(&h).copied().unwrap_or(0)
+    }
+
+    /// The source (new rank, device) for a copy of `layer` of `bytes`, charged to it; `None`
+    /// when nobody holds the layer.
+    fn take(&mut self, layer: usize, bytes: u64) -> Option<(u32, (u32, u32))> {
+        let list = self.holders.get(layer)?;
+        let mut at = self.cursor[layer];
+        // Holders charged through other layers leave the cursor for the heap.
+        while let Some(&(r, h)) = list.get(at).filter(|&&(_, h)| self.load_of(h) > 0) {
+            let now = self.load_of(h);
+            self.heaps[layer].push(Reverse((now, r, h)));
+            at += 1;
+        }
+        self.cursor[layer] = at;
+        while let Some(&Reverse((queued, r, h))) = self.heaps[layer].peek() {
+            let now = self.load_of(h);
+            if now == queued {
+                break;
+            }
+            self.heaps[layer].pop();
+            self.heaps[layer].push(Reverse((now, r, h)));
+        }
+        let fresh = list.get(at).map(|&(r, h)| (0, r, h));
+        let queued = self.heaps[layer].peek().map(|Reverse(x)| *x);
+        let (now, r, h) = match (fresh, queued) {
+            (Some(f), Some(q)) if q < f => self.heaps[layer].pop().map(|Reverse(x)| x)?,
+            (Some(f), _) => {
+                self.cursor[layer] += 1;
+                f
+            }
+            (None, Some(_)) => self.heaps[layer].pop().map(|Reverse(x)| x)?,
+            (None, None) => return None,
+        };
+        self.load.insert(h, now + bytes);
+        self.heaps[layer].push(Reverse((now + bytes, r, h)));
+        Some((r, h))
+    }
 }

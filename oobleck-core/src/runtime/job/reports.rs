@@ -176,11 +176,7 @@ impl JobMachine {
             return;
         };
         let device = c.from % g.plan.devices_per_node;
-        let mut layers = self
-            .holdings
-            .layers(node, device)
-            .cloned()
-            .unwrap_or_default();
+        let mut layers = self.holdings.layers(node, device).unwrap_or_default();
         layers.remove(&c.layer);
         self.holdings.set(node, device, layers);
         self.note(format!(
