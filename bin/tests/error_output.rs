@@ -60,6 +60,12 @@ fn oobleck_plan_of_a_model_too_large_prints_the_message_only() {
         stderr.starts_with("Error: the model does not fit"),
         "{stderr}"
     );
+    // It names what does not fit and the way out.
+    assert!(
+        stderr.contains("GiB of activations (97 microbatches in flight"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("activation recomputation"), "{stderr}");
     assert!(out.stdout.is_empty(), "nothing on stdout for an error");
     assert_no_backtrace(&stderr);
 }

@@ -256,7 +256,7 @@ fn bad_inputs_are_clear_errors_with_numbers() {
     // Too big for any split: 40 bytes of state per layer on a 30-byte device.
     let e = generate_templates(&ok, &cluster(1, 30), &j, 4).unwrap_err();
     assert!(
-        matches!(e, PlanError::ModelTooLarge { needed_bytes, device_bytes: 30 } if needed_bytes > 30)
+        matches!(e, PlanError::ModelTooLarge { needed_bytes, device_bytes: 30, .. } if needed_bytes > 30)
     );
     // Stale profile.
     let mut other = ok.fingerprint.clone();
@@ -269,4 +269,67 @@ fn bad_inputs_are_clear_errors_with_numbers() {
         ModelProfile::from_json("{\"layers\": 3}"),
         Err(PlanError::ProfileFormat(_))
     ));
+}
+
+/// A model that fits no split names its worst stage's parts, which add up to the need: 3 layers
+/// of 5, 20, 5 parameter bytes (x4 of state) and 100, 60, 10 activation bytes per microbatch of
+/// 2 samples. One layer per stage puts 3, 2, 1 microbatches in flight, so on 2 devices per
+/// stage (1 sample each) layer 0 needs 20 + 3 * 50 = 170 bytes, layer 1 80 + 2 * 30 = 140.
+#[test]
+fn model_too_large_names_state_and_in_flight_activations() {
+    let p = profile(
+        &[(1.0, 2.0), (1.0, 2.0), (1.0, 2.0)],
+        &[5, 20, 5],
+        &[100, 60, 10],
+    );
+    let j = job(0, 8, TemplateMicrobatches::Auto);
+    let parts = |e: &PlanError| match *e {
+        PlanError::ModelTooLarge {
+            needed_bytes,
+            device_bytes,
+            layer,
+            state_bytes,
+            activation_bytes,
+            in_flight,
+            samples_per_device,
+        } => {
+            assert_eq!(state_bytes + activation_bytes, needed_bytes, "{e}");
+            (
+                needed_bytes,
+                device_bytes,
+                layer,
+                state_bytes,
+                activation_bytes,
+                in_flight,
+                samples_per_device,
+            )
+        }
+        ref other => panic!("expected ModelTooLarge, got {other}"),
+    };
+
+    let e = generate_templates(&p, &cluster(2, 100), &j, 4).unwrap_err();
+    assert_eq!(parts(&e), (170, 100, 0, 20, 150, 3, 1));
+    let text = e.to_string();
+    assert!(text.contains("Layer 0's stage"), "{text}");
+    assert!(text.contains("3 microbatches in flight"), "{text}");
+    assert!(text.contains("activation recomputation"), "{text}");
+    // A device holds one sample of each microbatch: a smaller microbatch would not help.
+    assert!(!text.contains("smaller microbatch"), "{text}");
+
+    // One device per stage holds both samples: 20 + 3 * 100 = 320 bytes.
+    let e = generate_templates(&p, &cluster(1, 100), &j, 4).unwrap_err();
+    assert_eq!(parts(&e), (320, 100, 0, 20, 300, 3, 2));
+    let text = e.to_string();
+    assert!(
+        text.contains("a smaller microbatch or more devices per node"),
+        "{text}"
+    );
+
+    // Layer 1's state (80 bytes) alone is too large: it is named, though layer 0 needs more,
+    // and only a larger device helps.
+    let e = generate_templates(&p, &cluster(2, 79), &j, 4).unwrap_err();
+    assert_eq!(parts(&e), (140, 79, 1, 80, 60, 2, 1));
+    let text = e.to_string();
+    assert!(text.contains("state alone exceeds the device"), "{text}");
+    assert!(!text.contains("recomputation"), "{text}");
 }

@@ -641,10 +641,7 @@ pub fn generate_templates(
     let Some((n0, first)) =
         (1..=n_cap).find_map(|n| best_for_n(&c, job, total_nodes, n, &mut sufs).map(|t| (n, t.0)))
     else {
-        return Err(PlanError::ModelTooLarge {
-            needed_bytes: finest_split_need(&c),
-            device_bytes: c.mem,
-        });
+        return Err(finest_split_need(&c));
     };
     let need = u64::from(n0) * (u64::from(job.fault_threshold) + 1);
     if u64::from(total_nodes) < need {
@@ -674,10 +671,38 @@ pub fn generate_templates(
     })
 }
 
-/// Per-device bytes of the finest possible split (one layer per stage on `G` devices).
-fn finest_split_need(c: &Costs) -> u64 {
-    (0..c.l)
-        .map(|i| c.memory(i, i + 1, c.big_g, (c.l - i) as u64))
-        .max()
-        .unwrap_or(0)
+/// What the finest possible split (one layer per stage on `G` devices, `S = L`) needs on a
+/// device of its worst stage, as [`PlanError::ModelTooLarge`]. The worst is a layer whose state
+/// alone exceeds the device if there is one (no recomputation helps it), else the largest need;
+/// the first on ties.
+fn finest_split_need(c: &Costs) -> PlanError {
+    let in_flight = |i: usize| (c.l - i) as u64;
+    let worst = (0..c.l)
+        .rev()
+        .max_by_key(|&i| {
+            let state_too_large = c.memory_parts(i, i + 1, c.big_g).0 > c.mem;
+            (state_too_large, c.memory(i, i + 1, c.big_g, in_flight(i)))
+        })
+        .unwrap_or(0);
+    let (state_bytes, per_microbatch) = c.memory_parts(worst, worst + 1, c.big_g);
+    PlanError::ModelTooLarge {
+        needed_bytes: c.memory(worst, worst + 1, c.big_g, in_flight(worst)),
+        device_bytes: c.mem,
+        layer: worst,
+        state_bytes,
+        activation_bytes: per_microbatch.saturating_mul(in_flight(worst)),
+        in_flight: in_flight(worst),
+        samples_per_device: c.q(c.big_g),
+    }
+}
+
+impl Costs {
+    /// The two parts of [`Costs::memory`]: persistent state, and activations per microbatch.
+    fn memory_parts(&self, a: usize, b: usize, g: u32) -> (u64, u64) {
+        let persist = (self.param[b] - self.param[a]).saturating_mul(self.state_factor);
+        let act = (self.act[b] - self.act[a])
+            .saturating_mul(self.q(g))
+            .div_ceil(self.mb);
+        (persist, act)
+    }
 }
