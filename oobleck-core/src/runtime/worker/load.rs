@@ -48,7 +48,9 @@ fn test_corrupt(a: &WorkerAssignment) -> bool {
 
 /// The state a generation's stage is built from.
 pub(super) struct Loaded {
-    pub params: HashMap<String, Tensor>,
+    /// The stage's parameters by name; `None` at step 0 of a fresh job: the workload's own
+    /// ([`crate::runtime::Workload::initial_params`], pretrained weights or a seeded init).
+    pub params: Option<HashMap<String, Tensor>>,
     pub optimizer: Vec<(String, Tensor)>,
     pub step: u64,
 }
@@ -65,7 +67,7 @@ pub(super) fn load(
     match &a.source {
         StateSource::Init => Ok((
             Loaded {
-                params: HashMap::new(),
+                params: None,
                 optimizer: Vec::new(),
                 step: 0,
             },
@@ -74,7 +76,7 @@ pub(super) fn load(
         StateSource::Checkpoint { path } => {
             let ck = fetch_checkpoint(a, path).map_err(|e| not_formed(e, Held::nothing(0)))?;
             let loaded = Loaded {
-                params: ck.params.into_iter().collect(),
+                params: Some(ck.params.into_iter().collect()),
                 optimizer: ck.optimizer,
                 step: ck.trainer.step,
             };
@@ -114,7 +116,7 @@ pub(super) fn load(
                 }
             };
             let loaded = Loaded {
-                params,
+                params: Some(params),
                 optimizer,
                 step: *step,
             };

@@ -247,7 +247,7 @@ impl<'a> Generation<'a> {
         }
         let comm: Arc<dyn Communicator> = Arc::new(watched);
         inbox.abort.arm(a.generation, a.rank, comm.clone());
-        let generation = Generation::build(a, model, &layout, comm, loaded, progress)
+        let generation = Generation::build(a, workload, &layout, comm, loaded, progress)
             .map_err(|e| not_formed(e, Held::nothing(0)))?;
         report(
             a.generation,
@@ -264,25 +264,23 @@ impl<'a> Generation<'a> {
         Ok(generation)
     }
 
-    /// The stage, its optimizer state and the committed step, from `loaded`.
+    /// The stage, its optimizer state and the committed step, from `loaded` (at step 0 of a
+    /// fresh job, from the workload's initial parameters: `--init-from`'s weights, say).
     fn build(
         a: &'a WorkerAssignment,
-        model: &dyn LayeredModel,
+        workload: &dyn Workload,
         layout: &Layout,
         comm: Arc<dyn Communicator>,
         loaded: Loaded,
         progress: &Arc<Progress>,
     ) -> Result<Generation<'a>> {
         let training = &a.job.training;
-        let source = if loaded.params.is_empty() {
-            ParamSource::Init {
-                seed: training.seed,
-            }
-        } else {
-            ParamSource::Tensors(&loaded.params)
+        let source = match &loaded.params {
+            Some(params) => ParamSource::Tensors(params),
+            None => workload.initial_params(training.seed),
         };
         let mut worker = StageWorker::new(
-            model,
+            workload.model(),
             layout,
             a.rank as usize,
             &Device::Cpu,
