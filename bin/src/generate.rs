@@ -38,21 +38,39 @@ pub fn sample(
     max_context: usize,
     s: Sampling,
 ) -> Result<String> {
-    let mut ids = tok.encode(prompt)?;
+    let ids = tok.encode(prompt)?;
     if ids.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
+    let new = continuation(stage, &ids, tok.vocab_size(), max_context, s)?;
+    Ok(tok.decode(&new)?)
+}
+
+/// The `s.max_new_tokens` ids that follow `prompt`, each one of the tokenizer's `vocab` ids.
+/// A model with more output rows than that (OPT pads to 50272, GPT-2's tokenizer has 50257
+/// ids) has padding rows with no text, so only the first `vocab` logits are sampled from.
+fn continuation(
+    stage: &Stage,
+    prompt: &[u32],
+    vocab: usize,
+    max_context: usize,
+    s: Sampling,
+) -> Result<Vec<u32>> {
+    let mut ids = prompt.to_vec();
     let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
-    let start = ids.len();
     for _ in 0..s.max_new_tokens {
         let ctx_ids = &ids[ids.len().saturating_sub(max_context)..];
         let x = Tensor::from_slice(ctx_ids, (1, ctx_ids.len()), &Device::Cpu)?;
-        let logits = stage.forward(&x, &ForwardCtx::inference())?.output; // [1, t, v]
-        let last = logits.narrow(1, ctx_ids.len() - 1, 1)?.flatten_all()?; // [v]
-        let next = pick(&last, s, &mut rng)?;
+        let logits = stage.forward(&x, &ForwardCtx::inference())?.output; // [1, t, rows]
+        let last = logits.narrow(1, ctx_ids.len() - 1, 1)?.flatten_all()?; // [rows]
+        let rows = last.dim(0)?;
+        if rows < vocab {
+            bail!("the model has {rows} output rows, fewer than the tokenizer's {vocab} ids");
+        }
+        let next = pick(&last.narrow(0, 0, vocab)?, s, &mut rng)?; // of [vocab]
         ids.push(next);
     }
-    Ok(tok.decode(&ids[start..])?)
+    Ok(ids.split_off(prompt.len()))
 }
 
 fn pick(logits: &Tensor, s: Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
@@ -107,4 +125,96 @@ pub fn print_samples(
         eprintln!("sample {}: {prompt:?} => {text:?}", i + 1);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use oobleck_models::ModelConfig;
+
+    use super::*;
+
+    /// Padding id 50260 of opt-tiny's 50272 rows, past GPT-2's 50257 ids.
+    const PADDING: usize = 50260;
+
+    /// opt-tiny whose logits are column 0 of the embedding, and padding row `PADDING` has the
+    /// highest by far: the final LayerNorm outputs its bias, the unit vector of dimension 0
+    /// (the LM head is tied to the embedding).
+    fn padding_wins() -> Stage {
+        let model = ModelConfig::preset("opt-tiny").unwrap().build().unwrap();
+        let init = whole_model(model.as_ref(), &Device::Cpu, ParamSource::Init { seed: 3 });
+        let mut params: HashMap<String, Tensor> = init
+            .unwrap()
+            .params()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().clone()))
+            .collect();
+        let norm = "model.decoder.final_layer_norm";
+        let d = params[&format!("{norm}.weight")].dim(0).unwrap();
+        let mut unit = vec![0f32; d];
+        unit[0] = 1.0;
+        params.insert(
+            format!("{norm}.weight"),
+            Tensor::zeros(d, DType::F32, &Device::Cpu).unwrap(),
+        );
+        params.insert(
+            format!("{norm}.bias"),
+            Tensor::new(unit, &Device::Cpu).unwrap(),
+        );
+        let embed = "model.decoder.embed_tokens.weight";
+        let mut rows: Vec<Vec<f32>> = params[embed].to_vec2().unwrap();
+        rows[PADDING][0] = 100.0;
+        params.insert(embed.into(), Tensor::new(rows, &Device::Cpu).unwrap());
+        whole_model(model.as_ref(), &Device::Cpu, ParamSource::Tensors(&params)).unwrap()
+    }
+
+    #[test]
+    fn a_padding_row_with_the_highest_logit_is_never_picked() {
+        let stage = padding_wins();
+        let tok = Gpt2Tokenizer::embedded();
+        let prompt = tok.encode("To be, or not").unwrap();
+        let vocab = tok.vocab_size();
+        // Without the narrowing, greedy picks the padding id.
+        let x = Tensor::from_slice(&prompt, (1, prompt.len()), &Device::Cpu).unwrap();
+        let all = stage.forward(&x, &ForwardCtx::inference()).unwrap().output;
+        let best = all
+            .narrow(1, prompt.len() - 1, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        assert_eq!(
+            best.argmax(0).unwrap().to_scalar::<u32>().unwrap() as usize,
+            PADDING
+        );
+        for (temperature, top_k) in [(0.0, 0), (0.8, 40), (1.0, 0)] {
+            let s = Sampling {
+                max_new_tokens: 4,
+                temperature,
+                top_k,
+                seed: 11,
+            };
+            let ids = continuation(&stage, &prompt, vocab, 64, s).unwrap();
+            assert_eq!(ids.len(), 4);
+            assert!(
+                ids.iter().all(|&id| (id as usize) < vocab),
+                "temperature {temperature}, top_k {top_k}: {ids:?}"
+            );
+            sample(&stage, &tok, "To be, or not", 64, s).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_model_with_fewer_rows_than_the_tokenizer_has_ids_is_refused() {
+        let stage = padding_wins();
+        let s = Sampling {
+            max_new_tokens: 1,
+            temperature: 0.0,
+            top_k: 0,
+            seed: 0,
+        };
+        let err = continuation(&stage, &[464], 60_000, 64, s).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("50272") && msg.contains("60000"), "{msg}");
+    }
 }
