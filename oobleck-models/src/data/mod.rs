@@ -61,9 +61,13 @@ pub enum DataError {
     BadTokenizer { path: PathBuf, problem: String },
     #[error("tokenizer failed on {what}: {message}")]
     Tokenize { what: String, message: String },
+    /// The tokenizer has more ids than the model has embedding rows. Fewer is fine: the rows
+    /// past the tokenizer's ids are padding (see [`Gpt2Tokenizer::check_vocab`]).
     #[error(
-        "tokenizer {path} has a vocabulary of {tokenizer_vocab} tokens but the model expects \
-         {model_vocab}; use the model's own tokenizer or a model with vocab_size {tokenizer_vocab}"
+        "tokenizer {path} has {tokenizer_vocab} token ids but the model has only {model_vocab} \
+         embedding rows (vocab_size), so some ids would have no row; use the model's own \
+         tokenizer, or a model with at least {tokenizer_vocab} rows (any rows beyond the \
+         tokenizer's ids are padding)"
     )]
     VocabMismatch {
         path: PathBuf,
@@ -141,5 +145,24 @@ fn read_input(path: &Path, what: &'static str) -> Result<Vec<u8>> {
             path: path.to_path_buf(),
         }),
         Err(e) => Err(io_err(path)(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vocabulary_mismatch_asks_for_at_least_the_tokenizer_s_ids() {
+        let msg = DataError::VocabMismatch {
+            path: PathBuf::from("tok"),
+            tokenizer_vocab: 50257,
+            model_vocab: 50000,
+        }
+        .to_string();
+        assert!(msg.contains("has 50257 token ids"), "{msg}");
+        assert!(msg.contains("only 50000 embedding rows"), "{msg}");
+        assert!(msg.contains("at least 50257 rows"), "{msg}");
+        assert!(!msg.contains("vocab_size 50257"), "{msg}");
     }
 }
