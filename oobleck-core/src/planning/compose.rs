@@ -97,21 +97,23 @@ impl Search<'_> {
         best.clear();
         best.resize((self.n + 1) * w, -1);
         best[0] = 0;
+        // Only templates that can take a microbatch at all, as (nodes, capacity).
+        let usable: Vec<(usize, i64)> = (self.sizes.iter().copied().zip(caps.iter().copied()))
+            .filter(|&(_, cap)| cap >= 1)
+            .collect();
         for j in 1..=self.n {
-            for c in 1..=self.cmax {
-                if !self.reachable(j, c) {
-                    continue;
-                }
+            for c in (1..=self.cmax).filter(|&c| self.reachable(j, c)) {
+                let stay = c == self.cmax;
                 let mut top = -1;
-                for (t, &sz) in self.sizes.iter().enumerate() {
-                    if sz > j || caps[t] < 1 {
-                        continue;
-                    }
-                    for p in self.preds(c) {
-                        let v = best[(j - sz) * w + p];
-                        if v >= 0 {
-                            top = top.max((v + caps[t]).min(self.b));
-                        }
+                for &(sz, cap) in usable.iter().filter(|&&(sz, _)| sz <= j) {
+                    let base = (j - sz) * w;
+                    let v = if stay {
+                        best[base + c - 1].max(best[base + c])
+                    } else {
+                        best[base + c - 1]
+                    };
+                    if v >= 0 {
+                        top = top.max((v + cap).min(self.b));
                     }
                 }
                 best[j * w + c] = top;

@@ -123,11 +123,63 @@ pub fn gradient_sync_ns(profile: &ModelProfile, cluster: &ClusterSpec) -> Nanos 
 /// Splits `global` microbatches over pipelines with `T_p(nb) = alpha_p + nb * slope_p`,
 /// `nb_p >= 1`, minimising the slowest. Ties go to the lower index. Returns `None` when
 /// `global < alphas.len()`.
+///
+/// The greedy "next microbatch to the pipeline that would finish it first" (ties: lower index)
+/// takes the `global - P` smallest *slots* `(alpha_p + k * slope_p, p)`, `k >= 2`, in that
+/// order, since each pipeline's slots only grow. So a search finds the time `T` of the last
+/// slot taken: every slot before `T` is taken, and the rest at exactly `T` go by index. That
+/// is `O(P log T)` instead of a heap's `O(B log P)` (160,000 microbatches over 2,500 pipelines
+/// at 10,000 nodes). A zero slope (infinitely many slots at one time) keeps the heap.
 pub fn split_batch(alphas: &[Nanos], slopes: &[Nanos], global: u32) -> Option<Vec<u32>> {
     let p = alphas.len();
     if p == 0 || (global as usize) < p {
         return None;
     }
+    if slopes.contains(&0) {
+        return Some(split_batch_greedy(alphas, slopes, global));
+    }
+    let extra = u64::from(global) - p as u64;
+    // Slots of pipeline i at or before `t`: k in 2..=(t - alpha) / slope.
+    let slots = |i: usize, t: Nanos| match t.checked_sub(alphas[i]) {
+        Some(d) => (d / slopes[i]).saturating_sub(1),
+        None => 0,
+    };
+    let count = |t: Nanos| (0..p).map(|i| slots(i, t)).fold(0u64, u64::saturating_add);
+    let mut nb = vec![1u32; p];
+    if extra == 0 {
+        return Some(nb);
+    }
+    let (mut lo, mut hi) = (0u64, Nanos::MAX);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if count(mid) >= extra {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let t = lo;
+    let mut left = extra;
+    for (i, n) in nb.iter_mut().enumerate() {
+        let before = slots(i, t - 1);
+        *n += before as u32;
+        left -= before;
+    }
+    for (i, n) in nb.iter_mut().enumerate() {
+        if left == 0 {
+            break;
+        }
+        if slots(i, t) > slots(i, t - 1) {
+            *n += 1;
+            left -= 1;
+        }
+    }
+    Some(nb)
+}
+
+/// The greedy split itself, one microbatch at a time from a heap (also for zero slopes).
+fn split_batch_greedy(alphas: &[Nanos], slopes: &[Nanos], global: u32) -> Vec<u32> {
+    let p = alphas.len();
     let mut nb = vec![1u32; p];
     let mut heap: BinaryHeap<Reverse<(Nanos, usize)>> = (0..p)
         .map(|i| Reverse((alphas[i].saturating_add(2 * slopes[i]), i)))
@@ -138,7 +190,7 @@ pub fn split_batch(alphas: &[Nanos], slopes: &[Nanos], global: u32) -> Option<Ve
         let next = alphas[i].saturating_add(u64::from(nb[i] + 1).saturating_mul(slopes[i]));
         heap.push(Reverse((next, i)));
     }
-    Some(nb)
+    nb
 }
 
 /// Plans from scratch: templates are generated for `nodes.len()` nodes.
@@ -304,4 +356,28 @@ pub(crate) fn assemble(
         layer_state_bytes: set.layer_state_bytes.clone(),
         iteration_ns: compute + sync,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn the_searched_split_is_the_greedy_split() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        for _ in 0..2000 {
+            let p = rng.random_range(1..8usize);
+            let alphas: Vec<Nanos> = (0..p).map(|_| rng.random_range(0..60)).collect();
+            // Small ranges make ties between pipelines common.
+            let slopes: Vec<Nanos> = (0..p).map(|_| rng.random_range(1..6)).collect();
+            let global = rng.random_range(p as u32..60);
+            assert_eq!(
+                split_batch(&alphas, &slopes, global),
+                Some(split_batch_greedy(&alphas, &slopes, global)),
+                "alphas {alphas:?} slopes {slopes:?} global {global}"
+            );
+        }
+        assert_eq!(split_batch(&[0, 0], &[0, 3], 5), Some(vec![4, 1]));
+    }
 }
