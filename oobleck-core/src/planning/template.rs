@@ -333,19 +333,17 @@ fn search(
         let p2p = c.p2p(i - 1, per_node);
         // Stage i-1 covers [c0, a); at least i-1 layers before it, and at least s-i after.
         for a in i..=(l - (s - i)) {
+            // Stage i-1 grows leftwards from one layer: its `w` and memory only grow, so the
+            // scan ends once either alone rules out an improvement.
             let mut best = INF;
-            for c0 in (i - 1)..a {
-                let prev = pre[(i - 1) * width + c0];
-                if prev == INF || prev >= best {
-                    continue;
-                }
-                if c.memory(c0, a, g, in_flight) > c.mem {
-                    continue;
-                }
+            for c0 in ((i - 1)..a).rev() {
                 let w = c.compute(c0, a, g) + p2p;
-                let v = prev.max(w);
-                if v < best {
-                    best = v;
+                if w >= best || c.memory(c0, a, g, in_flight) > c.mem {
+                    break;
+                }
+                let prev = pre[(i - 1) * width + c0];
+                if prev != INF {
+                    best = best.min(prev.max(w));
                 }
             }
             pre[i * width + a] = best;
@@ -374,15 +372,20 @@ fn search(
                 continue;
             }
             let c_pre = (c.fwd[a] + c.bwd[a]) * q + comm_prefix[k];
+            // `T >= c_pre + m * w` and `w` only grows with `b` (so does memory): once that
+            // bound reaches the best found, no later `b` improves on it.
+            let beaten = |w: u64, best: &Option<(u128, usize, usize, usize)>| {
+                best.is_some_and(|(bt, ..)| c_pre as u128 + m as u128 * w as u128 >= bt)
+            };
+            if beaten(pk, &best) {
+                continue;
+            }
             for (b, &sb) in suf_row.iter().enumerate().take(l - s_a + 1).skip(a + 1) {
-                if sb == INF {
-                    continue;
-                }
                 let w = c.compute(a, b, g) + p2p;
-                if w < pk || (s_a > 0 && w <= sb) {
-                    continue;
+                if beaten(w, &best) || c.memory(a, b, g, in_flight) > c.mem {
+                    break;
                 }
-                if c.memory(a, b, g, in_flight) > c.mem {
+                if sb == INF || w < pk || (s_a > 0 && w <= sb) {
                     continue;
                 }
                 let c_suf = (c.fwd[l] - c.fwd[b] + c.bwd[l] - c.bwd[b]) * q
@@ -472,19 +475,16 @@ impl SufTable {
             let i_mod = (per_node - j % per_node) % per_node;
             let p2p = if i_mod == 0 { c.p2p_inter } else { c.p2p_intra };
             for (b, slot) in row.iter_mut().enumerate().take(l - j + 1) {
+                // The stage grows rightwards: `w` and memory only grow with `e`.
                 let mut best = INF;
                 for e in (b + 1)..=(l - (j - 1)) {
-                    let next = self.rows[(j - 1) * self.width + e];
-                    if next == INF || next >= best {
-                        continue;
-                    }
-                    if c.memory(b, e, g, j as u64) > c.mem {
-                        continue;
-                    }
                     let w = c.compute(b, e, g) + if b == 0 { 0 } else { p2p };
-                    let v = w.max(next);
-                    if v < best {
-                        best = v;
+                    if w >= best || c.memory(b, e, g, j as u64) > c.mem {
+                        break;
+                    }
+                    let next = self.rows[(j - 1) * self.width + e];
+                    if next != INF {
+                        best = best.min(w.max(next));
                     }
                 }
                 *slot = best;
