@@ -80,11 +80,14 @@ pub(super) fn plan_copies(
 /// holder's load grows with copies of other layers too; a stale entry is re-queued when it
 /// surfaces). A decision with a few copies on a 10,000-node plan touches a few holders, not
 /// every one of them for each copy.
+/// A holder in a layer's heap: `(bytes charged when queued, new rank, (node, device))`.
+type Charged = (u64, u32, (u32, u32));
+
 struct Sources {
     /// Per layer: `(new rank, (node, device))` of each holder, in rank order.
     holders: Vec<Vec<(u32, (u32, u32))>>,
     cursor: Vec<usize>,
-    heaps: Vec<BinaryHeap<Reverse<(u64, u32, (u32, u32))>>>,
+    heaps: Vec<BinaryHeap<Reverse<Charged>>>,
     /// Bytes charged so far, by new rank.
     load: Vec<u64>,
 }

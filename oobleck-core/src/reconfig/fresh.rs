@@ -99,16 +99,19 @@ pub(super) fn reinstantiate(
     Ok((out, spare))
 }
 
+/// A pipeline as `(id, nodes)`.
+type Group = (u32, Vec<u32>);
+
 /// The groups not placed yet, by size; within a size in id order. Taking one is `O(log)`, not
 /// a scan and shift of a list of every pipeline (2,500 of them at 10,000 nodes).
 struct Left {
-    by_len: BTreeMap<usize, VecDeque<(u32, Vec<u32>)>>,
+    by_len: BTreeMap<usize, VecDeque<Group>>,
 }
 
 impl Left {
     fn new(mut groups: Groups) -> Self {
         groups.sort_by_key(|g| g.0);
-        let mut by_len: BTreeMap<usize, VecDeque<(u32, Vec<u32>)>> = BTreeMap::new();
+        let mut by_len: BTreeMap<usize, VecDeque<Group>> = BTreeMap::new();
         for g in groups {
             by_len.entry(g.1.len()).or_default().push_back(g);
         }
@@ -116,22 +119,18 @@ impl Left {
     }
 
     /// The largest group whose size is in `sizes` (lowest id among equals).
-    fn take(&mut self, sizes: impl std::ops::RangeBounds<usize>) -> Option<(u32, Vec<u32>)> {
+    fn take(&mut self, sizes: impl std::ops::RangeBounds<usize>) -> Option<Group> {
         let (&len, _) = self.by_len.range(sizes).next_back()?;
         self.pop(len, VecDeque::pop_front)
     }
 
     /// The smallest group (highest id among equals).
-    fn smallest(&mut self) -> Option<(u32, Vec<u32>)> {
+    fn smallest(&mut self) -> Option<Group> {
         let (&len, _) = self.by_len.iter().next()?;
         self.pop(len, VecDeque::pop_back)
     }
 
-    fn pop(
-        &mut self,
-        len: usize,
-        end: fn(&mut VecDeque<(u32, Vec<u32>)>) -> Option<(u32, Vec<u32>)>,
-    ) -> Option<(u32, Vec<u32>)> {
+    fn pop(&mut self, len: usize, end: fn(&mut VecDeque<Group>) -> Option<Group>) -> Option<Group> {
         let bucket = self.by_len.get_mut(&len)?;
         let g = end(bucket);
         if bucket.is_empty() {
