@@ -120,13 +120,22 @@ fn print(rows: &[Row]) {
     );
     for r in rows {
         let ms = r.time.as_secs_f64() * 1e3;
-        let verdict = if ms < r.target_ms { "ok" } else { "SLOW" };
+        let verdict = match r.target_ms {
+            t if !t.is_finite() => "",
+            t if ms < t => "ok",
+            _ => "SLOW",
+        };
+        let target = if r.target_ms.is_finite() {
+            r.target_ms.to_string()
+        } else {
+            "-".into()
+        };
         println!(
             "{:<46} {:>11.3} {:>11.2} {:>10}  {verdict}",
             r.what,
             ms,
             r.peak as f64 / 1e6,
-            r.target_ms
+            target
         );
     }
 }
@@ -141,6 +150,29 @@ fn templates(opts: &Opts, rows: &mut Vec<Row>) {
         let what = format!("templates 96 layers, n = n0..64, G = {g}");
         row(opts, rows, what, 10.0, || {
             generate_templates(&profile, &cluster, &j, 64).expect("templates")
+        });
+    }
+}
+
+/// How the template set's cost grows with layers, node count and `G` (no target).
+fn template_growth(opts: &Opts, rows: &mut Vec<Row>) {
+    let dev = DeviceSpec::named("h200-141gb").expect("device");
+    let cases = [
+        (46, 64, 8),
+        (190, 64, 8),
+        (94, 32, 8),
+        (94, 128, 8),
+        (94, 64, 2),
+        (94, 64, 4),
+    ];
+    for (blocks, n, g) in cases {
+        let shape = TransformerShape::gpt(blocks, 4096, 32, 50257, 2048);
+        let profile = analytical_profile("growth", &shape, dev, 1, Dtype::Bf16);
+        let cluster = dev.cluster(g);
+        let j = job(0, 4 * n);
+        let what = format!("  templates {} layers, n = n0..{n}, G = {g}", blocks + 2);
+        row(opts, rows, what, f64::INFINITY, || {
+            generate_templates(&profile, &cluster, &j, n).expect("templates")
         });
     }
 }
@@ -188,6 +220,7 @@ fn main() {
     };
     let mut rows = Vec::new();
     templates(&opts, &mut rows);
+    template_growth(&opts, &mut rows);
     at_scale(&opts, &mut rows);
     print(&rows);
 }

@@ -290,6 +290,36 @@ fn join_reinstantiates_and_keeps_untouched_pipelines() {
     );
 }
 
+/// Where pipelines could outnumber microbatches many compositions tie; a join keeps the
+/// templates in use (one new pipeline for the joiners and a neighbour), not a re-cut cluster.
+#[test]
+fn a_join_with_more_possible_pipelines_than_microbatches_keeps_the_pipelines() {
+    let dev = oobleck_core::planning::DeviceSpec::named("a100-80gb").expect("device");
+    let shape = oobleck_core::planning::TransformerShape::gpt(32, 4096, 32, 50257, 2048);
+    let p = oobleck_core::planning::analytical_profile(
+        "gpt3-6.7b",
+        &shape,
+        dev,
+        1,
+        oobleck_core::planning::Dtype::Bf16,
+    );
+    let (c, j) = (dev.cluster(8), job(3, 250));
+    let nodes: Vec<u32> = (0..1000).collect();
+    let plan = instantiate(&p, &c, &j, &nodes).expect("plan");
+    assert!(plan.pipelines.len() as u32 <= 250);
+    let r = decide(&plan, &[], &[1000, 1001]).expect("join");
+    assert_eq!(r.plan.num_nodes(), 1002);
+    let kept = sorted_sets(&r.plan)
+        .intersection(&sorted_sets(&plan))
+        .count();
+    assert!(
+        kept * 100 >= plan.pipelines.len() * 98 && r.copies.len() < 200,
+        "{kept} of {} pipelines kept, {} copies",
+        plan.pipelines.len(),
+        r.copies.len()
+    );
+}
+
 #[test]
 fn every_surviving_node_is_used_once_and_has_a_template() {
     let (p, c, j) = (profile(), cluster(2, 1000), job(2, 96));

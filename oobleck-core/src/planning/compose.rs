@@ -53,6 +53,9 @@ struct Search<'a> {
     cmax: usize,
     /// Nodes of the largest template.
     largest: usize,
+    /// Template indices in the order a walk back tries them: the counts to stay close to
+    /// (most used first), then the largest.
+    order: Vec<usize>,
     /// `b` below the largest possible pipeline count: track totals, not only capacity.
     bounded: bool,
 }
@@ -234,13 +237,12 @@ impl Totals {
     }
 
     /// Walks back from total `b` at `(n, end)`: one pipeline at a time, a template and a
-    /// predecessor total `y` with `y + 1 <= x <= y + cap`. Largest template first.
+    /// predecessor total `y` with `y + 1 <= x <= y + cap`, templates in [`Search::order`].
     fn trace(&self, s: &Search, caps: &[i64], end: usize) -> Vec<u32> {
         let mut counts = vec![0u32; s.tpls.len()];
         let (mut j, mut c, mut x) = (s.n, end, s.b as u32);
         while j > 0 {
-            let (t, p, y) = (0..s.sizes.len())
-                .rev()
+            let (t, p, y) = (s.order.iter().copied())
                 .filter(|&t| s.sizes[t] <= j && caps[t] >= 1)
                 .flat_map(|t| s.preds(c).map(move |p| (t, p)))
                 .find_map(|(t, p)| {
@@ -262,15 +264,23 @@ impl Totals {
 }
 
 /// Template counts (indexed like `set.templates`) of the best composition for `n` nodes.
+/// Among compositions equally fast, `prefer` (counts per template, e.g. the current plan's;
+/// empty for none) steers the choice where pipelines may outnumber microbatches: there many
+/// compositions tie, and a reconfiguration that keeps the current templates copies far less
+/// (2 nodes joining 2,500 four-node pipelines, 1 microbatch each: 67 layer copies, not
+/// 103,119).
 pub(crate) fn choose_counts(
     set: &TemplateSet,
     global_microbatches: u32,
     fault_threshold: u32,
     n: u32,
     sync_ns: Nanos,
+    prefer: &[u32],
 ) -> Result<Vec<u32>, PlanError> {
     let tpls = &set.templates;
     let sizes: Vec<usize> = tpls.iter().map(|t| t.nodes as usize).collect();
+    let mut order: Vec<usize> = (0..tpls.len()).rev().collect();
+    order.sort_by_key(|&t| std::cmp::Reverse(prefer.get(t).copied().unwrap_or(0)));
     let need = fault_threshold as usize + 1;
     let n_min = sizes.iter().copied().min().unwrap_or(1).max(1);
     let search = Search {
@@ -279,6 +289,7 @@ pub(crate) fn choose_counts(
         b: i64::from(global_microbatches),
         cmax: need.max(2),
         largest: sizes.iter().copied().max().unwrap_or(1),
+        order,
         bounded: (global_microbatches as usize) < n as usize / n_min,
         sizes,
     };
@@ -393,6 +404,7 @@ fn why_infeasible(s: &Search, global_microbatches: u32, need: usize) -> PlanErro
         b: i64::MAX,
         cmax: need.max(1),
         largest: s.largest,
+        order: s.order.clone(),
         bounded: false,
     };
     let mut best = Vec::new();

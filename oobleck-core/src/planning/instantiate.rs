@@ -227,6 +227,7 @@ pub fn instantiate_with_sizes(
         job.fault_threshold,
         nodes.len() as u32,
         sync_ns,
+        &[],
     )?;
     // Pipelines by ascending template size, contiguous node blocks.
     let mut sizes: Vec<usize> = Vec::new();

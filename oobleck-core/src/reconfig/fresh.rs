@@ -10,12 +10,26 @@ use crate::planning::{Plan, PlanError, TemplateSet};
 
 /// Template counts for `total` nodes: with `f + 1` pipelines if possible, else with as many
 /// pipelines as the nodes allow, and only then with fewer nodes (the rest spare).
-fn degrade_counts(set: &TemplateSet, ctx: &Ctx, total: u32) -> Result<Vec<u32>, PlanError> {
+/// Among equally fast compositions, the one closest to `plan`'s templates.
+fn degrade_counts(
+    set: &TemplateSet,
+    ctx: &Ctx,
+    total: u32,
+    plan: &Plan,
+) -> Result<Vec<u32>, PlanError> {
     let n_min = set.templates.first().map_or(1, |t| t.nodes);
+    let prefer: Vec<u32> = (set.templates.iter())
+        .map(|t| {
+            plan.pipelines
+                .iter()
+                .filter(|p| p.template_nodes == t.nodes)
+                .count() as u32
+        })
+        .collect();
     let mut first_err = None;
     for f in (0..=ctx.fault_threshold).rev() {
         for used in (n_min..=total).rev() {
-            match choose_counts(set, ctx.global_microbatches, f, used, ctx.sync_ns) {
+            match choose_counts(set, ctx.global_microbatches, f, used, ctx.sync_ns, &prefer) {
                 Ok(c) => return Ok(c),
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -41,7 +55,7 @@ pub(super) fn reinstantiate(
     plan: &Plan,
 ) -> Result<(Groups, Vec<u32>), PlanError> {
     let total = groups.iter().map(|g| g.1.len()).sum::<usize>() + joined.len();
-    let counts = degrade_counts(set, ctx, total as u32)?;
+    let counts = degrade_counts(set, ctx, total as u32, plan)?;
     let mut slots: Vec<usize> = Vec::new();
     for (t, &c) in counts.iter().enumerate() {
         slots.extend(std::iter::repeat_n(
