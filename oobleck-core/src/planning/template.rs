@@ -36,7 +36,15 @@
 //! partition exists iff `pre[k][a] <= W` and `suf[S-k-1][b] < W`, and then `T` is fixed by
 //! `(k, a, b)`: the sums of `w` over prefix and suffix do not depend on where the cuts fall
 //! (compute is additive in layers, `p_i` depends on the index only). Cost: `O(S * L^2)` per
-//! `(n, g)`, exact, and independent of the number of ways to cut.
+//! `(n, g)` at worst, exact, and independent of the number of ways to cut.
+//!
+//! In practice far less: a stage's `w` and memory only grow as it takes more layers, so each
+//! scan of the tables stops once one of them alone rules out an improvement (about a balanced
+//! stage's worth of layers), and the bottleneck loop stops once `prefix + m * w` reaches the
+//! best found. Measured (`cargo bench -p oobleck-core --bench planner`, 2 cores): the set for
+//! `n = 1..64` takes 0.8 ms at 48 layers, 5 ms at 96 and 26 ms at 192 (about `L^2.3`); at 96
+//! layers 3.2 ms for `n <= 32`, 5 ms for 64, 6 ms for 128 (no layout has more stages than
+//! layers, so large `n` add little), and 4 to 5 ms for `G` from 2 to 8.
 //!
 //! All times inside the search are integers in units of `1/b` ns, so `work * ceil(b/g) / b`
 //! is exact and ties do not depend on summation order.
