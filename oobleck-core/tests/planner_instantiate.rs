@@ -5,7 +5,7 @@ use oobleck_core::planning::{
     TemplateSet,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 
 /// A one-stage-per-node template with given alpha-ish shape.
 fn tpl(nodes: u32, t1: u64, w: u64) -> Template {
@@ -97,6 +97,41 @@ fn exhaustive(set: &TemplateSet, f: u32, b: u32, n: u32, sync: u64) -> Option<u6
         .min()
 }
 
+/// The planner's plan for `n` nodes against [`exhaustive`]: the same time, every node used,
+/// more than `f` pipelines, `b` split with at least one each; or both infeasible. Returns
+/// whether both had a plan.
+fn planner_equals_exhaustive(
+    set: &TemplateSet,
+    f: u32,
+    b: u32,
+    n: u32,
+    sync: u64,
+) -> Result<bool, TestCaseError> {
+    let nodes: Vec<u32> = (0..n).collect();
+    let want = exhaustive(set, f, b, n, sync);
+    let got = instantiate_with_sizes(set, &job(f, b), 1, sync, &nodes, 0);
+    match (want, got) {
+        (Some(w), Ok(plan)) => {
+            prop_assert_eq!(plan.iteration_ns, w);
+            prop_assert_eq!(plan.num_nodes(), n);
+            prop_assert!(plan.pipelines.len() as u32 > f);
+            prop_assert_eq!(plan.batch_split().iter().sum::<u32>(), b);
+            prop_assert!(plan.batch_split().iter().all(|&x| x >= 1));
+            Ok(true)
+        }
+        (None, Err(_)) => Ok(false),
+        (w, g) => {
+            prop_assert!(
+                false,
+                "exhaustive {:?} vs planner {:?}",
+                w,
+                g.map(|p| p.iteration_ns)
+            );
+            Ok(false)
+        }
+    }
+}
+
 fn runner(cases: u32) -> TestRunner {
     TestRunner::new_with_rng(
         Config {
@@ -134,25 +169,8 @@ fn knapsack_instantiation_equals_exhaustive_enumeration() {
                 templates,
                 layer_state_bytes: vec![1; 8],
             };
-            let nodes: Vec<u32> = (0..n).collect();
-            let want = exhaustive(&set, f, b, n, sync);
-            let got = instantiate_with_sizes(&set, &job(f, b), 1, sync, &nodes, 0);
-            match (want, got) {
-                (Some(w), Ok(plan)) => {
-                    compared.set(compared.get() + 1);
-                    prop_assert_eq!(plan.iteration_ns, w);
-                    prop_assert_eq!(plan.num_nodes(), n);
-                    prop_assert!(plan.pipelines.len() as u32 > f);
-                    prop_assert_eq!(plan.batch_split().iter().sum::<u32>(), b);
-                    prop_assert!(plan.batch_split().iter().all(|&x| x >= 1));
-                }
-                (None, Err(_)) => {}
-                (w, g) => prop_assert!(
-                    false,
-                    "exhaustive {:?} vs planner {:?}",
-                    w,
-                    g.map(|p| p.iteration_ns)
-                ),
+            if planner_equals_exhaustive(&set, f, b, n, sync)? {
+                compared.set(compared.get() + 1);
             }
             Ok(())
         })
@@ -193,28 +211,11 @@ fn instantiation_with_more_possible_pipelines_than_microbatches_equals_exhaustiv
                 templates,
                 layer_state_bytes: vec![1; 8],
             };
-            let nodes: Vec<u32> = (0..n).collect();
-            let want = exhaustive(&set, f, b, n, sync);
-            let got = instantiate_with_sizes(&set, &job(f, b), 1, sync, &nodes, 0);
-            match (want, got) {
-                (Some(w), Ok(plan)) => {
-                    compared.set(compared.get() + 1);
-                    if b < n / n0 {
-                        bound.set(bound.get() + 1);
-                    }
-                    prop_assert_eq!(plan.iteration_ns, w);
-                    prop_assert_eq!(plan.num_nodes(), n);
-                    prop_assert!(plan.pipelines.len() as u32 > f);
-                    prop_assert_eq!(plan.batch_split().iter().sum::<u32>(), b);
-                    prop_assert!(plan.batch_split().iter().all(|&x| x >= 1));
+            if planner_equals_exhaustive(&set, f, b, n, sync)? {
+                compared.set(compared.get() + 1);
+                if b < n / n0 {
+                    bound.set(bound.get() + 1);
                 }
-                (None, Err(_)) => {}
-                (w, g) => prop_assert!(
-                    false,
-                    "exhaustive {:?} vs planner {:?}",
-                    w,
-                    g.map(|p| p.iteration_ns)
-                ),
             }
             Ok(())
         })
