@@ -271,6 +271,26 @@ fn bad_inputs_are_clear_errors_with_numbers() {
     ));
 }
 
+/// The fields of a [`PlanError::ModelTooLarge`] in declaration order (needed, device, layer,
+/// state, activations, in flight, samples per device), once checked that its state and
+/// activations add up to the need.
+fn too_large_parts(e: &PlanError) -> (u64, u64, usize, u64, u64, u64, u64) {
+    let PlanError::ModelTooLarge {
+        needed_bytes: need,
+        device_bytes: device,
+        layer,
+        state_bytes: state,
+        activation_bytes: act,
+        in_flight: flight,
+        samples_per_device: samples,
+    } = *e
+    else {
+        panic!("expected ModelTooLarge, got {e}");
+    };
+    assert_eq!(state + act, need, "{e}");
+    (need, device, layer, state, act, flight, samples)
+}
+
 /// A model that fits no split names its worst stage's parts, which add up to the need: 3 layers
 /// of 5, 20, 5 parameter bytes (x4 of state) and 100, 60, 10 activation bytes per microbatch of
 /// 2 samples. One layer per stage puts 3, 2, 1 microbatches in flight, so on 2 devices per
@@ -283,32 +303,9 @@ fn model_too_large_names_state_and_in_flight_activations() {
         &[100, 60, 10],
     );
     let j = job(0, 8, TemplateMicrobatches::Auto);
-    let parts = |e: &PlanError| match *e {
-        PlanError::ModelTooLarge {
-            needed_bytes,
-            device_bytes,
-            layer,
-            state_bytes,
-            activation_bytes,
-            in_flight,
-            samples_per_device,
-        } => {
-            assert_eq!(state_bytes + activation_bytes, needed_bytes, "{e}");
-            (
-                needed_bytes,
-                device_bytes,
-                layer,
-                state_bytes,
-                activation_bytes,
-                in_flight,
-                samples_per_device,
-            )
-        }
-        ref other => panic!("expected ModelTooLarge, got {other}"),
-    };
 
     let e = generate_templates(&p, &cluster(2, 100), &j, 4).unwrap_err();
-    assert_eq!(parts(&e), (170, 100, 0, 20, 150, 3, 1));
+    assert_eq!(too_large_parts(&e), (170, 100, 0, 20, 150, 3, 1));
     let text = e.to_string();
     assert!(text.contains("Layer 0's stage"), "{text}");
     assert!(text.contains("3 microbatches in flight"), "{text}");
@@ -318,7 +315,7 @@ fn model_too_large_names_state_and_in_flight_activations() {
 
     // One device per stage holds both samples: 20 + 3 * 100 = 320 bytes.
     let e = generate_templates(&p, &cluster(1, 100), &j, 4).unwrap_err();
-    assert_eq!(parts(&e), (320, 100, 0, 20, 300, 3, 2));
+    assert_eq!(too_large_parts(&e), (320, 100, 0, 20, 300, 3, 2));
     let text = e.to_string();
     assert!(
         text.contains("a smaller microbatch or more devices per node"),
@@ -328,7 +325,7 @@ fn model_too_large_names_state_and_in_flight_activations() {
     // Layer 1's state (80 bytes) alone is too large: it is named, though layer 0 needs more,
     // and only a larger device helps.
     let e = generate_templates(&p, &cluster(2, 79), &j, 4).unwrap_err();
-    assert_eq!(parts(&e), (140, 79, 1, 80, 60, 2, 1));
+    assert_eq!(too_large_parts(&e), (140, 79, 1, 80, 60, 2, 1));
     let text = e.to_string();
     assert!(text.contains("state alone exceeds the device"), "{text}");
     assert!(!text.contains("recomputation"), "{text}");
