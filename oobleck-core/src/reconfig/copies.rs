@@ -14,10 +14,14 @@ pub(super) fn plan_copies(
     lost: &BTreeSet<u32>,
 ) -> (Vec<LayerCopy>, Vec<usize>) {
     let g = new_plan.devices_per_node;
-    let num_layers = new_plan.layer_state_bytes.len();
-    // Surviving old holders per layer that are ranks of the new plan (a spare node runs no
-    // worker, so it cannot send), in new-rank order.
-    let mut holders: Vec<Vec<(u32, (u32, u32))>> = vec![Vec::new(); num_layers];
+    let wants = wanted(new_plan, old);
+    let mut needed = vec![false; new_plan.layer_state_bytes.len()];
+    for w in &wants {
+        needed[w.0] = true;
+    }
+    // Surviving old holders of the layers someone needs that are ranks of the new plan (a
+    // spare node runs no worker, so it cannot send), in new-rank order.
+    let mut holders: Vec<Vec<(u32, (u32, u32))>> = vec![Vec::new(); needed.len()];
     for p in &new_plan.pipelines {
         for (j, &node) in p.nodes.iter().enumerate() {
             if lost.contains(&node) {
@@ -26,8 +30,8 @@ pub(super) fn plan_copies(
             let first = p.first_rank + j as u32 * g;
             for (d, held) in old.node(node).iter().enumerate().take(g as usize) {
                 for l in held.iter().flat_map(Held::iter) {
-                    if let Some(h) = holders.get_mut(l) {
-                        h.push((first + d as u32, (node, d as u32)));
+                    if needed.get(l) == Some(&true) {
+                        holders[l].push((first + d as u32, (node, d as u32)));
                     }
                 }
             }
@@ -41,6 +45,30 @@ pub(super) fn plan_copies(
     let mut sources = Sources::new(holders, world);
     let mut copies = Vec::new();
     let mut missing = BTreeSet::new();
+    for (layer, to_rank, to_node) in wants {
+        let bytes = new_plan.layer_state_bytes[layer];
+        let Some((from_rank, src)) = sources.take(layer, bytes) else {
+            missing.insert(layer);
+            continue;
+        };
+        copies.push(LayerCopy {
+            layer,
+            from_rank,
+            to_rank,
+            from_node: src.0,
+            to_node,
+            bytes,
+        });
+    }
+    copies.sort_by_key(|c| (c.to_rank, c.layer));
+    (copies, missing.into_iter().collect())
+}
+
+/// Every `(layer, new rank, node)` a device of `new_plan` needs and does not hold, in plan
+/// order (the order sources are assigned in).
+fn wanted(new_plan: &Plan, old: &Holdings) -> Vec<(usize, u32, u32)> {
+    let g = new_plan.devices_per_node;
+    let mut wants = Vec::new();
     for p in &new_plan.pipelines {
         let t = new_plan.template_of(p);
         let mut at = (u32::MAX, &[][..]);
@@ -52,25 +80,12 @@ pub(super) fn plan_copies(
             for d in s.first_device..s.first_device + s.devices {
                 let held = at.1.get(d as usize).and_then(Option::as_ref);
                 for l in s.layers().filter(|&l| !held.is_some_and(|h| h.contains(l))) {
-                    let bytes = new_plan.layer_state_bytes[l];
-                    let Some((from_rank, src)) = sources.take(l, bytes) else {
-                        missing.insert(l);
-                        continue;
-                    };
-                    copies.push(LayerCopy {
-                        layer: l,
-                        from_rank,
-                        to_rank: p.first_rank + s.node * g + d,
-                        from_node: src.0,
-                        to_node: node,
-                        bytes,
-                    });
+                    wants.push((l, p.first_rank + s.node * g + d, node));
                 }
             }
         }
     }
-    copies.sort_by_key(|c| (c.to_rank, c.layer));
-    (copies, missing.into_iter().collect())
+    wants
 }
 
 /// The surviving holders of each layer, least loaded first: the copy source is the holder
