@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
@@ -16,38 +16,10 @@ use common::*;
 use oobleck_core::checkpoint::latest_checkpoint;
 use oobleck_models::{hf, ModelConfig};
 
-/// `train` with a small job (2 microbatches of 2 samples of 16 tokens, no warmup, a high
-/// learning rate so a few steps move the loss well away from a fresh model's) and `extra`.
+/// [`small_job_cmd`] with a high learning rate (so a few steps move the loss well away from a
+/// fresh model's) and `extra`, run to success.
 fn train(out: &Path, extra: &[&str]) -> Output {
-    let mut c = Command::new(TRAIN);
-    c.args([
-        "--microbatch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--seq-len",
-        "16",
-        "--eval-batches",
-        "1",
-        "--sample",
-        "0",
-        "--seed",
-        "7",
-        "--warmup-steps",
-        "0",
-        "--lr",
-        "1e-2",
-        "--fault-threshold",
-        "0",
-    ])
-    .arg("--out")
-    .arg(out)
-    .args(extra)
-    .env("OOBLECK_BIN", OOBLECK)
-    .env("RUST_BACKTRACE", "0")
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    let c = small_job_cmd(out, &[&["--lr", "1e-2"][..], extra].concat());
     let o = run(c, Duration::from_secs(90));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "train {extra:?}: {stderr}");

@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
@@ -17,37 +17,9 @@ use oobleck_cli::generate::whole_model;
 use oobleck_core::model::ParamSource;
 use oobleck_models::{hf, ModelConfig};
 
-/// `train` with a small job (2 microbatches of 2 samples of 16 tokens, no warmup, so the
-/// second step already moves) and `extra`.
+/// [`small_job_cmd`] with `extra`, run within 90 s.
 fn train(out: &Path, extra: &[&str]) -> Output {
-    let mut c = Command::new(TRAIN);
-    c.args([
-        "--microbatch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--seq-len",
-        "16",
-        "--eval-batches",
-        "1",
-        "--sample",
-        "0",
-        "--seed",
-        "7",
-        "--warmup-steps",
-        "0",
-        "--fault-threshold",
-        "0",
-    ])
-    .arg("--out")
-    .arg(out)
-    .args(extra)
-    .env("OOBLECK_BIN", OOBLECK)
-    .env("RUST_BACKTRACE", "0")
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    run(c, Duration::from_secs(90))
+    run(small_job_cmd(out, extra), Duration::from_secs(90))
 }
 
 fn first_line(o: &Output) -> String {

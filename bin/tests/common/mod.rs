@@ -26,6 +26,9 @@ impl Drop for Guard {
     }
 }
 
+/// Every `train` here: one evaluation batch, no text sample, seed 7.
+const EVAL_SAMPLE_SEED: [&str; 6] = ["--eval-batches", "1", "--sample", "0", "--seed", "7"];
+
 pub fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
     let mut c = Command::new(TRAIN);
     c.args([
@@ -37,13 +40,8 @@ pub fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
         "8",
         "--seq-len",
         "32",
-        "--eval-batches",
-        "1",
-        "--sample",
-        "0",
-        "--seed",
-        "7",
     ])
+    .args(EVAL_SAMPLE_SEED)
     // f = 0 (a failure ends the job) unless the test asks for more.
     .args(if extra.contains(&"--fault-threshold") {
         &[][..]
@@ -51,16 +49,41 @@ pub fn train_cmd(out: &Path, steps: u64, extra: &[&str]) -> Command {
         &["--fault-threshold", "0"][..]
     })
     .arg("--steps")
-    .arg(steps.to_string())
-    .arg("--out")
-    .arg(out)
-    .args(extra)
-    .env("OOBLECK_BIN", OOBLECK)
-    .env("RUST_BACKTRACE", "0")
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    .arg(steps.to_string());
+    out_extra_and_pipes(&mut c, out, extra);
     c
+}
+
+/// `train` with a small job (2 microbatches of 2 samples of 16 tokens, no warmup, so the second
+/// step already moves; f = 0) writing to `out`, then `extra` (the model, `--nodes`, `--steps`,
+/// a learning rate...).
+pub fn small_job_cmd(out: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(TRAIN);
+    c.args([
+        "--microbatch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--seq-len",
+        "16",
+    ])
+    .args(EVAL_SAMPLE_SEED)
+    .args(["--warmup-steps", "0", "--fault-threshold", "0"]);
+    out_extra_and_pipes(&mut c, out, extra);
+    c
+}
+
+/// The end of every `train` command here: `--out out`, `extra`, the `oobleck` binary to start
+/// agents with, no stdin, and stdout and stderr captured.
+fn out_extra_and_pipes(c: &mut Command, out: &Path, extra: &[&str]) {
+    c.arg("--out")
+        .arg(out)
+        .args(extra)
+        .env("OOBLECK_BIN", OOBLECK)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
 }
 
 impl Guard {
