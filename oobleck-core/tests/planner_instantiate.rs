@@ -97,6 +97,20 @@ fn exhaustive(set: &TemplateSet, f: u32, b: u32, n: u32, sync: u64) -> Option<u6
         .min()
 }
 
+/// Templates of the given sizes (ascending), the `i`-th shaped by `shapes[i]` = (extra time
+/// of one microbatch, bottleneck).
+fn set_of(sizes: impl Iterator<Item = u32>, shapes: &[(u64, u64)]) -> TemplateSet {
+    let templates: Vec<Template> = sizes
+        .zip(shapes)
+        .map(|(nodes, &(extra, w))| tpl(nodes, w * u64::from(nodes) + extra, w))
+        .collect();
+    TemplateSet {
+        min_nodes: templates[0].nodes,
+        templates,
+        layer_state_bytes: vec![1; 8],
+    }
+}
+
 /// The planner's plan for `n` nodes against [`exhaustive`]: the same time, every node used,
 /// more than `f` pipelines, `b` split with at least one each; or both infeasible. Returns
 /// whether both had a plan.
@@ -157,18 +171,7 @@ fn knapsack_instantiation_equals_exhaustive_enumeration() {
     let compared = std::cell::Cell::new(0);
     runner(300)
         .run(&strat, |(n0, count, shapes, f, b, n, sync)| {
-            let templates: Vec<Template> = (0..count)
-                .map(|i| {
-                    let nodes = n0 + i;
-                    let (extra, w) = shapes[i as usize];
-                    tpl(nodes, w * u64::from(nodes) + extra, w)
-                })
-                .collect();
-            let set = TemplateSet {
-                min_nodes: n0,
-                templates,
-                layer_state_bytes: vec![1; 8],
-            };
+            let set = set_of((0..count).map(|i| n0 + i), &shapes);
             if planner_equals_exhaustive(&set, f, b, n, sync)? {
                 compared.set(compared.get() + 1);
             }
@@ -199,18 +202,9 @@ fn instantiation_with_more_possible_pipelines_than_microbatches_equals_exhaustiv
     let bound = std::cell::Cell::new(0);
     runner(600)
         .run(&strat, |(sizes, shapes, f, n, sync, pct)| {
-            let templates: Vec<Template> = sizes
-                .iter()
-                .zip(&shapes)
-                .map(|(&nodes, &(extra, w))| tpl(nodes, w * u64::from(nodes) + extra, w))
-                .collect();
-            let n0 = templates[0].nodes;
+            let set = set_of(sizes.iter().copied(), &shapes);
+            let n0 = set.min_nodes;
             let b = (n / n0 * pct / 100).max(f + 1);
-            let set = TemplateSet {
-                min_nodes: n0,
-                templates,
-                layer_state_bytes: vec![1; 8],
-            };
             if planner_equals_exhaustive(&set, f, b, n, sync)? {
                 compared.set(compared.get() + 1);
                 if b < n / n0 {
