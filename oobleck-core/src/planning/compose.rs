@@ -82,6 +82,15 @@ impl Search<'_> {
         c == self.cmax || j <= c * self.largest
     }
 
+    /// The templates that can take a microbatch at all within `caps`, as `(nodes, capacity)`,
+    /// largest first.
+    fn usable(&self, caps: &[i64]) -> Vec<(usize, i64)> {
+        (self.sizes.iter().copied().zip(caps.iter().copied()))
+            .rev()
+            .filter(|&(_, cap)| cap >= 1)
+            .collect()
+    }
+
     fn feasible(&self, caps: &[i64], class: Class, tables: &mut Tables) -> bool {
         let end = self.bucket(class);
         if self.bounded {
@@ -100,10 +109,7 @@ impl Search<'_> {
         best.clear();
         best.resize((self.n + 1) * w, -1);
         best[0] = 0;
-        // Only templates that can take a microbatch at all, as (nodes, capacity).
-        let usable: Vec<(usize, i64)> = (self.sizes.iter().copied().zip(caps.iter().copied()))
-            .filter(|&(_, cap)| cap >= 1)
-            .collect();
+        let usable = self.usable(caps);
         for j in 1..=self.n {
             for c in (1..=self.cmax).filter(|&c| self.reachable(j, c)) {
                 let stay = c == self.cmax;
@@ -181,6 +187,9 @@ impl Totals {
     fn build(&mut self, s: &Search, caps: &[i64]) {
         let b = s.b as u32;
         self.buckets = s.cmax + 1;
+        // Largest templates first: their predecessors have the fewest pipelines, so the
+        // candidates come nearly sorted.
+        let usable = s.usable(caps);
         self.start.clear();
         self.spans.clear();
         for j in 0..=s.n {
@@ -197,13 +206,8 @@ impl Totals {
                 }
                 let mut scratch = std::mem::take(&mut self.scratch);
                 scratch.clear();
-                // Largest templates first: their predecessors have the fewest pipelines, so
-                // the candidates come nearly sorted.
-                for (t, &sz) in s.sizes.iter().enumerate().rev() {
-                    if sz > j || caps[t] < 1 {
-                        continue;
-                    }
-                    let cap = caps[t] as u32;
+                for &(sz, cap) in usable.iter().filter(|&&(sz, _)| sz <= j) {
+                    let cap = cap as u32;
                     for p in s.preds(c) {
                         for &(lo, hi) in self.get(j - sz, p) {
                             if lo < b {
@@ -410,10 +414,9 @@ fn why_infeasible(s: &Search, global_microbatches: u32, need: usize) -> PlanErro
     let mut best = Vec::new();
     loose.max_capacity(&vec![1; s.tpls.len()], &mut best);
     if best[s.n * (loose.cmax + 1) + loose.cmax] >= 0 {
-        let largest = s.sizes.iter().copied().max().unwrap_or(1) as u32;
         return PlanError::BatchTooSmall {
             global_microbatches,
-            pipelines: (s.n as u32).div_ceil(largest).max(need as u32),
+            pipelines: (s.n as u32).div_ceil(s.largest as u32).max(need as u32),
         };
     }
     PlanError::NoComposition {

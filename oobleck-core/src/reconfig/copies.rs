@@ -37,12 +37,7 @@ pub(super) fn plan_copies(
             }
         }
     }
-    let world = new_plan
-        .pipelines
-        .iter()
-        .map(|p| p.nodes.len() as u32 * g)
-        .sum();
-    let mut sources = Sources::new(holders, world);
+    let mut sources = Sources::new(holders, new_plan.num_nodes() * g);
     let mut copies = Vec::new();
     let mut missing = BTreeSet::new();
     for (layer, to_rank, to_node) in wants {
@@ -70,20 +65,9 @@ fn wanted(new_plan: &Plan, old: &Holdings) -> Vec<(usize, u32, u32)> {
     let g = new_plan.devices_per_node;
     let mut wants = Vec::new();
     for p in &new_plan.pipelines {
-        let t = new_plan.template_of(p);
-        let mut at = (u32::MAX, &[][..]);
-        for s in &t.stages {
-            let node = p.nodes[s.node as usize];
-            if at.0 != s.node {
-                at = (s.node, old.node(node));
-            }
-            for d in s.first_device..s.first_device + s.devices {
-                let held = at.1.get(d as usize).and_then(Option::as_ref);
-                for l in s.layers().filter(|&l| !held.is_some_and(|h| h.contains(l))) {
-                    wants.push((l, p.first_rank + s.node * g + d, node));
-                }
-            }
-        }
+        old.each_lacking(new_plan.template_of(p), &p.nodes, |s, d, l| {
+            wants.push((l, p.first_rank + s.node * g + d, p.nodes[s.node as usize]));
+        });
     }
     wants
 }

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::planning::Plan;
+use crate::planning::{Plan, Stage, Template};
 
 /// Which layers each `(node, device)` holds at the committed step. [`Holdings::of`] a plan
 /// is what its devices hold while it runs; the runtime passes its own record when that differs
@@ -135,6 +135,28 @@ impl Holdings {
                 .enumerate()
                 .filter_map(move |(d, h)| h.as_ref().map(|h| ((node, d as u32), h)))
         })
+    }
+
+    /// Calls `f(stage, device, layer)` for every layer a pipeline of template `t` on `nodes`
+    /// (in stage order) needs and its device does not hold. One holdings lookup per node.
+    pub(super) fn each_lacking(
+        &self,
+        t: &Template,
+        nodes: &[u32],
+        mut f: impl FnMut(&Stage, u32, usize),
+    ) {
+        let mut at = (u32::MAX, &[][..]);
+        for s in &t.stages {
+            if at.0 != s.node {
+                at = (s.node, self.node(nodes[s.node as usize]));
+            }
+            for d in s.first_device..s.first_device + s.devices {
+                let held = at.1.get(d as usize).and_then(Option::as_ref);
+                for l in s.layers().filter(|&l| !held.is_some_and(|h| h.contains(l))) {
+                    f(s, d, l);
+                }
+            }
+        }
     }
 
     pub(super) fn held(&self, node: u32, device: u32) -> Option<&Held> {

@@ -98,18 +98,9 @@ fn moved_bytes(set: &TemplateSet, old: &Holdings, tpl_nodes: u32, nodes: &[u32])
         return u64::MAX;
     };
     let mut total = 0u64;
-    let mut at = (u32::MAX, &[][..]);
-    for s in &t.stages {
-        if at.0 != s.node {
-            at = (s.node, old.node(nodes[s.node as usize]));
-        }
-        for d in s.first_device..s.first_device + s.devices {
-            let held = at.1.get(d as usize).and_then(Option::as_ref);
-            for l in s.layers().filter(|&l| !held.is_some_and(|h| h.contains(l))) {
-                total += set.layer_state_bytes.get(l).copied().unwrap_or(0);
-            }
-        }
-    }
+    old.each_lacking(t, nodes, |_, _, l| {
+        total += set.layer_state_bytes.get(l).copied().unwrap_or(0);
+    });
     total
 }
 
