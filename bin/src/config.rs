@@ -73,6 +73,17 @@ pub struct TrainConfig {
     /// `--features nccl`: the master makes the NCCL unique id of each generation and hands it
     /// out with the plan; device `d` of a node uses CUDA device `d`).
     pub data_plane: String,
+    /// Where the workers compute and which device the planner models: `auto` (the GPUs of a
+    /// `--features cuda` build when the machine has them, else the CPU), `cpu`, `cuda` (the
+    /// GPUs, their kind detected), or a device kind the planner knows (`h100-80gb`: compute
+    /// on the GPUs, plan for that kind).
+    pub device: String,
+    /// `fp32`, or `bf16`: parameters and activations in bf16 with fp32 master weights and
+    /// optimizer state (halves activation memory and doubles GPU matrix throughput).
+    pub precision: String,
+    /// Drop each layer's forward activations and recompute them in backward: activation memory
+    /// falls to one tensor per layer boundary, for about one more forward pass of compute.
+    pub recompute: bool,
     /// How long (ms) a node may be silent before it is declared lost: a hung machine or agent
     /// (SIGSTOP) is caught after this. Agents send a heartbeat every 500 ms, so the default of
     /// 3000 lets 5 heartbeats in a row go missing (an agent on a saturated 2-core machine is
@@ -141,6 +152,9 @@ impl Default for TrainConfig {
             inject_failure: Vec::new(),
             sample: 2,
             data_plane: "tcp".into(),
+            device: "auto".into(),
+            precision: "fp32".into(),
+            recompute: false,
             lease_ms: 3000,
             join_after_s: 30.0,
             hang_timeout_s: 1.5,
@@ -244,6 +258,16 @@ pub struct TrainArgs {
     /// The cluster's data plane: tcp, or nccl (builds with --features nccl) [default: tcp].
     #[arg(long)]
     pub data_plane: Option<String>,
+    /// Where the workers compute: auto, cpu, cuda, or a device kind the planner knows
+    /// (`oobleck plan --help` lists them) [default: auto: the GPUs of a cuda build if any].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// fp32, or bf16 (fp32 master weights and optimizer state) [default: fp32].
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// Recompute each layer's activations in backward instead of keeping them.
+    #[arg(long)]
+    pub recompute: bool,
     /// Silence (ms) after which a node is declared lost: catches a hung machine or agent;
     /// heartbeats go every 500 ms [default: 3000].
     #[arg(long)]
@@ -328,8 +352,11 @@ impl TrainArgs {
             eval_batches,
             sample,
             data_plane,
+            device,
+            precision,
             lease_ms
         );
+        c.recompute |= self.recompute;
         if let Some(s) = self.join_after {
             c.join_after_s = s;
         }
@@ -430,6 +457,11 @@ impl TrainConfig {
             ),
             other => bail!("--data-plane must be tcp or nccl, got {other:?}"),
         }
+        crate::placement::resolve(&self.device)?;
+        match self.precision.as_str() {
+            "fp32" | "bf16" => {}
+            other => bail!("--precision must be fp32 or bf16, got {other:?}"),
+        }
         for spec in &self.inject_failure {
             parse_failure(spec)?;
         }
@@ -489,6 +521,7 @@ impl TrainConfig {
             ("weight_decay", self.weight_decay != saved.weight_decay),
             ("grad_clip", self.grad_clip != saved.grad_clip),
             ("dataset", self.dataset != saved.dataset),
+            ("precision", self.precision != saved.precision),
         ];
         let changed: Vec<&str> = pairs.iter().filter(|p| p.1).map(|p| p.0).collect();
         (!changed.is_empty()).then(|| changed.join(", "))

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod config;
 pub mod exit;
 pub mod generate;
+pub mod placement;
 pub mod plan_cmd;
 pub mod progress;
 pub mod report;

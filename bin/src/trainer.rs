@@ -56,7 +56,7 @@ pub struct Trainer {
     pub sched: LrSchedule,
     pub step: u64,
     pub out: PathBuf,
-    device: Device,
+    pub device: Device,
     metrics: std::fs::File,
     events: std::fs::File,
 }
@@ -80,7 +80,9 @@ impl Trainer {
     /// A fresh run in a new directory, or a resumed one from `resume`.
     pub fn start(cfg: TrainConfig, resume: Option<&Path>) -> Result<Self> {
         let workload = GptWorkload::new(workload_config(&cfg))?;
-        let device = Device::Cpu;
+        let placement = crate::placement::resolve(&cfg.device)?;
+        let device = oobleck_core::runtime::device::open(placement.compute, 0)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let sched = LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?;
         let mut opt = cfg.optimizer()?;
         let model = workload.model();

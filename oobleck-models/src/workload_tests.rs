@@ -170,6 +170,9 @@ fn a_job_batching_otherwise_than_the_workload_is_refused() {
         eval_every: 0,
         data_plane: Default::default(),
         inject_failures: Vec::new(),
+        compute: Default::default(),
+        precision: Default::default(),
+        recompute: false,
     };
     w.check(&spec).expect("the same batch");
     spec.global_microbatches = 4;

@@ -145,11 +145,12 @@ fn train_one_process(cfg: TrainConfig, args: &TrainArgs) -> Result<()> {
     let mut t = Trainer::start(cfg, args.resume.as_deref())?;
     // The workload's name says what is trained (a preset, or an imported model and its shape).
     eprintln!(
-        "training {}: {:.2}M parameters, {} layers, on 1 CPU process; {} steps of {} samples x {} \
+        "training {}: {:.2}M parameters, {} layers, on 1 process ({}); {} steps of {} samples x {} \
          tokens; run directory {}",
         t.workload.name(),
         t.workload.num_params() as f64 / 1e6,
         t.workload.model_config().num_layers(),
+        if t.device.is_cuda() { "CUDA device 0" } else { "CPU" },
         t.cfg.steps,
         t.cfg.global_batch_size,
         t.cfg.seq_len,

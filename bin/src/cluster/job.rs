@@ -13,6 +13,7 @@ use oobleck_core::checkpoint;
 use oobleck_core::elastic::protocol::ClusterStatus;
 use oobleck_core::elastic::Token;
 use oobleck_core::optim::LrSchedule;
+use oobleck_core::planning::Dtype;
 use oobleck_core::runtime::driver::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::{
@@ -63,6 +64,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         ),
         None => None,
     };
+    let placement = crate::placement::resolve(&cfg.device)?;
     Ok(TrainingSpec {
         steps: cfg.steps,
         seed: cfg.seed,
@@ -71,7 +73,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         nodes: u(cfg.nodes, "--nodes")?,
         devices_per_node: u(cfg.devices_per_node, "--devices-per-node")?,
         fault_threshold: u(cfg.fault_threshold, "--fault-threshold")?,
-        device: "cpu".into(),
+        device: placement.kind,
         pipeline_nodes,
         optimizer: *cfg.optimizer()?.config(),
         lr: LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?,
@@ -83,6 +85,12 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
             _ => DataPlane::Tcp,
         },
         inject_failures,
+        compute: placement.compute,
+        precision: match cfg.precision.as_str() {
+            "bf16" => Dtype::Bf16,
+            _ => Dtype::F32,
+        },
+        recompute: cfg.recompute,
     })
 }
 

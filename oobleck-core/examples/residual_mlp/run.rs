@@ -66,6 +66,9 @@ fn training_spec(cfg: &MlpConfig) -> Result<TrainingSpec, BoxError> {
             node: 2,
             after_step: 4,
         }],
+        compute: Default::default(),
+        precision: Default::default(),
+        recompute: false,
     })
 }
 

@@ -98,9 +98,10 @@ impl TransformerShape {
 }
 
 /// Training dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
+    #[default]
     F32,
     Bf16,
 }

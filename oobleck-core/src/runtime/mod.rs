@@ -18,6 +18,7 @@
 //!   `metrics.jsonl`.
 
 pub mod agent;
+pub mod device;
 pub mod driver;
 mod entry;
 pub mod error;
@@ -32,4 +33,6 @@ pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
 pub use pipe::StateSource;
 pub use records::{Event, StepMetrics, WorkerReport};
-pub use spec::{DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, WatchSpec, Workload};
+pub use spec::{
+    Compute, DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, WatchSpec, Workload,
+};

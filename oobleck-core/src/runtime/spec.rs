@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::error::{BoxError, Result, RuntimeError};
 use crate::model::{LayeredModel, ParamSource, Stage};
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
-use crate::planning::{DeviceSpec, JobSpec, ModelProfile, TemplateMicrobatches};
+use crate::planning::{DeviceSpec, Dtype, JobSpec, ModelProfile, TemplateMicrobatches};
 
 /// A model and its data, as the runtime trains it on any plan.
 ///
@@ -88,6 +88,18 @@ pub enum DataPlane {
     Nccl,
 }
 
+/// Where a job's workers compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Compute {
+    /// The host CPU, every worker.
+    #[default]
+    Cpu,
+    /// One CUDA device per worker (feature `cuda`): device `d` of a node uses CUDA ordinal `d`
+    /// of the devices the agent sees (`CUDA_VISIBLE_DEVICES` applies).
+    Cuda,
+}
+
 /// `--inject-failure NODE@STEP`: `node` kills its processes with SIGKILL once `after_step`
 /// is committed (demos and tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -132,6 +144,15 @@ pub struct TrainingSpec {
     pub eval_every: u64,
     pub data_plane: DataPlane,
     pub inject_failures: Vec<InjectedFailure>,
+    /// Where the workers compute.
+    #[serde(default)]
+    pub compute: Compute,
+    /// Parameters and activations in bf16 (fp32 master weights and optimizer state), or fp32.
+    #[serde(default)]
+    pub precision: Dtype,
+    /// Drop each layer's forward activations and recompute them in backward.
+    #[serde(default)]
+    pub recompute: bool,
 }
 
 impl TrainingSpec {
@@ -149,6 +170,22 @@ impl TrainingSpec {
             state_bytes_per_param_byte: 4,
             template_microbatches: TemplateMicrobatches::Auto,
         }
+    }
+
+    /// Where and how the workers compute, for the first line: `CPU`, or `CUDA, planned as
+    /// h200-141gb`, then `bf16` and `recompute` when set.
+    pub fn compute_words(&self) -> String {
+        let mut words = vec![match self.compute {
+            Compute::Cpu => "CPU".to_string(),
+            Compute::Cuda => format!("CUDA, planned as {}", self.device),
+        }];
+        if self.precision == Dtype::Bf16 {
+            words.push("bf16".into());
+        }
+        if self.recompute {
+            words.push("recompute".into());
+        }
+        words.join(", ")
     }
 
     /// A fresh optimizer.

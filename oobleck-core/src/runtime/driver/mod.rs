@@ -359,8 +359,8 @@ fn announce(
     let local = matches!(opts.launch, Launch::Local { .. });
     // The workload's name says what is trained (a preset, or an imported model and its shape).
     observer.note(&format!(
-        "training {}: {:.2}M parameters, {layers} layers, on {} of {} nodes x {} devices (f = \
-         {}); {} steps of {} samples x {} tokens; run directory {}",
+        "training {}: {:.2}M parameters, {layers} layers, on {} of {} nodes x {} devices ({}; f \
+         = {}); {} steps of {} samples x {} tokens; run directory {}",
         workload.name(),
         workload.num_params() as f64 / 1e6,
         if local {
@@ -370,6 +370,7 @@ fn announce(
         },
         spec.nodes,
         spec.devices_per_node,
+        spec.compute_words(),
         spec.fault_threshold,
         spec.steps,
         spec.global_batch_samples(),

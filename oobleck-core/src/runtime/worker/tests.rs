@@ -82,6 +82,9 @@ fn training() -> TrainingSpec {
         eval_every: 0,
         data_plane: DataPlane::Tcp,
         inject_failures: Vec::new(),
+        compute: Default::default(),
+        precision: Default::default(),
+        recompute: false,
     }
 }
 

@@ -32,6 +32,9 @@ pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
         eval_every: 0,
         data_plane: DataPlane::Tcp,
         inject_failures: Vec::new(),
+        compute: Default::default(),
+        precision: Default::default(),
+        recompute: false,
     }
 }
 
