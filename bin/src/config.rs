@@ -3,6 +3,7 @@
 //! The resolved [`TrainConfig`] is written to `<out>/config.json`, so every run records exactly
 //! what it did; `--resume` reads it back and refuses changes that would alter the training.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -194,10 +195,11 @@ pub struct TrainArgs {
     /// Samples per microbatch [default: 4].
     #[arg(long)]
     pub microbatch_size: Option<usize>,
-    /// Samples per step, a multiple of the microbatch size [default: 16].
+    /// Samples per step, a multiple of the microbatch size [default: 16; a published preset
+    /// such as gpt3-2.7b: its paper's batch, 512 sequences].
     #[arg(long)]
     pub global_batch_size: Option<usize>,
-    /// Tokens per sample [default: 64].
+    /// Tokens per sample [default: 64; a published preset: its whole context, 2048 for GPT-3].
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Total optimizer steps [default: 150].
@@ -206,7 +208,7 @@ pub struct TrainArgs {
     /// Seed of initialisation, data order and dropout [default: 1234].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Peak learning rate [default: 2e-3].
+    /// Peak learning rate [default: 2e-3; a published preset: its paper's, 1.6e-4 for gpt3-2.7b].
     #[arg(long)]
     pub lr: Option<f64>,
     /// Final learning rate of the cosine decay [default: lr/10].
@@ -319,10 +321,15 @@ impl TrainArgs {
             }
             None => TrainConfig::default(),
         };
+        // The fields the job file sets, so a preset's published recipe fills only the rest.
+        let mut in_file = BTreeSet::new();
         let mut c = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading job file {}", path.display()))?;
+                in_file = (text.parse::<toml::Table>().ok().into_iter())
+                    .flat_map(|t| t.into_iter().map(|kv| kv.0))
+                    .collect();
                 toml::from_str::<TrainConfig>(&text)
                     .with_context(|| format!("job file {} is not a valid job", path.display()))?
             }
@@ -384,6 +391,15 @@ impl TrainArgs {
         );
         if !self.inject_failure.is_empty() {
             c.inject_failure = self.inject_failure.clone();
+        }
+        if self.resume.is_none() {
+            let by_flag = [
+                ("seq_len", self.seq_len.is_some()),
+                ("global_batch_size", self.global_batch_size.is_some()),
+                ("lr", self.lr.is_some()),
+            ];
+            let given = |key: &str| in_file.contains(key) || by_flag.contains(&(key, true));
+            c.apply_recipe(given);
         }
         let c = c.with_derived();
         c.validate()?;
@@ -466,6 +482,28 @@ impl TrainConfig {
             parse_failure(spec)?;
         }
         Ok(())
+    }
+
+    /// A large preset trains at its whole context with its paper's batch and learning rate
+    /// (`oobleck_models::recipe`), except for what `given(field)` says was set by hand.
+    pub fn apply_recipe(&mut self, given: impl Fn(&str) -> bool) {
+        if self.init_from.is_some() {
+            return;
+        }
+        let Ok(Some(r)) = oobleck_models::recipe::recipe(&self.model) else {
+            return;
+        };
+        if !given("seq_len") {
+            self.seq_len = r.seq_len;
+        }
+        if !given("global_batch_size") {
+            // Whole microbatches: the recipe's batch rounded down to a multiple of `b`.
+            let b = self.microbatch_size.max(1);
+            self.global_batch_size = (r.global_batch_size / b).max(1) * b;
+        }
+        if !given("lr") {
+            self.lr = r.lr;
+        }
     }
 
     /// `B`: microbatches per step.

@@ -81,3 +81,32 @@ fn watchdog_flags_reach_the_job_and_bad_ones_say_why() {
         assert!(format!("{e:#}").contains(says), "{flag} {value}: {e:#}");
     }
 }
+
+#[test]
+fn a_published_preset_trains_with_its_recipe_unless_told_otherwise() {
+    let c = TrainArgs::parse_from(["train", "--model", "gpt3-2.7b"])
+        .resolve()
+        .unwrap();
+    assert_eq!((c.seq_len, c.global_batch_size, c.lr), (2048, 512, 1.6e-4));
+    // Flags win, and a job file's fields too; the rest still come from the recipe.
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, "global_batch_size = 64\n").unwrap();
+    let c = TrainArgs::parse_from([
+        "train",
+        "--model",
+        "gpt3-2.7b",
+        "--seq-len",
+        "256",
+        "--config",
+        job.to_str().unwrap(),
+    ])
+    .resolve()
+    .unwrap();
+    assert_eq!((c.seq_len, c.global_batch_size, c.lr), (256, 64, 1.6e-4));
+    // The project's small presets keep the small defaults.
+    let c = TrainArgs::parse_from(["train", "--model", "opt-tiny"])
+        .resolve()
+        .unwrap();
+    assert_eq!((c.seq_len, c.global_batch_size, c.lr), (64, 16, 2e-3));
+}

@@ -18,6 +18,7 @@ pub mod gpt2;
 pub mod hf;
 mod nn;
 pub mod opt;
+pub mod recipe;
 pub mod workload;
 
 pub use config::{preset_names, ModelConfig};
