@@ -246,13 +246,28 @@ fn bad_inputs_are_clear_errors_with_numbers() {
     ));
     // 2 layers: a 3-node template would need more stages than layers; f = 5 needs 6 nodes.
     let e = generate_templates(&ok, &c, &job(5, 8, TemplateMicrobatches::Auto), 4).unwrap_err();
-    assert_eq!(
-        e,
-        PlanError::Infeasible {
-            nodes: 4,
-            min_nodes: 6
-        }
+    assert!(
+        matches!(
+            e,
+            PlanError::Infeasible {
+                nodes: 4,
+                min_nodes: 6,
+                pipeline_nodes: 1,
+                pipelines: 6,
+                ..
+            }
+        ),
+        "{e:?}"
     );
+    let text = e.to_string();
+    for part in [
+        "4 nodes are too few",
+        "at least 6 nodes",
+        "--fault-threshold",
+        "--recompute",
+    ] {
+        assert!(text.contains(part), "{part}: {text}");
+    }
     // Too big for any split: 40 bytes of state per layer on a 30-byte device.
     let e = generate_templates(&ok, &cluster(1, 30), &j, 4).unwrap_err();
     assert!(

@@ -75,10 +75,20 @@ pub enum PlanError {
         /// devices along the batch, rounded up).
         samples_per_device: u64,
     },
-    #[error(
-        "{nodes} nodes are too few: f+1 pipelines of at least n0 nodes need {min_nodes} nodes"
-    )]
-    Infeasible { nodes: u32, min_nodes: u32 },
+    /// Fewer nodes than `f + 1` pipelines of the smallest template need.
+    #[error("{}", too_few_nodes_text(self))]
+    Infeasible {
+        nodes: u32,
+        min_nodes: u32,
+        /// `n0`: nodes of the smallest pipeline that fits.
+        pipeline_nodes: u32,
+        /// `f + 1`.
+        pipelines: u32,
+        /// Parameters, gradients and optimizer state of the whole model.
+        state_bytes: u64,
+        /// Memory of one node's devices; 0 when not known.
+        node_bytes: u64,
+    },
     #[error(
         "global batch of {global_microbatches} microbatches is smaller than the {pipelines} \
          pipelines that need at least one each"
@@ -97,6 +107,42 @@ pub enum PlanError {
     UnknownNode { node: u32 },
     #[error("node {node} joined but is already part of the plan")]
     DuplicateNode { node: u32 },
+}
+
+/// The text of [`PlanError::Infeasible`]: how many nodes, why a pipeline needs `n0` of them
+/// (the model's state against a node's memory), and what changes it.
+fn too_few_nodes_text(e: &PlanError) -> String {
+    let PlanError::Infeasible {
+        nodes,
+        min_nodes,
+        pipeline_nodes,
+        pipelines,
+        state_bytes,
+        node_bytes,
+    } = *e
+    else {
+        unreachable!("the Display of Infeasible alone calls this");
+    };
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    let mut text = format!(
+        "{nodes} nodes are too few: {pipelines} pipelines (f + 1) of at least {pipeline_nodes} \
+         nodes need {min_nodes} nodes. "
+    );
+    if node_bytes > 0 {
+        text.push_str(&format!(
+            "The model's parameters, gradients and optimizer state take {:.1} GiB, activations \
+             come on top, and a node's devices have {:.1} GiB: the smallest pipeline that fits \
+             takes {pipeline_nodes} nodes. ",
+            gib(state_bytes),
+            gib(node_bytes)
+        ));
+    }
+    text.push_str(&format!(
+        "Ways out: at least {min_nodes} nodes, a smaller --fault-threshold, or pipelines that \
+         fit on fewer nodes (--recompute keeps one tensor per layer of each microbatch in \
+         flight; --precision bf16 halves the activations)"
+    ));
+    text
 }
 
 /// The text of [`PlanError::ModelTooLarge`]: what does not fit, then the ways out that would
@@ -139,8 +185,9 @@ fn model_too_large_text(e: &PlanError) -> String {
         return text;
     }
     text.push_str(
-        "Ways out: activation recomputation (not yet available; it keeps only each layer's \
-         input per microbatch in flight), a shorter context",
+        "Ways out: activation recomputation if it is off (`--recompute`: each layer keeps only \
+         its input per microbatch in flight, for one more forward in its backward), bf16 \
+         activations if they are fp32 (`--precision bf16`), a shorter context",
     );
     if samples_per_device > 1 {
         text.push_str(", a smaller microbatch or more devices per node, or a larger device");

@@ -459,6 +459,10 @@ pub fn generate_templates(
         return Err(PlanError::Infeasible {
             nodes: total_nodes,
             min_nodes: need.min(u64::from(u32::MAX)) as u32,
+            pipeline_nodes: n0,
+            pipelines: job.fault_threshold + 1,
+            state_bytes: c.param[c.l].saturating_mul(c.state_factor),
+            node_bytes: c.mem.saturating_mul(u64::from(c.big_g)),
         });
     }
     let n_max = (total_nodes - job.fault_threshold * n0).min(n_cap);

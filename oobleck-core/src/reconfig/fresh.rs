@@ -40,6 +40,10 @@ fn degrade_counts(
     Err(first_err.unwrap_or(PlanError::Infeasible {
         nodes: total,
         min_nodes: n_min,
+        pipeline_nodes: n_min,
+        pipelines: 1,
+        state_bytes: set.layer_state_bytes.iter().sum(),
+        node_bytes: 0,
     }))
 }
 
