@@ -351,6 +351,7 @@ pub fn bench_candle(
                 microbatch: 0,
             },
             rows: None,
+            dtype: candle_core::DType::F32,
         };
         let t0 = Instant::now();
         let fwd = stage.forward(&inp, &ctx)?;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
@@ -145,6 +145,7 @@ impl Trainer {
     /// One optimizer step over the global batch. Returns (mean loss, pre-clip grad norm, lr).
     pub fn train_step(&mut self) -> Result<(f64, f64, f64)> {
         let nb = self.workload.batch_spec().num_microbatches;
+        let dtype = self.compute_dtype();
         let mut grads = HashMap::new();
         let mut loss = 0.0;
         for k in 0..nb {
@@ -160,6 +161,7 @@ impl Trainer {
                     microbatch: k as u64,
                 },
                 rows: None,
+                dtype,
             };
             let fwd = self.stage.forward(&inp, &ctx)?;
             loss += f64::from(fwd.output.to_scalar::<f32>()?);
@@ -175,6 +177,16 @@ impl Trainer {
         self.opt.step(&self.stage.params(), &grads, lr)?;
         self.step += 1;
         Ok((loss, norm, lr))
+    }
+
+    /// What the forward passes compute in: `--precision bf16` is mixed precision (bf16
+    /// compute, the f32 parameters as master weights, f32 optimizer state); else f32. The
+    /// config was validated to one of the two.
+    pub fn compute_dtype(&self) -> DType {
+        match self.cfg.precision.as_str() {
+            "bf16" => DType::BF16,
+            _ => DType::F32,
+        }
     }
 
     /// Mean loss over the first `eval_batches` validation microbatches (corpus order).

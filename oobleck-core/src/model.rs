@@ -79,6 +79,12 @@ pub struct ForwardCtx<'a> {
     /// The rows (dim 0) of the microbatch that this pass carries, when a multi-device stage
     /// gave this device only its slice; `None`: the whole microbatch.
     pub rows: Option<RowSlice>,
+    /// Compute dtype: `F32`, or `BF16` for mixed precision. Parameters stay f32 `Var`s (the
+    /// master weights); with `BF16` a layer casts them at use (autograd carries the gradient
+    /// back to the f32 `Var`) and keeps its activations in bf16, except the numerically
+    /// sensitive parts (LayerNorm statistics, softmax, the loss), which run in f32. The loss
+    /// is f32 either way; a stage input may arrive in f32 and is cast by the layer.
+    pub dtype: DType,
 }
 
 /// Rows `[offset, offset + n)` of a microbatch of `total` rows, `n` being dim 0 of the tensor
@@ -98,6 +104,7 @@ impl ForwardCtx<'_> {
             train: false,
             dropout_key: DropoutKey::default(),
             rows: None,
+            dtype: DType::F32,
         }
     }
 }
@@ -451,7 +458,8 @@ fn chain_root(out: &Tensor, upstream: Option<&Tensor>) -> Result<Tensor> {
                     expected: format!("the stage output's shape {:?}", out.dims()),
                 });
             }
-            Ok(out.mul(&g.detach())?.sum_all()?)
+            // The gradient arrives in f32 over the wire; a bf16 stage's output is bf16.
+            Ok(out.mul(&g.detach().to_dtype(out.dtype())?)?.sum_all()?)
         }
     }
 }
@@ -529,6 +537,7 @@ mod tests {
             train: true,
             dropout_key: key,
             rows: None,
+            dtype: DType::F32,
         };
         let a = dropout(&x, 0.5, &ctx, 1, 0)
             .unwrap()

@@ -16,12 +16,16 @@
 //! copy and the engine sums the two gradients before the optimizer step (see
 //! `oobleck_core::model`), which keeps the copies equal.
 //!
+//! Mixed precision (`ForwardCtx::dtype` BF16): the embedding's rows and every block's input
+//! are cast to bf16 and stay bf16 (the residual stream too, as in Megatron-LM's bf16 mode);
+//! `nn.rs` casts the f32 weights at use and keeps LayerNorm, softmax and the loss in f32.
+//!
 //! Parameter names follow the HF reference layout (`transformer.h.0.attn.c_attn.weight`, ...),
 //! including GPT-2's Conv1D orientation: weights are stored `[in, out]`.
 
 use std::ops::Range;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use oobleck_core::model::{
     check_layer_range, dropout, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
     ParamSource, TiedParam,
@@ -310,8 +314,9 @@ impl Layer for Embedding {
             .wte
             .as_tensor()
             .embedding(&ids.flatten_all()?)?
-            .reshape((b, t, d))?;
-        let pos = self.wpe.as_tensor().narrow(0, 0, t)?; // [t, d]
+            .reshape((b, t, d))?
+            .to_dtype(ctx.dtype)?;
+        let pos = self.wpe.as_tensor().narrow(0, 0, t)?.to_dtype(ctx.dtype)?; // [t, d]
         let h = tok.broadcast_add(&pos)?; // [b, t, d]
         dropout(&h, self.cfg.embd_pdrop, ctx, 0, 0)
     }
@@ -364,6 +369,8 @@ impl Layer for Block {
         let c = &self.cfg;
         let eps = c.layer_norm_epsilon;
         let d = c.n_embd;
+        // A stage's input arrives in f32; a no-op when it already is ctx.dtype.
+        let x = &x.to_dtype(ctx.dtype)?;
         // Attention: x + c_proj(attn(c_attn(ln_1(x)))).
         let h = layer_norm(x, &self.ln1_w, &self.ln1_b, eps)?;
         let qkv = conv1d(&h, &self.attn_w, &self.attn_b)?; // [b, t, 3d]
@@ -410,14 +417,15 @@ impl Layer for Head {
     }
 
     fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> oobleck_core::Result<Tensor> {
-        let h = layer_norm(x, &self.ln_w, &self.ln_b, self.eps)?;
+        let h = layer_norm(&x.to_dtype(ctx.dtype)?, &self.ln_w, &self.ln_b, self.eps)?;
         let (b, t, d) = h.dims3()?;
         let v = self.wte.dims()[0];
         if let Some(targets) = ctx.targets {
             // Fused: the [b*t, v] logits are not kept for backward.
             return Ok((lm_head_loss(&h, &self.wte, targets)? * ctx.loss_scale)?);
         }
-        let logits = h.reshape((b * t, d))?.matmul(&self.wte.as_tensor().t()?)?; // [b*t, v]
-        Ok(logits.reshape((b, t, v))?)
+        let wte = self.wte.as_tensor().to_dtype(h.dtype())?;
+        let logits = h.reshape((b * t, d))?.matmul(&wte.t()?)?; // [b*t, v]
+        Ok(logits.reshape((b, t, v))?.to_dtype(DType::F32)?)
     }
 }

@@ -4,6 +4,13 @@
 //! silently missing). On the CPU with f32 the hot ones (LayerNorm, causal softmax, GELU, and the
 //! LM head with its cross-entropy) are our own fused kernels with hand-written backward passes
 //! (`fused.rs`); elsewhere they are written with primitive ops that autograd covers.
+//!
+//! Mixed precision (`ForwardCtx::dtype` BF16) follows the activations: every op computes in
+//! the dtype of its input `x` and casts the f32 parameter `Var`s to it at use (the cast is in
+//! the graph, so the gradient reaches the f32 master weight in f32). The numerically sensitive
+//! parts run in f32 whatever `x` is, as PyTorch's autocast does: LayerNorm (statistics and
+//! affine, with the f32 weights), the attention softmax, and the LM head's log-softmax and
+//! cross-entropy, whose loss is f32. On the CPU those f32 parts take the fused kernels.
 
 use std::collections::HashMap;
 
@@ -61,8 +68,14 @@ impl<'a> Params<'a> {
     }
 }
 
-/// LayerNorm over the last dimension, from primitives (differentiable).
+/// LayerNorm over the last dimension, from primitives (differentiable). A bf16 `x` is
+/// normalised in f32 and the result cast back to bf16.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.dtype() != DType::F32 {
+        return layer_norm(&x.to_dtype(DType::F32)?, w, b, eps)?
+            .to_dtype(x.dtype())
+            .map_err(Into::into);
+    }
     if fusable(x) {
         let op = fused::LayerNorm { eps: eps as f32 };
         return Ok(x.contiguous()?.apply_op3(w, b, op)?);
@@ -80,10 +93,11 @@ pub(crate) fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
         let op = fused_linear::Linear { out_in: false };
         return Ok(x.contiguous()?.apply_op3(w, b, op)?);
     }
+    let (w, b) = (w.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?);
     let dims = x.dims().to_vec();
     let (inp, out) = w.dims2()?;
     let rows = x.elem_count() / inp;
-    let y = x.reshape((rows, inp))?.matmul(w)?.broadcast_add(b)?; // [rows, out]
+    let y = x.reshape((rows, inp))?.matmul(&w)?.broadcast_add(&b)?; // [rows, out]
     let mut out_dims = dims;
     *out_dims.last_mut().expect("x has at least one dimension") = out;
     Ok(y.reshape(out_dims)?)
@@ -95,12 +109,13 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
         let op = fused_linear::Linear { out_in: true };
         return Ok(x.contiguous()?.apply_op3(w, b, op)?);
     }
+    let w = w.to_dtype(x.dtype())?;
     let dims = x.dims().to_vec();
     let (out, inp) = w.dims2()?;
     let rows = x.elem_count() / inp;
     let mut y = x.reshape((rows, inp))?.matmul(&w.t()?)?; // [rows, out]
     if let Some(b) = b {
-        y = y.broadcast_add(b)?;
+        y = y.broadcast_add(&b.to_dtype(x.dtype())?)?;
     }
     let mut out_dims = dims;
     *out_dims.last_mut().expect("x has at least one dimension") = out;
@@ -109,7 +124,8 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 
 /// Causal multi-head attention of already-projected `q`, `k`, `v`, each `[b, t, d]`.
 /// `q` is scaled by `1/sqrt(d_head)` here. `drop` is applied to the attention probabilities
-/// `[b, h, t, t]` (attention dropout; the identity when off).
+/// `[b, h, t, t]` (attention dropout; the identity when off). The softmax runs in f32; the
+/// rest in the dtype of `q`.
 pub(crate) fn causal_attention(
     q: &Tensor,
     k: &Tensor,
@@ -126,7 +142,8 @@ pub(crate) fn causal_attention(
     };
     let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
     let scale = 1.0 / (hd as f64).sqrt();
-    let scores = q.matmul(&k.t()?)?; // [b, h, t, t]
+    let dtype = q.dtype();
+    let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?; // [b, h, t, t]
     let att = if fusable(&scores) {
         scores.apply_op1(fused::CausalSoftmax {
             scale: scale as f32,
@@ -135,7 +152,7 @@ pub(crate) fn causal_attention(
         let att = (scores * scale)?.broadcast_add(&causal_mask(t, q.device())?)?;
         candle_nn::ops::softmax(&att, D::Minus1)?
     };
-    let att = drop(&att)?;
+    let att = drop(&att.to_dtype(dtype)?)?;
     let y = att.matmul(&v)?; // [b, h, t, hd]
     Ok(y.transpose(1, 2)?.reshape((b, t, d))?)
 }
@@ -159,7 +176,12 @@ pub(crate) fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
 /// Mean next-token cross-entropy of the logits `h @ wᵀ` against `targets [b, t]`, for `h` of
 /// shape `[b, t, d]` and an LM head `w [v, d]`. On the CPU the `[b*t, v]` logits exist only
 /// inside the forward pass (turned into their own gradient in place); elsewhere this is a
-/// matmul and candle's cross-entropy.
+/// matmul and candle's cross-entropy. The loss is f32.
+///
+/// A bf16 `h` multiplies a bf16 copy of `w`, and the log-softmax and cross-entropy run in f32
+/// (autocast's rule). On the CPU that product is the fused f32 kernel on the bf16-rounded
+/// operands: a bf16 GEMM accumulating in f32 (what candle's CPU bf16 matmul does too) whose
+/// f32 logits go straight into the f32 loss, without the `[b*t, v]` bf16 and f32 copies.
 pub(crate) fn lm_head_loss(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (v, d) = w.dims2()?;
     let rows = h.elem_count() / d;
@@ -171,11 +193,20 @@ pub(crate) fn lm_head_loss(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<T
             targets.dim(0)?
         )));
     }
+    let (h, w) = match h.dtype() {
+        DType::F32 => (h, w.clone()),
+        // The CPU: the fused f32 kernel on the bf16-rounded operands (see above).
+        _ if h.device().is_cpu() => (
+            h.to_dtype(DType::F32)?,
+            w.to_dtype(h.dtype())?.to_dtype(DType::F32)?,
+        ),
+        dt => (h, w.to_dtype(dt)?),
+    };
     if fusable(&h) {
         let ids = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-        return Ok(fused::lm_head_loss(&h, w, &ids)?);
+        return Ok(fused::lm_head_loss(&h, &w, &ids)?);
     }
-    let logits = h.matmul(&w.t()?)?; // [rows, v]
+    let logits = h.matmul(&w.t()?)?.to_dtype(DType::F32)?; // [rows, v]
     debug_assert_eq!(logits.dim(1)?, v);
     Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
 }

@@ -12,13 +12,15 @@
 //! - layer 1..=n: decoder layer `layers.{i}`
 //! - layer L-1: `final_layer_norm` (pre-LN only), `project_out`, LM head (tied) and the loss
 //!
-//! The tied `model.decoder.embed_tokens.weight` is handled as for GPT (see `gpt2.rs`).
+//! The tied `model.decoder.embed_tokens.weight` is handled as for GPT (see `gpt2.rs`), and so
+//! is mixed precision: hidden states in bf16, f32 weights cast at use, LayerNorm, softmax and
+//! loss in f32.
 //! Inputs are assumed unpadded (an all-ones attention mask), which is what training on packed
 //! token windows gives.
 
 use std::ops::Range;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use oobleck_core::model::{
     check_layer_range, dropout, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
     ParamSource, TiedParam,
@@ -369,11 +371,16 @@ impl Layer for Embedding {
             .embed
             .as_tensor()
             .embedding(&ids.flatten_all()?)?
-            .reshape((b, t, w))?;
+            .reshape((b, t, w))?
+            .to_dtype(ctx.dtype)?;
         if let Some(p) = &self.project_in {
             h = linear(&h, p, None)?; // [b, t, d]
         }
-        let pos = self.positions.as_tensor().narrow(0, POSITION_OFFSET, t)?; // [t, d]
+        let pos = self
+            .positions
+            .as_tensor()
+            .narrow(0, POSITION_OFFSET, t)?
+            .to_dtype(ctx.dtype)?; // [t, d]
         let h = h.broadcast_add(&pos)?;
         dropout(&h, self.cfg.dropout, ctx, 0, 0)
     }
@@ -406,6 +413,8 @@ impl Layer for DecoderLayer {
         let c = &self.cfg;
         let eps = 1e-5;
         let pre = c.do_layer_norm_before;
+        // A stage's input arrives in f32; a no-op when it already is ctx.dtype.
+        let x = &x.to_dtype(ctx.dtype)?;
         let lin = |x: &Tensor, p: &(Var, Var)| linear(x, &p.0, Some(&p.1));
         // Self-attention with residual; LayerNorm before (pre-LN) or after (post-LN).
         let h = if pre {
@@ -466,7 +475,7 @@ impl Layer for Head {
     }
 
     fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> oobleck_core::Result<Tensor> {
-        let mut h = x.clone();
+        let mut h = x.to_dtype(ctx.dtype)?;
         if let Some((w, b)) = &self.norm {
             h = layer_norm(&h, w, b, 1e-5)?;
         }
@@ -476,7 +485,7 @@ impl Layer for Head {
         match ctx.targets {
             // Fused: the [b*t, v] logits are not kept for backward.
             Some(targets) => Ok((lm_head_loss(&h, &self.embed, targets)? * ctx.loss_scale)?),
-            None => Ok(linear(&h, &self.embed, None)?), // [b, t, v]
+            None => Ok(linear(&h, &self.embed, None)?.to_dtype(DType::F32)?), // [b, t, v]
         }
     }
 }

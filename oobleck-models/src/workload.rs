@@ -246,15 +246,17 @@ impl GptWorkload {
     }
 
     /// The planner's analytical profile for microbatches of `microbatch_size` samples on
-    /// `device`, one entry per layer of the model.
+    /// `device` computing in `precision` (bf16: 2-byte activations and parameters, the
+    /// device's bf16 rate), one entry per layer of the model.
     pub fn planner_profile(
         &self,
         device: &DeviceSpec,
         microbatch_size: u32,
+        precision: Dtype,
     ) -> Result<ModelProfile> {
         let shape = self.model_cfg.planner_shape(self.cfg.seq_len)?;
         let profile =
-            analytical_profile(&self.cfg.model, &shape, device, microbatch_size, Dtype::F32);
+            analytical_profile(&self.cfg.model, &shape, device, microbatch_size, precision);
         if profile.layers.len() != self.model.num_layers() {
             return Err(Error::Invalid(format!(
                 "the analytical profile of {} has {} layers, the model {}",
@@ -321,8 +323,9 @@ impl Workload for GptWorkload {
         &self,
         device: &DeviceSpec,
         microbatch_size: u32,
+        precision: Dtype,
     ) -> std::result::Result<ModelProfile, BoxError> {
-        Ok(self.planner_profile(device, microbatch_size)?)
+        Ok(self.planner_profile(device, microbatch_size, precision)?)
     }
 
     fn evaluate(&self, model: &Stage) -> std::result::Result<Option<f64>, BoxError> {

@@ -188,12 +188,38 @@ fn the_profile_has_one_entry_per_layer() {
     let (_dir, corpus) = small_corpus(20_000);
     let w = GptWorkload::new(tiny(&corpus)).unwrap();
     let cpu = DeviceSpec::named("cpu").expect("the planner knows cpu");
-    let p = w.profile(cpu, 2).expect("profile");
+    let p = w.profile(cpu, 2, Dtype::F32).expect("profile");
     assert_eq!(p.layers.len(), w.model().num_layers());
     p.validate().expect("a valid profile");
     // The model's own planner shape: for a preset, GPT's (ffn = 4d, tied embedding).
     let gpt = oobleck_core::planning::TransformerShape::gpt(2, 64, 4, 50257, 16);
     assert_eq!(p, analytical_profile("gpt-tiny", &gpt, cpu, 2, Dtype::F32));
+}
+
+/// `--precision bf16` plans with 2-byte parameters, activations and stage outputs (the f32
+/// logits of the loss excepted) and the CPU's bf16 rate; fp32's profile is what it was.
+#[test]
+fn the_bf16_profile_counts_two_byte_elements() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let cpu = DeviceSpec::named("cpu").expect("the planner knows cpu");
+    let f32p = w.profile(cpu, 2, Dtype::F32).expect("profile");
+    let bf16 = w.profile(cpu, 2, Dtype::Bf16).expect("profile");
+    bf16.validate().expect("a valid profile");
+    assert_eq!(bf16.fingerprint.dtype, "bf16");
+    let n = f32p.layers.len();
+    for (i, (a, b)) in f32p.layers.iter().zip(&bf16.layers).enumerate() {
+        assert_eq!(2 * b.param_bytes, a.param_bytes, "layer {i}");
+        assert_eq!(2 * b.output_bytes, a.output_bytes, "layer {i}");
+        if i + 1 < n {
+            assert_eq!(2 * b.activation_bytes, a.activation_bytes, "layer {i}");
+        } else {
+            // The head keeps f32 logits for the loss: more than half of fp32's.
+            assert!(2 * b.activation_bytes > a.activation_bytes);
+        }
+    }
+    // Blocks are compute-bound here, so they take the CPU's bf16 rate (slower than fp32).
+    assert!(bf16.layers[1].forward_ms > f32p.layers[1].forward_ms);
 }
 
 #[test]

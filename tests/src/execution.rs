@@ -76,6 +76,7 @@ pub fn single_process(
                     microbatch: u64::from(k),
                 },
                 rows: None,
+                dtype: candle_core::DType::F32,
             };
             let fwd = stage.forward(&x, &ctx)?;
             loss += f64::from(fwd.output.to_scalar::<f32>()?);
@@ -204,6 +205,7 @@ fn run_rank(
         microbatch_size: spec.microbatch_size,
         timeout: spec.timeout,
         bucket_elems: spec.bucket_elems,
+        dtype: candle_core::DType::F32,
     };
     let w = StageWorker::new(
         model,

@@ -73,6 +73,7 @@ fn train_ctx(targets: Option<&Tensor>, seed: u64, mb: u64, loss_scale: f64) -> F
             microbatch: mb,
         },
         rows: None,
+        dtype: candle_core::DType::F32,
     }
 }
 

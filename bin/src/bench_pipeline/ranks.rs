@@ -154,6 +154,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
         microbatch_size: args.microbatch_size,
         timeout,
         bucket_elems: BUCKET_ELEMS,
+        dtype: candle_core::DType::F32,
     };
     let w = StageWorker::new(
         setup.model,

@@ -128,7 +128,7 @@ pub fn run(
     spec.validate()?;
     // Validate the plan (pinned sizes included) before anything is spawned or written.
     let profile = workload
-        .profile(spec.device_spec()?, spec.microbatch_size)
+        .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let ids: Vec<u32> = (0..spec.nodes).collect();
     driver::plan_for(

@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor, Var};
 use oobleck_core::model::{
     checked_param, seeded_normal, ForwardCtx, Layer, LayeredModel, ParamSource, Stage,
 };
-use oobleck_core::planning::{DeviceSpec, Fingerprint, LayerProfile, ModelProfile};
+use oobleck_core::planning::{DeviceSpec, Dtype, Fingerprint, LayerProfile, ModelProfile};
 use oobleck_core::runtime::{BoxError, Workload};
 use serde::{Deserialize, Serialize};
 
@@ -271,8 +271,15 @@ impl Workload for MlpWorkload {
     }
 
     /// Per-layer estimates from the device's peak: 2 FLOPs per multiply-add forward, twice
-    /// that backward, plus the device's launch overhead per pass.
-    fn profile(&self, device: &DeviceSpec, microbatch_size: u32) -> Result<ModelProfile, BoxError> {
+    /// that backward, plus the device's launch overhead per pass. This model computes in f32
+    /// whatever the job's precision (its layers ignore `ForwardCtx::dtype`), so the profile is
+    /// f32's.
+    fn profile(
+        &self,
+        device: &DeviceSpec,
+        microbatch_size: u32,
+        _precision: Dtype,
+    ) -> Result<ModelProfile, BoxError> {
         let b = u64::from(microbatch_size);
         let flops_per_ms = device.peak_tflops * device.efficiency * 1e9;
         let launch_ms = device.launch_overhead_us / 1e3;

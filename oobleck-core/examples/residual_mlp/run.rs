@@ -175,6 +175,7 @@ pub fn train_in_one_process(w: &dyn Workload, spec: &TrainingSpec) -> Result<Ref
                     microbatch: u64::from(mb),
                 },
                 rows: None,
+                dtype: candle_core::DType::F32,
             };
             let fwd = stage.forward(&x, &ctx)?;
             loss += f64::from(fwd.output.to_scalar::<f32>()?);

@@ -171,6 +171,7 @@ fn single(model: &Toy) -> (Vec<f64>, Params) {
                 train: true,
                 dropout_key: DropoutKey::default(),
                 rows: None,
+                dtype: candle_core::DType::F32,
             };
             let fwd = stage.forward(&x, &ctx).unwrap();
             loss += f64::from(fwd.output.to_scalar::<f32>().unwrap());
@@ -202,6 +203,7 @@ fn distributed(model: &Toy, layout: Layout) -> Vec<(Vec<f64>, Params)> {
                         microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(20),
                         bucket_elems: super::BUCKET_ELEMS,
+                        dtype: candle_core::DType::F32,
                     };
                     let w = StageWorker::new(
                         model,
@@ -349,6 +351,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                         microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(10),
                         bucket_elems: super::BUCKET_ELEMS,
+                        dtype: candle_core::DType::F32,
                     };
                     let w = StageWorker::new(
                         model,
@@ -434,6 +437,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         microbatch_size: b,
         timeout: Duration::from_secs(1),
         bucket_elems: super::BUCKET_ELEMS,
+        dtype: candle_core::DType::F32,
     };
     let build = |b| {
         StageWorker::new(

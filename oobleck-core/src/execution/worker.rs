@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use oobleck_comm::{Communicator, Rank};
 use tracing::debug_span;
 
@@ -33,6 +33,9 @@ pub struct WorkerConfig {
     /// alone); smaller buckets start sooner during the last backward. `sync::BUCKET_ELEMS` is
     /// the default. Every holder of a layer must use the same value.
     pub bucket_elems: usize,
+    /// Compute dtype of the forward and backward passes ([`ForwardCtx::dtype`]): `F32`, or
+    /// `BF16` for mixed precision; parameters, gradients and optimizer state stay f32.
+    pub dtype: DType,
 }
 
 /// What one iteration of a stage produced.
@@ -297,6 +300,7 @@ impl StageWorker {
                                 offset: lo as usize,
                                 total: b as usize,
                             }),
+                            dtype: self.cfg.dtype,
                         };
                         let fwd = if layered_mb == Some(mb) {
                             self.stage.forward_layered(&x, &ctx)?

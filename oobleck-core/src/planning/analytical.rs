@@ -18,7 +18,8 @@
 //! `max(FLOPs / (peak * efficiency), bytes / memory bandwidth) + launch overhead`, where bytes =
 //! parameter bytes read (forward) or read + gradient written (backward) plus the activations
 //! read and written. Assumptions: dense bf16/fp16 tensor-core peak for GPUs (fp32 peak for
-//! `cpu`), a fixed efficiency (model FLOPs utilisation) per device, no recomputation.
+//! `cpu`; bf16 on `cpu` at [`CPU_BF16_RATE`] of it, see [`DeviceSpec::peak_tflops_for`]), a
+//! fixed efficiency (model FLOPs utilisation) per device, no recomputation.
 //!
 //! # Activation memory per microbatch (kept for backward)
 //! Block: `b*s*d*(34 + 5*a*s/d)` bytes in 16-bit (Korthikanti et al. 2022, "Reducing
@@ -119,6 +120,19 @@ impl Dtype {
             Dtype::Bf16 => "bf16",
         }
     }
+
+    /// Persistent training state per byte of a profile's parameters (`param_bytes`, counted
+    /// in this dtype), for [`super::JobSpec::state_bytes_per_param_byte`]. f32: weights,
+    /// gradients, Adam m and v, 4 bytes each: 16 B per parameter = 4 x 4 B. bf16 (mixed
+    /// precision): the f32 master weights (4 B), their bf16 working copy (2 B), f32 gradients
+    /// (4 B: autograd casts them back to the master's dtype) and f32 m and v (4 + 4 B): 18 B
+    /// per parameter = 9 x 2 B.
+    pub fn state_bytes_per_param_byte(self) -> u32 {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 9,
+        }
+    }
 }
 
 /// A named device: compute, memory and links of a typical node built from it.
@@ -142,6 +156,13 @@ pub struct DeviceSpec {
 }
 
 const MIB: u64 = 1 << 20;
+
+/// bf16 compute on a CPU, as a fraction of its fp32 rate: Candle's CPU backend has no bf16
+/// GEMM (it widens to f32, multiplies and narrows back) and the fused f32 kernels of
+/// `oobleck-models` do not take bf16, so a bf16 step is slower, not faster. Measured on the
+/// 2-core dev machine (AMD EPYC, AVX-512): one gpt-small-bench block (d = 512, b = 4,
+/// s = 256) forward + backward takes 0.83 s in f32 and 2.2 s in bf16 (0.38).
+pub const CPU_BF16_RATE: f64 = 0.4;
 
 const fn usable(mib: u64) -> u64 {
     mib * MIB / 100 * 92
@@ -269,8 +290,19 @@ impl DeviceSpec {
         }
     }
 
-    fn pass_ms(&self, flops: f64, bytes: f64) -> f64 {
-        let compute_s = flops / (self.peak_tflops * 1e12 * self.efficiency);
+    /// Dense peak for computing in `dtype`, TFLOP/s. A GPU's table peak is its bf16
+    /// tensor-core rate, which f32 profiles have always used as well (TF32-class matmuls), so
+    /// f32 plans are what they were. The `cpu` peak is fp32's; bf16 there runs at
+    /// [`CPU_BF16_RATE`] of it.
+    pub fn peak_tflops_for(&self, dtype: Dtype) -> f64 {
+        match dtype {
+            Dtype::Bf16 if self.name == "cpu" => self.peak_tflops * CPU_BF16_RATE,
+            _ => self.peak_tflops,
+        }
+    }
+
+    fn pass_ms(&self, dtype: Dtype, flops: f64, bytes: f64) -> f64 {
+        let compute_s = flops / (self.peak_tflops_for(dtype) * 1e12 * self.efficiency);
         let memory_s = bytes / (self.memory_gbps * 1e9);
         compute_s.max(memory_s) * 1e3 + self.launch_overhead_us * 1e-3
     }
@@ -309,8 +341,8 @@ pub fn analytical_profile(
             let act = b * s * d * (34.0 + 5.0 * a * s / d) * e / 2.0;
             (format!("block.{}", i - 1), flops, act, 2.0 * hidden + act)
         };
-        let fwd = device.pass_ms(flops, pbytes + io);
-        let bwd = device.pass_ms(2.0 * flops, 2.0 * pbytes + 2.0 * io);
+        let fwd = device.pass_ms(dtype, flops, pbytes + io);
+        let bwd = device.pass_ms(dtype, 2.0 * flops, 2.0 * pbytes + 2.0 * io);
         layers.push(LayerProfile {
             name,
             forward_ms: round_us(fwd),
@@ -366,5 +398,37 @@ mod tests {
         }
         let back = ModelProfile::from_json(&p.to_json()).expect("round trip");
         assert_eq!(back, p);
+    }
+
+    /// bf16 halves every byte count but the head's f32 logits, and plans 18 B of state per
+    /// parameter (9 per bf16 parameter byte) against f32's 16 (4 per f32 byte). On a GPU the
+    /// compute-bound blocks take the same time (the table's peak is the tensor-core rate);
+    /// on `cpu` they are slower.
+    #[test]
+    fn a_bf16_profile_counts_two_bytes_and_its_state_eighteen_per_parameter() {
+        let s = TransformerShape::gpt(4, 1024, 16, 50257, 1024);
+        for (dev, slower) in [("a100-80gb", false), ("cpu", true)] {
+            let dev = DeviceSpec::named(dev).expect("known");
+            let f = analytical_profile("m", &s, dev, 8, Dtype::F32);
+            let h = analytical_profile("m", &s, dev, 8, Dtype::Bf16);
+            assert_eq!(h.fingerprint.dtype, "bf16");
+            for (a, b) in f.layers.iter().zip(&h.layers) {
+                assert_eq!(a.param_bytes, 2 * b.param_bytes);
+                assert_eq!(a.output_bytes, 2 * b.output_bytes);
+            }
+            assert_eq!(
+                f.layers[1].activation_bytes,
+                2 * h.layers[1].activation_bytes
+            );
+            let (fb, hb) = (f.layers[1].forward_ms, h.layers[1].forward_ms);
+            assert_eq!(
+                hb > fb,
+                slower,
+                "{}: block forward {fb} ms (f32), {hb} (bf16)",
+                dev.name
+            );
+        }
+        let per_param = |d: Dtype| d.bytes() as u32 * d.state_bytes_per_param_byte();
+        assert_eq!((per_param(Dtype::F32), per_param(Dtype::Bf16)), (16, 18));
     }
 }

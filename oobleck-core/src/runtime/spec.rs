@@ -1,7 +1,7 @@
 //! What a job trains ([`Workload`], implemented by the user next to its
 //! [`LayeredModel`]) and how ([`TrainingSpec`], the runtime's own settings).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::error::{BoxError, Result, RuntimeError};
@@ -39,11 +39,15 @@ pub trait Workload: Send + Sync {
         device: &Device,
     ) -> std::result::Result<(Tensor, Tensor), BoxError>;
     /// What the planner needs: per-layer times and sizes for microbatches of
-    /// `microbatch_size` samples on `device`. It must have [`LayeredModel::num_layers`] layers.
+    /// `microbatch_size` samples on `device`, computing in `precision` (the job's
+    /// [`TrainingSpec::precision`]: with bf16, activations and parameters count 2 bytes per
+    /// element and compute runs at the device's bf16 rate). It must have
+    /// [`LayeredModel::num_layers`] layers.
     fn profile(
         &self,
         device: &DeviceSpec,
         microbatch_size: u32,
+        precision: Dtype,
     ) -> std::result::Result<ModelProfile, BoxError>;
     /// A held-out loss of the whole model (all layers in `model`); `None`: no evaluation.
     fn evaluate(&self, model: &Stage) -> std::result::Result<Option<f64>, BoxError> {
@@ -167,8 +171,16 @@ impl TrainingSpec {
             fault_threshold: f,
             microbatch_size: self.microbatch_size,
             global_microbatches: self.global_microbatches,
-            state_bytes_per_param_byte: 4,
+            state_bytes_per_param_byte: self.precision.state_bytes_per_param_byte(),
             template_microbatches: TemplateMicrobatches::Auto,
+        }
+    }
+
+    /// The Candle dtype the workers compute in ([`crate::model::ForwardCtx::dtype`]).
+    pub fn compute_dtype(&self) -> DType {
+        match self.precision {
+            Dtype::F32 => DType::F32,
+            Dtype::Bf16 => DType::BF16,
         }
     }
 

@@ -290,6 +290,7 @@ impl<'a> Generation<'a> {
                 microbatch_size: training.microbatch_size,
                 timeout: DATA_TIMEOUT,
                 bucket_elems: BUCKET_ELEMS,
+                dtype: training.compute_dtype(),
             },
         )?;
         worker.watch(progress.clone());
