@@ -19,6 +19,10 @@
 //! A tied `Var` used by two layers of one stage then gets one share from each layer; the
 //! caller sums them by name, as autograd does in the one-call [`Stage::backward`].
 //!
+//! [`Stage::forward_recompute`] (activation recomputation, `train --recompute`) keeps only each
+//! layer's input and reruns the layer with its graph during the backward, one layer at a time;
+//! see [`recompute`](self::recompute) for what it keeps and why the values are the same.
+//!
 //! # Contract for implementors
 //! - `build_layers(range, ..)` must give every parameter the same value whatever `range` is
 //!   (initialise from `(seed, parameter name)`, see [`seeded_normal`]), so a replica built from
@@ -47,6 +51,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::{Error, Result};
+
+mod recompute;
+use self::recompute::Replay;
 
 /// Where parameter values come from when layers are built.
 #[derive(Clone, Copy)]
@@ -261,6 +268,8 @@ pub struct StageForward {
     /// Per layer (a [`Stage::forward_layered`] pass only; empty otherwise): its input cut
     /// from the graph as a `Var` (None for layer 0) and its output.
     cuts: Vec<LayerCut>,
+    /// A [`Stage::forward_recompute`] pass only: each layer's input, to rerun it in backward.
+    replay: Option<Replay>,
 }
 
 /// One layer of a graph cut at every layer boundary.
@@ -324,6 +333,7 @@ impl Stage {
             input,
             output: h,
             cuts: Vec::new(),
+            replay: None,
         })
     }
 
@@ -335,22 +345,14 @@ impl Stage {
         let mut cuts: Vec<LayerCut> = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let prev = cuts.last().map(|c| &c.output).unwrap_or(x);
-            let (input, h) = if l.index() == 0 {
-                (None, prev.clone())
-            } else {
-                // As for the stage input: a Var, or Candle gives a wrong input gradient.
-                let v = Var::from_tensor(&prev.detach())?;
-                let t = v.as_tensor().clone();
-                (Some(v), t)
-            };
-            let output = l.forward(&h, ctx)?;
-            cuts.push(LayerCut { input, output });
+            cuts.push(cut_layer(l.as_ref(), prev, ctx)?);
         }
         let last = cuts.last().expect("a stage has at least one layer");
         Ok(StageForward {
             input: cuts[0].input.clone(),
             output: last.output.clone(),
             cuts,
+            replay: None,
         })
     }
 
@@ -361,13 +363,17 @@ impl Stage {
     /// layer lists (`Layer::params`), final for this microbatch. A parameter used by several
     /// layers of the stage (a tied `Var`) is reported by each of them with that layer's
     /// share only: the caller sums them by name. Returns the gradient of the stage input
-    /// (None for the first stage).
+    /// (None for the first stage). A [`Stage::forward_recompute`] pass is accepted too: each
+    /// layer is rerun from its kept input first, and reported the same way.
     pub fn backward_layers(
         &self,
         fwd: StageForward,
         upstream: Option<&Tensor>,
         on_layer: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<()>,
     ) -> Result<Option<Tensor>> {
+        if let Some(replay) = fwd.replay {
+            return self.backward_replay(replay, upstream, on_layer);
+        }
         if fwd.cuts.len() != self.layers.len() {
             return Err(Error::Schedule {
                 layers: self.range(),
@@ -380,24 +386,8 @@ impl Stage {
         }
         let mut g: Option<Tensor> = upstream.cloned();
         for (layer, cut) in self.layers.iter().zip(fwd.cuts).rev() {
-            let root = chain_root(&cut.output, g.as_ref())?;
-            let store = root.backward()?;
-            let mut grads = HashMap::new();
-            for (name, var) in layer.params() {
-                let gp = match store.get(var.as_tensor()) {
-                    Some(gp) => gp.clone(),
-                    None => var.as_tensor().zeros_like()?,
-                };
-                grads.insert(name, gp);
-            }
-            g = match &cut.input {
-                Some(v) => Some(match store.get(v.as_tensor()) {
-                    Some(gi) => gi.clone(),
-                    None => v.as_tensor().zeros_like()?,
-                }),
-                None => None,
-            };
-            drop(store);
+            let (grads, gi) = backward_cut(layer.as_ref(), cut, g.as_ref())?;
+            g = gi;
             on_layer(layer.index(), grads)?;
         }
         Ok(g)
@@ -406,8 +396,8 @@ impl Stage {
     /// Backward from `upstream` (the gradient of this stage's output; None for the last stage,
     /// whose output is the loss).
     pub fn backward(&self, fwd: StageForward, upstream: Option<&Tensor>) -> Result<StageGrads> {
-        if !fwd.cuts.is_empty() {
-            // A graph cut per layer: sum the layers' shares by name.
+        if !fwd.cuts.is_empty() || fwd.replay.is_some() {
+            // A graph cut per layer (or rebuilt per layer): sum the layers' shares by name.
             let mut params = HashMap::new();
             let input =
                 self.backward_layers(fwd, upstream, &mut |_, g| accumulate(&mut params, g))?;
@@ -433,6 +423,48 @@ impl Stage {
         };
         Ok(StageGrads { params, input })
     }
+}
+
+/// Runs layer `l` on `prev` with the graph cut at its input: a fresh `Var` holding `prev`
+/// (token ids stay a plain tensor for layer 0).
+fn cut_layer(l: &dyn Layer, prev: &Tensor, ctx: &ForwardCtx) -> Result<LayerCut> {
+    let (input, h) = if l.index() == 0 {
+        (None, prev.clone())
+    } else {
+        // As for the stage input: a Var, or Candle gives a wrong input gradient.
+        let v = Var::from_tensor(&prev.detach())?;
+        let t = v.as_tensor().clone();
+        (Some(v), t)
+    };
+    let output = l.forward(&h, ctx)?;
+    Ok(LayerCut { input, output })
+}
+
+/// Back-propagates `g` (None: the output is the loss) through one layer's graph: the gradients
+/// of the parameters the layer lists, and that of its input (None for layer 0). The layer's
+/// graph is freed on return.
+fn backward_cut(
+    layer: &dyn Layer,
+    cut: LayerCut,
+    g: Option<&Tensor>,
+) -> Result<(HashMap<String, Tensor>, Option<Tensor>)> {
+    let store = chain_root(&cut.output, g)?.backward()?;
+    let mut grads = HashMap::new();
+    for (name, var) in layer.params() {
+        let gp = match store.get(var.as_tensor()) {
+            Some(gp) => gp.clone(),
+            None => var.as_tensor().zeros_like()?,
+        };
+        grads.insert(name, gp);
+    }
+    let input = match &cut.input {
+        Some(v) => Some(match store.get(v.as_tensor()) {
+            Some(gi) => gi.clone(),
+            None => v.as_tensor().zeros_like()?,
+        }),
+        None => None,
+    };
+    Ok((grads, input))
 }
 
 /// The scalar whose backward gives the gradients of a (stage or layer) output `out`: `out`
