@@ -206,6 +206,7 @@ fn run_rank(
         timeout: spec.timeout,
         bucket_elems: spec.bucket_elems,
         dtype: candle_core::DType::F32,
+        recompute: false,
     };
     let w = StageWorker::new(
         model,

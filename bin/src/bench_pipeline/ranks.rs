@@ -155,6 +155,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
         timeout,
         bucket_elems: BUCKET_ELEMS,
         dtype: candle_core::DType::F32,
+        recompute: false,
     };
     let w = StageWorker::new(
         setup.model,

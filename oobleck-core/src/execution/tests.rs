@@ -188,7 +188,8 @@ fn single(model: &Toy) -> (Vec<f64>, Params) {
     (losses, flat(&stage.params()))
 }
 
-fn distributed(model: &Toy, layout: Layout) -> Vec<(Vec<f64>, Params)> {
+/// Every rank of `layout` trained `STEPS` steps (with activation recomputation if `recompute`).
+fn distributed(model: &Toy, layout: Layout, recompute: bool) -> Vec<(Vec<f64>, Params)> {
     let world = layout.ranks().len();
     let comms = LocalNetwork::new(world, 0).communicators(Tuning::default());
     std::thread::scope(|s| {
@@ -204,6 +205,7 @@ fn distributed(model: &Toy, layout: Layout) -> Vec<(Vec<f64>, Params)> {
                         timeout: Duration::from_secs(20),
                         bucket_elems: super::BUCKET_ELEMS,
                         dtype: candle_core::DType::F32,
+                        recompute,
                     };
                     let w = StageWorker::new(
                         model,
@@ -258,18 +260,28 @@ fn heterogeneous_pipelines_match_the_single_process_step() {
         ],
     )
     .unwrap();
-    let mut seen = std::collections::BTreeSet::new();
-    for (rank, (losses, params)) in distributed(&model, layout).into_iter().enumerate() {
-        for (a, b) in losses.iter().zip(&want_losses) {
-            assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
+    // With activation recomputation too: the same values.
+    for recompute in [false, true] {
+        let mut seen = std::collections::BTreeSet::new();
+        let ranks = distributed(&model, layout.clone(), recompute);
+        for (rank, (losses, params)) in ranks.into_iter().enumerate() {
+            for (a, b) in losses.iter().zip(&want_losses) {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "rank {rank} ({recompute}): loss {a} vs {b}"
+                );
+            }
+            for (name, v) in &params {
+                let d = max_diff(v, &want[name]);
+                assert!(
+                    d <= 1e-5,
+                    "rank {rank} ({recompute}): `{name}` differs by {d}"
+                );
+                seen.insert(name.clone());
+            }
         }
-        for (name, v) in &params {
-            let d = max_diff(v, &want[name]);
-            assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
-            seen.insert(name.clone());
-        }
+        assert_eq!(seen.len(), want.len(), "every parameter is held somewhere");
     }
-    assert_eq!(seen.len(), want.len(), "every parameter is held somewhere");
     // The reference moved away from the initial values, so equal results are not vacuous.
     let init = Stage::new(
         model
@@ -302,7 +314,7 @@ fn a_single_stage_pipeline_holds_the_tied_parameter_once() {
         ],
     )
     .unwrap();
-    for (rank, (losses, params)) in distributed(&model, layout).into_iter().enumerate() {
+    for (rank, (losses, params)) in distributed(&model, layout, false).into_iter().enumerate() {
         for (a, b) in losses.iter().zip(&want_losses) {
             assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
         }
@@ -352,6 +364,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                         timeout: Duration::from_secs(10),
                         bucket_elems: super::BUCKET_ELEMS,
                         dtype: candle_core::DType::F32,
+                        recompute: false,
                     };
                     let w = StageWorker::new(
                         model,
@@ -406,7 +419,7 @@ fn multi_device_stages_recut_rows_and_match_the_single_process_step() {
     )
     .unwrap();
     assert_eq!(layout.holders(0), vec![0, 1, 3]);
-    for (rank, (losses, params)) in distributed(&model, layout).into_iter().enumerate() {
+    for (rank, (losses, params)) in distributed(&model, layout, false).into_iter().enumerate() {
         for (a, b) in losses.iter().zip(&want_losses) {
             assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
         }
@@ -438,6 +451,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         timeout: Duration::from_secs(1),
         bucket_elems: super::BUCKET_ELEMS,
         dtype: candle_core::DType::F32,
+        recompute: false,
     };
     let build = |b| {
         StageWorker::new(
@@ -549,7 +563,7 @@ fn a_plan_of_heterogeneous_multi_device_pipelines_trains_like_one_process() {
         seed: 21,
     };
     let (want_losses, want) = single(&model);
-    for (rank, (losses, params)) in distributed(&model, layout).into_iter().enumerate() {
+    for (rank, (losses, params)) in distributed(&model, layout, false).into_iter().enumerate() {
         for (a, b) in losses.iter().zip(&want_losses) {
             assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
         }

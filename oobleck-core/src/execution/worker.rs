@@ -36,6 +36,10 @@ pub struct WorkerConfig {
     /// Compute dtype of the forward and backward passes ([`ForwardCtx::dtype`]): `F32`, or
     /// `BF16` for mixed precision; parameters, gradients and optimizer state stay f32.
     pub dtype: DType,
+    /// Activation recomputation: keep only each layer's input per microbatch in flight and
+    /// rerun the layer in its backward ([`Stage::forward_recompute`]); about one more forward
+    /// of compute for a fraction of the activation memory. Same values either way.
+    pub recompute: bool,
 }
 
 /// What one iteration of a stage produced.
@@ -302,7 +306,10 @@ impl StageWorker {
                             }),
                             dtype: self.cfg.dtype,
                         };
-                        let fwd = if layered_mb == Some(mb) {
+                        // Both backward paths below take any of the three passes.
+                        let fwd = if self.cfg.recompute {
+                            self.stage.forward_recompute(&x, &ctx)?
+                        } else if layered_mb == Some(mb) {
                             self.stage.forward_layered(&x, &ctx)?
                         } else {
                             self.stage.forward(&x, &ctx)?
