@@ -53,6 +53,10 @@ pub struct PlanArgs {
     /// Training dtype of the analytical profile (f32 or bf16 with fp32 master state).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// Plan for activation recomputation (`train --recompute`): each layer keeps only its
+    /// input per microbatch in flight, and its backward runs its forward again.
+    #[arg(long)]
+    pub recompute: bool,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -68,6 +72,8 @@ pub struct PlanArgs {
 #[derive(Debug, serde::Serialize)]
 pub struct PlanOutput {
     pub profile_fingerprint: oobleck_core::planning::Fingerprint,
+    /// Planned with activation recomputation (`--recompute`).
+    pub recompute: bool,
     pub templates: oobleck_core::planning::TemplateSet,
     pub plan: oobleck_core::planning::Plan,
     pub reconfiguration: Option<oobleck_core::reconfig::ReconfigPlan>,
@@ -96,17 +102,27 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
         "bf16" => Dtype::Bf16,
         other => bail!("unknown --dtype `{other}` (f32 or bf16)"),
     };
-    let profile = match &args.profile {
+    // The bytes of a microbatch's token ids (u32), what layer 0 keeps under recomputation;
+    // unknown for a profile file, where layer 0 is then charged what it keeps without.
+    let (profile, ids_bytes) = match &args.profile {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading profile {}", path.display()))?;
-            ModelProfile::from_json(&text)
-                .with_context(|| format!("validating profile {}", path.display()))?
+            let p = ModelProfile::from_json(&text)
+                .with_context(|| format!("validating profile {}", path.display()))?;
+            (p, u64::MAX)
         }
         None => {
             let shape = preset_shape(&args.model)?;
-            analytical_profile(&args.model, &shape, device, args.microbatch_size, dtype)
+            let ids = 4 * u64::from(args.microbatch_size) * u64::from(shape.seq_len);
+            let p = analytical_profile(&args.model, &shape, device, args.microbatch_size, dtype);
+            (p, ids)
         }
+    };
+    let profile = if args.recompute {
+        profile.with_recompute(ids_bytes)
+    } else {
+        profile
     };
     if profile.fingerprint.device_kind != device.name {
         bail!(
@@ -141,6 +157,7 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
     };
     Ok(PlanOutput {
         profile_fingerprint: profile.fingerprint,
+        recompute: args.recompute,
         templates: set,
         plan,
         reconfiguration,
@@ -150,7 +167,11 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
 /// Renders the output as tables.
 pub fn render(out: &PlanOutput) -> String {
     let mut s = String::new();
-    s.push_str(&format!("profile: {:?}\n\n", out.profile_fingerprint));
+    s.push_str(&format!("profile: {:?}\n", out.profile_fingerprint));
+    if out.recompute {
+        s.push_str("activation recomputation: each layer keeps its input, backward reruns it\n");
+    }
+    s.push('\n');
     s.push_str(&templates_table(&out.templates));
     s.push('\n');
     s.push_str(&plan_table(&out.plan));
@@ -200,14 +221,14 @@ mod tests {
     }
 
     /// The presets `train` runs are the presets `oobleck plan` plans, on 16 nodes of 8 H200s.
-    /// The 175B models fit no device: one block's activations for every microbatch in flight
-    /// exceed its memory without activation recomputation, which the planner does not model.
+    /// The 175B models fit no device without `--recompute`: one block's activations for every
+    /// microbatch in flight exceed its memory; with it, every preset plans.
     #[test]
     fn every_preset_of_the_model_library_plans() {
         let mut too_big = Vec::new();
         for name in oobleck_models::preset_names() {
             let cfg = ModelConfig::preset(name).expect(name);
-            let a = args(&[
+            let flags = [
                 "--model",
                 name,
                 "--nodes",
@@ -216,13 +237,22 @@ mod tests {
                 "8",
                 "--device",
                 "h200-141gb",
-            ]);
-            match compute(&a) {
+            ];
+            let recomputed = compute(&args(&[&flags[..], &["--recompute"]].concat()));
+            assert_eq!(
+                recomputed.map(|o| o.plan.num_nodes()).ok(),
+                Some(16),
+                "{name}"
+            );
+            match compute(&args(&flags)) {
                 Ok(out) => {
                     assert_eq!(out.plan.num_nodes(), 16, "{name}");
                     assert_eq!(out.templates.layer_state_bytes.len(), cfg.num_layers());
                 }
-                Err(e) if e.to_string().contains("does not fit") => too_big.push(name),
+                Err(e) if e.to_string().contains("does not fit") => {
+                    assert!(e.to_string().contains("--recompute"), "{e}");
+                    too_big.push(name)
+                }
                 Err(e) => panic!("{name}: {e:#}"),
             }
         }

@@ -139,6 +139,7 @@ pub fn run(
         spec.pipeline_nodes.as_deref(),
     )?;
     let (out, ckpt) = open_run(&cfg, resume)?;
+    let profile = driver::planned_profile(profile, &spec, workload.tokens_per_sample());
     let abs = |p: &Path| {
         p.canonicalize()
             .with_context(|| format!("resolving {}", p.display()))

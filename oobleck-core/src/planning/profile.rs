@@ -212,6 +212,23 @@ impl ModelProfile {
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
+
+    /// The profile of the same model trained with activation recomputation (`--recompute`):
+    /// a layer keeps only its input per microbatch in flight (layer 0: `input_bytes`, the
+    /// token ids of a microbatch; layer `i`: the output of layer `i - 1`), capped at what it
+    /// kept before (its graph held that input already), and its backward runs its forward
+    /// again first. The one layer's graph rebuilt at a time during a backward is not counted,
+    /// as the working memory of a forward is not.
+    pub fn with_recompute(&self, input_bytes: u64) -> ModelProfile {
+        let mut out = self.clone();
+        let mut input = input_bytes;
+        for l in &mut out.layers {
+            l.activation_bytes = l.activation_bytes.min(input);
+            l.backward_ms += l.forward_ms;
+            input = l.output_bytes;
+        }
+        out
+    }
 }
 
 /// The job: fault threshold, batch and how much memory training state takes.
@@ -322,4 +339,73 @@ fn check_non_negative(layer: usize, field: &'static str, v: f64) -> Result<(), P
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::template::best_template;
+    use super::super::{analytical_profile, DeviceSpec, Dtype, TransformerShape};
+    use super::*;
+
+    fn gpt(b: u32) -> ModelProfile {
+        let shape = TransformerShape::gpt(6, 512, 8, 8192, 512);
+        let device = DeviceSpec::named("a100-40gb").expect("a known device");
+        analytical_profile("test", &shape, device, b, Dtype::Bf16)
+    }
+
+    fn job(b: u32) -> JobSpec {
+        JobSpec {
+            fault_threshold: 0,
+            microbatch_size: b,
+            global_microbatches: 16,
+            state_bytes_per_param_byte: 8,
+            template_microbatches: TemplateMicrobatches::Fixed(8),
+        }
+    }
+
+    #[test]
+    fn recompute_keeps_each_layers_input_and_runs_its_forward_twice() {
+        let p = gpt(2);
+        let r = p.with_recompute(4 * 2 * 512);
+        assert_eq!(r.fingerprint, p.fingerprint);
+        for (i, (a, b)) in p.layers.iter().zip(&r.layers).enumerate() {
+            let input = if i == 0 {
+                4 * 2 * 512
+            } else {
+                p.layers[i - 1].output_bytes
+            };
+            assert_eq!(
+                b.activation_bytes,
+                a.activation_bytes.min(input),
+                "layer {i}"
+            );
+            assert!(b.activation_bytes < a.activation_bytes, "layer {i}");
+            assert_eq!(b.backward_ms, a.backward_ms + a.forward_ms, "layer {i}");
+            assert_eq!(
+                (b.forward_ms, b.param_bytes, b.output_bytes),
+                (a.forward_ms, a.param_bytes, a.output_bytes)
+            );
+        }
+        // An input larger than what a layer keeps anyway changes nothing of its memory.
+        let r = p.with_recompute(u64::MAX);
+        assert_eq!(r.layers[0].activation_bytes, p.layers[0].activation_bytes);
+    }
+
+    /// One node of one device has one layout (a single stage), so the two templates differ
+    /// only by recomputation: less memory, a longer iteration.
+    #[test]
+    fn a_template_with_recompute_needs_less_memory_and_more_time() {
+        let device = DeviceSpec::named("a100-40gb").expect("a known device");
+        let cluster = device.cluster(1);
+        let p = gpt(2);
+        let r = p.with_recompute(4 * 2 * 512);
+        let (plain, _) = best_template(&p, &cluster, &job(2), 1, 1).expect("fits");
+        let (again, _) = best_template(&r, &cluster, &job(2), 1, 1).expect("fits");
+        assert_eq!(plain.stages.len(), 1);
+        assert_eq!(again.stages.len(), 1);
+        assert!(again.peak_memory_bytes < plain.peak_memory_bytes);
+        assert!(again.iteration_ns > plain.iteration_ns);
+        let (b0, b1) = (plain.stages[0].backward_ns, again.stages[0].backward_ns);
+        assert_eq!(b1, b0 + again.stages[0].forward_ns);
+    }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use agents::Started;
-pub use plan::{pinned_pipelines, plan_for};
+pub use plan::{pinned_pipelines, plan_for, planned_profile};
 pub use rundir::truncate_metrics_after;
 
 use oobleck_comm::{BlobSink, SecretKey};
@@ -314,7 +314,8 @@ async fn start_agents(
     })
 }
 
-/// The workload's profile, checked against its model.
+/// The workload's profile, checked against its model, as the planner plans the job
+/// ([`planned_profile`]: with `--recompute`, recomputation's memory and time).
 fn checked_profile(workload: &dyn Workload, spec: &TrainingSpec) -> Result<ModelProfile> {
     workload.check(spec).map_err(RuntimeError::Workload)?;
     let profile = workload
@@ -329,7 +330,7 @@ fn checked_profile(workload: &dyn Workload, spec: &TrainingSpec) -> Result<Model
             profile.layers.len()
         )));
     }
-    Ok(profile)
+    Ok(planned_profile(profile, spec, workload.tokens_per_sample()))
 }
 
 /// The run's `start` (or `resume`) event and the first lines the person watching reads.

@@ -41,6 +41,21 @@ pub fn pinned_pipelines(sizes: &[u32], nodes: &[u32]) -> Result<Vec<Vec<u32>>> {
         .collect())
 }
 
+/// The profile the planner plans `spec` with: the workload's `profile`, or with `--recompute`
+/// its [`ModelProfile::with_recompute`] (less activation memory, a longer backward). Layer 0
+/// then keeps its input, the token ids of a microbatch: 4 bytes (u32) per token.
+pub fn planned_profile(
+    profile: ModelProfile,
+    spec: &TrainingSpec,
+    tokens_per_sample: usize,
+) -> ModelProfile {
+    if !spec.recompute {
+        return profile;
+    }
+    let ids = 4 * u64::from(spec.microbatch_size) * tokens_per_sample as u64;
+    profile.with_recompute(ids)
+}
+
 /// The plan for `nodes` (sorted ids) with fault threshold `f`.
 pub fn plan_for(
     spec: &TrainingSpec,
