@@ -105,10 +105,11 @@ fn check_round_trip(ckpt: &Path, cfg: &ModelConfig) {
     assert!(diff < 1e-4, "logits differ by {diff}");
 }
 
-#[test]
-fn a_trainer_checkpoint_loads_with_from_pretrained() {
+/// Trains gpt-tiny 2 steps in one process at `precision` and checks its final checkpoint.
+fn check_trainer_checkpoint(precision: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = TrainConfig {
+        precision: precision.into(),
         model: "gpt-tiny".into(),
         nodes: 1,
         microbatch_size: 2,
@@ -126,6 +127,22 @@ fn a_trainer_checkpoint_loads_with_from_pretrained() {
     let summary = t.run(&mut Progress::new(2, 0)).unwrap();
     let ckpt = summary.checkpoint.expect("a final checkpoint");
     check_round_trip(&ckpt, &ModelConfig::preset("gpt-tiny").unwrap());
+    // Whatever the compute dtype, the weights saved are the f32 master weights.
+    let stored = candle_core::safetensors::load(ckpt.join("model.safetensors"), &Device::Cpu);
+    for (name, t) in stored.unwrap() {
+        assert_eq!(t.dtype(), candle_core::DType::F32, "{precision}: {name}");
+    }
+}
+
+#[test]
+fn a_trainer_checkpoint_loads_with_from_pretrained() {
+    check_trainer_checkpoint("fp32");
+}
+
+/// `--precision bf16` trains on f32 master weights, and those are what the checkpoint holds.
+#[test]
+fn a_bf16_trainer_checkpoint_loads_with_from_pretrained() {
+    check_trainer_checkpoint("bf16");
 }
 
 #[test]
