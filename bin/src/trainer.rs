@@ -163,7 +163,13 @@ impl Trainer {
                 rows: None,
                 dtype,
             };
-            let fwd = self.stage.forward(&inp, &ctx)?;
+            // --recompute: one microbatch is in flight here, so only the graph of all layers
+            // at once is saved (one layer's at a time instead); the values are the same.
+            let fwd = if self.cfg.recompute {
+                self.stage.forward_recompute(&inp, &ctx)?
+            } else {
+                self.stage.forward(&inp, &ctx)?
+            };
             loss += f64::from(fwd.output.to_scalar::<f32>()?);
             let g = self.stage.backward(fwd, None)?;
             accumulate(&mut grads, g.params)?;
