@@ -130,6 +130,7 @@ pub fn run(
     let profile = workload
         .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let profile = driver::planned_profile(profile, &spec, workload.tokens_per_sample());
     let ids: Vec<u32> = (0..spec.nodes).collect();
     driver::plan_for(
         &spec,
@@ -139,7 +140,6 @@ pub fn run(
         spec.pipeline_nodes.as_deref(),
     )?;
     let (out, ckpt) = open_run(&cfg, resume)?;
-    let profile = driver::planned_profile(profile, &spec, workload.tokens_per_sample());
     let abs = |p: &Path| {
         p.canonicalize()
             .with_context(|| format!("resolving {}", p.display()))

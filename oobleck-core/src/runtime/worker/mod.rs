@@ -291,13 +291,13 @@ impl<'a> Generation<'a> {
                 timeout: DATA_TIMEOUT,
                 bucket_elems: BUCKET_ELEMS,
                 dtype: training.compute_dtype(),
+                recompute: training.recompute,
             },
         )?;
         worker.watch(progress.clone());
         let mut opt = training.optimizer()?;
         if !loaded.optimizer.is_empty() {
             // Only this stage's entries: the state this rank saves must hold its own layers.
-                recompute: training.recompute,
             let own: BTreeSet<String> = worker.params().into_iter().map(|p| p.0).collect();
             opt.import_state_of(&loaded.optimizer, &own)
                 .with_ctx(|| format!("rank {}: the optimizer state of its stage", a.rank))?;
