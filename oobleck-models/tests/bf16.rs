@@ -7,6 +7,7 @@
 //! - A bf16 pass keeps its activations in bf16 (embedding and block outputs) while the loss
 //!   and every gradient are f32, for both families, and a pipeline cut (the f32 wire between
 //!   stages) gives the same loss as the whole model.
+//! - Activation recomputation in bf16 gives the plain bf16 pass's loss and gradients exactly.
 
 use std::collections::HashMap;
 
@@ -226,5 +227,46 @@ fn a_bf16_pass_keeps_bf16_activations_and_an_f32_loss() {
         let logits = stage.forward(&ids, &c).unwrap().output;
         assert_eq!(logits.dtype(), DType::F32, "{name}: logits");
         assert_eq!(logits.dims()[..2], [2, 24]);
+    }
+}
+
+/// Activation recomputation reruns each layer in the pass's dtype: a bf16 recomputing pass
+/// gives the plain bf16 pass's loss and gradients, for a middle stage (f32 wire input) too.
+#[test]
+fn a_bf16_recomputing_pass_equals_the_plain_bf16_pass() {
+    let m = model("gpt-tiny");
+    let (ids, tgt) = microbatch(1);
+    let c = ctx(&tgt, 3, 1, DType::BF16);
+    let build = |r| {
+        let layers = m.build_layers(r, &Device::Cpu, ParamSource::Init { seed: SEED });
+        Stage::new(layers.unwrap()).unwrap()
+    };
+    let (first, second) = (build(0..2), build(2..m.num_layers()));
+    let wire = first
+        .forward(&ids, &c)
+        .unwrap()
+        .output
+        .to_dtype(DType::F32)
+        .unwrap();
+    let plain = second.forward(&wire, &c).unwrap();
+    let again = second.forward_recompute(&wire, &c).unwrap();
+    let (a, b) = (
+        plain.output.to_scalar::<f32>().unwrap(),
+        again.output.to_scalar::<f32>().unwrap(),
+    );
+    assert_eq!(a, b, "the loss");
+    let (ga, gb) = (
+        second.backward(plain, None).unwrap(),
+        second.backward(again, None).unwrap(),
+    );
+    let diff = |x: &Tensor, y: &Tensor| {
+        let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
+        d.to_scalar::<f32>().unwrap()
+    };
+    let (ia, ib) = (ga.input.unwrap(), gb.input.unwrap());
+    assert_eq!((ia.dtype(), ib.dtype()), (DType::F32, DType::F32));
+    assert_eq!(diff(&ia, &ib), 0.0, "the input gradient");
+    for (n, g) in &ga.params {
+        assert_eq!(diff(g, &gb.params[n]), 0.0, "gradient of {n}");
     }
 }
