@@ -14,6 +14,7 @@ use oobleck_core::elastic::protocol::ClusterStatus;
 use oobleck_core::elastic::Token;
 use oobleck_core::optim::LrSchedule;
 use oobleck_core::planning::Dtype;
+use oobleck_core::runtime::device;
 use oobleck_core::runtime::driver::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::{
@@ -65,6 +66,17 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         None => None,
     };
     let placement = crate::placement::resolve(&cfg.device)?;
+    let precision = match cfg.precision.as_str() {
+        "bf16" => Dtype::Bf16,
+        _ => Dtype::F32,
+    };
+    // On this machine's first GPU, if it has one, before any agent starts (each worker checks
+    // its own again: the GPUs of a multi-machine job are elsewhere).
+    let here = device::detect_gpus().map_err(|e| anyhow::anyhow!("{e}"))?;
+    if here.is_some() {
+        device::check_precision(placement.compute, 0, precision)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
     Ok(TrainingSpec {
         steps: cfg.steps,
         seed: cfg.seed,
@@ -86,10 +98,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         },
         inject_failures,
         compute: placement.compute,
-        precision: match cfg.precision.as_str() {
-            "bf16" => Dtype::Bf16,
-            _ => Dtype::F32,
-        },
+        precision,
         recompute: cfg.recompute,
     })
 }

@@ -181,6 +181,11 @@ impl StageWorker {
         &self.layout
     }
 
+    /// Where this worker computes (its stage's parameters live there).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     pub fn config(&self) -> &WorkerConfig {
         &self.cfg
     }

@@ -10,6 +10,7 @@ use candle_core::Device;
 
 use super::error::{Result, RuntimeError};
 use super::spec::Compute;
+use crate::planning::Dtype;
 
 /// The GPUs a `--features cuda` build sees.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +68,35 @@ pub fn open(compute: Compute, ordinal: u32) -> Result<Device> {
     }
 }
 
+/// Refuses bf16 on a GPU without it (compute capability below 8.0: V100, T4), before anything
+/// is started. The CPU computes bf16 in software (slowly; for tests and parity).
+pub fn check_precision(compute: Compute, ordinal: u32, precision: Dtype) -> Result<()> {
+    if precision != Dtype::Bf16 || compute == Compute::Cpu {
+        return Ok(());
+    }
+    let (major, minor) = compute_capability(ordinal)?;
+    if major < 8 {
+        return Err(RuntimeError::Invalid(format!(
+            "--precision bf16 needs a GPU of compute capability 8.0 or later (A100, H100, \
+             H200); CUDA device {ordinal} is {major}.{minor}: train with --precision fp32"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    CudaContext::new(ordinal as usize)
+        .and_then(|c| c.compute_capability())
+        .map_err(|e| RuntimeError::Invalid(format!("CUDA device {ordinal} does not open: {e}")))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
+    open_cuda(ordinal).map(|_| (0, 0))
+}
+
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: u32) -> Result<Device> {
     let seen = detect_gpus()?.map_or(0, |g| g.count);
@@ -120,6 +150,10 @@ mod tests {
                 "{e}"
             );
             assert_eq!(detect_gpus().expect("no error without CUDA"), None);
+            assert!(check_precision(Compute::Cuda, 0, Dtype::Bf16).is_err());
+        }
+        for p in [Dtype::F32, Dtype::Bf16] {
+            check_precision(Compute::Cpu, 0, p).expect("the CPU computes either");
         }
     }
 }

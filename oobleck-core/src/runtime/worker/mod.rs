@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 
 pub use self::beat::{BEAT, IDLE_BEAT};
@@ -42,6 +42,7 @@ use self::inbox::{report, Inbox};
 use self::load::{load, Loaded};
 pub use self::load::{TEST_CORRUPT_ENV, TEST_KILL_ENV};
 use self::state::Held;
+use super::device;
 use super::error::{Context, Result, RuntimeError};
 use super::pipe::{resolve, ToWorker, WorkerAssignment};
 use super::records::{CorruptCopy, WorkerReport};
@@ -279,11 +280,16 @@ impl<'a> Generation<'a> {
             Some(params) => ParamSource::Tensors(params),
             None => workload.initial_params(training.seed),
         };
+        // Device `d` of a node (rank `first + j * G + d`) computes on CUDA ordinal `d`.
+        let ordinal = a.rank % a.plan.devices_per_node.max(1);
+        device::check_precision(training.compute, ordinal, training.precision)?;
+        let device = device::open(training.compute, ordinal)
+            .with_ctx(|| format!("rank {}: its device", a.rank))?;
         let mut worker = StageWorker::new(
             workload.model(),
             layout,
             a.rank as usize,
-            &Device::Cpu,
+            &device,
             source,
             WorkerConfig {
                 seed: training.seed,
@@ -299,7 +305,9 @@ impl<'a> Generation<'a> {
         if !loaded.optimizer.is_empty() {
             // Only this stage's entries: the state this rank saves must hold its own layers.
             let own: BTreeSet<String> = worker.params().into_iter().map(|p| p.0).collect();
-            opt.import_state_of(&loaded.optimizer, &own)
+            // The state was read to the host; it lives beside the parameters.
+            let state = on_device(&loaded.optimizer, &device)?;
+            opt.import_state_of(&state, &own)
                 .with_ctx(|| format!("rank {}: the optimizer state of its stage", a.rank))?;
         }
         Ok(Generation {
@@ -550,6 +558,19 @@ fn nccl_comm(
         )
     })?;
     Ok(Box::new(comm))
+}
+
+/// `entries` copied to `device` (nothing copied when they are there already).
+fn on_device(entries: &[(String, Tensor)], device: &Device) -> Result<Vec<(String, Tensor)>> {
+    entries
+        .iter()
+        .map(|(k, t)| {
+            Ok((
+                k.clone(),
+                t.to_device(device).ctx("moving optimizer state")?,
+            ))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use oobleck_comm::send_blob;
 
 use super::hooks;
@@ -106,6 +106,8 @@ impl Generation<'_> {
         let lead_of_first_stage = pos.stage == 0 && pos.device == 0;
         let mut read = std::collections::BTreeSet::new();
         let slow = hooks::slowness(node);
+        // Microbatches are made where the stage computes (a CUDA worker's on its GPU).
+        let device = self.worker.device().clone();
         self.progress.begin_step(step + 1);
         let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
             if abort.is_set() {
@@ -122,12 +124,10 @@ impl Generation<'_> {
             if lead_of_first_stage {
                 read.insert(mb);
             }
-            workload
-                .microbatch(seed, step, mb, &Device::Cpu)
-                .map_err(|e| {
-                    let why = error_chain(e.as_ref()).join(": ");
-                    crate::Error::workload(format!("microbatch {mb}: {why}"))
-                })
+            workload.microbatch(seed, step, mb, &device).map_err(|e| {
+                let why = error_chain(e.as_ref()).join(": ");
+                crate::Error::workload(format!("microbatch {mb}: {why}"))
+            })
         };
         let out = self
             .worker
