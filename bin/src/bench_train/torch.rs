@@ -18,7 +18,11 @@ fn torch_script(args: &BenchTrainArgs) -> PathBuf {
 
 /// Runs the PyTorch side in a child process. A missing interpreter or torch is `Unavailable`;
 /// a script that fails otherwise is an error (a broken reference must not look like "n/a").
-pub(super) fn bench_torch(args: &BenchTrainArgs, shape: &Shape, threads: usize) -> Result<TorchOutcome> {
+pub(super) fn bench_torch(
+    args: &BenchTrainArgs,
+    shape: &Shape,
+    threads: usize,
+) -> Result<TorchOutcome> {
     let script = torch_script(args);
     if !script.is_file() {
         return Ok(TorchOutcome::Unavailable {
