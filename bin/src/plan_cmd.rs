@@ -137,11 +137,12 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
         fault_threshold: args.fault_threshold,
         microbatch_size: args.microbatch_size,
         global_microbatches: args.global_batch_size / args.microbatch_size,
-        // fp32: weights, grads, Adam m and v. bf16: 2+2 bytes plus fp32 master, m, v.
+        // As `train` plans (TrainingSpec::job_spec): fp32 weights, grads, Adam m and v; bf16
+        // adds the working copy the layers cast to.
         state_bytes_per_param_byte: if profile.fingerprint.dtype == "bf16" {
-            8
+            Dtype::Bf16.state_bytes_per_param_byte()
         } else {
-            4
+            Dtype::F32.state_bytes_per_param_byte()
         },
         template_microbatches: args.template_microbatches,
     };

@@ -21,8 +21,8 @@ const BUILD_LIMIT: usize = 32_000_000;
 
 /// Context of the planned presets. At their full 2048 tokens the 66B and 175B presets do not
 /// fit an 80 GB device even with one layer per stage: under 1F1B the first of ~100 stages holds
-/// the activations of as many microbatches, and the planner has no activation recomputation,
-/// so `oobleck plan` says "the model does not fit" there; that is the planner's limit, not a
+/// the activations of as many microbatches, so without activation recomputation `oobleck plan`
+/// says "the model does not fit" there (with `--recompute` they plan); that is memory, not a
 /// broken preset.
 const PLAN_SEQ_LEN: usize = 512;
 
@@ -82,7 +82,7 @@ fn plan(name: &str, cfg: &ModelConfig) -> u32 {
         fault_threshold: 0,
         microbatch_size: 1,
         global_microbatches: 64,
-        state_bytes_per_param_byte: 8,
+        state_bytes_per_param_byte: Dtype::Bf16.state_bytes_per_param_byte(),
         template_microbatches: TemplateMicrobatches::Auto,
     };
     let set = generate_templates(&profile, &device.cluster(8), &job, 64)
