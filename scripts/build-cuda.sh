@@ -42,7 +42,8 @@ toolkit_wheels=(
   "nvidia-nvvm==${cuda_release}.*"
 )
 # What `-lnvrtc -lcublas -lcublasLt -lcurand -lnccl` need at link time (cudarc links them
-# dynamically under candle's `cuda` feature). cuBLAS 13.2 and cuRAND 10.4 ship with CUDA 13.2.
+# dynamically under candle's `cuda` feature; -lcudart is the toolkit's nvidia-cuda-runtime).
+# cuBLAS 13.2 and cuRAND 10.4 ship with CUDA 13.2.
 link_wheels=(
   "nvidia-cuda-nvrtc==${cuda_release}.*"
   "nvidia-cublas==13.2.*"
@@ -77,6 +78,8 @@ first_existing() {
 # Creates the virtual environment, or says what to install when this Python cannot.
 make_venv() {
   [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -m pip --version >/dev/null 2>&1 && return
+  [[ ! -e "$venv" || -f "$venv/pyvenv.cfg" ]] ||
+    die "$venv exists and is not a virtual environment: move it away or set CUDA_VENV"
   command -v python3 >/dev/null ||
     die "python3 is missing: install it (Debian: apt-get install python3 python3-venv)"
   rm -rf "$venv"
@@ -137,7 +140,10 @@ make_libcuda_stub() {
 prepare_link() {
   local lib="$1/lib" nccl_lib
   nccl_lib="$(dirname "$1")/nccl/lib"
-  for name in libnvrtc libcublas libcublasLt libcurand; do link_unversioned "$lib" "$lib" "$name"; done
+  # cudart: candle-kernels links its statically compiled GGUF/MoE kernels with -lcudart.
+  for name in libcudart libnvrtc libcublas libcublasLt libcurand; do
+    link_unversioned "$lib" "$lib" "$name"
+  done
   link_unversioned "$lib" "$nccl_lib" libnccl
   make_libcuda_stub "$lib"
   runtime_path="$lib:$nccl_lib"
@@ -172,7 +178,7 @@ else
   cargo build --release --locked -p oobleck-cli --features cuda,nccl --bin train --bin oobleck
   echo "   cargo build took $((SECONDS - t0)) s"
   echo "   binaries: ${CARGO_TARGET_DIR:-$root/target}/release/{train,oobleck}"
-  echo "   they load cuBLAS, cuRAND, NVRTC and NCCL from the wheels; run them with"
+  echo "   they load cudart, cuBLAS, cuRAND, NVRTC and NCCL from the wheels; run them with"
   echo "   LD_LIBRARY_PATH=$runtime_path"
 fi
 echo "== build-cuda.sh $mode done in $((SECONDS - started)) s"
