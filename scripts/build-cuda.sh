@@ -166,9 +166,9 @@ echo "   CUDA_ROOT=$CUDA_ROOT"
 nvcc --version | tail -n 2 | head -n 1 | sed 's/^/   nvcc: /'
 
 if [[ "$mode" == check ]]; then
-  echo "== cargo check --workspace --locked --features oobleck-cli/cuda,oobleck-cli/nccl"
+  echo "== cargo check --workspace --all-targets --locked --features oobleck-cli/cuda,oobleck-cli/nccl"
   t0=$SECONDS
-  cargo check --workspace --locked --features oobleck-cli/cuda,oobleck-cli/nccl
+  cargo check --workspace --all-targets --locked --features oobleck-cli/cuda,oobleck-cli/nccl
   echo "   cargo check took $((SECONDS - t0)) s"
 else
   install_wheels link "${link_wheels[@]}"
