@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use oobleck_core::model::{DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use oobleck_models::gpt2::Gpt;
@@ -38,12 +38,51 @@ fn adamw_config() -> AdamWConfig {
     }
 }
 
+/// How the Candle side computes: `fp32` (the comparison with PyTorch), `bf16` (mixed
+/// precision, `train --precision bf16`), `recompute` (`train --recompute`) or both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Variant {
+    pub dtype: DType,
+    pub recompute: bool,
+}
+
+impl Variant {
+    pub const FP32: Variant = Variant {
+        dtype: DType::F32,
+        recompute: false,
+    };
+
+    /// `fp32`, `bf16`, `recompute` or `bf16+recompute`.
+    pub fn parse(name: &str) -> Result<Variant> {
+        let (dtype, recompute) = match name {
+            "fp32" => (DType::F32, false),
+            "bf16" => (DType::BF16, false),
+            "recompute" => (DType::F32, true),
+            "bf16+recompute" => (DType::BF16, true),
+            other => {
+                bail!("--variants: `{other}` is not one of fp32, bf16, recompute, bf16+recompute")
+            }
+        };
+        Ok(Variant { dtype, recompute })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match (self.dtype, self.recompute) {
+            (DType::BF16, false) => "bf16",
+            (DType::BF16, true) => "bf16+recompute",
+            (_, true) => "recompute",
+            _ => "fp32",
+        }
+    }
+}
+
 /// Runs the Candle side in this process: what `train` does for one microbatch per step.
 pub fn bench_candle(
     shape: &Shape,
     warmup: usize,
     steps: usize,
     seed: u64,
+    variant: Variant,
 ) -> Result<FrameworkResult> {
     let base_rss = proc_status_kib("VmRSS");
     let model = Gpt::new(shape.gpt_config())?;
@@ -73,11 +112,15 @@ pub fn bench_candle(
                 microbatch: 0,
             },
             rows: None,
-            dtype: candle_core::DType::F32,
+            dtype: variant.dtype,
         };
         let t0 = Instant::now();
-        let fwd = stage.forward(&inp, &ctx)?;
-        let loss = f64::from(fwd.output.to_scalar::<f32>()?);
+        let fwd = if variant.recompute {
+            stage.forward_recompute(&inp, &ctx)?
+        } else {
+            stage.forward(&inp, &ctx)?
+        };
+        let loss = f64::from(fwd.output.to_dtype(DType::F32)?.to_scalar::<f32>()?);
         let t1 = Instant::now();
         let mut grads = stage.backward(fwd, None)?.params;
         let t2 = Instant::now();
@@ -99,7 +142,10 @@ pub fn bench_candle(
     let (f, b, o) = (mean(0), mean(1), mean(2));
     let step_s = f + b + o;
     Ok(FrameworkResult {
-        framework: format!("candle {}", candle_version()),
+        framework: match variant {
+            Variant::FP32 => format!("candle {}", candle_version()),
+            v => format!("candle {} {}", candle_version(), v.name()),
+        },
         threads: candle_core::utils::get_num_threads(),
         tokens_per_s: shape.tokens_per_step() as f64 / step_s,
         step_s,
@@ -149,7 +195,7 @@ pub(super) mod tests {
 
     #[test]
     fn candle_side_trains_one_tiny_step() {
-        let r = bench_candle(&tiny(), 0, 1, 3).unwrap();
+        let r = bench_candle(&tiny(), 0, 1, 3, Variant::FP32).unwrap();
         assert!(r.tokens_per_s > 0.0 && r.tokens_per_s.is_finite());
         // Random init: the loss starts near ln(vocab).
         assert!(
@@ -158,5 +204,24 @@ pub(super) mod tests {
             r.first_loss
         );
         assert!(r.step_s >= r.forward_s);
+    }
+
+    #[test]
+    fn every_variant_trains_a_step_from_the_same_loss() {
+        let fp32 = bench_candle(&tiny(), 0, 1, 3, Variant::FP32).unwrap();
+        for name in ["bf16", "recompute", "bf16+recompute"] {
+            let v = Variant::parse(name).unwrap();
+            assert_eq!(v.name(), name);
+            let r = bench_candle(&tiny(), 0, 1, 3, v).unwrap();
+            assert!(r.framework.ends_with(name), "{}", r.framework);
+            // The same model and tokens: bf16 rounds, recomputation changes nothing.
+            let tol = if v.dtype == DType::BF16 { 0.05 } else { 1e-6 };
+            assert!(
+                (r.first_loss - fp32.first_loss).abs() < tol,
+                "{name}: {}",
+                r.first_loss
+            );
+        }
+        assert!(Variant::parse("fp16").is_err());
     }
 }

@@ -31,7 +31,7 @@ use anyhow::{bail, Context, Result};
 use oobleck_models::gpt2::GptConfig;
 use serde::{Deserialize, Serialize};
 
-pub use candle::bench_candle;
+pub use candle::{bench_candle, Variant};
 use table::print_table;
 use torch::bench_torch;
 
@@ -83,6 +83,10 @@ pub struct BenchTrainArgs {
     /// Give up on the PyTorch child after this many seconds.
     #[arg(long, default_value_t = 1800)]
     pub torch_timeout_s: u64,
+    /// Candle variants to measure besides fp32, which PyTorch is compared with: bf16, recompute,
+    /// bf16+recompute (comma-separated); each gets a row with its cost against fp32.
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Vec<String>,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -180,6 +184,8 @@ struct Report {
     torch: TorchOutcome,
     /// Median over the rounds of the per-round ratio.
     ratio_candle_over_torch: Option<f64>,
+    /// The other Candle variants (`--variants`), medians over the rounds.
+    variants: Vec<FrameworkResult>,
     rounds: Vec<Round>,
 }
 
@@ -222,15 +228,23 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
     }
     let threads = candle_core::utils::get_num_threads();
+    let variants = (args.variants.iter())
+        .map(|v| Variant::parse(v))
+        .collect::<Result<Vec<_>>>()?;
+    let mut by_variant: Vec<Vec<FrameworkResult>> = vec![Vec::new(); variants.len()];
     // Alternate the frameworks round by round: on a shared machine the load drifts, and a
     // per-round ratio compares two runs that saw about the same load.
     let mut candles = Vec::with_capacity(args.rounds);
     let mut torches = Vec::with_capacity(args.rounds);
     for _ in 0..args.rounds {
         candles.push(
-            bench_candle(&shape, args.warmup, args.steps, args.seed)
+            bench_candle(&shape, args.warmup, args.steps, args.seed, Variant::FP32)
                 .context("Candle side of the benchmark")?,
         );
+        for (v, runs) in variants.iter().zip(&mut by_variant) {
+            let what = format!("Candle {} side of the benchmark", v.name());
+            runs.push(bench_candle(&shape, args.warmup, args.steps, args.seed, *v).context(what)?);
+        }
         torches.push(if args.no_torch {
             TorchOutcome::Unavailable {
                 unavailable: "skipped (--no-torch)".into(),
@@ -281,6 +295,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         candle,
         torch,
         ratio_candle_over_torch: ratio,
+        variants: by_variant.into_iter().map(median_by_tokens).collect(),
         rounds,
     };
     if args.json {

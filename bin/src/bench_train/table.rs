@@ -48,6 +48,9 @@ pub(super) fn print_table(r: &Report, args: &BenchTrainArgs) {
             println!("{:<26} n/a ({unavailable})", "torch")
         }
     }
+    for v in &r.variants {
+        row(v);
+    }
     match r.ratio_candle_over_torch {
         Some(x) => println!("ratio candle/torch (tokens/s): {x:.2}"),
         None => println!("ratio candle/torch (tokens/s): n/a"),
@@ -65,6 +68,24 @@ pub(super) fn print_table(r: &Report, args: &BenchTrainArgs) {
                 x.candle_tokens_per_s
             );
         }
+    }
+    for v in &r.variants {
+        let speed = v.tokens_per_s / r.candle.tokens_per_s;
+        // Each variant runs in this process after the others: compare what its steps added
+        // above the memory it started with.
+        let grown = |f: &FrameworkResult| Some(f.peak_rss_bytes? as f64 - f.base_rss_bytes? as f64);
+        let peak = match (grown(v), grown(&r.candle)) {
+            (Some(a), Some(b)) => format!(
+                ", peak RSS above its start {:.0} MiB against {:.0} MiB",
+                a / f64::from(1 << 20),
+                b / f64::from(1 << 20)
+            ),
+            _ => String::new(),
+        };
+        println!(
+            "{} against fp32: {speed:.2}x the tokens/s{peak}",
+            v.framework
+        );
     }
     let e = &r.estimate;
     println!(
