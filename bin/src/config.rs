@@ -321,19 +321,9 @@ impl TrainArgs {
             }
             None => TrainConfig::default(),
         };
-        // The fields the job file sets, so a preset's published recipe fills only the rest.
-        let mut in_file = BTreeSet::new();
-        let mut c = match &self.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading job file {}", path.display()))?;
-                in_file = (text.parse::<toml::Table>().ok().into_iter())
-                    .flat_map(|t| t.into_iter().map(|kv| kv.0))
-                    .collect();
-                toml::from_str::<TrainConfig>(&text)
-                    .with_context(|| format!("job file {} is not a valid job", path.display()))?
-            }
-            None => base,
+        let (mut c, in_file) = match &self.config {
+            Some(path) => read_job_file(path)?,
+            None => (base, BTreeSet::new()),
         };
         if let Some(n) = self.expect_nodes {
             c.nodes = n;
@@ -393,18 +383,36 @@ impl TrainArgs {
             c.inject_failure = self.inject_failure.clone();
         }
         if self.resume.is_none() {
-            let by_flag = [
-                ("seq_len", self.seq_len.is_some()),
-                ("global_batch_size", self.global_batch_size.is_some()),
-                ("lr", self.lr.is_some()),
-            ];
-            let given = |key: &str| in_file.contains(key) || by_flag.contains(&(key, true));
-            c.apply_recipe(given);
+            c.apply_recipe(|key| in_file.contains(key) || self.sets(key));
         }
         let c = c.with_derived();
         c.validate()?;
         Ok(c)
     }
+}
+
+impl TrainArgs {
+    /// Whether a flag sets the recipe field `key` (see [`TrainConfig::apply_recipe`]).
+    fn sets(&self, key: &str) -> bool {
+        match key {
+            "seq_len" => self.seq_len.is_some(),
+            "global_batch_size" => self.global_batch_size.is_some(),
+            "lr" => self.lr.is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// A job file and the fields it sets (a preset's published recipe fills only the rest).
+fn read_job_file(path: &Path) -> Result<(TrainConfig, BTreeSet<String>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading job file {}", path.display()))?;
+    let keys = (text.parse::<toml::Table>().ok().into_iter())
+        .flat_map(|t| t.into_iter().map(|kv| kv.0))
+        .collect();
+    let cfg = toml::from_str::<TrainConfig>(&text)
+        .with_context(|| format!("job file {} is not a valid job", path.display()))?;
+    Ok((cfg, keys))
 }
 
 impl TrainConfig {

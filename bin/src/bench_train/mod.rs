@@ -204,7 +204,8 @@ fn median_by_tokens(mut runs: Vec<FrameworkResult>) -> FrameworkResult {
     runs.swap_remove(mid)
 }
 
-pub fn run(args: &BenchTrainArgs) -> Result<()> {
+/// The benchmark's shape, refused when it cannot run.
+fn shape_of(args: &BenchTrainArgs) -> Result<Shape> {
     let shape = Shape {
         layers: args.layers,
         hidden: args.hidden,
@@ -219,6 +220,26 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if shape.vocab == 0 || shape.seq_len == 0 || shape.batch == 0 {
         bail!("--vocab, --seq-len and --microbatch-size must be at least 1");
     }
+    Ok(shape)
+}
+
+/// The PyTorch side over the rounds: the median run when every round measured, else why not.
+fn median_torch(torches: Vec<TorchOutcome>) -> TorchOutcome {
+    if let Some(na) = torches
+        .iter()
+        .find(|t| matches!(t, TorchOutcome::Unavailable { .. }))
+    {
+        return na.clone();
+    }
+    let runs = torches.into_iter().filter_map(|t| match t {
+        TorchOutcome::Measured(r) => Some(r),
+        TorchOutcome::Unavailable { .. } => None,
+    });
+    TorchOutcome::Measured(median_by_tokens(runs.collect()))
+}
+
+pub fn run(args: &BenchTrainArgs) -> Result<()> {
+    let shape = shape_of(args)?;
     if let Some(t) = args.threads {
         if t == 0 {
             bail!("--threads must be at least 1");
@@ -271,24 +292,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     let ratios: Vec<f64> = rounds.iter().filter_map(|r| r.ratio).collect();
     let ratio = (!ratios.is_empty()).then(|| median(&ratios));
     let candle = median_by_tokens(candles);
-    let torch = match torches
-        .iter()
-        .all(|t| matches!(t, TorchOutcome::Measured(_)))
-    {
-        true => TorchOutcome::Measured(median_by_tokens(
-            torches
-                .into_iter()
-                .filter_map(|t| match t {
-                    TorchOutcome::Measured(r) => Some(r),
-                    TorchOutcome::Unavailable { .. } => None,
-                })
-                .collect(),
-        )),
-        false => torches
-            .into_iter()
-            .find(|t| matches!(t, TorchOutcome::Unavailable { .. }))
-            .expect("not all rounds measured, so one is unavailable"),
-    };
+    let torch = median_torch(torches);
     let report = Report {
         shape,
         estimate: memory_estimate(&shape),

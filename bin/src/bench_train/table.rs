@@ -69,6 +69,20 @@ pub(super) fn print_table(r: &Report, args: &BenchTrainArgs) {
             );
         }
     }
+    print_variants(r);
+    let e = &r.estimate;
+    println!(
+        "memory estimate: {} = params {} + grads {} + Adam {} + activations {}",
+        mib(Some(e.total)),
+        mib(Some(e.params)),
+        mib(Some(e.grads)),
+        mib(Some(e.adam)),
+        mib(Some(e.activations))
+    );
+}
+
+/// Each `--variants` run against fp32: speed, and the memory its steps added.
+fn print_variants(r: &Report) {
     for v in &r.variants {
         let speed = v.tokens_per_s / r.candle.tokens_per_s;
         // Each variant runs in this process after the others: compare what its steps added
@@ -87,13 +101,4 @@ pub(super) fn print_table(r: &Report, args: &BenchTrainArgs) {
             v.framework
         );
     }
-    let e = &r.estimate;
-    println!(
-        "memory estimate: {} = params {} + grads {} + Adam {} + activations {}",
-        mib(Some(e.total)),
-        mib(Some(e.params)),
-        mib(Some(e.grads)),
-        mib(Some(e.adam)),
-        mib(Some(e.activations))
-    );
 }
