@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use oobleck_core::optim::{AdamW, AdamWConfig};
+use oobleck_core::planning::Dtype;
 use serde::{Deserialize, Serialize};
 
 /// Everything a training job is. Units and the reason for each default are given per field.
@@ -511,6 +512,14 @@ impl TrainConfig {
         }
         if !given("lr") {
             self.lr = r.lr;
+        }
+    }
+
+    /// `--precision` as the planner's and the runtime's dtype (validated: fp32 or bf16).
+    pub fn precision(&self) -> Dtype {
+        match self.precision.as_str() {
+            "bf16" => Dtype::Bf16,
+            _ => Dtype::F32,
         }
     }
 

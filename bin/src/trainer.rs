@@ -189,10 +189,7 @@ impl Trainer {
     /// compute, the f32 parameters as master weights, f32 optimizer state); else f32. The
     /// config was validated to one of the two.
     pub fn compute_dtype(&self) -> DType {
-        match self.cfg.precision.as_str() {
-            "bf16" => DType::BF16,
-            _ => DType::F32,
-        }
+        self.cfg.precision().candle()
     }
 
     /// Mean loss over the first `eval_batches` validation microbatches (corpus order).

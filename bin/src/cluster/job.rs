@@ -13,7 +13,6 @@ use oobleck_core::checkpoint;
 use oobleck_core::elastic::protocol::ClusterStatus;
 use oobleck_core::elastic::Token;
 use oobleck_core::optim::LrSchedule;
-use oobleck_core::planning::Dtype;
 use oobleck_core::runtime::device;
 use oobleck_core::runtime::driver::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::job::Limits;
@@ -66,10 +65,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         None => None,
     };
     let placement = crate::placement::resolve(&cfg.device)?;
-    let precision = match cfg.precision.as_str() {
-        "bf16" => Dtype::Bf16,
-        _ => Dtype::F32,
-    };
+    let precision = cfg.precision();
     // On this machine's first GPU, if it has one, before any agent starts (each worker checks
     // its own again: the GPUs of a multi-machine job are elsewhere).
     let here = device::detect_gpus().map_err(|e| anyhow::anyhow!("{e}"))?;

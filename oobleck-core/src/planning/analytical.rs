@@ -108,6 +108,14 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// The Candle dtype layers compute in.
+    pub fn candle(self) -> candle_core::DType {
+        match self {
+            Dtype::F32 => candle_core::DType::F32,
+            Dtype::Bf16 => candle_core::DType::BF16,
+        }
+    }
+
     pub fn bytes(self) -> u64 {
         match self {
             Dtype::F32 => 4,

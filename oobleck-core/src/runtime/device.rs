@@ -21,8 +21,18 @@ pub struct Gpus {
 }
 
 /// The GPUs of this machine: `Ok(None)` for a build without CUDA or a machine without GPUs,
-/// an error when the driver is there but fails.
+/// an error when the driver is there but fails. Asked once per process (`--device` is
+/// resolved at validation, for the job spec and for a worker's ordinal check; opening a CUDA
+/// context each time would cost every one of them).
 pub fn detect_gpus() -> Result<Option<Gpus>> {
+    static SEEN: std::sync::OnceLock<std::result::Result<Option<Gpus>, String>> =
+        std::sync::OnceLock::new();
+    SEEN.get_or_init(probe_gpus)
+        .clone()
+        .map_err(RuntimeError::Invalid)
+}
+
+fn probe_gpus() -> std::result::Result<Option<Gpus>, String> {
     #[cfg(feature = "cuda")]
     {
         use candle_core::cuda_backend::cudarc::driver::CudaContext;
@@ -36,7 +46,7 @@ pub fn detect_gpus() -> Result<Option<Gpus>> {
         }
         let name = CudaContext::new(0)
             .and_then(|c| c.name())
-            .map_err(|e| RuntimeError::Invalid(format!("CUDA device 0 does not open: {e}")))?;
+            .map_err(|e| format!("CUDA device 0 does not open: {e}"))?;
         Ok(Some(Gpus { count, name }))
     }
     #[cfg(not(feature = "cuda"))]

@@ -178,10 +178,7 @@ impl TrainingSpec {
 
     /// The Candle dtype the workers compute in ([`crate::model::ForwardCtx::dtype`]).
     pub fn compute_dtype(&self) -> DType {
-        match self.precision {
-            Dtype::F32 => DType::F32,
-            Dtype::Bf16 => DType::BF16,
-        }
+        self.precision.candle()
     }
 
     /// Where and how the workers compute, for the first line: `CPU`, or `CUDA, planned as
