@@ -100,10 +100,7 @@ struct Watch {
 
 impl Watch {
     fn new(usable: &[(usize, i64)], pure: usize) -> Option<Watch> {
-        // Best microbatches per node; ties: the smaller template (the shorter period).
-        let &(unit, gain) = usable.iter().max_by(|a, b| {
-            ((a.1 as i128 * b.0 as i128).cmp(&(b.1 as i128 * a.0 as i128))).then(b.0.cmp(&a.0))
-        })?;
+        let (unit, gain) = best_per_node(usable)?;
         let span = usable.iter().map(|u| u.0).max()?;
         Some(Watch {
             unit,
@@ -136,4 +133,12 @@ impl Watch {
             gain: self.gain,
         })
     }
+}
+
+/// The usable template `(nodes, capacity)` with the most microbatches per node; ties: the
+/// smaller template (the shorter period). Both programmes' repeats are built on it.
+pub(super) fn best_per_node(usable: &[(usize, i64)]) -> Option<(usize, i64)> {
+    usable.iter().copied().max_by(|a, b| {
+        ((a.1 as i128 * b.0 as i128).cmp(&(b.1 as i128 * a.0 as i128))).then(b.0.cmp(&a.0))
+    })
 }

@@ -190,9 +190,7 @@ struct Watch {
 
 impl Watch {
     fn new(usable: &[(usize, i64)], s: &Search) -> Option<Watch> {
-        let &(best, _) = usable.iter().max_by(|a, b| {
-            ((a.1 as i128 * b.0 as i128).cmp(&(b.1 as i128 * a.0 as i128))).then(b.0.cmp(&a.0))
-        })?;
+        let (best, _) = super::capacity::best_per_node(usable)?;
         let largest = usable.iter().map(|u| u.0).max()?;
         let unit = best / gcd(best, largest) * largest;
         let first = s.cmax * s.largest + 1 + unit;
