@@ -40,5 +40,6 @@ pub mod planning;
 pub mod reconfig;
 pub mod runtime;
 pub mod schedule;
+pub mod simulate;
 
 pub use error::{Error, Result};
