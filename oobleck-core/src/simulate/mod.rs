@@ -12,8 +12,11 @@
 //! - [`trace`] reads and checks traces.
 //! - [`outcome`] is what every policy returns, and the [`outcome::Ledger`] that adds up
 //!   where the time went.
+//! - [`table`] replays the Oobleck authors' trace simulators (Oobleck, Varuna, Bamboo) from
+//!   their throughput tables, quirks included, to check our numbers against theirs.
 
 pub mod outcome;
+pub mod table;
 pub mod trace;
 
 pub use outcome::{Ledger, Mark, Outcome, TimeFractions, TimeKind, TimePoint};
