@@ -16,4 +16,5 @@ pub mod placement;
 pub mod plan_cmd;
 pub mod progress;
 pub mod report;
+pub mod simulate_cmd;
 pub mod trainer;
