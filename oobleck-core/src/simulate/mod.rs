@@ -15,7 +15,10 @@
 //! - [`table`] replays the Oobleck authors' trace simulators (Oobleck, Varuna, Bamboo) from
 //!   their throughput tables, quirks included, to check our numbers against theirs.
 
+mod engine;
+pub mod generate;
 pub mod outcome;
+pub mod policies;
 pub mod table;
 pub mod trace;
 

@@ -1,0 +1,164 @@
+//! The `oobleck` policy: this project's recovery. A loss within `f` re-instantiates the
+//! pipelines in place from the same templates (`reconfig::decide`), copying the layers the
+//! new plan lacks from surviving replicas; only the step in flight is lost. A loss past `f`
+//! (some layer has no replica left) restarts from the last checkpoint. Joins are admitted at a
+//! step boundary, losing nothing.
+
+use std::collections::{BTreeSet, HashMap};
+
+use super::{restart, running, templates, Costs, Workload};
+use crate::planning::{Plan, TemplateSet};
+use crate::reconfig::{decide, ReconfigPlan};
+use crate::simulate::engine::{run_loop, Counted, LoopOptions, Loss, Reaction, Reactor};
+use crate::simulate::outcome::{Outcome, TimeKind};
+use crate::simulate::trace::Trace;
+use crate::simulate::{Policy, SimError};
+
+/// See the module docs.
+#[derive(Debug, Clone)]
+pub struct OobleckPolicy {
+    pub work: Workload,
+    pub costs: Costs,
+    /// Where the simulation stops; `None` = the trace's last event.
+    pub end_ms: Option<u64>,
+}
+
+impl Policy for OobleckPolicy {
+    fn name(&self) -> String {
+        "oobleck".into()
+    }
+
+    fn run(&self, trace: &Trace) -> Result<Outcome, SimError> {
+        self.costs.validate()?;
+        let w = &self.work;
+        let set = templates(w, trace)?;
+        let mut reactor = InPlace {
+            set,
+            work: w,
+            costs: &self.costs,
+            plan: None,
+            standby: BTreeSet::new(),
+            started: false,
+        };
+        let opts = LoopOptions {
+            startup_ms: self.costs.startup_ms.round() as u64,
+            end_ms: self.end_ms.unwrap_or(trace.end_ms()),
+        };
+        run_loop(trace, &mut reactor, opts, self.name())
+    }
+}
+
+struct InPlace<'a> {
+    set: TemplateSet,
+    work: &'a Workload,
+    costs: &'a Costs,
+    plan: Option<Plan>,
+    /// Usable nodes the plan does not use (a node count no template mix covers).
+    standby: BTreeSet<u32>,
+    started: bool,
+}
+
+impl InPlace<'_> {
+    fn restart(&mut self, usable: &[u32]) -> Reaction {
+        let first = !self.started;
+        let (plan, reaction) = restart(&self.set, self.work, self.costs, usable, first);
+        self.started |= plan.is_some();
+        self.standby.clear();
+        if let Some(p) = &plan {
+            let used: BTreeSet<u32> = p.nodes().into_iter().collect();
+            self.standby = usable
+                .iter()
+                .copied()
+                .filter(|n| !used.contains(n))
+                .collect();
+        }
+        self.plan = plan;
+        reaction
+    }
+
+    /// The pause of an in-place reconfiguration: detection (after a loss), the new plan, new
+    /// communicators, and the layer copies (nodes receive in parallel).
+    fn pause(&self, r: &ReconfigPlan) -> Vec<(TimeKind, f64)> {
+        let mut into: HashMap<u32, u64> = HashMap::new();
+        for c in &r.copies {
+            *into.entry(c.to_node).or_default() += c.bytes;
+        }
+        let copy = into.values().copied().max().unwrap_or(0);
+        let detect = if r.lost.is_empty() {
+            0.0
+        } else {
+            self.costs.detect_ms
+        };
+        let ms = detect
+            + self.costs.replan_ms
+            + self.costs.rebuild_ms
+            + self.costs.copy_ms(copy, &self.work.cluster);
+        vec![(TimeKind::Reconfiguration, ms)]
+    }
+}
+
+impl Reactor for InPlace<'_> {
+    fn react(
+        &mut self,
+        lost: &[u32],
+        joined: &[u32],
+        usable: &[u32],
+    ) -> Result<Reaction, SimError> {
+        for n in lost {
+            self.standby.remove(n);
+        }
+        let Some(plan) = &self.plan else {
+            return Ok(self.restart(usable));
+        };
+        let in_plan: Vec<u32> = {
+            let used: BTreeSet<u32> = plan.nodes().into_iter().collect();
+            lost.iter().copied().filter(|n| used.contains(n)).collect()
+        };
+        if in_plan.is_empty() && joined.is_empty() {
+            return Ok(Reaction::Keep);
+        }
+        let mut joining: Vec<u32> = std::mem::take(&mut self.standby).into_iter().collect();
+        joining.extend_from_slice(joined);
+        let wanted = self.work.job.fault_threshold;
+        let restored;
+        let plan = if plan.fault_threshold < wanted && !joining.is_empty() {
+            // A restart past f lowered it; joins bring it back as far as the nodes allow.
+            let mut p = plan.clone();
+            p.fault_threshold = wanted;
+            restored = p;
+            &restored
+        } else {
+            plan
+        };
+        match decide(plan, &in_plan, &joining) {
+            Ok(r) if r.missing_layers.is_empty() => {
+                let pause = self.pause(&r);
+                let then = Some(running(&r.plan, self.work, self.costs));
+                self.standby = r.spare_nodes.iter().copied().collect();
+                self.plan = Some(r.plan);
+                Ok(Reaction::Stop {
+                    loss: if in_plan.is_empty() {
+                        Loss::Nothing
+                    } else {
+                        Loss::InFlight
+                    },
+                    pause,
+                    then,
+                    counted: Counted::Reconfiguration,
+                    note: None,
+                })
+            }
+            // Every replica of some layer is gone, or the nodes left fit no f + 1 pipelines:
+            // back to the last checkpoint, on every node there is.
+            _ => {
+                let mut reaction = self.restart(usable);
+                if let Reaction::Stop { note, .. } = &mut reaction {
+                    note.get_or_insert_with(|| {
+                        "a loss past the fault threshold restarted from the last checkpoint".into()
+                    });
+                }
+                Ok(reaction)
+            }
+        }
+    }
+}
