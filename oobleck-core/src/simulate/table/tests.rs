@@ -271,6 +271,103 @@ fn bamboo_gpt3_is_out_of_memory() {
     );
 }
 
+fn small_trace(second_removal_ms: u64) -> Trace {
+    let mut csv: String = (1..=14).map(|i| format!("0,add,node{i}\n")).collect();
+    csv.push_str(&format!(
+        "200000,remove,node1\n{second_removal_ms},remove,node2\n"
+    ));
+    csv.push_str("1000000,add,node99\n");
+    Trace::parse(&csv).unwrap()
+}
+
+/// Quirk 2 of the README, checked against the authors' code on the same two traces
+/// (3 steps ending at 174 797 ms, vs 21 ending at 983 584 ms).
+#[test]
+fn two_removals_in_the_same_millisecond_stop_oobleck() {
+    let json = sim_inputs();
+    let inputs = TableInputs::parse(&json, "BERT-large", System::Oobleck).unwrap();
+    let policy = TablePolicy::new(inputs, Experiment::TputVsFreq);
+    let same = policy.run(&small_trace(200_000)).unwrap();
+    let apart = policy.run(&small_trace(300_000)).unwrap();
+    assert_eq!((same.steps, same.end_ms), (3, 174_797));
+    assert_eq!((apart.steps, apart.end_ms), (21, 983_584));
+    assert!(
+        same.time_fractions.idle == 0.0,
+        "the span ends at the last step"
+    );
+}
+
+/// The timeline is the series the average is taken over: its area is the samples.
+#[test]
+fn timeline_area_is_the_average_times_the_span() {
+    let json = sim_inputs();
+    let trace = Trace::parse(&read("traces/scaled/scale_p3-trace.csv")).unwrap();
+    for system in [System::Oobleck, System::Varuna, System::Bamboo] {
+        let inputs = TableInputs::parse(&json, "GPT-2-ours", system).unwrap();
+        let o = TablePolicy::new(inputs, Experiment::Spot)
+            .run(&trace)
+            .unwrap();
+        let area: f64 = o
+            .timeline
+            .windows(2)
+            .map(|w| (w[1].t_ms - w[0].t_ms) as f64 / 1000.0 * w[0].samples_per_s)
+            .sum();
+        assert!(
+            rel(area, o.samples) < 1e-6,
+            "{}: {area} vs {}",
+            system.name(),
+            o.samples
+        );
+        assert_eq!(o.timeline.last().map(|p| p.samples_per_s), Some(0.0));
+        assert_eq!(o.timeline.first().map(|p| p.t_ms), Some(o.start_ms));
+    }
+}
+
+/// `Experiment` hard-codes the eval scripts' arguments; they must be those in the inputs.
+#[test]
+fn experiments_match_the_eval_driver_params() {
+    let root: Value = serde_json::from_str(&sim_inputs()).unwrap();
+    let p = &root["eval_driver_params"];
+    let steps = |path: &str| p.pointer(path).and_then(Value::as_i64);
+    let json = sim_inputs();
+    let inp = |s| TableInputs::parse(&json, "BERT-large", s).unwrap();
+    let ours = |e: Experiment, s| e.params(s, &inp(s)).steps_per_run;
+    let freq = "/tput_vs_freq (eval_tput_vs_freq.py)/all systems/steps_per_run";
+    assert_eq!(
+        steps(freq),
+        Some(ours(Experiment::TputVsFreq, System::Varuna))
+    );
+    assert_eq!(
+        steps("/spot (eval_gcp_ec2.py)/varuna/steps_per_run"),
+        Some(ours(Experiment::Spot, System::Varuna))
+    );
+    assert_eq!(
+        steps("/spot (eval_gcp_ec2.py)/oobleck/steps_per_run"),
+        Some(ours(Experiment::Spot, System::Oobleck))
+    );
+    assert_eq!(
+        ours(Experiment::Spot, System::Bamboo),
+        30_000,
+        "the model's own budget"
+    );
+    let nockpt = "/no_ckpt_overhead (eval_no_ckpt_overhead.py -m GPT-3-6_7b)";
+    for (key, s) in [
+        ("varuna_no_ckpt", System::VarunaNoCkpt),
+        ("varuna", System::Varuna),
+        ("oobleck", System::Oobleck),
+    ] {
+        let path = format!("{nockpt}/{key}/steps_per_run");
+        assert_eq!(steps(&path), Some(ours(Experiment::NoCkpt, s)), "{key}");
+    }
+    let no_ckpt = Experiment::NoCkpt.params(System::VarunaNoCkpt, &inp(System::VarunaNoCkpt));
+    assert!(no_ckpt.no_ckpt_overhead && no_ckpt.checkpoint_per_iter == 2);
+    assert!(
+        Experiment::Spot
+            .params(System::Varuna, &inp(System::Varuna))
+            .no_fallback
+    );
+}
+
 #[test]
 fn names_parse() {
     for s in System::ALL {
