@@ -10,6 +10,7 @@ use oobleck_core::planning::{
     DeviceSpec, Dtype, JobSpec, ModelProfile, TemplateMicrobatches, TransformerShape,
 };
 use oobleck_core::reconfig::decide;
+use oobleck_core::simulate::policies::Workload;
 use oobleck_models::ModelConfig;
 
 /// The planner's shape of a preset of `oobleck-models` (the presets `train` runs), at the
@@ -19,9 +20,10 @@ pub fn preset_shape(name: &str) -> anyhow::Result<TransformerShape> {
     Ok(cfg.planner_shape(cfg.max_seq_len())?)
 }
 
-/// Plan a job: print the pipeline templates and the chosen plan.
+/// The model, the machines and the job: the flags `oobleck plan` and `oobleck simulate`
+/// share.
 #[derive(Debug, Clone, clap::Args)]
-pub struct PlanArgs {
+pub struct WorkloadArgs {
     /// Model preset (gpt2, gpt3-2.7b, opt-1.3b, gpt-tiny, ...); ignored with --profile.
     #[arg(long, default_value = "gpt3-2.7b")]
     pub model: String,
@@ -32,9 +34,6 @@ pub struct PlanArgs {
     /// (each pipeline's share of the global batch).
     #[arg(long, default_value = "auto")]
     pub template_microbatches: TemplateMicrobatches,
-    /// Nodes in the cluster.
-    #[arg(long, default_value_t = 8)]
-    pub nodes: u32,
     /// Devices per node (G).
     #[arg(long, default_value_t = 1)]
     pub devices_per_node: u32,
@@ -57,6 +56,16 @@ pub struct PlanArgs {
     /// input per microbatch in flight, and its backward runs its forward again.
     #[arg(long)]
     pub recompute: bool,
+}
+
+/// Plan a job: print the pipeline templates and the chosen plan.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub work: WorkloadArgs,
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = 8)]
+    pub nodes: u32,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -79,8 +88,9 @@ pub struct PlanOutput {
     pub reconfiguration: Option<oobleck_core::reconfig::ReconfigPlan>,
 }
 
-/// Computes the plan (no printing).
-pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
+/// The planner's inputs the flags describe: the profile (analytical for a preset, or a
+/// profile file), the cluster and the job.
+pub fn workload(args: &WorkloadArgs) -> anyhow::Result<Workload> {
     let Some(device) = DeviceSpec::named(&args.device) else {
         bail!(
             "unknown device `{}`; known: {}",
@@ -146,10 +156,24 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
         },
         template_microbatches: args.template_microbatches,
     };
+    Ok(Workload {
+        profile,
+        cluster,
+        job,
+    })
+}
+
+/// Computes the plan (no printing).
+pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
+    let Workload {
+        profile,
+        cluster,
+        job,
+    } = workload(&args.work)?;
     let set = generate_templates(&profile, &cluster, &job, args.nodes)?;
     let nodes: Vec<u32> = (0..args.nodes).collect();
     let sync = gradient_sync_ns(&profile, &cluster);
-    let plan = instantiate_with_sizes(&set, &job, args.devices_per_node, sync, &nodes, 0)?;
+    let plan = instantiate_with_sizes(&set, &job, cluster.devices_per_node, sync, &nodes, 0)?;
     let reconfiguration = if args.lose.is_empty() && args.join == 0 {
         None
     } else {
@@ -158,7 +182,7 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
     };
     Ok(PlanOutput {
         profile_fingerprint: profile.fingerprint,
-        recompute: args.recompute,
+        recompute: args.work.recompute,
         templates: set,
         plan,
         reconfiguration,

@@ -33,6 +33,10 @@ enum Cmd {
     /// Plan pipeline templates and their instantiation for a model and cluster; show what a
     /// failure (`--lose`) or a join (`--join`) would change.
     Plan(oobleck_cli::plan_cmd::PlanArgs),
+    /// Replay a failure trace (or a generated one) under recovery policies: oobleck,
+    /// checkpoint-restart, redundancy, and the authors' simulators (table); throughput, where
+    /// the time went, and a chart (`--plot`).
+    Simulate(Box<oobleck_cli::simulate_cmd::SimulateArgs>),
     /// Benchmarks (side by side with PyTorch when it is installed).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -116,6 +120,7 @@ fn run() -> Result<()> {
         Cmd::Models { json } => models(json),
         Cmd::Generate(a) => generate(&a),
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
+        Cmd::Simulate(a) => oobleck_cli::simulate_cmd::run(&a),
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
         Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench_recovery::run(&a),

@@ -6,8 +6,9 @@
 
 use std::collections::BTreeSet;
 
-use super::{node_state_bytes, restart, templates, Costs, Workload};
-use crate::planning::{Plan, TemplateSet};
+use super::planner::{node_state_bytes, Checkpoints, Planner};
+use super::{Costs, Workload};
+use crate::planning::Plan;
 use crate::simulate::engine::{run_loop, LoopOptions, Loss, Reaction, Reactor};
 use crate::simulate::outcome::{Outcome, TimeKind};
 use crate::simulate::trace::Trace;
@@ -30,11 +31,9 @@ impl Policy for CheckpointRestart {
         self.costs.validate()?;
         let mut work = self.work.clone();
         work.job.fault_threshold = 0;
-        let set = templates(&work, trace)?;
+        let planner = Planner::new(&work, &self.costs, trace, Checkpoints::Blocking)?;
         let mut reactor = Restarts {
-            set,
-            work: &work,
-            costs: &self.costs,
+            planner,
             plan: None,
             started: false,
         };
@@ -47,9 +46,7 @@ impl Policy for CheckpointRestart {
 }
 
 struct Restarts<'a> {
-    set: TemplateSet,
-    work: &'a Workload,
-    costs: &'a Costs,
+    planner: Planner<'a>,
     plan: Option<Plan>,
     started: bool,
 }
@@ -73,10 +70,10 @@ impl Reactor for Restarts<'_> {
         }
         let saved = match (&self.plan, hit) {
             // A join: checkpoint first, so the restart loses nothing.
-            (Some(plan), false) => Some(self.costs.storage_ms(node_state_bytes(plan))),
+            (Some(plan), false) => Some(self.planner.costs.storage_ms(node_state_bytes(plan))),
             _ => None,
         };
-        let (plan, mut reaction) = restart(&self.set, self.work, self.costs, usable, !self.started);
+        let (plan, mut reaction) = self.planner.restart(usable, !self.started);
         self.started |= plan.is_some();
         self.plan = plan;
         if let (Some(ms), Reaction::Stop { loss, pause, .. }) = (saved, &mut reaction) {

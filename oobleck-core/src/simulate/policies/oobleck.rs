@@ -6,8 +6,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use super::{restart, running, templates, Costs, Workload};
-use crate::planning::{Plan, TemplateSet};
+use super::planner::{Checkpoints, Planner};
+use super::{Costs, Workload};
+use crate::planning::Plan;
 use crate::reconfig::{decide, ReconfigPlan};
 use crate::simulate::engine::{run_loop, Counted, LoopOptions, Loss, Reaction, Reactor};
 use crate::simulate::outcome::{Outcome, TimeKind};
@@ -30,12 +31,14 @@ impl Policy for OobleckPolicy {
 
     fn run(&self, trace: &Trace) -> Result<Outcome, SimError> {
         self.costs.validate()?;
-        let w = &self.work;
-        let set = templates(w, trace)?;
+        let mut planner = Planner::new(&self.work, &self.costs, trace, Checkpoints::Background)?;
+        // Only losses past f need the checkpoint: the Young–Daly interval assumes one in the
+        // whole trace (a trace with many shows them as restarts and lost time; then pass
+        // --checkpoint-every).
+        let span = trace.end_ms() - trace.events()[0].at_ms;
+        planner.gap_ms = Some(span.max(1) as f64);
         let mut reactor = InPlace {
-            set,
-            work: w,
-            costs: &self.costs,
+            planner,
             plan: None,
             standby: BTreeSet::new(),
             started: false,
@@ -49,9 +52,7 @@ impl Policy for OobleckPolicy {
 }
 
 struct InPlace<'a> {
-    set: TemplateSet,
-    work: &'a Workload,
-    costs: &'a Costs,
+    planner: Planner<'a>,
     plan: Option<Plan>,
     /// Usable nodes the plan does not use (a node count no template mix covers).
     standby: BTreeSet<u32>,
@@ -61,7 +62,7 @@ struct InPlace<'a> {
 impl InPlace<'_> {
     fn restart(&mut self, usable: &[u32]) -> Reaction {
         let first = !self.started;
-        let (plan, reaction) = restart(&self.set, self.work, self.costs, usable, first);
+        let (plan, reaction) = self.planner.restart(usable, first);
         self.started |= plan.is_some();
         self.standby.clear();
         if let Some(p) = &plan {
@@ -87,12 +88,12 @@ impl InPlace<'_> {
         let detect = if r.lost.is_empty() {
             0.0
         } else {
-            self.costs.detect_ms
+            self.planner.costs.detect_ms
         };
         let ms = detect
-            + self.costs.replan_ms
-            + self.costs.rebuild_ms
-            + self.costs.copy_ms(copy, &self.work.cluster);
+            + self.planner.costs.replan_ms
+            + self.planner.costs.rebuild_ms
+            + self.planner.costs.copy_ms(copy, &self.planner.work.cluster);
         vec![(TimeKind::Reconfiguration, ms)]
     }
 }
@@ -119,7 +120,7 @@ impl Reactor for InPlace<'_> {
         }
         let mut joining: Vec<u32> = std::mem::take(&mut self.standby).into_iter().collect();
         joining.extend_from_slice(joined);
-        let wanted = self.work.job.fault_threshold;
+        let wanted = self.planner.work.job.fault_threshold;
         let restored;
         let plan = if plan.fault_threshold < wanted && !joining.is_empty() {
             // A restart past f lowered it; joins bring it back as far as the nodes allow.
@@ -133,7 +134,7 @@ impl Reactor for InPlace<'_> {
         match decide(plan, &in_plan, &joining) {
             Ok(r) if r.missing_layers.is_empty() => {
                 let pause = self.pause(&r);
-                let then = Some(running(&r.plan, self.work, self.costs));
+                let then = Some(self.planner.running(&r.plan));
                 self.standby = r.spare_nodes.iter().copied().collect();
                 self.plan = Some(r.plan);
                 Ok(Reaction::Stop {

@@ -8,7 +8,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{restart, running, templates, Costs, Workload};
+use super::planner::{templates, Checkpoints, Planner};
+use super::{Costs, Workload};
 use crate::planning::{Plan, TemplateSet};
 use crate::simulate::engine::{run_loop, Counted, LoopOptions, Loss, Reaction, Reactor, Running};
 use crate::simulate::outcome::{Outcome, TimeKind};
@@ -42,10 +43,9 @@ impl Policy for Redundancy {
             Ok(set) => set,
             Err(why) => return Ok(out_of_memory(trace, opts, self.name(), &why)),
         };
+        let planner = Planner::with_set(set, &work, &self.costs, trace, Checkpoints::Blocking);
         let mut reactor = Covered {
-            set,
-            work: &work,
-            costs: &self.costs,
+            planner,
             plan: None,
             dead: BTreeMap::new(),
             started: false,
@@ -81,9 +81,7 @@ fn out_of_memory(trace: &Trace, opts: LoopOptions, policy: String, why: &str) ->
 }
 
 struct Covered<'a> {
-    set: TemplateSet,
-    work: &'a Workload,
-    costs: &'a Costs,
+    planner: Planner<'a>,
     plan: Option<Plan>,
     /// Per pipeline (by id): positions of its nodes that died since it was built.
     dead: BTreeMap<u32, BTreeSet<usize>>,
@@ -92,7 +90,7 @@ struct Covered<'a> {
 
 impl Covered<'_> {
     fn rebuild(&mut self, usable: &[u32]) -> Reaction {
-        let (plan, reaction) = restart(&self.set, self.work, self.costs, usable, !self.started);
+        let (plan, reaction) = self.planner.restart(usable, !self.started);
         self.started |= plan.is_some();
         self.plan = plan;
         self.dead.clear();
@@ -111,9 +109,9 @@ impl Covered<'_> {
     }
 
     fn run_of(&self, base: &Running) -> Running {
-        let o = self.costs.redundant_overhead;
+        let o = self.planner.costs.redundant_overhead;
         let slow = if self.dead.values().any(|d| !d.is_empty()) {
-            self.costs.fallback_slowdown
+            self.planner.costs.fallback_slowdown
         } else {
             1.0
         };
@@ -180,7 +178,7 @@ impl Reactor for Covered<'_> {
                 *counted = Counted::Reconfiguration;
                 *pause = vec![(
                     TimeKind::Reconfiguration,
-                    self.costs.replan_ms + self.costs.rebuild_ms,
+                    self.planner.costs.replan_ms + self.planner.costs.rebuild_ms,
                 )];
             }
             return Ok(reaction);
@@ -189,12 +187,12 @@ impl Reactor for Covered<'_> {
             return Ok(self.rebuild(usable));
         }
         let plan = self.plan.as_ref().expect("checked above");
-        let base = running(plan, self.work, self.costs);
+        let base = self.planner.running(plan);
         Ok(Reaction::Stop {
             loss: Loss::InFlight,
             pause: vec![(
                 TimeKind::Reconfiguration,
-                self.costs.detect_ms + self.costs.rebuild_ms,
+                self.planner.costs.detect_ms + self.planner.costs.rebuild_ms,
             )],
             then: Some(self.run_of(&base)),
             counted: Counted::Reconfiguration,

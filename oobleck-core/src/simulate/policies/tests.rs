@@ -1,11 +1,11 @@
 //! The three policies on small clusters and the authors' traces.
 
 use super::*;
-use crate::planning::{
+use crate::planning::{JobSpec, 
     analytical_profile, DeviceSpec, Dtype, TemplateMicrobatches, TransformerShape,
 };
 use crate::simulate::outcome::{Outcome, TimeKind};
-use crate::simulate::Policy;
+use crate::simulate::{Policy, Trace};
 
 /// GPT-3 350M (24 blocks, 1024 wide) on A100 80 GB nodes of one device.
 pub(crate) fn work(f: u32, global: u32) -> Workload {
