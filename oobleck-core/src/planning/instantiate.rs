@@ -75,9 +75,10 @@ pub struct Plan {
 impl Plan {
     /// The template of `p`.
     pub fn template_of(&self, p: &Pipeline) -> &Template {
+        // Templates are kept in ascending node count.
         self.templates
-            .iter()
-            .find(|t| t.nodes == p.template_nodes)
+            .binary_search_by_key(&p.template_nodes, |t| t.nodes)
+            .map(|i| &self.templates[i])
             .expect("every pipeline of a plan has a template in the plan")
     }
 
@@ -144,7 +145,27 @@ pub fn split_batch(alphas: &[Nanos], slopes: &[Nanos], global: u32) -> Option<Ve
         Some(d) => (d / slopes[i]).saturating_sub(1),
         None => 0,
     };
-    let count = |t: Nanos| (0..p).map(|i| slots(i, t)).fold(0u64, u64::saturating_add);
+    // Pipelines of one template share `(alpha, slope)`: the search counts each distinct pair
+    // once, times how many pipelines have it (thousands of pipelines, a handful of pairs).
+    let mut distinct: Vec<(Nanos, Nanos, u64)> = Vec::new();
+    {
+        let mut pairs: Vec<(Nanos, Nanos)> =
+            alphas.iter().copied().zip(slopes.iter().copied()).collect();
+        pairs.sort_unstable();
+        for (a, b) in pairs {
+            match distinct.last_mut() {
+                Some(last) if (last.0, last.1) == (a, b) => last.2 += 1,
+                _ => distinct.push((a, b, 1)),
+            }
+        }
+    }
+    let count = |t: Nanos| {
+        let per = |&(a, b, m): &(Nanos, Nanos, u64)| match t.checked_sub(a) {
+            Some(d) => (d / b).saturating_sub(1).saturating_mul(m),
+            None => 0,
+        };
+        distinct.iter().map(per).fold(0u64, u64::saturating_add)
+    };
     let mut nb = vec![1u32; p];
     if extra == 0 {
         return Some(nb);

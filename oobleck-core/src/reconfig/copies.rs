@@ -13,10 +13,14 @@ pub(super) fn plan_copies(
     old: &Holdings,
     lost: &BTreeSet<u32>,
 ) -> (Vec<LayerCopy>, Vec<usize>) {
+    let wants = wanted(new_plan, old);
+    if wants.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
     let mut sources = Sources::new(new_plan, old, lost);
     let mut copies = Vec::new();
     let mut missing = BTreeSet::new();
-    for (layer, to_rank, to_node) in wanted(new_plan, old) {
+    for (layer, to_rank, to_node) in wants {
         let bytes = new_plan.layer_state_bytes[layer];
         let Some((from_rank, src)) = sources.take(layer, bytes) else {
             missing.insert(layer);
@@ -33,6 +37,15 @@ pub(super) fn plan_copies(
     }
     copies.sort_by_key(|c| (c.to_rank, c.layer));
     (copies, missing.into_iter().collect())
+}
+
+/// The bytes the node of `new_plan` that lacks the most must receive.
+pub(super) fn most_received(new_plan: &Plan, old: &Holdings) -> u64 {
+    let mut into: std::collections::HashMap<u32, u64> = std::collections::HashMap::new();
+    for (layer, _, node) in wanted(new_plan, old) {
+        *into.entry(node).or_default() += new_plan.layer_state_bytes[layer];
+    }
+    into.into_values().max().unwrap_or(0)
 }
 
 /// Every `(layer, new rank, node)` a device of `new_plan` needs and does not hold, in plan

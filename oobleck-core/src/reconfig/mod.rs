@@ -142,6 +142,33 @@ pub fn decide_with(
     lost: &[u32],
     joined: &[u32],
 ) -> Result<ReconfigPlan, PlanError> {
+    let mut r = layout(plan, old, lost, joined)?;
+    let lost: BTreeSet<u32> = r.lost.iter().copied().collect();
+    (r.copies, r.missing_layers) = plan_copies(&r.plan, old, &lost);
+    Ok(r)
+}
+
+/// [`decide_with`] for joins alone when only the size of the copies matters (the simulator):
+/// the same new plan, with `copies` left empty (no source is chosen for any of them), and the
+/// bytes the node that receives the most must receive. After joins alone every layer still
+/// has its holders, so nothing can be missing.
+pub fn decide_joins(
+    plan: &Plan,
+    old: &Holdings,
+    joined: &[u32],
+) -> Result<(ReconfigPlan, u64), PlanError> {
+    let r = layout(plan, old, &[], joined)?;
+    let most = copies::most_received(&r.plan, old);
+    Ok((r, most))
+}
+
+/// The new plan of a decision: pipelines, batch split, spares and actions; no copies yet.
+fn layout(
+    plan: &Plan,
+    old: &Holdings,
+    lost: &[u32],
+    joined: &[u32],
+) -> Result<ReconfigPlan, PlanError> {
     let current: BTreeSet<u32> = plan.nodes().into_iter().collect();
     let lost: BTreeSet<u32> = lost.iter().copied().collect();
     let joined: BTreeSet<u32> = joined.iter().copied().collect();
@@ -216,13 +243,12 @@ pub fn decide_with(
         })
         .collect();
     let new_plan = assemble(&set, &ctx, with_tpl, &ids, plan.generation + 1)?;
-    let (copies, missing_layers) = plan_copies(&new_plan, old, &lost);
     Ok(ReconfigPlan {
         fault_tolerance: new_plan.pipelines.len() as u32 - 1,
         spare_nodes,
         plan: new_plan,
-        copies,
-        missing_layers,
+        copies: Vec::new(),
+        missing_layers: Vec::new(),
         actions,
         lost: lost.into_iter().collect(),
         joined: joined.into_iter().collect(),
