@@ -7,6 +7,7 @@
 
 pub mod bench_pipeline;
 pub mod bench_recovery;
+pub mod bench_simulate;
 pub mod bench_train;
 pub mod cluster;
 pub mod config;

@@ -73,6 +73,9 @@ enum BenchCmd {
     /// from checkpoints after each (Varuna-style), side by side: throughput, recovery phases;
     /// then a drain + join, and a worker stopped mid-step (SIGSTOP) against the watchdog.
     Recovery(oobleck_cli::bench_recovery::BenchRecoveryArgs),
+    /// How long `oobleck simulate` takes at 100 to 10,000 nodes and 100 to 1,000 events over
+    /// a week, re-planning at every event (target: 10,000 nodes, 1,000 events under 10 s).
+    Simulate(oobleck_cli::bench_simulate::BenchSimulateArgs),
 }
 
 #[derive(clap::Args)]
@@ -124,6 +127,7 @@ fn run() -> Result<()> {
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
         Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench_recovery::run(&a),
+        Cmd::Bench(BenchCmd::Simulate(a)) => oobleck_cli::bench_simulate::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
         Cmd::Drain(a) => oobleck_cli::cluster::membership_cmd::drain(&a),

@@ -8,8 +8,8 @@ use std::collections::{BTreeSet, HashMap};
 
 use super::planner::{Checkpoints, Planner};
 use super::{Costs, Workload};
-use crate::planning::Plan;
-use crate::reconfig::{decide, ReconfigPlan};
+use crate::planning::{Plan, PlanError};
+use crate::reconfig::{decide_joins, decide_with, Holdings, ReconfigPlan};
 use crate::simulate::engine::{run_loop, Counted, LoopOptions, Loss, Reaction, Reactor};
 use crate::simulate::outcome::{Outcome, TimeKind};
 use crate::simulate::trace::Trace;
@@ -78,13 +78,9 @@ impl InPlace<'_> {
     }
 
     /// The pause of an in-place reconfiguration: detection (after a loss), the new plan, new
-    /// communicators, and the layer copies (nodes receive in parallel).
-    fn pause(&self, r: &ReconfigPlan) -> Vec<(TimeKind, f64)> {
-        let mut into: HashMap<u32, u64> = HashMap::new();
-        for c in &r.copies {
-            *into.entry(c.to_node).or_default() += c.bytes;
-        }
-        let copy = into.values().copied().max().unwrap_or(0);
+    /// communicators, and the layer copies (nodes receive in parallel, so the node that
+    /// receives the most, `copy` bytes, sets it).
+    fn pause(&self, r: &ReconfigPlan, copy: u64) -> Vec<(TimeKind, f64)> {
         let detect = if r.lost.is_empty() {
             0.0
         } else {
@@ -111,10 +107,10 @@ impl Reactor for InPlace<'_> {
         let Some(plan) = &self.plan else {
             return Ok(self.restart(usable));
         };
-        let in_plan: Vec<u32> = {
-            let used: BTreeSet<u32> = plan.nodes().into_iter().collect();
-            lost.iter().copied().filter(|n| used.contains(n)).collect()
-        };
+        // Losses are few per event: a scan of the plan per lost node, not a set of all nodes.
+        let in_plan: Vec<u32> = (lost.iter().copied())
+            .filter(|n| plan.pipelines.iter().any(|p| p.nodes.contains(n)))
+            .collect();
         if in_plan.is_empty() && joined.is_empty() {
             return Ok(Reaction::Keep);
         }
@@ -131,9 +127,9 @@ impl Reactor for InPlace<'_> {
         } else {
             plan
         };
-        match decide(plan, &in_plan, &joining) {
-            Ok(r) if r.missing_layers.is_empty() => {
-                let pause = self.pause(&r);
+        match decision(plan, &in_plan, &joining) {
+            Ok((r, copy)) if r.missing_layers.is_empty() => {
+                let pause = self.pause(&r, copy);
                 let then = Some(self.planner.running(&r.plan));
                 self.standby = r.spare_nodes.iter().copied().collect();
                 self.plan = Some(r.plan);
@@ -162,4 +158,21 @@ impl Reactor for InPlace<'_> {
             }
         }
     }
+}
+
+/// The reconfiguration, and the bytes the node receiving the most copies receives. Joins
+/// alone skip choosing a source for each copy: only their sizes matter here, and a join that
+/// re-balances a 10,000-node plan may move 10^5 layers.
+fn decision(plan: &Plan, lost: &[u32], joining: &[u32]) -> Result<(ReconfigPlan, u64), PlanError> {
+    let old = Holdings::of(plan);
+    if lost.is_empty() {
+        return decide_joins(plan, &old, joining);
+    }
+    let r = decide_with(plan, &old, lost, joining)?;
+    let mut into: HashMap<u32, u64> = HashMap::new();
+    for c in &r.copies {
+        *into.entry(c.to_node).or_default() += c.bytes;
+    }
+    let most = into.values().copied().max().unwrap_or(0);
+    Ok((r, most))
 }

@@ -160,11 +160,13 @@ pub(crate) fn templates(work: &Workload, trace: &Trace) -> Result<TemplateSet, P
 }
 
 /// State bytes of the fullest node of `plan`: what a restart reads and a checkpoint writes
-/// per node (nodes read and write in parallel).
+/// per node (nodes read and write in parallel). Per template used, not per pipeline: a
+/// 10,000-node plan has thousands of pipelines and a handful of templates.
 pub(crate) fn node_state_bytes(plan: &Plan) -> u64 {
+    let used: std::collections::BTreeSet<u32> =
+        plan.pipelines.iter().map(|p| p.template_nodes).collect();
     let mut most = 0u64;
-    for p in &plan.pipelines {
-        let t = plan.template_of(p);
+    for t in plan.templates.iter().filter(|t| used.contains(&t.nodes)) {
         let mut per_node = vec![0u64; t.nodes as usize];
         for s in &t.stages {
             let bytes: u64 = plan.layer_state_bytes[s.layers()].iter().sum();
