@@ -94,7 +94,9 @@ pub fn run(args: &BenchSimulateArgs) -> anyhow::Result<()> {
             rows.push(row);
         }
     }
-    println!("| nodes | trace events | in-place decisions + restarts | wall s | ms per event | target |");
+    println!(
+        "| nodes | trace events | in-place decisions + restarts | wall s | ms per event | target |"
+    );
     println!("|---:|---:|---:|---:|---:|---|");
     for r in &rows {
         let target = if r.nodes == 10_000 && r.events >= 900 {

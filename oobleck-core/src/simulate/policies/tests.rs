@@ -1,8 +1,8 @@
 //! The three policies on small clusters and the authors' traces.
 
 use super::*;
-use crate::planning::{JobSpec, 
-    analytical_profile, DeviceSpec, Dtype, TemplateMicrobatches, TransformerShape,
+use crate::planning::{
+    analytical_profile, DeviceSpec, Dtype, JobSpec, TemplateMicrobatches, TransformerShape,
 };
 use crate::simulate::outcome::{Outcome, TimeKind};
 use crate::simulate::{Policy, Trace};
