@@ -83,8 +83,8 @@ pub struct SimulateArgs {
 #[derive(Debug, serde::Serialize)]
 pub struct SimulateOutput {
     pub trace: render::TraceSummary,
-    /// What the job would train at on the trace's starting nodes with no failure and no
-    /// fault-tolerance cost (f = 0, no checkpoints); per policy family.
+    /// What the job would train at on the trace's average node count with no failure and no
+    /// fault-tolerance cost (f = 0, no checkpoints): the first policy's yardstick.
     pub fault_free_samples_per_s: Option<f64>,
     pub policies: Vec<render::PolicyRow>,
     /// The first policy's average and fractions again, for one-policy scripts.

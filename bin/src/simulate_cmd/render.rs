@@ -14,6 +14,8 @@ pub struct TraceSummary {
     pub removals: usize,
     pub start_nodes: usize,
     pub peak_nodes: usize,
+    /// Time-weighted over the trace: the node count of the fault-free yardstick.
+    pub mean_nodes: f64,
     pub duration_ms: u64,
 }
 
@@ -49,6 +51,7 @@ impl TraceSummary {
             removals,
             start_nodes: trace.nodes_at(trace.events()[0].at_ms),
             peak_nodes: peak,
+            mean_nodes: trace.mean_nodes(),
             duration_ms: trace.end_ms(),
         }
     }
@@ -112,13 +115,15 @@ fn span(ms: u64) -> String {
 pub fn table(out: &SimulateOutput, setup: &str) -> String {
     let t = &out.trace;
     let mut s = format!(
-        "trace: {}: {} events ({} adds, {} removals), {} nodes at the start, at most {}, {}\n",
+        "trace: {}: {} events ({} adds, {} removals), {} nodes at the start, at most {}, \
+         {:.1} on average, {}\n",
         t.name,
         t.events,
         t.adds,
         t.removals,
         t.start_nodes,
         t.peak_nodes,
+        t.mean_nodes,
         span(t.duration_ms)
     );
     if out.policies.iter().any(|p| !p.policy.starts_with("table/")) {
@@ -149,9 +154,10 @@ pub fn table(out: &SimulateOutput, setup: &str) -> String {
         ));
     }
     s.push_str(
-        "\nfault-free: the fastest plan on the starting nodes with no fault tolerance and no \
-         checkpoints (table policies: their own table at that node count); time fractions \
-         are of each policy's averaged span\n",
+        "\nfault-free: the fastest plan on the trace's average node count with no fault \
+         tolerance and no checkpoints (table policies: their own table at that count), i.e. the \
+         same node-hours with no failure to handle; time fractions are of each policy's \
+         averaged span\n",
     );
     for p in &out.policies {
         for n in &p.notes {

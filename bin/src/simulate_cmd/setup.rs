@@ -183,7 +183,8 @@ pub fn policies(args: &SimulateArgs, trace: &Trace) -> anyhow::Result<Vec<Conten
             ],
         };
     }
-    let start_nodes = trace.nodes_at(trace.events()[0].at_ms) as u32;
+    // The yardstick: the same node-hours with no failure to handle.
+    let mean_nodes = (trace.mean_nodes().round() as u32).max(1);
     let end_ms = args
         .end
         .as_deref()
@@ -197,7 +198,7 @@ pub fn policies(args: &SimulateArgs, trace: &Trace) -> anyhow::Result<Vec<Conten
         if name == PolicyName::Table {
             for p in table_policies(args)? {
                 let inputs = p.inputs();
-                let row = TableInputs::row(start_nodes as usize);
+                let row = TableInputs::row(mean_nodes as usize);
                 let step = inputs.step_delta_ms[row] as f64;
                 out.push(Contender {
                     fault_free: Some(inputs.samples_per_step / step * 1e3),
@@ -207,7 +208,7 @@ pub fn policies(args: &SimulateArgs, trace: &Trace) -> anyhow::Result<Vec<Conten
             continue;
         }
         let work = work.clone().expect("built for our own policies");
-        let fault_free = fault_free_samples_per_s(&work, start_nodes).ok();
+        let fault_free = fault_free_samples_per_s(&work, mean_nodes).ok();
         let policy: Box<dyn Policy> = match name {
             PolicyName::Oobleck => Box::new(OobleckPolicy {
                 work,

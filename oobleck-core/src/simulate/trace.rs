@@ -117,6 +117,25 @@ impl Trace {
         n
     }
 
+    /// Nodes present on average over the trace (time-weighted from its first event to its
+    /// last; the count at the first event for a trace of one instant).
+    pub fn mean_nodes(&self) -> f64 {
+        let (first, end) = (self.events[0].at_ms, self.end_ms());
+        if end == first {
+            return self.nodes_at(first) as f64;
+        }
+        let (mut now, mut at, mut area) = (0i64, first, 0f64);
+        for e in &self.events {
+            area += now as f64 * (e.at_ms - at) as f64;
+            at = e.at_ms;
+            now += match e.change {
+                Change::Add => 1,
+                Change::Remove => -1,
+            };
+        }
+        area / (end - first) as f64
+    }
+
     /// The trace as CSV, in the format [`Trace::parse`] reads.
     pub fn to_csv(&self) -> String {
         let mut out = String::new();
@@ -209,6 +228,10 @@ mod tests {
         assert_eq!(t.end_ms(), 600);
         assert_eq!(t.nodes_at(0), 2);
         assert_eq!(t.nodes_at(600), 1);
+        // 2 nodes for the whole span (the removal is its last instant).
+        assert_eq!(t.mean_nodes(), 2.0);
+        let t = Trace::parse("0,add,a\n0,add,b\n300,remove,a\n900,add,c\n").unwrap();
+        assert_eq!(t.mean_nodes(), (2.0 * 300.0 + 600.0) / 900.0);
         assert_eq!(Trace::parse(&t.to_csv()).unwrap(), t);
     }
 
