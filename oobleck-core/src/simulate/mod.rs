@@ -3,15 +3,21 @@
 //! no clock, no I/O, no global RNG; the same trace and policy give the same [`Outcome`].
 //!
 //! ```text
-//!   Trace (CSV `delta_ms,add|remove,node`, or generate::poisson)
+//!   Trace (CSV `delta_ms,add|remove,node`, or generate::generate from a node MTBF)
 //!      │
 //!      ▼ Policy::run                  one strategy type per recovery policy
 //!   Outcome { average samples/s, time fractions, throughput over time, failure marks }
 //! ```
 //!
-//! - [`trace`] reads and checks traces.
+//! `simulate/README.md` has the policies, the cost model and where its defaults come from,
+//! and the validation against the authors' simulators.
+//!
+//! - [`trace`] reads and checks traces; [`generate`] makes seeded ones.
 //! - [`outcome`] is what every policy returns, and the [`outcome::Ledger`] that adds up
 //!   where the time went.
+//! - [`policies`]: `oobleck` (in place, this project's planner and `reconfig`),
+//!   `checkpoint-restart` (Varuna-like) and `redundancy` (Bamboo-like), on one event loop
+//!   (`engine`) and one cost model ([`policies::Costs`]).
 //! - [`table`] replays the Oobleck authors' trace simulators (Oobleck, Varuna, Bamboo) from
 //!   their throughput tables, quirks included, to check our numbers against theirs.
 

@@ -24,9 +24,9 @@ pub struct TraceEvent {
     pub node: String,
 }
 
-/// A checked trace: times never go back, a node is only removed while present and only
-/// added while absent.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// A checked trace: at least one event, times never go back, a node is only removed while
+/// present and only added while absent.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Trace {
     events: Vec<TraceEvent>,
 }

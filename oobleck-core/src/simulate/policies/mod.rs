@@ -2,7 +2,7 @@
 //! in place from the same templates, checkpoint fallback beyond `f`), [`CheckpointRestart`]
 //! (Varuna-like: every loss is a restart from the last checkpoint) and [`Redundancy`]
 //! (Bamboo-like: each node also computes its successor's layers and takes over when it dies).
-//! They share the event loop of [`super::engine`] and the [`Costs`] of one event.
+//! They share the event loop of `simulate::engine` and the [`Costs`] of one event.
 
 mod checkpoint;
 mod oobleck;
