@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use super::planner::{node_state_bytes, Checkpoints, Planner};
 use super::{Costs, Workload};
 use crate::planning::Plan;
-use crate::simulate::engine::{run_loop, LoopOptions, Loss, Reaction, Reactor};
+use crate::simulate::engine::{run_loop, Loss, Reaction, Reactor};
 use crate::simulate::outcome::{Outcome, TimeKind};
 use crate::simulate::trace::Trace;
 use crate::simulate::{Policy, SimError};
@@ -37,10 +37,7 @@ impl Policy for CheckpointRestart {
             plan: None,
             started: false,
         };
-        let opts = LoopOptions {
-            startup_ms: self.costs.startup_ms.round() as u64,
-            end_ms: self.end_ms.unwrap_or(trace.end_ms()),
-        };
+        let opts = self.costs.loop_options(trace, self.end_ms);
         run_loop(trace, &mut reactor, opts, self.name())
     }
 }

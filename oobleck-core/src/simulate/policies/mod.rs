@@ -16,6 +16,8 @@ pub use redundancy::Redundancy;
 
 use serde::Serialize;
 
+use super::engine::LoopOptions;
+use super::trace::Trace;
 use super::SimError;
 use crate::planning::{ClusterSpec, JobSpec, ModelProfile};
 
@@ -126,6 +128,15 @@ impl Costs {
             }
         }
         Ok(())
+    }
+
+    /// The event loop's settings for a trace: this start-up delay, and the end (`None`: the
+    /// trace's last event).
+    fn loop_options(&self, trace: &Trace, end_ms: Option<u64>) -> LoopOptions {
+        LoopOptions {
+            startup_ms: self.startup_ms.round() as u64,
+            end_ms: end_ms.unwrap_or(trace.end_ms()),
+        }
     }
 
     /// Copying `bytes` into one node.

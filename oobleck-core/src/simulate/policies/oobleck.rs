@@ -10,7 +10,7 @@ use super::planner::{Checkpoints, Planner};
 use super::{Costs, Workload};
 use crate::planning::{Plan, PlanError};
 use crate::reconfig::{decide_joins, decide_with, Holdings, ReconfigPlan};
-use crate::simulate::engine::{run_loop, Counted, LoopOptions, Loss, Reaction, Reactor};
+use crate::simulate::engine::{run_loop, Counted, Loss, Reaction, Reactor};
 use crate::simulate::outcome::{Outcome, TimeKind};
 use crate::simulate::trace::Trace;
 use crate::simulate::{Policy, SimError};
@@ -43,10 +43,7 @@ impl Policy for OobleckPolicy {
             standby: BTreeSet::new(),
             started: false,
         };
-        let opts = LoopOptions {
-            startup_ms: self.costs.startup_ms.round() as u64,
-            end_ms: self.end_ms.unwrap_or(trace.end_ms()),
-        };
+        let opts = self.costs.loop_options(trace, self.end_ms);
         run_loop(trace, &mut reactor, opts, self.name())
     }
 }

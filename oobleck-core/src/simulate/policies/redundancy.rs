@@ -35,10 +35,7 @@ impl Policy for Redundancy {
         work.job.fault_threshold = 0;
         // Each node keeps its successor's parameters, gradients and optimizer state too.
         work.job.state_bytes_per_param_byte *= 2;
-        let opts = LoopOptions {
-            startup_ms: self.costs.startup_ms.round() as u64,
-            end_ms: self.end_ms.unwrap_or(trace.end_ms()),
-        };
+        let opts = self.costs.loop_options(trace, self.end_ms);
         let set = match redundant_templates(&work, trace) {
             Ok(set) => set,
             Err(why) => return Ok(out_of_memory(trace, opts, self.name(), &why)),

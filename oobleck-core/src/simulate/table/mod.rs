@@ -291,7 +291,11 @@ impl TablePolicy {
 /// restart, rebalance -> reconfiguration, checkpoint -> checkpointing, Bamboo's redundant share
 /// -> redundant, idle GPUs plus any of the averaged span no counter covers -> idle.
 fn ledger(run: &Run) -> Ledger {
-    let a = &run.acc;
+    ledger_of(&run.acc, run.span_ms)
+}
+
+/// [`ledger`] of any counters over a span of `span_ms` (the tests map the authors' own).
+pub(super) fn ledger_of(a: &machine::Accumulators, span_ms: f64) -> Ledger {
     let mut l = Ledger::default();
     l.add(TimeKind::Useful, a.effective);
     l.add(TimeKind::Lost, a.fallback_loss);
@@ -299,7 +303,7 @@ fn ledger(run: &Run) -> Ledger {
     l.add(TimeKind::Reconfiguration, a.rebalance);
     l.add(TimeKind::Checkpointing, a.checkpoint);
     l.add(TimeKind::Redundant, a.redundant);
-    let uncovered = (run.span_ms.max(0.0) - a.sum()).max(0.0);
+    let uncovered = (span_ms.max(0.0) - a.sum()).max(0.0);
     l.add(TimeKind::Idle, a.idle_gpu + uncovered);
     l
 }

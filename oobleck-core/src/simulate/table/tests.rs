@@ -79,17 +79,7 @@ fn expected_runs() -> Vec<Expected> {
 
 /// The authors' counters mapped the way [`ledger`] maps ours.
 fn expected_fractions(e: &Expected) -> TimeFractions {
-    let a = &e.acc;
-    let mut l = Ledger::default();
-    l.add(TimeKind::Useful, a.effective);
-    l.add(TimeKind::Lost, a.fallback_loss);
-    l.add(TimeKind::Restart, a.restart);
-    l.add(TimeKind::Reconfiguration, a.rebalance);
-    l.add(TimeKind::Checkpointing, a.checkpoint);
-    l.add(TimeKind::Redundant, a.redundant);
-    let uncovered = (e.span_ms.max(0.0) - a.sum()).max(0.0);
-    l.add(TimeKind::Idle, a.idle_gpu + uncovered);
-    l.fractions()
+    super::ledger_of(&e.acc, e.span_ms).fractions()
 }
 
 fn rel(ours: f64, theirs: f64) -> f64 {
