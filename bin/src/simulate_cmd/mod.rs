@@ -94,6 +94,9 @@ pub struct SimulateOutput {
 
 /// Runs every policy on the trace (no printing).
 pub fn compute(args: &SimulateArgs) -> anyhow::Result<(SimulateOutput, Vec<Outcome>)> {
+    if let Some(path) = &args.plot {
+        plot::check_path(path)?;
+    }
     let trace = setup::trace(args)?;
     if let Some(path) = &args.save_trace {
         std::fs::write(path, trace.to_csv())

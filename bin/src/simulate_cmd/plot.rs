@@ -67,6 +67,11 @@ const TICK: i32 = 10;
 /// Failure lines run full height while they occupy at most one pixel column in this many.
 const SPARSE_COLUMNS: u32 = 10;
 
+/// Checks that `path` names a format [`draw`] writes (before a long simulation, not after).
+pub fn check_path(path: &Path) -> Result<()> {
+    Format::of(path).map(|_| ())
+}
+
 /// Writes the chart of `outcomes` to `path` (`.svg` or `.png`).
 pub fn draw(outcomes: &[Outcome], title: &str, path: &Path) -> Result<()> {
     let format = Format::of(path)?;
