@@ -18,7 +18,7 @@ use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 
-use super::compose::choose_counts;
+use super::compose::{choose_counts, choose_counts_degraded};
 use super::profile::{ns_to_ms, ClusterSpec, JobSpec, ModelProfile, Nanos};
 use super::template::{Template, TemplateSet};
 use super::PlanError;
@@ -250,6 +250,58 @@ pub fn instantiate_with_sizes(
         sync_ns,
         &[],
     )?;
+    plan_of_counts(
+        set,
+        job,
+        devices_per_node,
+        sync_ns,
+        nodes,
+        &counts,
+        generation,
+    )
+}
+
+/// [`instantiate_with_sizes`] when `nodes` may be too few for `f + 1` pipelines or fit no
+/// exact cover: degraded as a reconfiguration degrades (fewer replicas first, then fewer
+/// nodes; the last nodes are left spare). The plan keeps `job`'s `f` as its target, as a
+/// reconfiguration's plans do, so that later joins restore it.
+pub fn instantiate_degraded(
+    set: &TemplateSet,
+    job: &JobSpec,
+    devices_per_node: u32,
+    sync_ns: Nanos,
+    nodes: &[u32],
+    generation: u64,
+) -> Result<Plan, PlanError> {
+    let counts = choose_counts_degraded(
+        set,
+        job.global_microbatches,
+        job.fault_threshold,
+        nodes.len() as u32,
+        sync_ns,
+        &[],
+    )?;
+    plan_of_counts(
+        set,
+        job,
+        devices_per_node,
+        sync_ns,
+        nodes,
+        &counts,
+        generation,
+    )
+}
+
+/// The plan of `counts` pipelines per template over the first of `nodes`.
+fn plan_of_counts(
+    set: &TemplateSet,
+    job: &JobSpec,
+    devices_per_node: u32,
+    sync_ns: Nanos,
+    nodes: &[u32],
+    counts: &[u32],
+    generation: u64,
+) -> Result<Plan, PlanError> {
     // Pipelines by ascending template size, contiguous node blocks.
     let mut sizes: Vec<usize> = Vec::new();
     for (t, &c) in counts.iter().enumerate() {

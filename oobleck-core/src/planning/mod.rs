@@ -27,8 +27,8 @@ pub mod template;
 
 pub use analytical::{analytical_profile, DeviceSpec, Dtype, TransformerShape};
 pub use instantiate::{
-    gradient_sync_ns, instantiate, instantiate_with_sizes, plan_with_pipelines, split_batch,
-    Pipeline, Plan,
+    gradient_sync_ns, instantiate, instantiate_degraded, instantiate_with_sizes,
+    plan_with_pipelines, split_batch, Pipeline, Plan,
 };
 pub use profile::{
     ClusterSpec, Fingerprint, JobSpec, LayerProfile, LinkModel, ModelProfile, Nanos,

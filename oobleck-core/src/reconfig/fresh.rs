@@ -4,20 +4,19 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::{arrange, Groups, Holdings};
-use crate::planning::compose::choose_counts;
+use crate::planning::compose::choose_counts_degraded;
 use crate::planning::instantiate::Ctx;
 use crate::planning::{Plan, PlanError, TemplateSet};
 
-/// Template counts for `total` nodes: with `f + 1` pipelines if possible, else with as many
-/// pipelines as the nodes allow, and only then with fewer nodes (the rest spare).
-/// Among equally fast compositions, the one closest to `plan`'s templates.
+/// Template counts for `total` nodes, degraded as far as needed (see
+/// [`choose_counts_degraded`]); among equally fast compositions, the one closest to `plan`'s
+/// templates.
 fn degrade_counts(
     set: &TemplateSet,
     ctx: &Ctx,
     total: u32,
     plan: &Plan,
 ) -> Result<Vec<u32>, PlanError> {
-    let n_min = set.templates.first().map_or(1, |t| t.nodes);
     let prefer: Vec<u32> = (set.templates.iter())
         .map(|t| {
             plan.pipelines
@@ -26,25 +25,8 @@ fn degrade_counts(
                 .count() as u32
         })
         .collect();
-    let mut first_err = None;
-    for f in (0..=ctx.fault_threshold).rev() {
-        for used in (n_min..=total).rev() {
-            match choose_counts(set, ctx.global_microbatches, f, used, ctx.sync_ns, &prefer) {
-                Ok(c) => return Ok(c),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-    }
-    Err(first_err.unwrap_or(PlanError::Infeasible {
-        nodes: total,
-        min_nodes: n_min,
-        pipeline_nodes: n_min,
-        pipelines: 1,
-        state_bytes: set.layer_state_bytes.iter().sum(),
-        node_bytes: 0,
-    }))
+    let (global, f, sync) = (ctx.global_microbatches, ctx.fault_threshold, ctx.sync_ns);
+    choose_counts_degraded(set, global, f, total, sync, &prefer)
 }
 
 /// Fresh template counts over survivors + joined nodes; existing pipelines are kept whole where

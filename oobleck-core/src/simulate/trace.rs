@@ -117,6 +117,26 @@ impl Trace {
         n
     }
 
+    /// The most nodes present at once.
+    pub fn peak_nodes(&self) -> usize {
+        let (mut now, mut peak) = (0usize, 0usize);
+        for e in &self.events {
+            match e.change {
+                Change::Add => now += 1,
+                Change::Remove => now -= 1,
+            }
+            peak = peak.max(now);
+        }
+        peak
+    }
+
+    /// How many nodes the trace removes.
+    pub fn removals(&self) -> usize {
+        (self.events.iter())
+            .filter(|e| e.change == Change::Remove)
+            .count()
+    }
+
     /// Nodes present on average over the trace (time-weighted from its first event to its
     /// last; the count at the first event for a trace of one instant).
     pub fn mean_nodes(&self) -> f64 {
@@ -232,6 +252,7 @@ mod tests {
         assert_eq!(t.mean_nodes(), 2.0);
         let t = Trace::parse("0,add,a\n0,add,b\n300,remove,a\n900,add,c\n").unwrap();
         assert_eq!(t.mean_nodes(), (2.0 * 300.0 + 600.0) / 900.0);
+        assert_eq!((t.peak_nodes(), t.removals()), (2, 1));
         assert_eq!(Trace::parse(&t.to_csv()).unwrap(), t);
     }
 

@@ -154,6 +154,39 @@ struct Tables {
     totals: Totals,
 }
 
+/// [`choose_counts`] for `total` nodes, degraded as far as needed: with `f + 1` pipelines if
+/// possible, else with as many pipelines as the nodes allow, and only then with fewer nodes
+/// (the rest spare). The error is the first one met (every node, the `f` asked for).
+pub(crate) fn choose_counts_degraded(
+    set: &TemplateSet,
+    global_microbatches: u32,
+    fault_threshold: u32,
+    total: u32,
+    sync_ns: Nanos,
+    prefer: &[u32],
+) -> Result<Vec<u32>, PlanError> {
+    let n_min = set.templates.first().map_or(1, |t| t.nodes);
+    let mut first_err = None;
+    for f in (0..=fault_threshold).rev() {
+        for used in (n_min..=total).rev() {
+            match choose_counts(set, global_microbatches, f, used, sync_ns, prefer) {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+    }
+    Err(first_err.unwrap_or(PlanError::Infeasible {
+        nodes: total,
+        min_nodes: n_min,
+        pipeline_nodes: n_min,
+        pipelines: 1,
+        state_bytes: set.layer_state_bytes.iter().sum(),
+        node_bytes: 0,
+    }))
+}
+
 /// Template counts (indexed like `set.templates`) of the best composition for `n` nodes.
 /// Among compositions equally fast, `prefer` (counts per template, e.g. the current plan's;
 /// empty for none) steers the choice where pipelines may outnumber microbatches: there many

@@ -113,17 +113,6 @@ impl Reactor for InPlace<'_> {
         }
         let mut joining: Vec<u32> = std::mem::take(&mut self.standby).into_iter().collect();
         joining.extend_from_slice(joined);
-        let wanted = self.planner.work.job.fault_threshold;
-        let restored;
-        let plan = if plan.fault_threshold < wanted && !joining.is_empty() {
-            // A restart past f lowered it; joins bring it back as far as the nodes allow.
-            let mut p = plan.clone();
-            p.fault_threshold = wanted;
-            restored = p;
-            &restored
-        } else {
-            plan
-        };
         match decision(plan, &in_plan, &joining) {
             Ok((r, copy)) if r.missing_layers.is_empty() => {
                 let pause = self.pause(&r, copy);

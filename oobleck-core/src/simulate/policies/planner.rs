@@ -3,11 +3,11 @@
 
 use super::{Costs, Workload};
 use crate::planning::{
-    generate_templates, gradient_sync_ns, instantiate_with_sizes, Plan, PlanError, TemplateSet,
+    generate_templates, gradient_sync_ns, instantiate_degraded, Plan, PlanError, TemplateSet,
 };
 use crate::simulate::engine::{Counted, Loss, Reaction, Running};
 use crate::simulate::outcome::TimeKind;
-use crate::simulate::trace::{Change, Trace};
+use crate::simulate::trace::Trace;
 use crate::simulate::SimError;
 
 /// How a policy writes checkpoints.
@@ -137,26 +137,18 @@ impl<'a> Planner<'a> {
     }
 }
 
-/// The most nodes the trace ever has at once.
-fn peak_nodes(trace: &Trace) -> u32 {
-    let (mut now, mut peak) = (0i64, 0i64);
-    for e in trace.events() {
-        now += match e.change {
-            Change::Add => 1,
-            Change::Remove => -1,
-        };
-        peak = peak.max(now);
-    }
-    peak as u32
-}
-
 /// Templates for every node count from `n0` up to the most nodes the trace has at once,
 /// whatever `f` is: after losses past `f` the job may run with fewer replicas, and joins may
 /// bring it past its starting size.
 pub(crate) fn templates(work: &Workload, trace: &Trace) -> Result<TemplateSet, PlanError> {
     let mut job = work.job;
     job.fault_threshold = 0;
-    generate_templates(&work.profile, &work.cluster, &job, peak_nodes(trace))
+    generate_templates(
+        &work.profile,
+        &work.cluster,
+        &job,
+        trace.peak_nodes() as u32,
+    )
 }
 
 /// State bytes of the fullest node of `plan`: what a restart reads and a checkpoint writes
@@ -179,48 +171,18 @@ pub(crate) fn node_state_bytes(plan: &Plan) -> u64 {
 
 /// The trace's mean time between failures (its span over its removals), if it has any.
 fn failure_gap_ms(trace: &Trace) -> Option<f64> {
-    let removals = trace
-        .events()
-        .iter()
-        .filter(|e| e.change == Change::Remove)
-        .count();
+    let removals = trace.removals();
     let span = trace.end_ms() - trace.events()[0].at_ms;
     (removals > 0).then(|| span as f64 / removals as f64)
 }
 
 /// A fresh plan on as many usable nodes as the templates can cover, keeping `f` when the
-/// nodes allow and lowering it when they do not (as `reconfig::decide` does), or the
-/// planner's reason when no plan fits at all.
+/// nodes allow and lowering it when they do not, as a reconfiguration does
+/// (`planning::instantiate_degraded`); the plan's target stays `f`, so joins restore it.
 fn fresh_plan(set: &TemplateSet, work: &Workload, usable: &[u32]) -> Result<Plan, PlanError> {
-    if usable.is_empty() {
-        let pipelines = work.job.fault_threshold + 1;
-        return Err(PlanError::Infeasible {
-            nodes: 0,
-            min_nodes: set.min_nodes * pipelines,
-            pipeline_nodes: set.min_nodes,
-            pipelines,
-            state_bytes: set.layer_state_bytes.iter().sum(),
-            node_bytes: 0,
-        });
-    }
     let sync = gradient_sync_ns(&work.profile, &work.cluster);
-    let mut job = work.job;
-    let mut why = None;
-    for f in (0..=work.job.fault_threshold).rev() {
-        job.fault_threshold = f;
-        // Consecutive template sizes cover every large enough count; a few tries suffice.
-        for n in (1..=usable.len()).rev().take(64) {
-            let g = work.cluster.devices_per_node;
-            match instantiate_with_sizes(set, &job, g, sync, &usable[..n], 0) {
-                Ok(plan) => return Ok(plan),
-                // The reason to give is the one for every node and the `f` asked for.
-                Err(e) => {
-                    why.get_or_insert(e);
-                }
-            }
-        }
-    }
-    Err(why.expect("at least one plan was tried"))
+    let g = work.cluster.devices_per_node;
+    instantiate_degraded(set, &work.job, g, sync, usable, 0)
 }
 
 /// What `work` trains at on `nodes` nodes with no failure and no fault-tolerance cost: the
