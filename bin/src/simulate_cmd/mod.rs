@@ -92,7 +92,8 @@ pub struct SimulateOutput {
     pub time_fractions: oobleck_core::simulate::TimeFractions,
 }
 
-/// Runs every policy on the trace (no printing).
+/// Runs every policy on the trace; writes the trace with `--save-trace`, and says on stderr
+/// how long each policy took unless `--json`.
 pub fn compute(args: &SimulateArgs) -> anyhow::Result<(SimulateOutput, Vec<Outcome>)> {
     if let Some(path) = &args.plot {
         plot::check_path(path)?;

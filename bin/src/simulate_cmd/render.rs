@@ -1,6 +1,6 @@
 //! The table and JSON of `oobleck simulate`.
 
-use oobleck_core::simulate::{Change, Outcome, TimeFractions, TimeKind, Trace};
+use oobleck_core::simulate::{Outcome, TimeFractions, TimeKind, Trace};
 
 use super::{SimulateArgs, SimulateOutput};
 
@@ -32,25 +32,14 @@ impl TraceSummary {
             ),
             (None, None) => "trace".into(),
         };
-        let (mut now, mut peak) = (0usize, 0usize);
-        let mut removals = 0;
-        for e in trace.events() {
-            match e.change {
-                Change::Add => now += 1,
-                Change::Remove => {
-                    now -= 1;
-                    removals += 1;
-                }
-            }
-            peak = peak.max(now);
-        }
+        let removals = trace.removals();
         TraceSummary {
             name,
             events: trace.events().len(),
             adds: trace.events().len() - removals,
             removals,
             start_nodes: trace.nodes_at(trace.events()[0].at_ms),
-            peak_nodes: peak,
+            peak_nodes: trace.peak_nodes(),
             mean_nodes: trace.mean_nodes(),
             duration_ms: trace.end_ms(),
         }

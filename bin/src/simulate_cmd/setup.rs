@@ -193,6 +193,8 @@ pub fn policies(args: &SimulateArgs, trace: &Trace) -> anyhow::Result<Vec<Conten
     let mut out = Vec::new();
     let own = names.iter().any(|n| *n != PolicyName::Table);
     let work = if own { Some(workload(args)?) } else { None };
+    // One yardstick for all of our policies: they plan the same workload.
+    let own_fault_free = (work.as_ref()).and_then(|w| fault_free_samples_per_s(w, mean_nodes).ok());
     let costs = args.costs.costs()?;
     for name in names {
         if name == PolicyName::Table {
@@ -208,7 +210,7 @@ pub fn policies(args: &SimulateArgs, trace: &Trace) -> anyhow::Result<Vec<Conten
             continue;
         }
         let work = work.clone().expect("built for our own policies");
-        let fault_free = fault_free_samples_per_s(&work, mean_nodes).ok();
+        let fault_free = own_fault_free;
         let policy: Box<dyn Policy> = match name {
             PolicyName::Oobleck => Box::new(OobleckPolicy {
                 work,

@@ -129,11 +129,7 @@ mod tests {
         let a = week(1000, 70, 7);
         assert_eq!(a, week(1000, 70, 7), "the same seed gives the same trace");
         assert_ne!(a, week(1000, 70, 8));
-        let removals = a
-            .events()
-            .iter()
-            .filter(|e| e.change == Change::Remove)
-            .count() as f64;
+        let removals = a.removals() as f64;
         // 1000 nodes x 7 days / 70 days = 100 expected failures (Poisson, sd 10).
         assert!((70.0..130.0).contains(&removals), "{removals}");
         assert_eq!(a.end_ms(), 7 * 86_400_000);

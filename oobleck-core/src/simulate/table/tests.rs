@@ -436,7 +436,7 @@ fn bad_inputs_are_errors_that_name_the_field() {
 /// Prints the README's validation table:
 /// `cargo test -p oobleck-core --lib simulate::table -- --ignored --nocapture`
 #[test]
-#[ignore]
+#[ignore = "prints the README's validation table; the check itself is reproduces_every_reference_run"]
 fn print_validation_table() {
     let all = compare_all();
     println!("| experiment | trace | model | system | ours (samples/s) | theirs | rel. error | max fraction diff |");
