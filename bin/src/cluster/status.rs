@@ -297,6 +297,7 @@ mod tests {
                 collective_ms: 12.5,
                 step_ms: 402.3,
                 marks: 40,
+                ..Default::default()
             },
             straggler,
         };

@@ -135,6 +135,12 @@ pub struct StepTimes {
     /// Forward and backward of its microbatches (data reads included), on the rank's main
     /// thread. The optimizer runs after the step's `Ready`, so it is not in here.
     pub compute_ms: f64,
+    /// The forward part of `compute_ms` (data reads included).
+    #[serde(default)]
+    pub forward_ms: f64,
+    /// The backward part of `compute_ms`.
+    #[serde(default)]
+    pub backward_ms: f64,
     /// Inside sends and receives of activations and gradients.
     pub p2p_ms: f64,
     /// Inside collectives (some overlap the last backward: they run on their own thread).
@@ -196,6 +202,8 @@ struct State {
     /// `seq` when the step began.
     step_seq: u64,
     compute: Duration,
+    forward: Duration,
+    backward: Duration,
     p2p: Duration,
     collective: Duration,
 }
@@ -220,6 +228,11 @@ impl Drop for Mark<'_> {
         if let Some(i) = s.stack.iter().position(|(id, ..)| *id == self.id) {
             let (_, doing, since) = s.stack.remove(i);
             let spent = since.elapsed();
+            match doing {
+                Doing::Forward { .. } => s.forward += spent,
+                Doing::Backward { .. } => s.backward += spent,
+                _ => {}
+            }
             match doing.kind() {
                 Kind::Compute => s.compute += spent,
                 Kind::P2p => s.p2p += spent,
@@ -276,6 +289,8 @@ impl Progress {
         s.step_started = Some(Instant::now());
         s.step_seq = s.seq;
         s.compute = Duration::ZERO;
+        s.forward = Duration::ZERO;
+        s.backward = Duration::ZERO;
         s.p2p = Duration::ZERO;
         s.collective = Duration::ZERO;
     }
@@ -286,6 +301,8 @@ impl Progress {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         StepTimes {
             compute_ms: ms(s.compute),
+            forward_ms: ms(s.forward),
+            backward_ms: ms(s.backward),
             p2p_ms: ms(s.p2p),
             collective_ms: ms(s.collective),
             step_ms: s.step_started.map_or(0.0, |t| ms(t.elapsed())),
@@ -471,6 +488,12 @@ mod tests {
         assert!(p.snapshot().waits_for_control());
         let t = p.step_times();
         assert!(t.compute_ms >= 0.0 && t.step_ms >= t.compute_ms, "{t:?}");
+        // The backward is counted as such, within compute; no forward ran.
+        assert!(
+            t.backward_ms > 0.0 && t.backward_ms <= t.compute_ms,
+            "{t:?}"
+        );
+        assert_eq!(t.forward_ms, 0.0, "{t:?}");
         // Two marks entered and left, one entered, after the step began.
         assert_eq!(t.marks, 5, "{t:?}");
         p.end_step();

@@ -517,6 +517,7 @@ mod tests {
             collective_ms: 12.0,
             step_ms: 400.0,
             marks: 30,
+            ..Default::default()
         };
         m.times.insert(2, t);
         let v = serde_json::to_value(&m).expect("json");

@@ -18,6 +18,7 @@ fn timed_step(h: &mut H, t: f64, step: u64, compute: &[f64]) -> Vec<Action> {
             collective_ms: 7.0,
             step_ms: 400.0,
             marks: 30,
+            ..Default::default()
         };
         let report = WorkerReport::Ready {
             rank,
