@@ -74,8 +74,11 @@ function setText(id, text, cls) {
 
 // ---- header ------------------------------------------------------------------------------
 
-function drawConnection(s) {
-  $("connection").title = (s && s.error) || "";
+// s: the status, or null when the page's own request failed (`failed` says how).
+function drawConnection(s, failed) {
+  $("connection").title = (s ? s.error : failed) || "";
+  // What is on screen is the last answer: dim it while nothing new comes.
+  document.body.classList.toggle("stale-data", !s || !s.connected);
   if (s === null) return setText("connection", "not answering", "conn conn-down");
   if (!s.connected) {
     const why = s.error ? `master not answering: ${s.error}` : "master not answering";
@@ -90,7 +93,7 @@ function drawHeader(s) {
   setText("model", job.model || "oobleck");
   setText("run-dir", job.run_dir || "");
   document.title = `${job.model || "oobleck"} · ${s.finished ? "finished" : "training"}`;
-  const step = cluster ? cluster.committed_step : latest ? latest.step : null;
+  const step = (cluster && cluster.committed_step) ?? (latest ? latest.step : null);
   const total = job.total_steps;
   setText("step", `${step ?? "–"} / ${total ?? "–"}`);
   const pct = total > 0 && typeof step === "number" ? Math.min(100, 100 * step / total) : 0;
@@ -250,8 +253,9 @@ function splitBar(t, maxStep) {
 
 function rankRow(r, maxStep) {
   const t = r.times || {};
+  const flag = r.straggler ? el("span", {class: "flag"}, " straggler") : null;
   return el("tr", {class: r.straggler ? "straggler" : null, "data-rank": r.rank},
-    el("td", {class: "num"}, r.rank, r.straggler ? el("span", {class: "flag"}, " straggler") : null),
+    el("td", {class: "num"}, r.rank, flag),
     el("td", {class: "num"}, r.node),
     el("td", {class: "num"}, fmt(t.forward_ms, 1)),
     el("td", {class: "num"}, fmt(t.backward_ms, 1)),
@@ -313,6 +317,9 @@ function eventItem(e) {
 function drawEvents(events) {
   const list = events || [];
   setText("events-count", list.length ? `${list.length}, newest first` : "");
+  if (list.length === 0) {
+    return $("events").replaceChildren(el("li", {class: "muted"}, "no events yet"));
+  }
   $("events").replaceChildren(...list.slice().reverse().map(eventItem));
 }
 
@@ -322,8 +329,9 @@ function notice(text, kind) {
   const box = $("notice");
   box.hidden = false;
   box.className = `notice notice-${kind}`;
-  box.replaceChildren(el("span", {class: "muted"}, new Date().toLocaleTimeString() + " "),
-    text, " ", el("button", {type: "button", class: "btn-link", "data-dismiss": "1"}, "dismiss"));
+  const when = new Date().toLocaleTimeString([], {hour12: false});
+  const dismiss = el("button", {type: "button", class: "btn-link", "data-dismiss": "1"}, "dismiss");
+  box.replaceChildren(el("span", {class: "muted"}, `${when} `), text, " ", dismiss);
 }
 
 function authHeaders() {
@@ -344,8 +352,13 @@ async function act(action, node) {
   const url = `/api/nodes/${encodeURIComponent(node)}/${action}`;
   let r = await post(url);
   if (r.status === 401) {
-    const token = prompt(`The job token is needed to ${action} node ${node}:`);
+    const token = prompt(`The job token is needed to ${action} node ${node} ` +
+      "(or open the one-time link train printed):");
     if (!token) return notice(`${action} node ${node}: cancelled (no token)`, "err");
+    // A header value must be printable ASCII; anything else would make every fetch throw.
+    if (!/^[\x21-\x7e]+$/.test(token.trim())) {
+      return notice(`${action} node ${node}: that is not a job token`, "err");
+    }
     try { sessionStorage.setItem(TOKEN_KEY, token.trim()); } catch (_) { /* no storage */ }
     r = await post(url);
     if (r.status === 401) {
@@ -386,24 +399,25 @@ function render(s) {
   drawCharts(s.charts_version);
 }
 
-// Resolves to the status, or null when the server did not answer or answered non-200.
+// Resolves to {status} or {failed: why}; never rejects.
 async function fetchStatus() {
   try {
     const res = await fetch("/api/status", {headers: authHeaders(), cache: "no-store",
       signal: AbortSignal.timeout(FETCH_TIMEOUT_MS)});
-    if (res.status !== 200) return null;
-    return await res.json();
+    if (res.status === 401) return {failed: "HTTP 401: open the one-time link train printed"};
+    if (res.status !== 200) return {failed: `HTTP ${res.status}`};
+    return {status: await res.json()};
   } catch (_) {
-    return null;
+    return {failed: "no answer"};
   }
 }
 
 // One request at a time: the next poll is scheduled when this one has finished.
 async function poll() {
   const started = Date.now();
-  const s = await fetchStatus();
+  const {status, failed} = await fetchStatus();
   try {
-    if (s) render(s); else drawConnection(null);
+    if (status) render(status); else drawConnection(null, failed);
   } catch (_) {
     setText("connection", "unreadable status", "conn conn-down");
   }
