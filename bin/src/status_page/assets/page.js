@@ -95,8 +95,9 @@ function drawHeader(s) {
   document.title = `${job.model || "oobleck"} · ${s.finished ? "finished" : "training"}`;
   const step = (cluster && cluster.committed_step) ?? (latest ? latest.step : null);
   const total = job.total_steps;
-  setText("step", `${step ?? "–"} / ${total ?? "–"}`);
   const pct = total > 0 && typeof step === "number" ? Math.min(100, 100 * step / total) : 0;
+  const share = total > 0 ? ` · ${pct.toFixed(0)}%` : "";
+  setText("step", `${step ?? "–"} / ${total ?? "–"}${share}`);
   $("progress-fill").style.width = pct.toFixed(1) + "%";
   document.querySelector(".progress").setAttribute("aria-valuenow", pct.toFixed(0));
   const gen = cluster ? cluster.generation : latest ? latest.generation : null;
