@@ -294,6 +294,12 @@ pub struct TrainArgs {
     /// Drain a persistent straggler's node, as `oobleck drain` would.
     #[arg(long)]
     pub evict_stragglers: bool,
+    /// The live status page of a cluster job: where to serve it (HOST:PORT), or `off`. Default:
+    /// 127.0.0.1 and a free port, printed at the start. Off loopback, every request needs the
+    /// job's token (a bearer header, or the one-time link `train` prints); kill and drain from
+    /// the page always do.
+    #[arg(long, value_name = "HOST:PORT|off")]
+    pub status_addr: Option<String>,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]

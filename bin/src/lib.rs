@@ -18,4 +18,5 @@ pub mod plan_cmd;
 pub mod progress;
 pub mod report;
 pub mod simulate_cmd;
+pub mod status_page;
 pub mod trainer;

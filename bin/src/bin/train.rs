@@ -92,11 +92,13 @@ fn run() -> Result<()> {
 /// The job on a cluster (the runtime's), then samples from its last checkpoint.
 fn train_cluster(cfg: TrainConfig, launch: Launch, args: &TrainArgs) -> Result<()> {
     let workload = Arc::new(GptWorkload::new(workload_config(&cfg))?);
+    let page = oobleck_cli::status_page::parse_addr(args.status_addr.as_deref())?;
     let summary = oobleck_cli::cluster::job::run(
         cfg.clone(),
         workload.clone(),
         launch,
         args.resume.as_deref(),
+        page,
     )?;
     eprintln!(
         "done: {} steps, loss {} -> {}, validation loss {}, {:.0} tokens/s, {:.1}s",
@@ -141,6 +143,16 @@ fn train_one_process(cfg: TrainConfig, args: &TrainArgs) -> Result<()> {
     }
     if !cfg.inject_failure.is_empty() {
         bail!("--inject-failure needs the local cluster: pass --nodes 2 or more");
+    }
+    if args
+        .status_addr
+        .as_deref()
+        .is_some_and(|a| !matches!(a, "off" | "none"))
+    {
+        bail!(
+            "--status-addr: the status page is served by a cluster job's master; this trains in \
+             one process: pass --nodes 2 or more"
+        );
     }
     let mut t = Trainer::start(cfg, args.resume.as_deref())?;
     // The workload's name says what is trained (a preset, or an imported model and its shape).

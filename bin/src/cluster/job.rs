@@ -25,6 +25,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use super::hostfile::{self, HostEntry};
 use crate::config::{parse_failure, TrainConfig};
 use crate::progress::Progress;
+use crate::status_page::StatusPage;
 use crate::trainer::{open_run, truncate_metrics_after, Summary};
 
 /// Bound of starting each ssh and handing it the token.
@@ -122,6 +123,7 @@ pub fn run(
     workload: Arc<GptWorkload>,
     launch: Launch,
     resume: Option<&Path>,
+    page_addr: Option<SocketAddr>,
 ) -> Result<Summary> {
     if cfg.nodes < 2 {
         bail!(
@@ -226,8 +228,12 @@ pub fn run(
     let mut watch = Watch {
         progress: Progress::new(cfg.steps, start),
         run: out.clone(),
+        page_addr,
+        page: None,
+        fault_threshold: cfg.fault_threshold as u64,
     };
     let result = driver::run_job(workload, opts, &mut watch);
+    watch.page = None;
     watch.progress.finish();
     super::status::unpublish(&out);
     let result = result
@@ -284,15 +290,52 @@ fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> driver::LaunchFn {
     })
 }
 
-/// What `train` shows of a running job: the progress line, the plan, the status files.
+/// What `train` shows of a running job: the progress line, the plan, the status files and
+/// the live status page.
 struct Watch {
     progress: Progress,
     run: PathBuf,
+    /// Where to serve the page (`None`: `--status-addr off`).
+    page_addr: Option<SocketAddr>,
+    page: Option<StatusPage>,
+    fault_threshold: u64,
+}
+
+impl Watch {
+    /// Starts the page for the master at `addr` and says where it is.
+    fn serve_page(&mut self, at: SocketAddr, addr: SocketAddr, token: &Token) -> Result<String> {
+        let page = StatusPage::start(at, self.run.clone(), addr, token, self.fault_threshold)?;
+        let line = if page.addr().ip().is_loopback() {
+            format!(
+                "status page: {} (to kill or drain nodes from it, open {} once)",
+                page.url(),
+                page.login_link()
+            )
+        } else {
+            format!(
+                "status page: {} (a one-time link; or send the job token as `Authorization: \
+                 Bearer`)",
+                page.login_link()
+            )
+        };
+        self.progress.note(&line);
+        let url = page.url();
+        self.page = Some(page);
+        Ok(url)
+    }
 }
 
 impl Observer for Watch {
     fn listening(&mut self, addr: SocketAddr, token: &Token) -> oobleck_core::runtime::Result<()> {
-        super::status::publish(&self.run, addr, token)
+        let url = match self.page_addr {
+            Some(at) => Some(
+                self.serve_page(at, addr, token)
+                    .map_err(|e| format!("{e:#}"))
+                    .ctx("starting the status page")?,
+            ),
+            None => None,
+        };
+        super::status::publish(&self.run, addr, token, url.as_deref())
             .map_err(|e| format!("{e:#}"))
             .ctx("publishing the status files")
     }

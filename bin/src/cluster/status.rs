@@ -1,5 +1,7 @@
 //! `oobleck status`: the master's view of a running job (nodes, pipelines, generation,
-//! committed step, throughput), asked over the authenticated control protocol.
+//! committed step, throughput). With `--run DIR` of a job that serves its status page, it is
+//! read from the page's `/api/status` (with the job's token); otherwise, and for `--master`,
+//! the master is asked over the authenticated control protocol.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -46,14 +48,21 @@ pub struct KillNodeArgs {
 }
 
 /// Writes the files `oobleck status --run` reads; the token file is readable by its owner only.
-pub fn publish(run: &Path, addr: SocketAddr, token: &Token) -> Result<()> {
+/// `status_url`: the live status page's address, when it is served.
+pub fn publish(
+    run: &Path,
+    addr: SocketAddr,
+    token: &Token,
+    status_url: Option<&str>,
+) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::write(
-        run.join(MASTER_FILE),
-        serde_json::to_string(&serde_json::json!({ "addr": addr.to_string() }))?,
-    )
-    .with_context(|| format!("writing {}", run.join(MASTER_FILE).display()))?;
+    let mut files = serde_json::json!({ "addr": addr.to_string() });
+    if let Some(u) = status_url {
+        files["status_url"] = u.into();
+    }
+    std::fs::write(run.join(MASTER_FILE), serde_json::to_string(&files)?)
+        .with_context(|| format!("writing {}", run.join(MASTER_FILE).display()))?;
     let path = run.join(TOKEN_FILE);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -194,10 +203,53 @@ pub fn render_plan(s: &ClusterStatus) -> String {
     out
 }
 
+/// The status page's address a run directory names (`None`: none, or not `--run`).
+fn page_url(a: &StatusArgs) -> Option<String> {
+    let run = a.run.as_ref()?;
+    let text = std::fs::read_to_string(run.join(MASTER_FILE)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v["status_url"].as_str().map(str::to_string)
+}
+
+/// The status through the job's status page: its `/api/status`, whose `cluster` is what the
+/// master answers over the control plane.
+fn status_from_page(url: &str, a: &StatusArgs) -> Result<ClusterStatus> {
+    use crate::status_page::client::{fetch, page_addr};
+    let (_, token) = target(a)?;
+    let addr = page_addr(url)?;
+    let timeout = Duration::from_secs(a.timeout.max(1));
+    let (code, body) = fetch(
+        addr,
+        hyper::Method::GET,
+        "/api/status",
+        Some(token.expose()),
+        timeout,
+    )?;
+    if code != 200 {
+        bail!("the status page at {url} answered {code}: {body}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&body).with_context(|| format!("{url}api/status: not JSON"))?;
+    if v["cluster"].is_null() {
+        bail!(
+            "the status page at {url} has no answer from the master yet{}",
+            v["error"]
+                .as_str()
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default()
+        );
+    }
+    serde_json::from_value(v["cluster"].clone())
+        .with_context(|| format!("{url}api/status: `cluster` is not a status"))
+}
+
 pub fn run(a: &StatusArgs) -> Result<()> {
-    let status = ask(a, "for its status", |addr, token, t| async move {
-        request_status(addr, &token, t).await
-    })?;
+    let status = match page_url(a) {
+        Some(url) => status_from_page(&url, a)?,
+        None => ask(a, "for its status", |addr, token, t| async move {
+            request_status(addr, &token, t).await
+        })?,
+    };
     show(a, &status, None)
 }
 

@@ -1,0 +1,236 @@
+//! The live status page `train` serves while a cluster job runs (`--status-addr`): the
+//! cluster map, the plan as pipelines of stages, live charts, per-rank times, the event log,
+//! kill and drain actions, `/api/status` (what `oobleck status` prints) and `/metrics`.
+//!
+//! ```text
+//!   master (control plane) ──request_status, 1/s──► MasterView ─┐
+//!   run dir: metrics.jsonl, events.jsonl ──Feed (tails)────────┼─► view::status  ─► /api/status
+//!                         └──report::read_run, on change──► charts ─► /charts/*.svg
+//!   browser ──HTTP (axum)──► auth::Gate ──► routes ──► request_kill / request_drain
+//! ```
+//!
+//! The page is a client of the master like `oobleck status`: it asks over the authenticated
+//! control plane and reads the run directory, so the job driver knows nothing of HTTP. It runs
+//! on its own thread and tokio runtime and stops when dropped.
+
+pub mod auth;
+mod charts;
+pub mod client;
+pub mod feed;
+pub mod metrics;
+mod routes;
+pub mod view;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use oobleck_core::elastic::agent::request_status;
+use oobleck_core::elastic::protocol::ClusterStatus;
+use oobleck_core::elastic::Token;
+
+use self::auth::Gate;
+use self::feed::Feed;
+
+/// How often the page asks the master for its status.
+const POLL: Duration = Duration::from_secs(1);
+/// The longest one status request may take.
+const ASK_TIMEOUT: Duration = Duration::from_secs(3);
+/// After the stop signal, the longest open connections get to finish.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// `--status-addr`: `None` (the default: 127.0.0.1 and a free port), `off`, or HOST:PORT.
+pub fn parse_addr(flag: Option<&str>) -> Result<Option<SocketAddr>> {
+    match flag.map(str::trim) {
+        None => Ok(Some(SocketAddr::from(([127, 0, 0, 1], 0)))),
+        Some("off" | "none") => Ok(None),
+        Some(a) => crate::cluster::resolve(a)
+            .map(Some)
+            .with_context(|| format!("--status-addr {a}: expected HOST:PORT or `off`")),
+    }
+}
+
+/// The master's newest answer.
+#[derive(Debug, Default)]
+pub struct MasterView {
+    pub status: Option<ClusterStatus>,
+    pub up: bool,
+    pub error: Option<String>,
+}
+
+/// What the handlers share.
+pub(crate) struct Shared {
+    pub gate: Gate,
+    pub run: PathBuf,
+    pub master: SocketAddr,
+    pub token: Token,
+    pub fault_threshold: u64,
+    pub feed: Mutex<Feed>,
+    pub view: Mutex<MasterView>,
+    pub charts: Mutex<charts::Cache>,
+}
+
+impl Shared {
+    /// The feed, brought up to date with the run directory.
+    pub fn fresh_feed(&self) -> std::sync::MutexGuard<'_, Feed> {
+        let mut f = self.feed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = f.refresh() {
+            tracing::warn!(run = %self.run.display(), error = %e, "status page: reading the run files");
+        }
+        f
+    }
+
+    pub fn master_view(&self) -> std::sync::MutexGuard<'_, MasterView> {
+        self.view.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running status page; stops when dropped.
+pub struct StatusPage {
+    addr: SocketAddr,
+    login_key: String,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StatusPage {
+    /// Binds `addr` (an error names it when taken) and serves the job whose master listens at
+    /// `master` with `token`, reading `run`.
+    pub fn start(
+        addr: SocketAddr,
+        run: PathBuf,
+        master: SocketAddr,
+        token: &Token,
+        fault_threshold: u64,
+    ) -> Result<StatusPage> {
+        let listener = std::net::TcpListener::bind(addr).with_context(|| {
+            format!(
+                "the status page cannot listen on {addr} (is the port in use?): pass another \
+                 --status-addr, or leave it out for a free port on 127.0.0.1"
+            )
+        })?;
+        listener.set_nonblocking(true)?;
+        let bound = listener.local_addr()?;
+        let gate = Gate::new(token.expose(), bound.ip().is_loopback());
+        let login_key = gate.mint_key();
+        let shared = Arc::new(Shared {
+            gate,
+            feed: Mutex::new(Feed::new(&run)),
+            run,
+            master,
+            token: token.clone(),
+            fault_threshold,
+            view: Mutex::default(),
+            charts: Mutex::default(),
+        });
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let thread = std::thread::Builder::new()
+            .name("status-page".into())
+            .spawn(move || serve(listener, shared, stopped))
+            .context("starting the status page's thread")?;
+        Ok(StatusPage {
+            addr: bound,
+            login_key,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The page's address, `http://HOST:PORT/`.
+    pub fn url(&self) -> String {
+        format!("http://{}/", self.addr)
+    }
+
+    /// The one-time link that logs a browser in (actions; every page off loopback).
+    pub fn login_link(&self) -> String {
+        format!("http://{}/login?key={}", self.addr, self.login_key)
+    }
+}
+
+impl Drop for StatusPage {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(true);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The page's thread: the HTTP server and the master poll, until told to stop.
+fn serve(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "status page: starting its runtime");
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => return tracing::error!(error = %e, "status page: its listener"),
+        };
+        let poll = tokio::spawn(poll_master(shared.clone()));
+        let mut graceful = stopped.clone();
+        let server =
+            axum::serve(listener, routes::router(shared)).with_graceful_shutdown(async move {
+                let _ = graceful.wait_for(|s| *s).await;
+            });
+        let hard_stop = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+            tokio::time::sleep(STOP_GRACE).await;
+        };
+        tokio::select! {
+            r = server => if let Err(e) = r {
+                tracing::error!(error = %e, "status page: serving");
+            },
+            _ = hard_stop => {}
+        }
+        poll.abort();
+    });
+}
+
+/// Asks the master for its status every [`POLL`], keeping the newest answer.
+async fn poll_master(shared: Arc<Shared>) {
+    let mut last_ok: Option<Instant> = None;
+    loop {
+        let r = request_status(shared.master, &shared.token, ASK_TIMEOUT).await;
+        {
+            let mut v = shared.master_view();
+            match r {
+                Ok(s) => {
+                    v.status = Some(s);
+                    v.up = true;
+                    v.error = None;
+                    last_ok = Some(Instant::now());
+                }
+                Err(e) => {
+                    v.up = false;
+                    let since = last_ok.map_or(String::new(), |t| {
+                        format!(" (last answer {:.0} s ago)", t.elapsed().as_secs_f64())
+                    });
+                    v.error = Some(format!(
+                        "the master at {} does not answer: {e}{since}",
+                        shared.master
+                    ));
+                }
+            }
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}

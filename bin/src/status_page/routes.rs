@@ -1,0 +1,192 @@
+//! The page's HTTP routes (axum), behind [`gatekeeper`], which asks [`Gate`] about each request.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use oobleck_core::elastic::agent::{request_drain, request_kill};
+use serde_json::json;
+
+use super::auth::{cookie, Need, Presented, Verdict, SESSION_COOKIE};
+use super::{view, Shared, ASK_TIMEOUT};
+
+const INDEX: &str = include_str!("assets/index.html");
+const JS: &str = include_str!("assets/page.js");
+const CSS: &str = include_str!("assets/page.css");
+
+pub(super) fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(|| async { page(INDEX, "text/html; charset=utf-8") }),
+        )
+        .route(
+            "/assets/page.js",
+            get(|| async { page(JS, "text/javascript; charset=utf-8") }),
+        )
+        .route(
+            "/assets/page.css",
+            get(|| async { page(CSS, "text/css; charset=utf-8") }),
+        )
+        .route("/login", get(login))
+        .route("/api/status", get(api_status))
+        .route("/charts/{name}", get(chart))
+        .route("/metrics", get(metrics))
+        .route("/api/nodes/{node}/{action}", post(action))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such page: try / or /api/status") })
+        .layer(middleware::from_fn_with_state(shared.clone(), gatekeeper))
+        .with_state(shared)
+}
+
+fn page(body: &'static str, kind: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, kind),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+fn error(code: StatusCode, message: &str) -> Response {
+    (code, Json(json!({ "error": message }))).into_response()
+}
+
+/// What a request brings, from its headers.
+fn presented(h: &HeaderMap) -> Presented<'_> {
+    let text = |name| h.get(name).and_then(|v| v.to_str().ok());
+    Presented {
+        bearer: text(header::AUTHORIZATION).and_then(|a| a.strip_prefix("Bearer ")),
+        session: text(header::COOKIE).and_then(|c| cookie(c, SESSION_COOKIE)),
+        host: text(header::HOST),
+    }
+}
+
+/// Lets through what [`Gate`] allows; `/login` is how one gets credentials, so only the host
+/// rule applies to it.
+async fn gatekeeper(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let need = if req.method() == Method::POST {
+        Need::Act
+    } else {
+        Need::Look
+    };
+    let mut p = presented(req.headers());
+    if req.uri().path() == "/login" {
+        p.bearer = Some(s.token.expose());
+    }
+    match s.gate.verdict(need, &p) {
+        Verdict::Allow => next.run(req).await,
+        Verdict::Unauthorized => error(
+            StatusCode::UNAUTHORIZED,
+            match need {
+                Need::Act => "actions need the job's token: open the one-time link `train` printed, or send `Authorization: Bearer TOKEN`",
+                Need::Look => "this page is not on loopback: open the one-time link `train` printed, or send `Authorization: Bearer TOKEN`",
+            },
+        ),
+        Verdict::ForeignHost => error(
+            StatusCode::FORBIDDEN,
+            "this page listens on loopback: open it as 127.0.0.1 or localhost",
+        ),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Key {
+    key: String,
+}
+
+async fn login(State(s): State<Arc<Shared>>, Query(k): Query<Key>) -> Response {
+    match s.gate.redeem(&k.key) {
+        Some(session) => {
+            let c = format!("{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/");
+            ([(header::SET_COOKIE, c)], Redirect::to("/")).into_response()
+        }
+        None => error(
+            StatusCode::UNAUTHORIZED,
+            "this link was used already or is not this job's: send the job token as \
+             `Authorization: Bearer TOKEN`, or restart `train` for a new link",
+        ),
+    }
+}
+
+async fn api_status(State(s): State<Arc<Shared>>, h: HeaderMap) -> Json<serde_json::Value> {
+    let can_act = s.gate.knows(&presented(&h));
+    let config = std::fs::read_to_string(s.run.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let job = view::job(config.as_ref(), &s.run.display().to_string());
+    let feed = s.fresh_feed();
+    let v = s.master_view();
+    Json(view::status(job, &feed, &v, s.fault_threshold, can_act))
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let text = {
+        let feed = s.fresh_feed();
+        let v = s.master_view();
+        super::metrics::render(&feed, v.status.as_ref(), v.up, s.fault_threshold)
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn chart(State(s): State<Arc<Shared>>, Path(name): Path<String>) -> Response {
+    let Some(chart) = super::charts::Chart::named(&name) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "charts: loss.svg, throughput.svg, step_time.svg",
+        );
+    };
+    let version = s.fresh_feed().charts_version();
+    // Reading the run and drawing take milliseconds, off the page's one thread.
+    let shared = s.clone();
+    let svg = tokio::task::spawn_blocking(move || {
+        let mut c = shared.charts.lock().unwrap_or_else(|p| p.into_inner());
+        c.get(&shared.run, version, chart)
+    })
+    .await
+    .unwrap_or_else(|e| super::charts::note_svg(&format!("drawing failed: {e}")));
+    (
+        [
+            (header::CONTENT_TYPE, "image/svg+xml"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        svg,
+    )
+        .into_response()
+}
+
+async fn action(State(s): State<Arc<Shared>>, Path((node, what)): Path<(u32, String)>) -> Response {
+    let r = match what.as_str() {
+        "kill" => request_kill(s.master, &s.token, node, ASK_TIMEOUT).await,
+        "drain" => request_drain(s.master, &s.token, node, false, ASK_TIMEOUT).await,
+        _ => return error(StatusCode::NOT_FOUND, "actions: kill, drain"),
+    };
+    match r {
+        Ok(_) => {
+            let message = match what.as_str() {
+                "kill" => format!("node {node} is being killed; the job recovers if it can"),
+                _ => format!("node {node} leaves at the next step boundary"),
+            };
+            Json(json!({ "message": message })).into_response()
+        }
+        Err(oobleck_core::elastic::ElasticError::Refused { reason: why }) => {
+            error(StatusCode::CONFLICT, &format!("the master refused: {why}"))
+        }
+        Err(e) => error(
+            StatusCode::BAD_GATEWAY,
+            &format!("asking the master at {}: {e}", s.master),
+        ),
+    }
+}
