@@ -213,3 +213,141 @@ fn stage_times(reg: &mut Registry, latest: Option<&Value>, status: Option<&Clust
         reg.register(name, help, family);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oobleck_core::elastic::protocol::{NodeStatus, PipelineStatus, RankStatus, StageStatus};
+    use prometheus_parse::{Scrape, Value as P};
+
+    fn scrape(text: &str) -> Scrape {
+        Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text")
+    }
+
+    fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        s.samples
+            .iter()
+            .find(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+            .map(|x| match &x.value {
+                P::Gauge(v) | P::Counter(v) | P::Untyped(v) => *v,
+                other => panic!("{name}: {other:?}"),
+            })
+    }
+
+    /// Two pipelines: p0 on node 0 (one stage), p1 on nodes 1 and 2 (two stages, ranks 1, 2).
+    fn status() -> ClusterStatus {
+        let node = |n| NodeStatus {
+            node: n,
+            addr: format!("127.0.0.1:{n}"),
+            devices: 1,
+            last_seen_ms: 5,
+        };
+        let stage = |a, b, n| StageStatus {
+            layers: (a, b),
+            devices: 1,
+            node: n,
+        };
+        let rank = |r, n| RankStatus {
+            rank: r,
+            node: n,
+            times: Default::default(),
+            straggler: false,
+        };
+        ClusterStatus {
+            nodes: (0..3).map(node).collect(),
+            expected_nodes: 3,
+            pipelines: vec![
+                PipelineStatus {
+                    id: 0,
+                    template_nodes: 1,
+                    nodes: vec![0],
+                    microbatches: 2,
+                    stages: vec![stage(0, 4, 0)],
+                },
+                PipelineStatus {
+                    id: 1,
+                    template_nodes: 2,
+                    nodes: vec![1, 2],
+                    microbatches: 2,
+                    stages: vec![stage(0, 3, 1), stage(3, 4, 2)],
+                },
+            ],
+            generation: 1,
+            committed_step: Some(7),
+            samples_per_s: 4.0,
+            joining: vec![],
+            draining: vec![],
+            spare: vec![],
+            ranks: vec![rank(0, 0), rank(1, 1), rank(2, 2)],
+        }
+    }
+
+    #[test]
+    fn a_scrape_parses_and_carries_the_newest_step_and_each_ranks_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let times = serde_json::json!({"2": {"compute_ms": 80.0, "forward_ms": 30.0,
+            "backward_ms": 45.0, "p2p_ms": 2.0, "collective_ms": 5.0, "step_ms": 95.0}});
+        let lines = [
+            serde_json::json!({"step": 6, "loss": 7.0, "tokens_per_s": 500.0, "val_loss": 7.2}),
+            serde_json::json!({"step": 7, "loss": 6.5, "tokens_per_s": 610.5, "generation": 1,
+                               "times": times}),
+        ];
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
+        std::fs::write(
+            dir.path().join("events.jsonl"),
+            "{\"event\":\"reconfig\",\"fault_tolerance\":0}\n\
+             {\"event\":\"resumed\",\"phases\":{\"detect_s\":0.5,\"copy_s\":0.03}}\n",
+        )
+        .unwrap();
+        let mut feed = Feed::new(dir.path());
+        feed.refresh().unwrap();
+        let st = status();
+        assert_eq!(
+            places(&st)[&2],
+            (1, 1, 2),
+            "rank 2: pipeline 1, stage 1, node 2"
+        );
+        let s = scrape(&render(&feed, Some(&st), true, 1));
+        for (name, want) in [
+            ("oobleck_step", 7.0),
+            ("oobleck_loss", 6.5),
+            ("oobleck_val_loss", 7.2),
+            ("oobleck_tokens_per_second", 610.5),
+            ("oobleck_generation", 1.0),
+            ("oobleck_pipelines", 2.0),
+            ("oobleck_nodes", 3.0),
+            ("oobleck_fault_tolerance", 0.0),
+            ("oobleck_master_up", 1.0),
+            ("oobleck_reconfigurations_total", 1.0),
+        ] {
+            assert_eq!(value(&s, name, &[]), Some(want), "{name}");
+        }
+        let at = [
+            ("rank", "2"),
+            ("pipeline", "1"),
+            ("stage", "1"),
+            ("node", "2"),
+        ];
+        assert_eq!(value(&s, "oobleck_stage_backward_ms", &at), Some(45.0));
+        assert_eq!(value(&s, "oobleck_stage_gradient_sync_ms", &at), Some(5.0));
+        let h = s
+            .samples
+            .iter()
+            .find(|x| {
+                x.metric == "oobleck_reconfiguration_phase_seconds"
+                    && x.labels.get("phase") == Some("copy")
+            })
+            .expect("the copy phase's histogram");
+        let P::Histogram(buckets) = &h.value else {
+            panic!("{:?}", h.value)
+        };
+        // 0.03 s falls in the 0.04 bucket and above, not in 0.01 or 0.02.
+        let count = |le: f64| buckets.iter().find(|b| b.less_than == le).map(|b| b.count);
+        assert_eq!((count(0.02), count(0.04)), (Some(0.0), Some(1.0)));
+        // The master down: membership gauges fall back to the metrics line's, which has none.
+        let s = scrape(&render(&feed, None, false, 1));
+        assert_eq!(value(&s, "oobleck_master_up", &[]), Some(0.0));
+        assert_eq!(value(&s, "oobleck_nodes", &[]), None);
+    }
+}
