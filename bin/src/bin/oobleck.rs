@@ -134,8 +134,11 @@ fn run() -> Result<()> {
         Cmd::AddNode(a) => oobleck_cli::cluster::membership_cmd::add_node(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::agent_cmd::run(&a),
         Cmd::Report { dir } => {
-            let path = oobleck_cli::report::write_report(&dir)?;
+            let (path, missing) = oobleck_cli::report::write_report_noting(&dir)?;
             println!("{}", path.display());
+            if let Some(note) = missing {
+                eprintln!("{note}");
+            }
             Ok(())
         }
     }

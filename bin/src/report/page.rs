@@ -2,20 +2,19 @@
 
 use std::fmt::Write;
 
+use super::charts::{bars_height, recovery_bars, stage_bars, why_empty, CHARTS};
 use super::svg::esc;
-use super::{plots, PipelineInfo, Run};
+use super::{PipelineInfo, Run};
+
+/// Width of the page's charts, pixels.
+const CHART_WIDTH: u32 = 960;
 
 const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1000px}\
 h1{font-size:22px}h2{font-size:17px;margin-top:28px}\
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}\
 th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}td.details{word-break:break-all}\
 tr.unusual td{background:#fde8e8}p.note{color:#555}p.warn{color:#b00;font-weight:bold}\
-svg{display:block;margin:8px 0}svg text{font-size:11px;fill:#333}\
-svg .grid{stroke:#eee}svg .frame{fill:none;stroke:#999}svg text.axis{font-size:12px}\
-svg .train{fill:none;stroke:#1f77b4;stroke-width:1.5}svg .tput{fill:none;stroke:#2ca02c;stroke-width:1.5}\
-svg circle.val{fill:#ff7f0e}svg line.ckpt{stroke:#aaa;stroke-dasharray:3 3}\
-svg line.ev{stroke:#d00;stroke-width:2}svg text.ev{fill:#d00;font-weight:bold}\
-svg rect.pipe{stroke:#fff;stroke-width:1}svg text.band{font-weight:bold}";
+figure{margin:8px 0}svg{display:block;max-width:100%;height:auto}";
 
 /// The whole page.
 pub(super) fn render(run: &Run) -> String {
@@ -32,17 +31,28 @@ pub(super) fn render(run: &Run) -> String {
         esc(model)
     );
     s.push_str(&header(run, model));
+    if let Some(note) = run.missing_note() {
+        let _ = writeln!(s, "<p class=\"warn\">{}</p>", esc(&note));
+    }
     if run.metrics.is_empty() {
         s.push_str("<p class=\"warn\">No step was committed: there is no loss or throughput to plot.</p>\n");
-    } else {
-        let markers = plots::markers(run);
-        s.push_str("<h2>Loss</h2>\n");
-        s.push_str(&plots::loss(run, &markers));
-        s.push_str("\n<h2>Throughput</h2>\n");
-        s.push_str(&plots::throughput(run, &markers));
-        s.push_str("\n<h2>Plan timeline</h2>\n");
-        s.push_str(&plots::timeline(run, &markers));
-        s.push('\n');
+    }
+    for (name, heading, draw, height) in CHARTS {
+        let _ = writeln!(s, "<h2>{}</h2>", esc(heading));
+        if let Some(why) = why_empty(name, run) {
+            let _ = writeln!(s, "<p class=\"note\">{}</p>", esc(why));
+            continue;
+        }
+        let height = match name {
+            "stages" => bars_height(stage_bars(run).1.len()),
+            "recovery" => bars_height(recovery_bars(run).1.len()),
+            _ => height,
+        };
+        let _ = writeln!(
+            s,
+            "<figure class=\"{name}\">{}</figure>",
+            draw(run, CHART_WIDTH, height)
+        );
     }
     s.push_str(&plans_table(run));
     s.push_str(&events_table(run));

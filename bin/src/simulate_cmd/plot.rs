@@ -25,7 +25,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::sync::OnceLock;
 
 use anyhow::{anyhow, bail, Context, Result};
 use oobleck_core::simulate::{Change, Mark, Outcome, TimePoint};
@@ -33,14 +32,12 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+use crate::plotting::{register_font, FONT};
+
 /// The picture in pixels (SVG user units): wide like a paper figure, readable at page width.
 const WIDTH: u32 = 1280;
 const HEIGHT: u32 = 640;
 const MS_PER_HOUR: f64 = 3_600_000.0;
-/// The family every text uses: the embedded font is registered under it for layout and PNG
-/// drawing, and SVG viewers map it to their own sans-serif face.
-const FONT: &str = "sans-serif";
-static ROBOTO: &[u8] = include_bytes!("../../../datasets/fonts/Roboto-Regular.ttf");
 
 /// Okabe-Ito colours (distinguishable with the common colour-vision deficiencies), without
 /// vermillion, which would read as the failure marks' red.
@@ -126,16 +123,6 @@ impl Format {
             ),
         }
     }
-}
-
-fn register_font() -> Result<()> {
-    static REGISTERED: OnceLock<bool> = OnceLock::new();
-    let ok = *REGISTERED
-        .get_or_init(|| plotters::style::register_font(FONT, FontStyle::Normal, ROBOTO).is_ok());
-    if !ok {
-        bail!("the embedded font (datasets/fonts/Roboto-Regular.ttf) cannot be read");
-    }
-    Ok(())
 }
 
 /// Throughputs must be finite and not negative, and points in time order: anything else is a
