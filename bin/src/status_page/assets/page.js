@@ -284,16 +284,31 @@ function fieldText(v) {
   return text.length > 160 ? text.slice(0, 157) + "…" : text;
 }
 
-// Plan events carry whole layouts; their node lists are what a reader wants.
+// The fields a reader looks for first, by kind; the rest follow in the order they came.
+const FIRST = {
+  reconfig: ["cause", "lost_nodes", "new_pipelines", "in_place", "fault_tolerance"],
+  resumed: ["since_failure_s", "phases"],
+  failure: ["reason"],
+  straggler: ["node", "rank", "factor", "evicted", "refusal"],
+};
+
+function ordered(e) {
+  const first = FIRST[e.event] || ["node", "rank", "reason"];
+  const keys = Object.keys(e).filter((k) => !["event", "step", "wall_s"].includes(k));
+  return [...first.filter((k) => keys.includes(k)), ...keys.filter((k) => !first.includes(k))];
+}
+
+// Empty lists and nulls are left out; plan layouts shrink to their node lists.
 function eventFields(e) {
-  const skip = new Set(["event", "step", "wall_s"]);
   const out = [];
-  for (const [k, v] of Object.entries(e)) {
-    if (skip.has(k)) continue;
+  for (const k of ordered(e)) {
+    const v = e[k];
+    if (v === null || (Array.isArray(v) && v.length === 0) || v === "") continue;
     if (k === "pipelines" && Array.isArray(v)) {
       out.push([k, v.map((p) => (p && p.nodes ? p.nodes : p))]);
     } else if (k === "phases" && v && typeof v === "object") {
-      out.push([k, Object.entries(v).map(([p, s]) => `${p} ${fmt(s, 3)}s`).join(", ")]);
+      const parts = Object.entries(v).map(([p, t]) => `${p.replace(/_s$/, "")} ${fmt(t, 3)} s`);
+      out.push([k, parts.join(", ")]);
     } else {
       out.push([k, v]);
     }
@@ -310,8 +325,9 @@ function eventItem(e) {
   }
   return el("li", {"data-kind": kind, class: cls},
     el("span", {class: "ev-kind"}, kind),
-    el("span", {class: "ev-step num"}, e.step !== undefined ? `step ${e.step}` : ""),
-    el("span", {class: "ev-wall num"}, e.wall_s !== undefined ? duration(e.wall_s) : ""),
+    el("span", {class: "ev-when"},
+      e.step !== undefined ? el("span", {class: "ev-step"}, `step ${e.step}`) : null,
+      e.wall_s !== undefined ? el("span", {class: "ev-wall"}, duration(e.wall_s)) : null),
     fields);
 }
 
