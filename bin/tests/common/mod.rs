@@ -2,6 +2,8 @@
 //! with the single-process trainer, and checking that no process is left behind.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod cdp;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
