@@ -286,7 +286,8 @@ function fieldText(v) {
 
 // The fields a reader looks for first, by kind; the rest follow in the order they came.
 const FIRST = {
-  reconfig: ["cause", "lost_nodes", "new_pipelines", "in_place", "fault_tolerance"],
+  reconfig: ["cause", "lost_nodes", "drained_nodes", "joined_nodes", "new_pipelines", "in_place",
+    "fault_tolerance"],
   resumed: ["since_failure_s", "phases"],
   failure: ["reason"],
   straggler: ["node", "rank", "factor", "evicted", "refusal"],
