@@ -3,9 +3,9 @@
 
 use serde_json::json;
 
-use super::{chart, fill, lines_of, metric, tags, two_generation_run, write_lines};
+use super::{chart, fill, lines_of, metric, tags, texts_of, two_generation_run, write_lines};
 use crate::report::charts::bars::{stage_parts, SINCE_FAILURE, STAGE_PARTS};
-use crate::report::charts::TRAIN;
+use crate::report::charts::{CHECKPOINT, EVENT, JOIN, TRAIN};
 use crate::report::*;
 
 fn times(compute: f64, fwd: f64, bwd: f64, p2p: f64, sync: f64, step: f64) -> serde_json::Value {
@@ -174,4 +174,59 @@ fn a_partial_directory_draws_what_it_can_and_names_what_is_missing() {
 
 fn html_esc(s: &str) -> String {
     crate::report::svg::esc(s)
+}
+
+#[test]
+fn joins_are_marked_apart_from_failures() {
+    let tmp = tempfile::tempdir().unwrap();
+    two_generation_run(tmp.path());
+    write_lines(
+        &tmp.path().join("events.jsonl"),
+        &[
+            json!({"event": "start", "step": 0}),
+            // The nodes the job starts with join before the first plan: not marked.
+            json!({"event": "join", "node": 0, "addr": "a"}),
+            json!({"event": "plan", "generation": 0, "pipelines": []}),
+            json!({"event": "checkpoint", "step": 5, "path": "c", "duration_s": 0.1}),
+            // A node joining the running job: no step of its own, placed after step 5.
+            json!({"event": "join", "node": 4, "addr": "b"}),
+            json!({"event": "reconfig", "step": 6, "generation": 1, "joined_nodes": [4],
+                   "lost_nodes": []}),
+            json!({"event": "reconfig", "step": 8, "generation": 2, "joined_nodes": [],
+                   "lost_nodes": [3]}),
+        ],
+    );
+    let html = render(&read_run(tmp.path()).unwrap());
+    for name in ["loss", "throughput"] {
+        let svg = chart(&html, name);
+        assert_eq!(lines_of(svg, JOIN), vec![2, 2], "{name}: {svg}");
+        assert_eq!(texts_of(svg, JOIN), vec!["join", "reconfig"], "{name}");
+        assert_eq!(
+            texts_of(svg, EVENT),
+            vec!["reconfig"],
+            "{name}: the one with a loss"
+        );
+        assert!(svg.contains(">\nnode joined\n</text>"), "the key");
+    }
+    // The join sits at step 5, in time where step 5 was committed (7.5 s).
+    let loss = chart(&html, "loss");
+    let join_x: Vec<&str> = tags(loss, "polyline", &super::stroke(JOIN))
+        .iter()
+        .map(|t| {
+            t.split("points=\"")
+                .nth(1)
+                .unwrap()
+                .split(',')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    let ckpt_x = tags(loss, "polyline", &super::stroke(CHECKPOINT))[0]
+        .split("points=\"")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap();
+    assert_eq!(join_x[0], ckpt_x, "the late join at the checkpoint's step");
 }
