@@ -183,3 +183,28 @@ fn a_never_true_wait_fails_within_its_timeout_naming_what_it_waited_for() -> Res
     );
     Ok(())
 }
+
+#[test]
+fn a_test_that_panics_leaves_no_browser_behind() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let outcome = std::thread::spawn(move || {
+        let Some(browser) = Browser::launch().expect("launching the browser") else {
+            return;
+        };
+        let _page = browser.new_page().expect("a page");
+        tx.send((browser.pid(), browser.profile_dir().to_path_buf()))
+            .expect("the test thread waits");
+        panic!("on purpose, with the browser running (this message is expected)");
+    })
+    .join();
+    let Ok((pid, profile)) = rx.try_recv() else {
+        return; // no browser: launch said so on stderr
+    };
+    assert!(outcome.is_err(), "the thread was meant to panic");
+    assert!(!common::alive(pid), "browser {pid} outlived a panic");
+    assert_eq!(
+        processes_of(pid, &profile),
+        Vec::<u32>::new(),
+        "processes left after a panic"
+    );
+}
