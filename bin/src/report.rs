@@ -14,7 +14,7 @@
 //!  plan.json ───┘  (optional: the `plan` events, then the metrics, stand in for it)
 //! ```
 
-mod charts;
+pub(crate) mod charts;
 mod page;
 mod svg;
 #[cfg(test)]
