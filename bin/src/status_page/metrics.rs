@@ -25,26 +25,35 @@ type Labels = Vec<(String, String)>;
 /// Where a rank runs: `(pipeline, stage, node)`.
 pub type Place = (u32, usize, u32);
 
-/// Each rank's pipeline and stage: a pipeline's ranks are numbered from its lowest, stage by
-/// stage, `devices` ranks per stage (the order `planning` assigns them).
+/// Each rank's pipeline and stage. A pipeline's node `j` holds ranks `first_rank + j * G ..`
+/// (`G` devices per node, `planning::instantiate`), given to its stages in order.
 pub fn places(status: &ClusterStatus) -> BTreeMap<u32, Place> {
     let mut out = BTreeMap::new();
     for p in &status.pipelines {
-        let Some(first) = status
-            .ranks
-            .iter()
-            .filter(|r| p.nodes.contains(&r.node))
-            .map(|r| r.rank)
-            .min()
-        else {
-            continue;
+        let per_node = |node: u32| {
+            let on_node = p
+                .stages
+                .iter()
+                .filter(|s| s.node == node)
+                .map(|s| s.devices)
+                .sum();
+            status
+                .nodes
+                .iter()
+                .find(|n| n.node == node)
+                .map_or(on_node, |n| n.devices)
         };
-        let mut rank = first;
+        let mut used: BTreeMap<u32, u32> = BTreeMap::new();
         for (i, st) in p.stages.iter().enumerate() {
-            for _ in 0..st.devices.max(1) {
-                out.insert(rank, (p.id, i, st.node));
-                rank += 1;
+            let Some(j) = p.nodes.iter().position(|&n| n == st.node) else {
+                continue;
+            };
+            let offset = used.entry(st.node).or_default();
+            let base = p.first_rank + j as u32 * per_node(st.node) + *offset;
+            for d in 0..st.devices.max(1) {
+                out.insert(base + d, (p.id, i, st.node));
             }
+            *offset += st.devices.max(1);
         }
     }
     out
@@ -263,6 +272,7 @@ mod tests {
                     nodes: vec![0],
                     microbatches: 2,
                     stages: vec![stage(0, 4, 0)],
+                    first_rank: 0,
                 },
                 PipelineStatus {
                     id: 1,
@@ -270,6 +280,7 @@ mod tests {
                     nodes: vec![1, 2],
                     microbatches: 2,
                     stages: vec![stage(0, 3, 1), stage(3, 4, 2)],
+                    first_rank: 1,
                 },
             ],
             generation: 1,

@@ -249,6 +249,7 @@ impl Master {
                     nodes: p.nodes.clone(),
                     microbatches: p.microbatches,
                     stages,
+                    first_rank: p.first_rank,
                 }
             })
             .collect();

@@ -100,6 +100,9 @@ pub struct PipelineStatus {
     pub microbatches: u32,
     /// The template's stages in order.
     pub stages: Vec<StageStatus>,
+    /// The global rank of its first stage's first device; the stages' devices follow in order.
+    #[serde(default)]
+    pub first_rank: u32,
 }
 
 /// One stage of a pipeline in a status report.
