@@ -225,7 +225,6 @@ pub(crate) fn throughput_chart(run: &Run, width: u32, height: u32) -> String {
 }
 
 /// The time of each committed step (its slowest rank's `step_ms`), for the live page.
-#[allow(dead_code)] // Drawn by the status page only.
 pub(crate) fn step_time_chart(run: &Run, width: u32, height: u32) -> String {
     svg("step_time", width, height, run, |root| {
         let points: Vec<(f64, f64)> = run
