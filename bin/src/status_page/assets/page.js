@@ -106,7 +106,8 @@ function drawHeader(s) {
   setText("tokens", latest ? fmt(latest.tokens_per_s, 0) : "–");
   setText("wall", latest ? duration(latest.wall_s) : "–");
   const left = s.fault_tolerance_left;
-  setText("fault-left", `${left ?? "–"} of ${job.fault_threshold ?? "–"}`,
+  // The plan in force may survive more than the job's f (more pipelines than f + 1).
+  setText("fault-left", `${left ?? "–"} (f = ${job.fault_threshold ?? "–"})`,
     left === 0 ? "warn" : "");
   drawNodesLive(cluster);
 }
