@@ -19,6 +19,8 @@ pub mod client;
 pub mod feed;
 pub mod metrics;
 mod routes;
+#[cfg(test)]
+mod tests;
 pub mod view;
 
 use std::net::SocketAddr;

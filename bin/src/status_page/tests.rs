@@ -1,0 +1,147 @@
+//! The page's HTTP surface on a real socket, with no master behind it (it never answers, so
+//! `connected` is false): who gets in, the one-time link, unknown paths, the charts' names.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use oobleck_core::elastic::Token;
+
+use super::StatusPage;
+
+/// One raw HTTP/1.1 request; the whole answer (status line, headers, body) as text.
+fn raw(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("Content-Length: 0\r\n\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("an answer");
+    out
+}
+
+fn code(answer: &str) -> u16 {
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A page for a master that is not there (a port nothing listens on).
+fn page(bind: &str, run: &std::path::Path) -> (StatusPage, Token) {
+    let token = Token::new("the-job-token").unwrap();
+    let nobody: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let p = StatusPage::start(bind.parse().unwrap(), run.to_path_buf(), nobody, &token, 1).unwrap();
+    (p, token)
+}
+
+#[test]
+fn off_loopback_every_request_needs_the_token_or_a_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = page("0.0.0.0:0", dir.path());
+    let at = SocketAddr::from(([127, 0, 0, 1], p.addr().port()));
+    let host = ("Host", "node7.cluster:8080");
+    for path in ["/", "/api/status", "/metrics", "/charts/loss.svg"] {
+        let a = raw(at, "GET", path, &[host]);
+        assert_eq!(code(&a), 401, "{path}: {a}");
+        assert!(a.contains("one-time link"), "{a}");
+    }
+    let bearer = ("Authorization", "Bearer the-job-token");
+    let a = raw(at, "GET", "/api/status", &[host, bearer]);
+    assert_eq!(code(&a), 200, "{a}");
+    assert!(
+        a.contains("\"connected\":false") && a.contains("\"can_act\":true"),
+        "{a}"
+    );
+    let wrong = ("Authorization", "Bearer the-job-tokem");
+    assert_eq!(code(&raw(at, "GET", "/api/status", &[host, wrong])), 401);
+    // The one-time link: a session cookie and a redirect to the page, once.
+    let key = p.login_link().rsplit_once("key=").unwrap().1.to_string();
+    let a = raw(at, "GET", &format!("/login?key={key}"), &[host]);
+    assert_eq!(code(&a), 303, "{a}");
+    let cookie = a
+        .lines()
+        .find_map(|l| l.strip_prefix("set-cookie: "))
+        .expect("a session cookie");
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    let session = cookie.split(';').next().unwrap();
+    let a = raw(at, "GET", "/", &[host, ("Cookie", session)]);
+    assert_eq!(code(&a), 200);
+    assert!(a.contains("<html"), "{a}");
+    assert_eq!(
+        code(&raw(at, "GET", &format!("/login?key={key}"), &[host])),
+        401,
+        "used"
+    );
+    // Unknown paths and charts, with credentials.
+    assert_eq!(code(&raw(at, "GET", "/nope", &[host, bearer])), 404);
+    assert_eq!(
+        code(&raw(at, "GET", "/charts/nope.svg", &[host, bearer])),
+        404
+    );
+    let a = raw(at, "GET", "/charts/loss.svg", &[host, bearer]);
+    assert_eq!(code(&a), 200);
+    assert!(a.contains("image/svg+xml") && a.contains("<svg"), "{a}");
+}
+
+#[test]
+fn on_loopback_looking_is_open_acting_is_not_and_the_host_must_be_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = page("127.0.0.1:0", dir.path());
+    let at = p.addr();
+    let host = ("Host", "127.0.0.1");
+    let a = raw(at, "GET", "/api/status", &[host]);
+    assert_eq!(code(&a), 200, "{a}");
+    assert!(a.contains("\"can_act\":false"), "{a}");
+    let a = raw(at, "POST", "/api/nodes/1/kill", &[host]);
+    assert_eq!(code(&a), 401, "{a}");
+    let a = raw(at, "GET", "/api/status", &[("Host", "attacker.example")]);
+    assert_eq!(code(&a), 403, "DNS rebinding: {a}");
+    // With the token, an action reaches for the master, which is not there: 502, in words.
+    let a = raw(
+        at,
+        "POST",
+        "/api/nodes/1/kill",
+        &[host, ("Authorization", "Bearer the-job-token")],
+    );
+    assert_eq!(code(&a), 502, "{a}");
+    assert!(a.contains("asking the master at 127.0.0.1:9"), "{a}");
+    let a = raw(
+        at,
+        "POST",
+        "/api/nodes/1/explode",
+        &[host, ("Authorization", "Bearer the-job-token")],
+    );
+    assert_eq!(code(&a), 404, "{a}");
+}
+
+#[test]
+fn a_taken_port_is_named_in_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, token) = page("127.0.0.1:0", dir.path());
+    let taken = p.addr();
+    let nobody: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let e = StatusPage::start(taken, dir.path().to_path_buf(), nobody, &token, 1)
+        .err()
+        .expect("the port is taken");
+    let e = format!("{e:#}");
+    assert!(
+        e.contains(&taken.to_string()) && e.contains("--status-addr"),
+        "{e}"
+    );
+    assert_eq!(super::parse_addr(Some("off")).unwrap(), None);
+    assert_eq!(
+        super::parse_addr(None).unwrap(),
+        Some(SocketAddr::from(([127, 0, 0, 1], 0)))
+    );
+    let e = format!("{:#}", super::parse_addr(Some("nonsense")).unwrap_err());
+    assert!(e.contains("--status-addr nonsense"), "{e}");
+}
