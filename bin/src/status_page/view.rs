@@ -1,4 +1,4 @@
-//! `/api/status`: the page's one JSON document (`/work/notes/status-api.md` has the schema,
+//! `/api/status`: the page's one JSON document (`README.md` here has the schema,
 //! `oobleck status` prints its `cluster`). Built here from the feed, the master's newest answer
 //! and the job's configuration, with no I/O.
 
