@@ -157,37 +157,26 @@ fn refusals(addr: std::net::SocketAddr) {
     assert_eq!(code, 404);
 }
 
-#[test]
-fn the_status_page_follows_a_job_through_a_failure_and_a_kill() {
-    let Some(browser) = Browser::launch().expect("start the browser") else {
-        return;
-    };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let run = dir.path().join("run");
-    let log = dir.path().join("train.stderr");
-    // Node 0 sleeps 150 ms per microbatch, so the 30 steps before the failure take seconds:
-    // the page is open well before it. Node 3 fails after step 30; node 2 is killed from the
-    // page after that; f = 1 covers each in place.
-    let mut cmd = train_cmd(
-        &run,
-        60,
-        &[
-            "--nodes",
-            "4",
-            "--fault-threshold",
-            "1",
-            "--inject-failure",
-            "3@30",
-        ],
-    );
+/// The 4-node job: node 0 sleeps 150 ms per microbatch, so the 30 steps before node 3's
+/// injected failure take seconds and the page is open well before it; node 2 is killed from
+/// the page after that; f = 1 covers each in place. Its stderr goes to `log`.
+fn start_job(run: &Path, log: &Path) -> Guard {
+    let flags = [
+        "--nodes",
+        "4",
+        "--fault-threshold",
+        "1",
+        "--inject-failure",
+        "3@30",
+    ];
+    let mut cmd = train_cmd(run, 60, &flags);
     cmd.env("OOBLECK_TEST_SLOW", "0:150")
-        .stderr(std::fs::File::create(&log).expect("log file"));
-    let mut train = Guard(Some(cmd.spawn().expect("start train")));
-    let link = login_link(&log);
-    let addr = page_addr(&link).expect("the page's address");
-    let page = browser.new_page().expect("a tab");
-    // The one-time link logs this browser in (a session cookie) and lands on the page.
-    page.navigate(&link).expect("open the page");
+        .stderr(std::fs::File::create(log).expect("log file"));
+    Guard(Some(cmd.spawn().expect("start train")))
+}
+
+/// Generation 0: four nodes, the pipelines, no console error; the endpoints agree.
+fn before_the_failure(page: &Page, addr: std::net::SocketAddr, run: &Path) {
     page.wait_for(
         "location.pathname === '/' && document.querySelectorAll('#nodes tr[data-node]').length === 4",
         WAIT,
@@ -200,20 +189,23 @@ fn the_status_page_follows_a_job_through_a_failure_and_a_kill() {
         "the plan's pipelines",
     )
     .expect("pipelines");
-    let (_, pipelines, generation) = shown(&page);
+    let (_, pipelines, generation) = shown(page);
     assert_eq!(
         generation, "0",
         "the page opened before the failure at step 30"
     );
     assert!(pipelines >= 2, "f = 1 needs two pipelines: {pipelines}");
-    assert_no_console_errors(&page, "on load");
-    metrics_agree_with_the_file(addr, &run);
-    api_agrees_with_oobleck_status(addr, &run);
+    assert_no_console_errors(page, "on load");
+    metrics_agree_with_the_file(addr, run);
+    api_agrees_with_oobleck_status(addr, run);
     refusals(addr);
     page.screenshot(&out_dir().join("page-generation-0.png"))
         .expect("screenshot");
+}
 
-    // After the injected failure: generation 1 on three nodes, the failure in the log.
+/// After the injected failure: generation 1 on three nodes, the failure in the log, the
+/// charts drawn.
+fn after_the_failure(page: &Page) {
     page.wait_for(
         "document.querySelector('#generation').textContent.trim() === '1' && \
          document.querySelectorAll('#nodes tr[data-node]').length === 3 && \
@@ -227,19 +219,28 @@ fn the_status_page_follows_a_job_through_a_failure_and_a_kill() {
         .eval("document.querySelector('#nodes tr[data-node=\"3\"]')")
         .unwrap()
         .is_null());
-    assert_no_console_errors(&page, "after the failure");
+    page.wait_for(
+        "[...document.querySelectorAll('#chart-loss, #chart-throughput, #chart-step-time')]
+           .filter(i => i.complete && i.naturalWidth > 0).length === 3",
+        WAIT,
+        "the three charts to load",
+    )
+    .expect("charts");
+    assert_no_console_errors(page, "after the failure");
     page.screenshot(&out_dir().join("page-after-failure.png"))
         .expect("screenshot");
+}
 
-    // Kill node 2 from the page: it asks first (accepted), then the job recovers without it.
+/// Kill node 2 from the page: it asks first (accepted), then the job recovers without it.
+fn kill_from_the_page(page: &Page) {
+    let button = "button[data-action=\"kill\"][data-node=\"2\"]";
     page.wait_for(
-        "document.querySelector('button[data-action=\"kill\"][data-node=\"2\"]') !== null",
+        &format!("document.querySelector('{button}') !== null"),
         WAIT,
         "node 2's kill button",
     )
     .expect("kill button");
-    page.click("button[data-action=\"kill\"][data-node=\"2\"]")
-        .expect("click kill");
+    page.click(button).expect("click kill");
     page.wait_for(
         "document.querySelector('#generation').textContent.trim() === '2' && \
          document.querySelectorAll('#nodes tr[data-node]').length === 2",
@@ -259,21 +260,50 @@ fn the_status_page_follows_a_job_through_a_failure_and_a_kill() {
             .unwrap_or(false),
         "the kill is in the event log"
     );
-    assert_no_console_errors(&page, "after the kill");
+    assert_no_console_errors(page, "after the kill");
     page.screenshot(&out_dir().join("page-after-kill.png"))
         .expect("screenshot");
+}
 
-    let o = train.finish(Duration::from_secs(240));
-    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(o.status.success(), "{stderr}");
-    assert_all_gone(&run, 8);
-    // The report of the finished run, in the same browser.
+/// The finished run's report, in the same browser: its charts, no console error.
+fn the_report(browser: &Browser, run: &Path) {
     let report = browser.new_page().expect("a tab for the report");
     report
         .navigate(&format!("file://{}", run.join("report.html").display()))
         .expect("open the report");
+    let charts = report
+        .eval("document.querySelectorAll('svg').length")
+        .unwrap();
+    assert!(
+        charts.as_u64().unwrap_or(0) >= 5,
+        "loss, throughput, timeline, stages, recoveries: {charts}"
+    );
     assert_no_console_errors(&report, "in the report");
     report
         .screenshot(&out_dir().join("report.png"))
         .expect("screenshot");
+}
+
+#[test]
+fn the_status_page_follows_a_job_through_a_failure_and_a_kill() {
+    let Some(browser) = Browser::launch().expect("start the browser") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = dir.path().join("run");
+    let log = dir.path().join("train.stderr");
+    let mut train = start_job(&run, &log);
+    let link = login_link(&log);
+    let addr = page_addr(&link).expect("the page's address");
+    let page = browser.new_page().expect("a tab");
+    // The one-time link logs this browser in (a session cookie) and lands on the page.
+    page.navigate(&link).expect("open the page");
+    before_the_failure(&page, addr, &run);
+    after_the_failure(&page);
+    kill_from_the_page(&page);
+    let o = train.finish(Duration::from_secs(240));
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(o.status.success(), "{stderr}");
+    assert_all_gone(&run, 8);
+    the_report(&browser, &run);
 }

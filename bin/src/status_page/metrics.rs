@@ -72,8 +72,73 @@ fn phase_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.01, 2.0, 15))
 }
 
-/// The text of one scrape. `status`: the master's newest answer, if any; `up`: whether it
-/// answered the last poll; `fault_threshold`: the job's `f`.
+/// The job's gauges: name, help, value (left out when unknown). `status`: the master's newest
+/// answer, if any; `up`: whether it answered the last poll; `fault_threshold`: the job's `f`.
+fn job_gauges(
+    feed: &Feed,
+    status: Option<&ClusterStatus>,
+    up: bool,
+    fault_threshold: u64,
+) -> Vec<(&'static str, &'static str, Option<f64>)> {
+    let num = |k: &str| feed.latest.as_ref().and_then(|m| m[k].as_f64());
+    let of_status = |f: fn(&ClusterStatus) -> f64| status.map(f);
+    let f_left = feed.fault_tolerance.unwrap_or(fault_threshold);
+    vec![
+        (
+            "master_up",
+            "1 when the master answered the status page's last poll",
+            Some(f64::from(u8::from(up))),
+        ),
+        ("step", "The newest committed step", num("step")),
+        (
+            "loss",
+            "Training loss of the newest committed step",
+            num("loss"),
+        ),
+        (
+            "val_loss",
+            "The newest validation loss",
+            feed.val_loss.map(|v| v.1),
+        ),
+        (
+            "tokens_per_second",
+            "Tokens per second of the newest committed step",
+            num("tokens_per_s"),
+        ),
+        (
+            "samples_per_second",
+            "Samples per second of the newest committed step",
+            num("samples_per_s"),
+        ),
+        (
+            "generation",
+            "Plan generation of the newest committed step",
+            num("generation").or(of_status(|s| s.generation as f64)),
+        ),
+        (
+            "pipelines",
+            "Pipelines of the plan in force",
+            of_status(|s| s.pipelines.len() as f64).or(num("pipelines")),
+        ),
+        (
+            "nodes",
+            "Live nodes",
+            of_status(|s| s.nodes.len() as f64).or(num("nodes")),
+        ),
+        (
+            "expected_nodes",
+            "Nodes the job was started with",
+            of_status(|s| f64::from(s.expected_nodes)),
+        ),
+        (
+            "fault_tolerance",
+            "Node failures the plan in force survives in place",
+            Some(f_left as f64),
+        ),
+    ]
+}
+
+/// The text of one scrape (arguments as [`job_gauges`]).
 pub fn render(
     feed: &Feed,
     status: Option<&ClusterStatus>,
@@ -81,71 +146,18 @@ pub fn render(
     fault_threshold: u64,
 ) -> String {
     let mut reg = Registry::with_prefix("oobleck");
-    let num = |k: &str| feed.latest.as_ref().and_then(|m| m[k].as_f64());
-    gauge(
-        &mut reg,
-        "master_up",
-        "1 when the master answered the status page's last poll",
-        Some(f64::from(u8::from(up))),
-    );
-    gauge(&mut reg, "step", "The newest committed step", num("step"));
-    gauge(
-        &mut reg,
-        "loss",
-        "Training loss of the newest committed step",
-        num("loss"),
-    );
-    gauge(
-        &mut reg,
-        "val_loss",
-        "The newest validation loss",
-        feed.val_loss.map(|v| v.1),
-    );
-    gauge(
-        &mut reg,
-        "tokens_per_second",
-        "Tokens per second of the newest committed step",
-        num("tokens_per_s"),
-    );
-    gauge(
-        &mut reg,
-        "samples_per_second",
-        "Samples per second of the newest committed step",
-        num("samples_per_s"),
-    );
-    gauge(
-        &mut reg,
-        "generation",
-        "Plan generation of the newest committed step",
-        num("generation").or(status.map(|s| s.generation as f64)),
-    );
-    gauge(
-        &mut reg,
-        "pipelines",
-        "Pipelines of the plan in force",
-        status
-            .map(|s| s.pipelines.len() as f64)
-            .or(num("pipelines")),
-    );
-    gauge(
-        &mut reg,
-        "nodes",
-        "Live nodes",
-        status.map(|s| s.nodes.len() as f64).or(num("nodes")),
-    );
-    gauge(
-        &mut reg,
-        "expected_nodes",
-        "Nodes the job was started with",
-        status.map(|s| f64::from(s.expected_nodes)),
-    );
-    let f_left = feed.fault_tolerance.unwrap_or(fault_threshold);
-    gauge(
-        &mut reg,
-        "fault_tolerance",
-        "Node failures the plan in force survives in place",
-        Some(f_left as f64),
-    );
+    for (name, help, v) in job_gauges(feed, status, up, fault_threshold) {
+        gauge(&mut reg, name, help, v);
+    }
+    recoveries(&mut reg, feed);
+    stage_times(&mut reg, feed.latest.as_ref(), status);
+    let mut out = String::new();
+    encode(&mut out, &reg).expect("writing to a String cannot fail");
+    out
+}
+
+/// The reconfiguration count and each recovery phase's histogram.
+fn recoveries(reg: &mut Registry, feed: &Feed) {
     let reconfigs = Counter::<u64>::default();
     reconfigs.inc_by(feed.reconfigs);
     reg.register(
@@ -168,10 +180,6 @@ pub fn render(
         "Recovery phases, from failure to the first commit",
         phases,
     );
-    stage_times(&mut reg, feed.latest.as_ref(), status);
-    let mut out = String::new();
-    encode(&mut out, &reg).expect("writing to a String cannot fail");
-    out
 }
 
 /// Per-rank gauges of the newest step's times, labelled with the rank's place.
