@@ -90,3 +90,36 @@ fn a_bad_flag_value_keeps_clap_status_2() {
     assert!(stderr.contains("invalid value 'many'"), "{stderr}");
     assert_no_backtrace(&stderr);
 }
+
+#[test]
+fn train_with_a_status_port_in_use_names_it_and_starts_nothing() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let at = taken.local_addr().unwrap().to_string();
+    let args = [
+        "--model",
+        "gpt-tiny",
+        "--nodes",
+        "2",
+        "--steps",
+        "1",
+        "--sample",
+        "0",
+        "--status-addr",
+        &at,
+    ];
+    let (out, stderr) = run(TRAIN, &args);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {at}")) && stderr.contains("--status-addr"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("step 1/1"), "no training: {stderr}");
+    assert_no_backtrace(&stderr);
+    // One process trains without a master, so there is no page to serve.
+    let (out, stderr) = run(
+        TRAIN,
+        &["--nodes", "1", "--steps", "1", "--status-addr", &at],
+    );
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--nodes 2 or more"), "{stderr}");
+}

@@ -230,6 +230,7 @@ pub fn run(
         run: out.clone(),
         page_addr,
         page: None,
+        page_line: None,
         fault_threshold: cfg.fault_threshold as u64,
     };
     let result = driver::run_job(workload, opts, &mut watch);
@@ -298,10 +299,18 @@ struct Watch {
     /// Where to serve the page (`None`: `--status-addr off`).
     page_addr: Option<SocketAddr>,
     page: Option<StatusPage>,
+    /// Where the page is, said after the next note.
+    page_line: Option<String>,
     fault_threshold: u64,
 }
 
 impl Watch {
+    fn say_page(&mut self) {
+        if let Some(l) = self.page_line.take() {
+            self.progress.note(&l);
+        }
+    }
+
     /// Starts the page for the master at `addr` and says where it is.
     fn serve_page(&mut self, at: SocketAddr, addr: SocketAddr, token: &Token) -> Result<String> {
         let page = StatusPage::start(at, self.run.clone(), addr, token, self.fault_threshold)?;
@@ -318,7 +327,8 @@ impl Watch {
                 page.login_link()
             )
         };
-        self.progress.note(&line);
+        // Said after the job's first line (what it trains), which follows.
+        self.page_line = Some(line);
         let url = page.url();
         self.page = Some(page);
         Ok(url)
@@ -341,6 +351,7 @@ impl Observer for Watch {
     }
 
     fn plan(&mut self, status: &ClusterStatus) {
+        self.say_page();
         self.progress.note(&super::status::render_plan(status));
     }
 
@@ -350,5 +361,6 @@ impl Observer for Watch {
 
     fn note(&mut self, line: &str) {
         self.progress.note(line);
+        self.say_page();
     }
 }

@@ -6,6 +6,8 @@
 //! | loopback     | anyone on this host | token or session    |
 //! | other        | token or session    | token or session    |
 //!
+//! `/login` (a one-time key for a session) needs no credentials: the key is checked itself.
+//!
 //! On loopback the `Host` header must name a loopback host too, so a web page elsewhere
 //! cannot read the status through DNS rebinding.
 
@@ -22,6 +24,9 @@ pub const SESSION_COOKIE: &str = "oobleck_session";
 pub enum Need {
     Look,
     Act,
+    /// Trade a one-time key for a session (`/login`): how one gets credentials, so it needs
+    /// none; the key is checked by [`Gate::redeem`].
+    LogIn,
 }
 
 /// What a request brings.
@@ -51,7 +56,7 @@ pub fn decide(loopback: bool, need: Need, known: bool, host_is_loopback: bool) -
         return Verdict::ForeignHost;
     }
     match (known, loopback, need) {
-        (true, _, _) => Verdict::Allow,
+        (true, _, _) | (_, _, Need::LogIn) => Verdict::Allow,
         (false, true, Need::Look) => Verdict::Allow,
         (false, _, _) => Verdict::Unauthorized,
     }
@@ -168,6 +173,9 @@ mod tests {
             (false, Act, false, false, Unauthorized),
             (false, Look, true, false, Allow),
             (false, Act, true, false, Allow),
+            (false, LogIn, false, false, Allow),
+            (true, LogIn, false, true, Allow),
+            (true, LogIn, false, false, ForeignHost),
         ] {
             assert_eq!(
                 decide(lb, need, known, host),

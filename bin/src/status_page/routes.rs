@@ -67,24 +67,19 @@ fn presented(h: &HeaderMap) -> Presented<'_> {
     }
 }
 
-/// Lets through what [`Gate`] allows; `/login` is how one gets credentials, so only the host
-/// rule applies to it.
+/// Lets through what the gate allows.
 async fn gatekeeper(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
-    let need = if req.method() == Method::POST {
-        Need::Act
-    } else {
-        Need::Look
+    let need = match (req.method(), req.uri().path()) {
+        (&Method::POST, _) => Need::Act,
+        (_, "/login") => Need::LogIn,
+        _ => Need::Look,
     };
-    let mut p = presented(req.headers());
-    if req.uri().path() == "/login" {
-        p.bearer = Some(s.token.expose());
-    }
-    match s.gate.verdict(need, &p) {
+    match s.gate.verdict(need, &presented(req.headers())) {
         Verdict::Allow => next.run(req).await,
         Verdict::Unauthorized => error(
             StatusCode::UNAUTHORIZED,
             match need {
-                Need::Act => "actions need the job's token: open the one-time link `train` printed, or send `Authorization: Bearer TOKEN`",
+                Need::Act | Need::LogIn => "actions need the job's token: open the one-time link `train` printed, or send `Authorization: Bearer TOKEN`",
                 Need::Look => "this page is not on loopback: open the one-time link `train` printed, or send `Authorization: Bearer TOKEN`",
             },
         ),
