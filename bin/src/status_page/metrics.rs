@@ -73,7 +73,7 @@ fn phase_histogram() -> Histogram {
 }
 
 /// The job's gauges: name, help, value (left out when unknown). `status`: the master's newest
-/// answer, if any; `up`: whether it answered the last poll; `fault_threshold`: the job's `f`.
+/// answer, if any; `up`: whether it answered the last request; `fault_threshold`: the job's `f`.
 fn job_gauges(
     feed: &Feed,
     status: Option<&ClusterStatus>,
@@ -86,7 +86,7 @@ fn job_gauges(
     vec![
         (
             "master_up",
-            "1 when the master answered the status page's last poll",
+            "1 when the master answered the status page's last request",
             Some(f64::from(u8::from(up))),
         ),
         ("step", "The newest committed step", num("step")),

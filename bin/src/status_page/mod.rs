@@ -3,8 +3,8 @@
 //! kill and drain actions, `/api/status` (what `oobleck status` prints) and `/metrics`.
 //!
 //! ```text
-//!   master (control plane) ──request_status, 1/s──► MasterView ─┐
-//!   run dir: metrics.jsonl, events.jsonl ──Feed (tails)────────┼─► view::status  ─► /api/status
+//!   master (control plane) ──request_status (reused 250 ms)──► MasterView ─┐
+//!   run dir: metrics.jsonl, events.jsonl ──Feed (tails)───────────────────┼─► view ─► /api/status
 //!                         └──report::read_run, on change──► charts ─► /charts/*.svg
 //!   browser ──HTTP (axum)──► auth::Gate ──► routes ──► request_kill / request_drain
 //! ```
@@ -36,10 +36,12 @@ use oobleck_core::elastic::Token;
 use self::auth::Gate;
 use self::feed::Feed;
 
-/// How often the page asks the master for its status.
-const POLL: Duration = Duration::from_secs(1);
+/// An answer of the master younger than this is reused: `oobleck status` and a scrape see the
+/// step committed a moment ago, and a page open in many tabs asks the master a few times a
+/// second at most.
+const FRESH: Duration = Duration::from_millis(250);
 /// The longest one status request may take.
-const ASK_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const ASK_TIMEOUT: Duration = Duration::from_secs(3);
 /// After the stop signal, the longest open connections get to finish.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
@@ -60,6 +62,9 @@ pub struct MasterView {
     pub status: Option<ClusterStatus>,
     pub up: bool,
     pub error: Option<String>,
+    /// When it was last asked, and last answered.
+    asked: Option<Instant>,
+    answered: Option<Instant>,
 }
 
 /// What the handlers share.
@@ -86,6 +91,39 @@ impl Shared {
 
     pub fn master_view(&self) -> std::sync::MutexGuard<'_, MasterView> {
         self.view.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks the master for its status unless its newest answer is [`FRESH`].
+    pub async fn ask_master(&self) {
+        if self
+            .master_view()
+            .asked
+            .is_some_and(|t| t.elapsed() < FRESH)
+        {
+            return;
+        }
+        let r = request_status(self.master, &self.token, ASK_TIMEOUT).await;
+        let now = Instant::now();
+        let mut v = self.master_view();
+        v.asked = Some(now);
+        match r {
+            Ok(s) => {
+                v.status = Some(s);
+                v.up = true;
+                v.error = None;
+                v.answered = Some(now);
+            }
+            Err(e) => {
+                v.up = false;
+                let since = v.answered.map_or(String::new(), |t| {
+                    format!(" (last answer {:.0} s ago)", t.elapsed().as_secs_f64())
+                });
+                v.error = Some(format!(
+                    "the master at {} does not answer: {e}{since}",
+                    self.master
+                ));
+            }
+        }
     }
 }
 
@@ -166,7 +204,7 @@ impl Drop for StatusPage {
     }
 }
 
-/// The page's thread: the HTTP server and the master poll, until told to stop.
+/// The page's thread: the HTTP server, until told to stop.
 fn serve(
     listener: std::net::TcpListener,
     shared: Arc<Shared>,
@@ -187,7 +225,6 @@ fn serve(
             Ok(l) => l,
             Err(e) => return tracing::error!(error = %e, "status page: its listener"),
         };
-        let poll = tokio::spawn(poll_master(shared.clone()));
         let mut graceful = stopped.clone();
         let server =
             axum::serve(listener, routes::router(shared)).with_graceful_shutdown(async move {
@@ -203,36 +240,5 @@ fn serve(
             },
             _ = hard_stop => {}
         }
-        poll.abort();
     });
-}
-
-/// Asks the master for its status every [`POLL`], keeping the newest answer.
-async fn poll_master(shared: Arc<Shared>) {
-    let mut last_ok: Option<Instant> = None;
-    loop {
-        let r = request_status(shared.master, &shared.token, ASK_TIMEOUT).await;
-        {
-            let mut v = shared.master_view();
-            match r {
-                Ok(s) => {
-                    v.status = Some(s);
-                    v.up = true;
-                    v.error = None;
-                    last_ok = Some(Instant::now());
-                }
-                Err(e) => {
-                    v.up = false;
-                    let since = last_ok.map_or(String::new(), |t| {
-                        format!(" (last answer {:.0} s ago)", t.elapsed().as_secs_f64())
-                    });
-                    v.error = Some(format!(
-                        "the master at {} does not answer: {e}{since}",
-                        shared.master
-                    ));
-                }
-            }
-        }
-        tokio::time::sleep(POLL).await;
-    }
 }

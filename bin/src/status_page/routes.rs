@@ -115,12 +115,14 @@ async fn api_status(State(s): State<Arc<Shared>>, h: HeaderMap) -> Json<serde_js
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
     let job = view::job(config.as_ref(), &s.run.display().to_string());
+    s.ask_master().await;
     let feed = s.fresh_feed();
     let v = s.master_view();
     Json(view::status(job, &feed, &v, s.fault_threshold, can_act))
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    s.ask_master().await;
     let text = {
         let feed = s.fresh_feed();
         let v = s.master_view();
