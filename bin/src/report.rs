@@ -63,19 +63,9 @@ const ROUTINE: [&str; 8] = [
     "finish",
 ];
 
-/// Where one rank's time of a step went, ms (`StepTimes` of `oobleck-core`). Forward and
+/// Where one rank's time of a step went, ms, as `metrics.jsonl` records it. Forward and
 /// backward are 0 in runs from before they were recorded.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
-pub(crate) struct RankTimes {
-    pub compute_ms: f64,
-    #[serde(default)]
-    pub forward_ms: f64,
-    #[serde(default)]
-    pub backward_ms: f64,
-    pub p2p_ms: f64,
-    pub collective_ms: f64,
-    pub step_ms: f64,
-}
+pub(crate) type RankTimes = oobleck_core::execution::StepTimes;
 
 /// One line of `metrics.jsonl`, the fields the report uses. Losses and rates may be `null`
 /// (serde_json writes a NaN as `null`, and a diverged run is worth a report) but not absent.
