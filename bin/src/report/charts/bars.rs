@@ -8,6 +8,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+use super::lines::Chart;
 use super::{key_row, plot_err, svg, tick, Swatch, GRID};
 use crate::plotting::FONT;
 use crate::report::{RankTimes, Run};
@@ -192,6 +193,58 @@ pub(crate) fn recovery_chart(run: &Run, width: u32, height: u32) -> String {
 
 /// Stacked horizontal bars, top to bottom, labelled on the left, with a key row on top.
 /// `marks`: per bar, a value to tick across the bar (NaN: none).
+/// One bar between `lo` and `hi` on the y axis: its parts left to right in their keys'
+/// colours, its mark as a tick, its label left of the axis.
+fn draw_bar(
+    chart: &mut Chart,
+    root: &DrawingArea<SVGBackend, Shift>,
+    (lo, hi): (f64, f64),
+    bar: &Bar,
+    keys: &[(&str, RGBColor)],
+    mark: Option<f64>,
+) -> anyhow::Result<()> {
+    let mut x = 0.0;
+    for (j, &v) in bar.parts.iter().enumerate() {
+        if v > 0.0 {
+            let color = keys.get(j).map_or(GRID, |k| k.1);
+            chart
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(x, lo), (x + v, hi)],
+                    color.filled(),
+                )))
+                .map_err(plot_err)?;
+        }
+        x += v;
+    }
+    if let Some(m) = mark.filter(|m| m.is_finite()) {
+        let style = SINCE_FAILURE.stroke_width(2);
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(m, lo - 0.08), (m, hi + 0.08)],
+                style,
+            )))
+            .map_err(plot_err)?;
+    }
+    let (px, py) = chart.backend_coord(&(0.0, (lo + hi) / 2.0));
+    let style = TextStyle::from((FONT, 14).into_font())
+        .color(&RGBColor(40, 40, 40))
+        .pos(Pos::new(HPos::Right, VPos::Center));
+    root.draw_text(&bar.label, &style, (px - 6, py))
+        .map_err(plot_err)
+}
+
+/// Only the keys of parts some bar has (older runs have no forward or backward).
+fn used_keys<'k>(keys: &[(&'k str, RGBColor)], bars: &[Bar]) -> Vec<(&'k str, RGBColor)> {
+    keys.iter()
+        .enumerate()
+        .filter(|(j, _)| {
+            bars.iter()
+                .any(|b| b.parts.get(*j).is_some_and(|v| *v > 0.0))
+        })
+        .map(|(_, k)| *k)
+        .collect()
+}
+
 fn draw_bars(
     root: &DrawingArea<SVGBackend, Shift>,
     title: &str,
@@ -232,46 +285,10 @@ fn draw_bars(
         .draw()
         .map_err(plot_err)?;
     for (i, bar) in bars.iter().enumerate() {
-        let (lo, hi) = (n - i as f64 - 0.85, n - i as f64 - 0.15);
-        let mut x = 0.0;
-        for (j, &v) in bar.parts.iter().enumerate() {
-            if v > 0.0 {
-                let color = keys.get(j).map_or(GRID, |k| k.1);
-                chart
-                    .draw_series(std::iter::once(Rectangle::new(
-                        [(x, lo), (x + v, hi)],
-                        color.filled(),
-                    )))
-                    .map_err(plot_err)?;
-            }
-            x += v;
-        }
-        if let Some(&m) = marks.get(i).filter(|m| m.is_finite()) {
-            let style = SINCE_FAILURE.stroke_width(2);
-            chart
-                .draw_series(std::iter::once(PathElement::new(
-                    vec![(m, lo - 0.08), (m, hi + 0.08)],
-                    style,
-                )))
-                .map_err(plot_err)?;
-        }
-        let (px, py) = chart.backend_coord(&(0.0, (lo + hi) / 2.0));
-        let style = TextStyle::from((FONT, 14).into_font())
-            .color(&RGBColor(40, 40, 40))
-            .pos(Pos::new(HPos::Right, VPos::Center));
-        root.draw_text(&bar.label, &style, (px - 6, py))
-            .map_err(plot_err)?;
+        let row = (n - i as f64 - 0.85, n - i as f64 - 0.15);
+        draw_bar(&mut chart, root, row, bar, keys, marks.get(i).copied())?;
     }
-    // Only the parts some bar has (older runs have no forward or backward).
-    let used: Vec<(&str, RGBColor)> = keys
-        .iter()
-        .enumerate()
-        .filter(|(j, _)| {
-            bars.iter()
-                .any(|b| b.parts.get(*j).is_some_and(|v| *v > 0.0))
-        })
-        .map(|(_, k)| *k)
-        .collect();
+    let used = used_keys(keys, bars);
     let style = TextStyle::from((FONT, 14).into_font()).color(&RGBColor(40, 40, 40));
     root.draw_text(title, &style, (12, 6)).map_err(plot_err)?;
     // Dots, not squares, so the bars' rectangles stay countable.
