@@ -242,21 +242,13 @@ pub fn instantiate_with_sizes(
     nodes: &[u32],
     generation: u64,
 ) -> Result<Plan, PlanError> {
-    let counts = choose_counts(
-        set,
-        job.global_microbatches,
-        job.fault_threshold,
-        nodes.len() as u32,
-        sync_ns,
-        &[],
-    )?;
-    plan_of_counts(
+    instantiate_by(
+        choose_counts,
         set,
         job,
         devices_per_node,
         sync_ns,
         nodes,
-        &counts,
         generation,
     )
 }
@@ -273,11 +265,36 @@ pub fn instantiate_degraded(
     nodes: &[u32],
     generation: u64,
 ) -> Result<Plan, PlanError> {
-    let counts = choose_counts_degraded(
+    instantiate_by(
+        choose_counts_degraded,
+        set,
+        job,
+        devices_per_node,
+        sync_ns,
+        nodes,
+        generation,
+    )
+}
+
+/// How template counts are chosen (`compose::choose_counts` or its degraded form).
+type ChooseCounts = fn(&TemplateSet, u32, u32, u32, Nanos, &[u32]) -> Result<Vec<u32>, PlanError>;
+
+/// The plan of the counts `choose` picks for `nodes`.
+fn instantiate_by(
+    choose: ChooseCounts,
+    set: &TemplateSet,
+    job: &JobSpec,
+    devices_per_node: u32,
+    sync_ns: Nanos,
+    nodes: &[u32],
+    generation: u64,
+) -> Result<Plan, PlanError> {
+    let n = nodes.len() as u32;
+    let counts = choose(
         set,
         job.global_microbatches,
         job.fault_threshold,
-        nodes.len() as u32,
+        n,
         sync_ns,
         &[],
     )?;
