@@ -74,6 +74,8 @@ pub(crate) struct Shared {
     pub master: SocketAddr,
     pub token: Token,
     pub fault_threshold: u64,
+    /// The header `/api/status` repeats: `config.json`, written before the job starts.
+    pub job: serde_json::Value,
     pub feed: Mutex<Feed>,
     pub view: Mutex<MasterView>,
     pub charts: Mutex<charts::Cache>,
@@ -155,8 +157,13 @@ impl StatusPage {
         let bound = listener.local_addr()?;
         let gate = Gate::new(token.expose(), bound.ip().is_loopback());
         let login_key = gate.mint_key();
+        let config = std::fs::read_to_string(run.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        let job = view::job(config.as_ref(), &run.display().to_string());
         let shared = Arc::new(Shared {
             gate,
+            job,
             feed: Mutex::new(Feed::new(&run)),
             run,
             master,

@@ -111,14 +111,16 @@ async fn login(State(s): State<Arc<Shared>>, Query(k): Query<Key>) -> Response {
 
 async fn api_status(State(s): State<Arc<Shared>>, h: HeaderMap) -> Json<serde_json::Value> {
     let can_act = s.gate.knows(&presented(&h));
-    let config = std::fs::read_to_string(s.run.join("config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    let job = view::job(config.as_ref(), &s.run.display().to_string());
     s.ask_master().await;
     let feed = s.fresh_feed();
     let v = s.master_view();
-    Json(view::status(job, &feed, &v, s.fault_threshold, can_act))
+    Json(view::status(
+        s.job.clone(),
+        &feed,
+        &v,
+        s.fault_threshold,
+        can_act,
+    ))
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
