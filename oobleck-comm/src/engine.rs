@@ -41,6 +41,12 @@ pub(crate) trait Transport: Send + Sync {
     ) -> Result<()>;
     /// Closes every connection (abort, poisoning). Must not block.
     fn shutdown(&self);
+    /// The backend's own all-reduce of `buf` over the sorted group `g`, where it has a better
+    /// one (shared memory on one host). `Ok(false)`: not handled, nothing sent that the
+    /// engine's algorithms would read; the engine runs its own on the same context.
+    fn all_reduce(&self, _cx: &Ctx, _g: &[Rank], _buf: &mut [u8], _dtype: DType) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// Tuning knobs of the algorithms.
@@ -81,12 +87,13 @@ pub(crate) struct Engine<T: Transport> {
 }
 
 /// Per-operation context: deadline and the ids for errors.
-struct Ctx {
-    op: Op,
-    deadline: Instant,
-    timeout: Duration,
-    channel: u64,
-    seq: u64,
+pub(crate) struct Ctx {
+    pub op: Op,
+    pub deadline: Instant,
+    pub timeout: Duration,
+    /// The message channel: the tag, or the group id with the top bit set.
+    pub channel: u64,
+    pub seq: u64,
 }
 
 fn next(map: &Mutex<HashMap<(Rank, u64), u64>>, k: (Rank, u64)) -> u64 {
@@ -461,7 +468,11 @@ impl<T: Transport> Communicator for Engine<T> {
         self.guarded(Op::AllReduce, || {
             let cx = self.collective_ctx(Op::AllReduce, &g, timeout);
             let buf = tensor.as_bytes_mut();
-            if bytes <= self.tuning.direct_max_bytes || buf.len() / dtype.size() < g.len() {
+            let small = bytes <= self.tuning.direct_max_bytes || buf.len() / dtype.size() < g.len();
+            if !small && self.transport.all_reduce(&cx, &g, buf, dtype)? {
+                return Ok(());
+            }
+            if small {
                 self.all_reduce_direct(&cx, &g, buf, dtype)
             } else {
                 self.all_reduce_ring(&cx, &g, buf, dtype)

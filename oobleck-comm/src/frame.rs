@@ -13,7 +13,8 @@
 //! * `magic` is `b"OBKC"`; `version` is [`VERSION`]; anything else closes the connection.
 //! * `kind` 1 = `Hello`, 2 = `Data`, 3 = `Challenge`. `Hello` and `Challenge` only set up a
 //!   connection (channel, seq and part 0; payloads below; the exchange is drawn in
-//!   `src/tcp/handshake.rs`).
+//!   `src/tcp/handshake.rs`). `Local` (4) follows the handshake on every connection: the two
+//!   ranks compare hosts and agree on a shared-memory segment (`src/tcp/local.rs`).
 //! * `generation` must equal the receiver's: a frame from another generation closes the
 //!   connection with `StaleGeneration`.
 //! * `(channel, seq, part)` names the message, so concurrent operations on different groups
@@ -58,6 +59,9 @@ pub enum Kind {
     Hello = 1,
     Data = 2,
     Challenge = 3,
+    /// Shared-memory setup between ranks of one host, right after the handshake
+    /// (`src/tcp/local.rs`).
+    Local = 4,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +111,7 @@ impl Header {
             1 => Kind::Hello,
             2 => Kind::Data,
             3 => Kind::Challenge,
+            4 => Kind::Local,
             k => return Err(FrameError::BadKind(k)),
         };
         let len = u32_at(36);

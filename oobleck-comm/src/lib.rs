@@ -5,7 +5,10 @@
 //!                 │
 //!     ┌───────────┼──────────────────────┬──────────────────────────┐
 //!  TcpCommunicator  LocalCommunicator        NcclCommunicator (feature `nccl`,
-//!  (CPU, any host)  (threads, faults)         otherwise a NotCompiled stub)
+//!  (CPU, any host;  (threads, faults)         otherwise a NotCompiled stub)
+//!   shared memory
+//!   with ranks on
+//!   the same host)
 //!     │                │
 //!     └── Engine: ring / direct all-reduce, chain broadcast, barrier (engine.rs)
 //!            over a Transport (one message to one peer) + a Mailbox (messages by key)
@@ -29,6 +32,7 @@ mod nccl;
 #[cfg(not(feature = "nccl"))]
 #[path = "nccl_stub.rs"]
 mod nccl;
+mod shm;
 mod tcp;
 mod tensor;
 

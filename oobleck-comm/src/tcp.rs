@@ -13,6 +13,12 @@
 //!   socket ──reader thread: read_frame, validate──▶ Mailbox ──take(key, deadline)──▶ op thread
 //! ```
 //!
+//! Ranks on one host (same boot id, machine id and tmpfs; `tcp/local.rs`) agree right after
+//! the handshake on a shared-memory segment per pair and from then on send every message
+//! through its rings (`crate::shm`), and all-reduce groups that lie wholly on this host through
+//! shared scratch buffers. The TCP connection stays open as the failure detector.
+//! `TcpConfig::shared_memory = false` or `OOBLECK_COMM_SHM=0` keeps everything on TCP.
+//!
 //! A reader that sees EOF, a reset, a mid-frame close or a bad frame marks its peer failed,
 //! which wakes every operation waiting on that peer with `PeerLost` (or `StaleGeneration` /
 //! `Frame`). A stalled peer (SIGSTOP) stops reading, our writes block until the op deadline
@@ -20,6 +26,7 @@
 //! every socket, which unblocks blocked writes and reader threads at once.
 
 mod handshake;
+mod local;
 
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -33,11 +40,14 @@ use tracing::{debug, warn};
 use handshake::{accept_all, connect_one};
 
 use crate::comm::Rank;
-use crate::engine::{delegate_communicator, Engine, Transport, Tuning};
+use crate::engine::{delegate_communicator, Ctx, Engine, Transport, Tuning};
 use crate::error::{CommError, FrameError, Op, Result};
 use crate::frame::{self, Header, Kind, ReadOutcome};
 use crate::key::SecretKey;
 use crate::mailbox::{Key, Mailbox};
+use crate::shm::{Link, Scratch, Wire};
+use crate::tensor::DType;
+use local::PairLink;
 
 /// Everything a rank needs to join one generation of a TCP group.
 #[derive(Debug, Clone)]
@@ -56,6 +66,10 @@ pub struct TcpConfig {
     /// handshake proves it both ways and refuses any process that cannot; `None` (the
     /// default: in-process tests and benches) accepts any peer that names the generation.
     pub key: Option<SecretKey>,
+    /// Use shared memory with ranks on this host (default on: it is several times faster than
+    /// loopback TCP). `false`, or `OOBLECK_COMM_SHM=0` in the environment, keeps every pair on
+    /// TCP; both ends of a pair must agree, so a rank with it off makes its pairs TCP.
+    pub shared_memory: bool,
 }
 
 impl TcpConfig {
@@ -68,6 +82,7 @@ impl TcpConfig {
             max_frame_bytes: frame::DEFAULT_MAX_FRAME,
             tuning: Tuning::default(),
             key: None,
+            shared_memory: true,
         }
     }
 
@@ -96,6 +111,11 @@ struct TcpTransport {
     rank: Rank,
     generation: u64,
     conns: Vec<Option<Conn>>,
+    /// Shared-memory links, for peers on this host that agreed to one.
+    links: Vec<Option<PairLink>>,
+    /// Ranks on this host with shared memory on (ourselves included when on).
+    local: Vec<bool>,
+    scratch: Scratch,
     mailbox: Arc<Mailbox>,
 }
 
@@ -118,7 +138,9 @@ impl TcpCommunicator {
                 "max_frame_bytes must be positive".into(),
             ));
         }
-        let streams = establish(&cfg, listener)?;
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let streams = establish(&cfg, listener, deadline)?;
+        let negotiated = local::negotiate(&cfg, &streams, deadline)?;
         let cap = cfg.max_frame_bytes;
         // No message may exceed the receivers' frame cap.
         let cap_bytes = cap as usize;
@@ -141,13 +163,17 @@ impl TcpCommunicator {
             s.set_read_timeout(None).map_err(io)?;
             let reader = s.try_clone().map_err(io)?;
             let control = s.try_clone().map_err(io)?;
+            let link = negotiated.links[peer].as_ref().map(|l| l.link.clone());
+            if let Some(link) = &link {
+                let (link, mb) = (link.clone(), mailbox.clone());
+                readers.push(spawn(format!("comm-shm-{rank}<-{peer}"), move || {
+                    crate::shm::read_loop(&link, peer, generation, cap, &mb)
+                })?);
+            }
             let mb = mailbox.clone();
-            readers.push(
-                std::thread::Builder::new()
-                    .name(format!("comm-read-{rank}<-{peer}"))
-                    .spawn(move || read_loop(reader, peer, generation, cap, &mb))
-                    .map_err(|e| CommError::io("spawn reader thread", &e))?,
-            );
+            readers.push(spawn(format!("comm-read-{rank}<-{peer}"), move || {
+                read_loop(reader, peer, generation, cap, &mb, link.as_deref())
+            })?);
             conns.push(Some(Conn {
                 writer: Mutex::new(s),
                 control,
@@ -158,6 +184,9 @@ impl TcpCommunicator {
             rank,
             generation,
             conns,
+            links: negotiated.links,
+            local: negotiated.local,
+            scratch: Scratch::new(rank, generation),
             mailbox: mailbox.clone(),
         };
         Ok(TcpCommunicator {
@@ -165,18 +194,34 @@ impl TcpCommunicator {
             readers,
         })
     }
+
+    /// The peers this rank talks to through shared memory (on this host, agreed at connect).
+    pub fn shared_memory_peers(&self) -> Vec<Rank> {
+        let links = &self.engine.transport.links;
+        (0..links.len()).filter(|&r| links[r].is_some()).collect()
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .map_err(|e| CommError::io("spawn reader thread", &e))
 }
 
 /// Dials every lower rank and accepts every higher one (a thread); returns one handshaken
 /// stream per peer, indexed by rank.
-fn establish(cfg: &TcpConfig, listener: Option<TcpListener>) -> Result<Vec<Option<TcpStream>>> {
+fn establish(
+    cfg: &TcpConfig,
+    listener: Option<TcpListener>,
+    deadline: Instant,
+) -> Result<Vec<Option<TcpStream>>> {
     let (rank, world) = (cfg.rank, cfg.peers.len());
     let listener = match listener {
         Some(l) => l,
         None => TcpListener::bind(cfg.peers[rank])
             .map_err(|e| CommError::io(format!("bind {}", cfg.peers[rank]), &e))?,
     };
-    let deadline = Instant::now() + cfg.connect_timeout;
     let expect_accepts = world - rank - 1;
     let stop = Arc::new(AtomicBool::new(false));
     let acceptor = {
@@ -226,7 +271,16 @@ impl Drop for TcpCommunicator {
     }
 }
 
-fn read_loop(mut s: TcpStream, peer: Rank, generation: u64, cap: u32, mailbox: &Mailbox) {
+/// Reads `peer`'s frames until its connection ends. With a shared-memory `link`, the end is
+/// handed to the link's reader, which delivers what is left in the ring before failing the peer.
+fn read_loop(
+    mut s: TcpStream,
+    peer: Rank,
+    generation: u64,
+    cap: u32,
+    mailbox: &Mailbox,
+    link: Option<&Link>,
+) {
     let lost = |reason: String| CommError::PeerLost {
         rank: peer,
         generation,
@@ -275,7 +329,10 @@ fn read_loop(mut s: TcpStream, peer: Rank, generation: u64, cap: u32, mailbox: &
     } else if !mailbox.is_aborted() {
         warn!(rank = ?peer, generation, error = %err, "peer connection failed");
     }
-    mailbox.fail_peer(peer, err);
+    match link {
+        Some(link) => link.close(err),
+        None => mailbox.fail_peer(peer, err),
+    }
     let _ = s.shutdown(Shutdown::Both);
 }
 
@@ -295,6 +352,25 @@ impl Transport for TcpTransport {
         if let Some(e) = self.mailbox.peer_error(peer) {
             return Err(e);
         }
+        let timed_out = || CommError::Timeout {
+            op,
+            after: timeout,
+            rank: self.rank,
+            generation: self.generation,
+            waiting_on: Some(peer),
+        };
+        if let Some(l) = &self.links[peer] {
+            let check = || {
+                if self.mailbox.is_aborted() {
+                    Some(self.mailbox.aborted_error())
+                } else {
+                    self.mailbox.peer_error(peer)
+                }
+            };
+            return l
+                .writer
+                .write((channel, seq, part), parts, deadline, check, timed_out);
+        }
         let conn = self.conns[peer]
             .as_ref()
             .expect("every other rank has a connection: connect() fills them");
@@ -307,13 +383,6 @@ impl Transport for TcpTransport {
             part,
             len: u32::try_from(len)
                 .map_err(|_| CommError::Invalid(format!("message of {len} bytes")))?,
-        };
-        let timed_out = || CommError::Timeout {
-            op,
-            after: timeout,
-            rank: self.rank,
-            generation: self.generation,
-            waiting_on: Some(peer),
         };
         let mut w = conn.writer.lock().unwrap_or_else(|p| p.into_inner());
         let left = deadline.saturating_duration_since(Instant::now());
@@ -341,8 +410,44 @@ impl Transport for TcpTransport {
     }
 
     fn shutdown(&self) {
+        for l in self.links.iter().flatten() {
+            l.link.stop();
+        }
         for c in self.conns.iter().flatten() {
             let _ = c.control.shutdown(Shutdown::Both);
         }
+    }
+
+    fn all_reduce(&self, cx: &Ctx, g: &[Rank], buf: &mut [u8], dtype: DType) -> Result<bool> {
+        // Every member knows every member's host (from the setup offers), so all of them
+        // take this branch or none does.
+        if !g.iter().all(|&r| self.local[r]) {
+            return Ok(false);
+        }
+        let (channel, seq) = (cx.channel, cx.seq);
+        let send = |p: Rank, part: u32, parts: &[&[u8]]| {
+            self.send(
+                p,
+                (channel, seq, part),
+                parts,
+                cx.deadline,
+                cx.op,
+                cx.timeout,
+            )
+        };
+        let recv = |p: Rank, part: u32| {
+            let key = Key {
+                peer: p,
+                channel,
+                seq,
+                part,
+            };
+            self.mailbox.take(key, cx.deadline, cx.op, cx.timeout)
+        };
+        let wire = Wire {
+            send: &send,
+            recv: &recv,
+        };
+        self.scratch.all_reduce(channel, g, buf, dtype, &wire)
     }
 }

@@ -1,5 +1,7 @@
 //! The conformance suite on the TCP backend, all ranks as threads of this process on
-//! 127.0.0.1 (multi-process tests with real signals are in `tcp_processes.rs`).
+//! 127.0.0.1 (multi-process tests with real signals are in `tcp_processes.rs`), twice: with
+//! shared memory (the default between ranks of one host; checked to be in use) and with it
+//! turned off, every pair on TCP.
 
 mod common;
 
@@ -11,10 +13,13 @@ use std::time::Duration;
 use common::{Cluster, Comm, Factory};
 use oobleck_comm::{TcpCommunicator, TcpConfig, Tuning};
 
-struct Tcp;
+/// The TCP backend; `shm`: shared memory between the ranks (all on this host) or none.
+struct Tcp {
+    shm: bool,
+}
 
 /// Connects `world` ranks over loopback, each on its own port.
-pub fn tcp_group(world: usize, generation: u64, tuning: Tuning) -> Vec<TcpCommunicator> {
+pub fn tcp_group(world: usize, generation: u64, tuning: Tuning, shm: bool) -> Vec<TcpCommunicator> {
     let listeners: Vec<TcpListener> = (0..world)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
@@ -26,6 +31,7 @@ pub fn tcp_group(world: usize, generation: u64, tuning: Tuning) -> Vec<TcpCommun
             let mut cfg = TcpConfig::new(rank, generation, addrs.clone());
             cfg.tuning = tuning;
             cfg.connect_timeout = Duration::from_secs(10);
+            cfg.shared_memory = shm;
             thread::spawn(move || TcpCommunicator::connect(cfg, Some(l)))
         })
         .collect();
@@ -34,10 +40,20 @@ pub fn tcp_group(world: usize, generation: u64, tuning: Tuning) -> Vec<TcpCommun
 
 impl Factory for Tcp {
     fn cluster(&self, world: usize, tuning: Tuning) -> Cluster {
-        let comms: Vec<Comm> = tcp_group(world, 7, tuning)
-            .into_iter()
-            .map(|c| Arc::new(c) as Comm)
-            .collect();
+        let group = tcp_group(world, 7, tuning, self.shm);
+        for (r, c) in group.iter().enumerate() {
+            let want: Vec<usize> = if self.shm {
+                (0..world).filter(|&p| p != r).collect()
+            } else {
+                vec![]
+            };
+            assert_eq!(
+                c.shared_memory_peers(),
+                want,
+                "rank {r}: shared-memory peers"
+            );
+        }
+        let comms: Vec<Comm> = group.into_iter().map(|c| Arc::new(c) as Comm).collect();
         let handles = comms.clone();
         Cluster {
             comms,
@@ -47,4 +63,14 @@ impl Factory for Tcp {
     }
 }
 
-conformance_suite!(Tcp);
+mod shared_memory {
+    use super::{common, Tcp};
+    use crate::conformance_suite;
+    conformance_suite!(Tcp { shm: true });
+}
+
+mod forced_tcp {
+    use super::{common, Tcp};
+    use crate::conformance_suite;
+    conformance_suite!(Tcp { shm: false });
+}

@@ -267,7 +267,7 @@ fn connector_unkeyed(s: &TcpStream, cfg: &TcpConfig, j: Rank, deadline: Instant)
             j,
             "it asks for the generation's key, and this rank was given none",
         )),
-        Kind::Data => Err(malformed(j, "expected a Hello frame".into())),
+        Kind::Data | Kind::Local => Err(malformed(j, "expected a Hello frame".into())),
     }
 }
 
