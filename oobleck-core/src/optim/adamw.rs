@@ -35,6 +35,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+use super::fused;
 use crate::{Error, Result};
 
 /// Suffix of a first-moment entry in exported state (`<name>.exp_avg`).
@@ -133,7 +134,9 @@ impl ParamState {
 }
 
 /// AdamW keyed by parameter name. See the module docs for the exact update and contract.
-#[derive(Clone)]
+///
+/// Not `Clone`: on the CPU the moments are updated in place, so a shallow copy would share
+/// them; [`AdamW::export_state`] gives an independent copy.
 pub struct AdamW {
     config: AdamWConfig,
     decay: DecayPredicate,
@@ -266,35 +269,19 @@ impl AdamW {
         for (name, var) in params {
             let theta = var.as_tensor();
             let grad = grads[name].to_device(theta.device())?;
-            let st = match self.state.get(name) {
-                Some(st) => st.clone(),
-                None => ParamState::zeros(theta)?,
-            };
-            let step = st.step + 1;
             let weight_decay = if (self.decay)(name, theta.rank()) {
                 cfg.weight_decay
             } else {
                 0.0
             };
-            let (next_theta, exp_avg, exp_avg_sq) = update(
-                &theta.detach(),
-                &grad.detach(),
-                &st.exp_avg.to_device(theta.device())?,
-                &st.exp_avg_sq.to_device(theta.device())?,
-                step,
-                lr,
-                weight_decay,
-                &cfg,
-            )?;
-            var.set(&next_theta)?;
-            self.state.insert(
-                name.to_string(),
-                ParamState {
-                    exp_avg,
-                    exp_avg_sq,
-                    step,
-                },
-            );
+            // A clone shares the moments' storage, which the fused path updates in place.
+            let st = match self.state.get(name) {
+                Some(st) => st.clone(),
+                None => ParamState::zeros(theta)?,
+            };
+            let st = step_one(theta, &grad, st, lr, weight_decay, &cfg)
+                .and_then(|st| var_set_unless_in_place(var, st))?;
+            self.state.insert(name.to_string(), st);
         }
         Ok(())
     }
@@ -392,9 +379,10 @@ impl AdamW {
                     ));
                 }
             }
+            // Copies: later steps update the moments in place, never the caller's tensors.
             let st = ParamState {
-                exp_avg: m.detach(),
-                exp_avg_sq: v.detach(),
+                exp_avg: m.copy()?,
+                exp_avg_sq: v.copy()?,
                 step,
             };
             parsed.push((name.to_string(), st));
@@ -470,6 +458,58 @@ fn update(
     Ok((next, exp_avg, exp_avg_sq))
 }
 
+/// A parameter's state after one update. On the CPU in `f32` this is [`fused::step_in_place`]
+/// on the parameter and the moments themselves (`next_theta` is `None`); elsewhere the tensor
+/// path [`update`], whose new parameter value the caller sets.
+struct Stepped {
+    state: ParamState,
+    next_theta: Option<Tensor>,
+}
+
+fn step_one(
+    theta: &Tensor,
+    grad: &Tensor,
+    st: ParamState,
+    lr: f64,
+    weight_decay: f64,
+    cfg: &AdamWConfig,
+) -> Result<Stepped> {
+    let step = st.step + 1;
+    if fused::applies([theta, grad, &st.exp_avg, &st.exp_avg_sq]) {
+        let s = fused::Scalars::new(cfg.beta1, cfg.beta2, cfg.eps, lr, weight_decay, step);
+        fused::step_in_place(theta, grad, &st.exp_avg, &st.exp_avg_sq, s)?;
+        return Ok(Stepped {
+            state: ParamState { step, ..st },
+            next_theta: None,
+        });
+    }
+    let (next_theta, exp_avg, exp_avg_sq) = update(
+        &theta.detach(),
+        &grad.detach(),
+        &st.exp_avg.to_device(theta.device())?,
+        &st.exp_avg_sq.to_device(theta.device())?,
+        step,
+        lr,
+        weight_decay,
+        cfg,
+    )?;
+    Ok(Stepped {
+        state: ParamState {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        },
+        next_theta: Some(next_theta),
+    })
+}
+
+fn var_set_unless_in_place(var: &Var, stepped: Stepped) -> Result<ParamState> {
+    if let Some(next) = &stepped.next_theta {
+        var.set(next)?;
+    }
+    Ok(stepped.state)
+}
+
 enum Slot {
     ExpAvg,
     ExpAvgSq,
@@ -506,8 +546,9 @@ fn push_entries(out: &mut Vec<(String, Tensor)>, name: &str, st: &ParamState) ->
     let step = i64::try_from(st.step)
         .map_err(|_| opt_err(name, format!("step {} does not fit an i64", st.step)))?;
     let device: &Device = st.exp_avg.device();
-    out.push((format!("{name}.{EXP_AVG}"), st.exp_avg.clone()));
-    out.push((format!("{name}.{EXP_AVG_SQ}"), st.exp_avg_sq.clone()));
+    // Copies: the moments are updated in place by later steps.
+    out.push((format!("{name}.{EXP_AVG}"), st.exp_avg.copy()?));
+    out.push((format!("{name}.{EXP_AVG_SQ}"), st.exp_avg_sq.copy()?));
     out.push((format!("{name}.{STEP}"), Tensor::new(step, device)?));
     Ok(())
 }

@@ -25,11 +25,14 @@ pub fn global_grad_norm(grads: &HashMap<String, Tensor>) -> Result<f64> {
                 reason: format!("gradient has dtype {:?}; expected a float", g.dtype()),
             });
         }
-        sum_sq += g
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        sum_sq += match super::fused::sum_sq_f64(g)? {
+            Some(s) => s,
+            None => g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?,
+        };
     }
     Ok(sum_sq.sqrt())
 }

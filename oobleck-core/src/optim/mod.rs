@@ -20,6 +20,7 @@
 
 mod adamw;
 mod clip;
+mod fused;
 mod schedule;
 
 pub use adamw::{decays, AdamW, AdamWConfig, DecayPredicate, EXP_AVG, EXP_AVG_SQ, STEP};

@@ -193,8 +193,9 @@ fn snapshot(params: &[(String, Var)], opt: &AdamW) -> Result<Vec<(String, Tensor
             var.as_tensor().copy().map_err(crate::Error::from)?,
         ));
     }
+    // export_state's tensors are already copies.
     for (name, t) in opt.export_state()? {
-        tensors.push((format!("opt/{name}"), t.copy().map_err(crate::Error::from)?));
+        tensors.push((format!("opt/{name}"), t));
     }
     Ok(tensors)
 }
