@@ -1,6 +1,7 @@
 //! Side-by-side data-plane benchmark (not a test; nothing is asserted):
-//! all-reduce bus bandwidth and latency of the TCP backend for 2 and 4 processes on
-//! loopback, p2p bandwidth, `memcpy` bandwidth as the physical bound, and PyTorch Gloo
+//! all-reduce bus bandwidth and latency of the TCP backend for 2 and 4 processes on one host,
+//! once with shared memory (the default between ranks of one host) and once forced onto
+//! loopback TCP, p2p bandwidth, `memcpy` bandwidth as the physical bound, and PyTorch Gloo
 //! (`torch.distributed`, CPU) on the same sizes when `python3 -c 'import torch'` works.
 //!
 //! ```text
@@ -70,7 +71,14 @@ fn peer(spec: &str) {
         .map(|a| a.parse().expect("address"))
         .collect();
     let world = addrs.len();
-    let comm = TcpCommunicator::connect(TcpConfig::new(rank, 1, addrs), Some(l)).expect("connect");
+    let mut cfg = TcpConfig::new(rank, 1, addrs);
+    cfg.shared_memory = it.next() == Some("shm");
+    let comm = TcpCommunicator::connect(cfg, Some(l)).expect("connect");
+    assert_eq!(
+        comm.shared_memory_peers().len(),
+        if cfg_shm(spec) { world - 1 } else { 0 },
+        "shared memory in use exactly when asked for"
+    );
     let all: Vec<usize> = (0..world).collect();
     for bytes in sizes() {
         let n = bytes / 4;
@@ -132,13 +140,21 @@ impl Drop for Children {
 
 type Results = HashMap<(&'static str, usize), f64>;
 
-fn run_tcp(world: usize) -> Results {
+fn cfg_shm(spec: &str) -> bool {
+    spec.ends_with(",shm")
+}
+
+/// Runs `world` peers of our backend; `shm`: with shared memory, else every pair on TCP.
+fn run_ours(world: usize, shm: bool) -> Results {
     let exe = std::env::current_exe().expect("own executable");
     let mut kids = Children(Vec::new());
     let mut outs = Vec::new();
     for rank in 0..world {
         let mut c = Command::new(&exe)
-            .env(PEER_ENV, format!("{rank}"))
+            .env(
+                PEER_ENV,
+                format!("{rank},{}", if shm { "shm" } else { "tcp" }),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -268,61 +284,85 @@ fn main() {
     }
     let memcpy = memcpy_gbps();
     let mut tcp = HashMap::new();
+    let mut shm = HashMap::new();
     let mut gloo = HashMap::new();
     for world in [2usize, 4] {
-        eprintln!("comm bench: TCP, {world} processes ...");
-        tcp.insert(world, run_tcp(world));
+        eprintln!("comm bench: oobleck over TCP, {world} processes ...");
+        tcp.insert(world, run_ours(world, false));
+        eprintln!("comm bench: oobleck over shared memory, {world} processes ...");
+        shm.insert(world, run_ours(world, true));
         eprintln!("comm bench: Gloo, {world} processes ...");
         gloo.insert(world, run_gloo(world));
     }
-    let busbw = |world: usize, bytes: usize, secs: f64| {
-        bytes as f64 * 2.0 * (world as f64 - 1.0) / world as f64 / secs / 1e9
-    };
+    report(memcpy, &tcp, &shm, &gloo);
+}
+
+type ByWorld = HashMap<usize, Results>;
+
+fn busbw(world: usize, bytes: usize, secs: f64) -> f64 {
+    bytes as f64 * 2.0 * (world as f64 - 1.0) / world as f64 / secs / 1e9
+}
+
+fn report(
+    memcpy: f64,
+    tcp: &ByWorld,
+    shm: &ByWorld,
+    gloo: &HashMap<usize, Result<Results, String>>,
+) {
     let cell = |r: Option<&f64>, world: usize, bytes: usize| match r {
-        Some(&s) => format!("{:>7.2} {:>9.0}", busbw(world, bytes, s), s * 1e6),
-        None => format!("{:>17}", "-"),
+        Some(&s) => format!("{:>6.2} {:>8.0}", busbw(world, bytes, s), s * 1e6),
+        None => format!("{:>15}", "-"),
     };
-    let gcell = |world: usize, bytes: usize| match &gloo[&world] {
-        Ok(r) => cell(r.get(&("allreduce", bytes)), world, bytes),
-        Err(_) => format!("{:>17}", "n/a"),
+    let get = |r: &Results, kind: &'static str, bytes: usize| r.get(&(kind, bytes)).copied();
+    let gl = |world: usize, kind: &'static str, bytes: usize| {
+        gloo[&world].as_ref().ok().and_then(|r| get(r, kind, bytes))
     };
     println!();
-    println!("all-reduce (sum, f32), loopback; busbw in GB/s, latency in us per op");
+    println!("all-reduce (sum, f32), one host; busbw in GB/s, latency in us per op");
     println!(
-        "{:>8} | {:>17} | {:>17} | {:>17} | {:>17}",
-        "size", "oobleck 2p bw lat", "gloo 2p bw lat", "oobleck 4p bw lat", "gloo 4p bw lat"
+        "{:>8} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15}",
+        "size",
+        "tcp 2p bw lat",
+        "shm 2p bw lat",
+        "gloo 2p bw lat",
+        "tcp 4p bw lat",
+        "shm 4p bw lat",
+        "gloo 4p bw lat"
     );
     for bytes in sizes() {
-        println!(
-            "{:>8} | {} | {} | {} | {}",
-            human(bytes),
-            cell(tcp[&2].get(&("allreduce", bytes)), 2, bytes),
-            gcell(2, bytes),
-            cell(tcp[&4].get(&("allreduce", bytes)), 4, bytes),
-            gcell(4, bytes),
-        );
+        let mut row = format!("{:>8}", human(bytes));
+        for world in [2, 4] {
+            for r in [
+                get(&tcp[&world], "allreduce", bytes),
+                get(&shm[&world], "allreduce", bytes),
+                gl(world, "allreduce", bytes),
+            ] {
+                row += &format!(" | {}", cell(r.as_ref(), world, bytes));
+            }
+        }
+        println!("{row}");
     }
     println!();
     println!("p2p send/recv, 2 processes; GB/s (memcpy bound: {memcpy:.2} GB/s)");
     println!(
-        "{:>8} | {:>8} | {:>8} | {:>10}",
-        "size", "oobleck", "gloo", "oobleck/memcpy"
+        "{:>8} | {:>8} | {:>8} | {:>8} | {:>10} | {:>10}",
+        "size", "tcp", "shm", "gloo", "tcp/memcpy", "shm/memcpy"
     );
     for bytes in p2p_sizes() {
-        let gbps = |s: f64| bytes as f64 / s / 1e9;
-        let ours = tcp[&2].get(&("p2p", bytes)).map(|&s| gbps(s));
-        let theirs = gloo[&2]
-            .as_ref()
-            .ok()
-            .and_then(|r| r.get(&("p2p", bytes)))
-            .map(|&s| gbps(s));
+        let gbps = |s: Option<f64>| s.map(|s| bytes as f64 / s / 1e9);
         let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        let (t, m) = (
+            gbps(get(&tcp[&2], "p2p", bytes)),
+            gbps(get(&shm[&2], "p2p", bytes)),
+        );
         println!(
-            "{:>8} | {:>8} | {:>8} | {:>10}",
+            "{:>8} | {:>8} | {:>8} | {:>8} | {:>10} | {:>10}",
             human(bytes),
-            f(ours),
-            f(theirs),
-            ours.map_or("-".into(), |o| format!("{:.2}", o / memcpy))
+            f(t),
+            f(m),
+            f(gbps(gl(2, "p2p", bytes))),
+            f(t.map(|v| v / memcpy)),
+            f(m.map(|v| v / memcpy)),
         );
     }
     for world in [2, 4] {
@@ -333,22 +373,22 @@ fn main() {
     println!();
     let target = 64 << 20;
     for world in [2, 4] {
-        let ours = tcp[&world].get(&("allreduce", target));
-        let theirs = gloo[&world]
-            .as_ref()
-            .ok()
-            .and_then(|r| r.get(&("allreduce", target)));
-        if let (Some(o), Some(t)) = (ours, theirs) {
-            println!(
-                "target: all-reduce busbw at 64 MiB, {world}p: oobleck/gloo = {:.2} (want >= 1)",
-                t / o
-            );
+        let theirs = gl(world, "allreduce", target);
+        for (name, ours, want) in [("tcp", &tcp, 1.0), ("shm", &shm, 5.0)] {
+            if let (Some(o), Some(t)) = (get(&ours[&world], "allreduce", target), theirs) {
+                println!(
+                    "target: all-reduce busbw at 64 MiB, {world}p: {name}/gloo = {:.2} (want >= {want})",
+                    t / o
+                );
+            }
         }
     }
-    if let Some(&s) = tcp[&2].get(&("p2p", 64 << 20)) {
-        println!(
-            "target: p2p at 64 MiB / memcpy = {:.2} (want >= 0.5)",
-            (64 << 20) as f64 / s / 1e9 / memcpy
-        );
+    for (name, r) in [("tcp", &tcp), ("shm", &shm)] {
+        if let Some(s) = get(&r[&2], "p2p", target) {
+            println!(
+                "target: {name} p2p at 64 MiB / memcpy = {:.2} (want >= 0.5)",
+                target as f64 / s / 1e9 / memcpy
+            );
+        }
     }
 }

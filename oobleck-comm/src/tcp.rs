@@ -444,9 +444,28 @@ impl Transport for TcpTransport {
             };
             self.mailbox.take(key, cx.deadline, cx.op, cx.timeout)
         };
+        let check = |p: Rank| {
+            if self.mailbox.is_aborted() {
+                return Err(self.mailbox.aborted_error());
+            }
+            if let Some(e) = self.mailbox.peer_error(p) {
+                return Err(e);
+            }
+            if Instant::now() >= cx.deadline {
+                return Err(CommError::Timeout {
+                    op: cx.op,
+                    after: cx.timeout,
+                    rank: self.rank,
+                    generation: self.generation,
+                    waiting_on: Some(p),
+                });
+            }
+            Ok(())
+        };
         let wire = Wire {
             send: &send,
             recv: &recv,
+            check: &check,
         };
         self.scratch.all_reduce(channel, g, buf, dtype, &wire)
     }

@@ -1,5 +1,6 @@
 //! Multi-process TCP tests: real processes on 127.0.0.1, killed and stopped with real
-//! signals. The test binary re-executes itself as the peers (`peer_main` with
+//! signals, once with shared memory between them (the default on one host) and once with
+//! every pair on TCP. The test binary re-executes itself as the peers (`peer_main` with
 //! `OOBLECK_COMM_PEER` set); a guard kills every child on any exit path.
 
 use std::io::{BufRead, BufReader, Write};
@@ -27,6 +28,7 @@ fn peer_main() {
     let mut it = spec.split(',');
     let rank: usize = it.next().unwrap().parse().unwrap();
     let op_timeout = Duration::from_millis(it.next().unwrap().parse().unwrap());
+    let shm = it.next() == Some("shm");
     let born = Instant::now();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     println!("PEER PORT {}", l.local_addr().unwrap().port());
@@ -37,7 +39,9 @@ fn peer_main() {
     let world = addrs.len();
     let mut cfg = TcpConfig::new(rank, 1, addrs);
     cfg.connect_timeout = Duration::from_secs(10);
+    cfg.shared_memory = shm;
     let comm = TcpCommunicator::connect(cfg, Some(l)).unwrap();
+    println!("PEER SHM {}", comm.shared_memory_peers().len());
     let group: Vec<usize> = (0..world).collect();
     let n = 256 << 10; // 1 MiB of f32: the pipelined ring path
     let mut round = 0u64;
@@ -79,14 +83,21 @@ impl Drop for Children {
 }
 
 /// Starts `world` peers connected to each other; returns them and their stdout lines.
-fn start_peers(world: usize, op_timeout_ms: u64) -> (Children, Receiver<(usize, String)>) {
+fn start_peers(
+    world: usize,
+    op_timeout_ms: u64,
+    shm: bool,
+) -> (Children, Receiver<(usize, String)>) {
     let exe = std::env::current_exe().unwrap();
     let mut kids = Children(Vec::new());
     let (tx, rx) = channel();
     for rank in 0..world {
         let mut child = Command::new(&exe)
             .args(["--exact", "peer_main", "--nocapture", "--test-threads=1"])
-            .env(PEER_ENV, format!("{rank},{op_timeout_ms}"))
+            .env(
+                PEER_ENV,
+                format!("{rank},{op_timeout_ms},{}", if shm { "shm" } else { "tcp" }),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -154,10 +165,32 @@ fn pid(c: &Child) -> Pid {
     Pid::from_raw(c.id() as i32)
 }
 
-#[test]
-fn sigkilled_peer_fails_the_others_fast_with_peer_lost() {
+/// Checks every peer reported the transport asked for (shared memory with all others or none).
+fn check_transport(rx: &Receiver<(usize, String)>, world: usize, shm: bool) {
+    let want = if shm { world - 1 } else { 0 };
+    let all: Vec<usize> = (0..world).collect();
+    for (r, line) in wait_for(rx, &all, Duration::from_secs(20), |l| l.starts_with("SHM ")) {
+        assert_eq!(line, format!("SHM {want}"), "rank {r}");
+    }
+}
+
+/// Names of shared-memory segments in /dev/shm created by process `pid`.
+fn segments_of(pid: u32) -> Vec<String> {
+    let prefix = format!("oobleck-{pid}-");
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| n.starts_with(&prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn sigkilled_peer_fails_the_others_fast_with_peer_lost(shm: bool) {
     let op_timeout_ms = 20_000;
-    let (kids, rx) = start_peers(3, op_timeout_ms);
+    let (kids, rx) = start_peers(3, op_timeout_ms, shm);
+    check_transport(&rx, 3, shm);
     wait_for(&rx, &[0, 1, 2], Duration::from_secs(20), |l| {
         l == "ROUND 2 OK"
     });
@@ -170,12 +203,15 @@ fn sigkilled_peer_fails_the_others_fast_with_peer_lost() {
     for (r, line) in errs {
         assert!(line.starts_with("ERR PeerLost"), "rank {r}: {line}");
     }
+    // Every segment was unlinked once mapped: the killed process left nothing behind.
+    let left = segments_of(kids.0[2].id());
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
 
-#[test]
-fn sigstopped_peer_makes_the_others_fail_within_their_timeout() {
+fn sigstopped_peer_makes_the_others_fail_within_their_timeout(shm: bool) {
     let op_timeout_ms = 1500;
-    let (kids, rx) = start_peers(3, op_timeout_ms);
+    let (kids, rx) = start_peers(3, op_timeout_ms, shm);
+    check_transport(&rx, 3, shm);
     wait_for(&rx, &[0, 1, 2], Duration::from_secs(20), |l| {
         l == "ROUND 2 OK"
     });
@@ -200,4 +236,24 @@ fn sigstopped_peer_makes_the_others_fail_within_their_timeout() {
         );
     }
     // The guard SIGKILLs the stopped child too (SIGKILL works on stopped processes).
+}
+
+#[test]
+fn sigkilled_peer_fails_the_others_fast_with_peer_lost_over_shared_memory() {
+    sigkilled_peer_fails_the_others_fast_with_peer_lost(true);
+}
+
+#[test]
+fn sigkilled_peer_fails_the_others_fast_with_peer_lost_over_tcp() {
+    sigkilled_peer_fails_the_others_fast_with_peer_lost(false);
+}
+
+#[test]
+fn sigstopped_peer_makes_the_others_fail_within_their_timeout_over_shared_memory() {
+    sigstopped_peer_makes_the_others_fail_within_their_timeout(true);
+}
+
+#[test]
+fn sigstopped_peer_makes_the_others_fail_within_their_timeout_over_tcp() {
+    sigstopped_peer_makes_the_others_fail_within_their_timeout(false);
 }

@@ -1,41 +1,53 @@
-//! All-reduce among ranks of one host through shared scratch buffers: every byte is copied
-//! once in, reduced once by the rank that owns its slice, and copied once out.
+//! All-reduce among ranks of one host through shared scratch buffers, pipelined in chunks
+//! small enough to stay in cache: each byte is read from the caller's tensor once, reduced
+//! once by the rank that owns its slice, and written back once.
 //!
 //! ```text
-//!   member i of n, tensor of S bytes, slice k = [k*S/n, (k+1)*S/n)
-//!   1. copy the tensor into my scratch (a segment of mine, mapped by the group's members)
-//!   2. READY ─▶ every member  (dtype, length, and the scratch's name when it is new)
-//!   3. slice i = sum over members in group order of their scratch's slice i, read in place;
-//!      written to my tensor and my scratch
-//!   4. REDUCED ─▶ every member; wait for theirs (the scratch may now be unlinked: all mapped it)
-//!   5. copy slice k from member k's scratch, for every k != i
-//!   6. COPIED ─▶ every member; wait for theirs (no scratch is overwritten while still read)
+//!   member i of n; the tensor in chunks of CHUNK bytes, chunk k in slot k%2 of every scratch;
+//!   slice j of a chunk = its j-th n-th (whole elements)
+//!   READY ─▶ every member (dtype, length, the scratch's name when new); counters were reset
+//!   for each chunk k:
+//!     a. wait until every member consumed chunk k-2 (slot k%2 is free again)
+//!     b. copy chunk k into my slot; filled = k+1
+//!     c. wait for every member's filled > k; sum slice i of every member's slot, in group
+//!        order, into my tensor and my slot; reduced = k+1
+//!     d. wait for every member's reduced > k; copy slice j from member j's slot; consumed = k+1
+//!   COPIED ─▶ every member; wait for theirs (no counter is reset while another still reads it)
 //! ```
 //!
-//! Each slice is summed by one rank in one order and copied to the others, so the result is
-//! bit-identical everywhere. Control messages go through the ordinary transport (the rings),
-//! so every wait has the op's deadline and fails fast with `PeerLost` when a member dies, like
-//! any other op. A member that cannot allocate its scratch (full tmpfs) says so in READY and
-//! every member falls back to the engine's ring all-reduce for that op.
+//! Counters live in the owner's scratch header and are waited on by spin, then futex naps;
+//! every nap re-checks abort, the peer's failure (its TCP connection) and the op's deadline,
+//! so a dead member fails the op with `PeerLost` and a stopped one with `Timeout`. Each slice
+//! is summed by one rank in one order and copied to the others: results are bit-identical.
+//! A member that cannot allocate its scratch (full tmpfs) says so in READY and every member
+//! falls back to the engine's ring all-reduce for that op.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing::warn;
 
-use super::segment::Segment;
+use super::segment::{futex_wait, futex_wake, Segment};
 use crate::comm::Rank;
 use crate::error::{CommError, FrameError, Result};
 use crate::tensor::{add_into, DType};
 
 /// Part numbers of the control messages; the engine's ring parts never get this high.
 pub(crate) const READY: u32 = u32::MAX;
-const REDUCED: u32 = u32::MAX - 1;
 const COPIED: u32 = u32::MAX - 2;
-/// Reduce in blocks that stay in cache while every member's contribution is added.
-const BLOCK: usize = 64 << 10;
-/// Scratch sizes are rounded up to this, so growing tensors do not re-create it every op.
-const GRAIN: usize = 1 << 20;
+/// Bytes of one pipelined chunk (a multiple of every element size): two slots of it per rank
+/// stay in cache while the members reduce and copy it.
+const CHUNK: usize = 1 << 20;
+/// Scratch header: the owner's counters, one cache line each.
+const HEADER: usize = 4096;
+const FILLED: usize = 0;
+const REDUCED_AT: usize = 64;
+const CONSUMED: usize = 128;
+const SCRATCH_LEN: usize = HEADER + 2 * CHUNK;
+const SPINS: u32 = 32;
+const NAP: Duration = Duration::from_millis(2);
 
 /// One group's scratch buffers: ours and those of the other members, by rank.
 #[derive(Default)]
@@ -68,6 +80,8 @@ pub(crate) type SendFn<'a> = &'a dyn Fn(Rank, u32, &[&[u8]]) -> Result<()>;
 pub(crate) struct Wire<'a> {
     pub send: SendFn<'a>,
     pub recv: &'a dyn Fn(Rank, u32) -> Result<Vec<u8>>,
+    /// Asked between naps while waiting on a member: abort, its failure, the deadline.
+    pub check: &'a dyn Fn(Rank) -> Result<()>,
 }
 
 fn malformed(peer: Rank, msg: String) -> CommError {
@@ -104,11 +118,13 @@ impl Scratch {
             .or_default()
             .clone();
         let mut gs = gs.lock().unwrap_or_else(|p| p.into_inner());
-        let created = self.ensure_mine(&mut gs, gid, buf.len());
+        let created = self.ensure_mine(&mut gs, gid);
         if let Some(mine) = &gs.mine {
-            // SAFETY: our own scratch, at least `buf.len()` bytes; no member reads it before
-            // our READY (and the previous op ended with everyone's COPIED).
-            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), mine.ptr(), buf.len()) };
+            // Nobody reads them now: the previous op ended with everyone's COPIED, and this
+            // one's reads start after our READY.
+            for c in [FILLED, REDUCED_AT, CONSUMED] {
+                mine.atomic_u32(c).store(0, SeqCst);
+            }
         }
         let mut ready = Vec::with_capacity(10 + 128);
         ready.push(u8::from(gs.mine.is_some()));
@@ -128,28 +144,67 @@ impl Scratch {
         if !all_ok {
             return Ok(false);
         }
-        self.reduce_my_slice(&gs, g, buf, dtype);
-        round(&others, REDUCED, wire)?;
+        self.chunks(&gs, g, &others, buf, dtype, wire)?;
         if gs.linked {
+            // Every member mapped it before its first `filled`, which we have all seen.
             gs.mine.as_ref().expect("linked implies present").unlink();
             gs.linked = false;
         }
-        self.copy_other_slices(&gs, g, buf, dtype);
         round(&others, COPIED, wire)?;
         Ok(true)
     }
 
-    /// Makes sure our scratch holds `len` bytes; returns the name of a new one.
-    fn ensure_mine(&self, gs: &mut GroupScratch, gid: u64, len: usize) -> Option<String> {
-        if gs.mine.as_ref().is_some_and(|s| s.len() >= len) {
+    /// Steps a to d of the module docs for every chunk of `buf`.
+    fn chunks(
+        &self,
+        gs: &GroupScratch,
+        g: &[Rank],
+        others: &[Rank],
+        buf: &mut [u8],
+        dtype: DType,
+        wire: &Wire,
+    ) -> Result<()> {
+        let mine = self.scratch_of(gs, self.rank);
+        let publish = |counter: usize, v: u32| {
+            mine.atomic_u32(counter).store(v, SeqCst);
+            futex_wake(mine.atomic_u32(counter));
+        };
+        let wait = |counter: usize, at_least: u32| -> Result<()> {
+            for &p in others {
+                wait_for(self.scratch_of(gs, p), counter, at_least, || {
+                    (wire.check)(p)
+                })?;
+            }
+            Ok(())
+        };
+        for (k, chunk) in buf.chunks_mut(CHUNK).enumerate() {
+            let k32 = k as u32;
+            let slot = HEADER + (k % 2) * CHUNK;
+            if k >= 2 {
+                wait(CONSUMED, k32 - 1)?;
+            }
+            // SAFETY: our own slot, free since every member consumed chunk k-2 (or fresh).
+            unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), mine.ptr().add(slot), chunk.len())
+            };
+            publish(FILLED, k32 + 1);
+            wait(FILLED, k32 + 1)?;
+            self.reduce_my_slice(gs, g, slot, chunk, dtype);
+            publish(REDUCED_AT, k32 + 1);
+            wait(REDUCED_AT, k32 + 1)?;
+            self.copy_other_slices(gs, g, slot, chunk, dtype);
+            publish(CONSUMED, k32 + 1);
+        }
+        Ok(())
+    }
+
+    /// Makes sure we have a scratch for this group; returns the name of a new one.
+    fn ensure_mine(&self, gs: &mut GroupScratch, gid: u64) -> Option<String> {
+        if gs.mine.is_some() {
             return None;
         }
-        if let Some(old) = gs.mine.take() {
-            old.unlink();
-        }
-        let size = len.div_ceil(GRAIN).max(1) * GRAIN;
         let what = format!("ar-r{}-{gid:x}", self.rank);
-        match Segment::create(self.generation, &what, size) {
+        match Segment::create(self.generation, &what, SCRATCH_LEN) {
             Ok(s) => {
                 let name = s.name().to_string();
                 gs.mine = Some(s);
@@ -157,7 +212,7 @@ impl Scratch {
                 Some(name)
             }
             Err(e) => {
-                warn!(rank = self.rank, generation = self.generation, bytes = size, error = %e,
+                warn!(rank = self.rank, generation = self.generation, bytes = SCRATCH_LEN, error = %e,
                       "no shared-memory scratch for all-reduce; this op uses the ring over the links");
                 None
             }
@@ -194,7 +249,7 @@ impl Scratch {
         if m.len() > 10 {
             let name = std::str::from_utf8(&m[10..])
                 .map_err(|_| malformed(p, "scratch name is not UTF-8".into()))?;
-            let seg = Segment::open(name, len).map_err(|e| CommError::Unavailable {
+            let seg = Segment::open(name, SCRATCH_LEN).map_err(|e| CommError::Unavailable {
                 what: format!("shared-memory scratch {name} of rank {p}"),
                 reason: format!(
                     "{e}; ranks that share a host must share {} (set OOBLECK_COMM_SHM=0 to use TCP)",
@@ -206,13 +261,10 @@ impl Scratch {
         if m[0] == 0 {
             return Ok(false);
         }
-        match gs.theirs.get(&p) {
-            Some(s) if s.len() >= len => Ok(true),
-            _ => Err(malformed(
-                p,
-                format!("all-reduce of {len} bytes without a scratch that large"),
-            )),
+        if !gs.theirs.contains_key(&p) {
+            return Err(malformed(p, "all-reduce without a scratch".into()));
         }
+        Ok(true)
     }
 
     fn scratch_of<'a>(&self, gs: &'a GroupScratch, r: Rank) -> &'a Segment {
@@ -223,40 +275,79 @@ impl Scratch {
         }
     }
 
-    fn reduce_my_slice(&self, gs: &GroupScratch, g: &[Rank], buf: &mut [u8], dtype: DType) {
-        let (a, b) = slice(g, self.rank, buf.len(), dtype);
-        let mine = self.scratch_of(gs, self.rank);
-        let mut at = a;
-        while at < b {
-            let end = (at + BLOCK).min(b);
-            let acc = &mut buf[at..end];
-            for (k, &r) in g.iter().enumerate() {
-                // SAFETY: slice `i` of every scratch is written only by its owner before its
-                // READY and never again in this op, so it is stable while we read it.
-                let src = unsafe {
-                    std::slice::from_raw_parts(self.scratch_of(gs, r).ptr().add(at), end - at)
-                };
-                if k == 0 {
-                    acc.copy_from_slice(src);
-                } else {
-                    add_into(dtype, acc, src);
-                }
+    /// Sums slice i of `chunk` over every member's `slot` into `chunk` and our slot.
+    fn reduce_my_slice(
+        &self,
+        gs: &GroupScratch,
+        g: &[Rank],
+        slot: usize,
+        chunk: &mut [u8],
+        dtype: DType,
+    ) {
+        let (a, b) = slice(g, self.rank, chunk.len(), dtype);
+        let acc = &mut chunk[a..b];
+        for (k, &r) in g.iter().enumerate() {
+            // SAFETY: every member wrote its slot before its `filled` and does not touch our
+            // slice of it again in this chunk.
+            let src = unsafe {
+                std::slice::from_raw_parts(self.scratch_of(gs, r).ptr().add(slot + a), b - a)
+            };
+            if k == 0 {
+                acc.copy_from_slice(src);
+            } else {
+                add_into(dtype, acc, src);
             }
-            // SAFETY: our own scratch's slice i, read by the others only after our REDUCED.
-            unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), mine.ptr().add(at), end - at) };
-            at = end;
         }
+        let mine = self.scratch_of(gs, self.rank);
+        // SAFETY: our slot's slice i, read by the others only after our `reduced`.
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), mine.ptr().add(slot + a), b - a) };
     }
 
-    fn copy_other_slices(&self, gs: &GroupScratch, g: &[Rank], buf: &mut [u8], dtype: DType) {
+    fn copy_other_slices(
+        &self,
+        gs: &GroupScratch,
+        g: &[Rank],
+        slot: usize,
+        chunk: &mut [u8],
+        dtype: DType,
+    ) {
         for &r in g.iter().filter(|&&r| r != self.rank) {
-            let (a, b) = slice(g, r, buf.len(), dtype);
+            let (a, b) = slice(g, r, chunk.len(), dtype);
             let src = self.scratch_of(gs, r);
-            // SAFETY: `r` finished its slice before its REDUCED and keeps it until our COPIED.
+            // SAFETY: `r` finished its slice before its `reduced` and keeps the slot until our
+            // `consumed`.
             unsafe {
-                std::ptr::copy_nonoverlapping(src.ptr().add(a), buf[a..b].as_mut_ptr(), b - a)
+                std::ptr::copy_nonoverlapping(
+                    src.ptr().add(slot + a),
+                    chunk[a..b].as_mut_ptr(),
+                    b - a,
+                )
             };
         }
+    }
+}
+
+/// Waits until the counter at `counter` in `seg` reaches `at_least`.
+fn wait_for(
+    seg: &Segment,
+    counter: usize,
+    at_least: u32,
+    check: impl Fn() -> Result<()>,
+) -> Result<()> {
+    let word = seg.atomic_u32(counter);
+    for _ in 0..SPINS {
+        if word.load(SeqCst) >= at_least {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+    }
+    loop {
+        let v = word.load(SeqCst);
+        if v >= at_least {
+            return Ok(());
+        }
+        check()?;
+        futex_wait(word, v, NAP);
     }
 }
 

@@ -1,0 +1,121 @@
+//! Shared-memory segments left behind by killed processes, and who gets shared memory at all.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::Command;
+use std::thread;
+use std::time::Duration;
+
+use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig, TensorBuf};
+
+const T: Duration = Duration::from_secs(20);
+
+/// Connects two ranks on loopback with `shm[r]` as rank r's `shared_memory`.
+fn pair(generation: u64, shm: [bool; 2]) -> Vec<TcpCommunicator> {
+    let ls: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    let hs: Vec<_> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let mut cfg = TcpConfig::new(rank, generation, addrs.clone());
+            cfg.connect_timeout = Duration::from_secs(10);
+            cfg.shared_memory = shm[rank];
+            thread::spawn(move || TcpCommunicator::connect(cfg, Some(l)))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+}
+
+/// A p2p message and an all-reduce large enough for the shared scratch path work.
+fn exchange(comms: &[TcpCommunicator]) {
+    let n = 300_000;
+    thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn(move || {
+                    let t = TensorBuf::from_f32(vec![n], &vec![r as f32 + 1.0; n]).unwrap();
+                    if r == 0 {
+                        c.send(1, 3, &t, T).unwrap();
+                    } else {
+                        assert_eq!(c.recv(0, 3, T).unwrap().to_f32_vec().unwrap()[n - 1], 1.0);
+                    }
+                    let mut t = t;
+                    c.all_reduce(&[0, 1], &mut t, T).unwrap();
+                    assert!(t.to_f32_vec().unwrap().iter().all(|&x| x == 3.0));
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+}
+
+/// A pid that no process has now: a child that already exited and was reaped.
+fn dead_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+/// A file that looks like a real pair segment of generation `generation` (right magic and
+/// ranks), its rings full of garbage: what a SIGKILLed creator leaves if it dies before
+/// the unlink.
+fn plant(pid: u32, generation: u64, nonce: &str) -> PathBuf {
+    let path = PathBuf::from(format!(
+        "/dev/shm/oobleck-{pid}-g{generation}-pair-0-1-{nonce}"
+    ));
+    let mut bytes = vec![0xabu8; 3 << 20];
+    bytes[0..8].copy_from_slice(b"OBKSHMP1");
+    bytes[8..16].copy_from_slice(&generation.to_le_bytes());
+    bytes[16..24].copy_from_slice(&(1u64 << 32).to_le_bytes());
+    bytes[24..32].copy_from_slice(&(1u64 << 20).to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn a_dead_processs_segment_is_removed_and_never_joined() {
+    let dead = plant(dead_pid(), 11, "00112233445566778899aabbccddeeff");
+    // A live process's segment (ours, under a name no communicator of ours would pick) stays.
+    let live = plant(std::process::id(), 11, "ffeeddccbbaa99887766554433221100");
+    let comms = pair(11, [true, true]);
+    assert_eq!(comms[0].shared_memory_peers(), vec![1]);
+    assert_eq!(comms[1].shared_memory_peers(), vec![0]);
+    exchange(&comms);
+    assert!(
+        !dead.exists(),
+        "the segment of a dead pid is removed when rank 0 creates its own"
+    );
+    assert!(live.exists(), "the segment of a live pid is left alone");
+    std::fs::remove_file(&live).unwrap();
+}
+
+#[test]
+fn a_rank_with_shared_memory_off_keeps_its_pairs_on_tcp() {
+    for shm in [[true, false], [false, true]] {
+        let comms = pair(12, shm);
+        assert!(comms.iter().all(|c| c.shared_memory_peers().is_empty()), "{shm:?}");
+        exchange(&comms);
+    }
+}
+
+#[test]
+fn no_segment_outlives_the_setup_of_a_healthy_group() {
+    let comms = pair(13, [true, true]);
+    exchange(&comms);
+    let mine = format!("oobleck-{}-g13-", std::process::id());
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&mine))
+        .collect();
+    assert!(left.is_empty(), "still linked: {left:?}");
+}
