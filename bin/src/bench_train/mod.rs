@@ -248,8 +248,6 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         // started a thread pool yet at this point of the command.
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
     }
-    // What a worker of `train` does first (oobleck-core's execution::allocator).
-    oobleck_core::execution::allocator::retain_freed_memory();
     let threads = candle_core::utils::get_num_threads();
     let variants = (args.variants.iter())
         .map(|v| Variant::parse(v))

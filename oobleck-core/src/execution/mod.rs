@@ -16,7 +16,6 @@
 //!
 //! See `README.md` beside this file for why the result equals a single-process run.
 
-pub mod allocator;
 mod layout;
 mod progress;
 mod sync;

@@ -80,10 +80,7 @@ where
     };
     let result = match role.as_str() {
         AGENT => agent_options_from_env().and_then(|opts| run_agent(&opts)),
-        WORKER => {
-            crate::execution::allocator::retain_freed_memory();
-            rank_from_env().and_then(|rank| run_worker(rank, &factory))
-        }
+        WORKER => rank_from_env().and_then(|rank| run_worker(rank, &factory)),
         other => {
             eprintln!(
                 "{ERROR_TAG} {ROLE_ENV}={other:?} is not a role of the oobleck runtime (it starts \
