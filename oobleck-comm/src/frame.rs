@@ -31,6 +31,9 @@
 //!   Hello, unkeyed (12 bytes)    from u32 LE | to u32 LE | world u32 LE
 //!   Hello, keyed (76 bytes)      from u32 LE | to u32 LE | world u32 LE | nonce [32] | mac [32]
 //!   Challenge (32 bytes)         nonce [32]
+//!   Local, offer                 1 | enabled u8 | host identity (UTF-8, rest of the payload)
+//!   Local, segment               2 | created u8 | segment file name (UTF-8, rest)
+//!   Local, ack                   3 | mapped u8
 //!
 //!   mac = HMAC-SHA256(key, "oobleck-data-hello" | generation u64 LE | from u32 LE | to u32 LE
 //!                          | world u32 LE | the receiver's nonce | the sender's nonce)

@@ -65,6 +65,23 @@ fn rank0_with_raw_rank1() -> (TcpCommunicator, TcpStream) {
         }
         other => panic!("expected a Hello, got {other:?}"),
     }
+    // The shared-memory setup that follows every handshake: rank 0's offer, and ours,
+    // "off", so the pair stays on TCP and the frames below reach rank 0's reader.
+    match frame::read_frame(&mut s, GEN, 1024).unwrap() {
+        ReadOutcome::Frame(h, p) => assert_eq!((h.kind, p.first()), (Kind::Local, Some(&1))),
+        other => panic!("expected a shared-memory offer, got {other:?}"),
+    }
+    let offer = Header {
+        kind: Kind::Local,
+        generation: GEN,
+        channel: 0,
+        seq: 0,
+        part: 0,
+        len: 2,
+    };
+    let mut b = offer.encode().to_vec();
+    b.extend_from_slice(&[1, 0]);
+    s.write_all(&b).unwrap();
     let comm = rank0
         .join()
         .unwrap()
