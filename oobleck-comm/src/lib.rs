@@ -43,5 +43,7 @@ pub use error::{CommError, FrameError, Op, Result};
 pub use key::{nonce, SecretKey, KEY_BYTES};
 pub use local::{LocalCommunicator, LocalNetwork};
 pub use nccl::{probe as probe_nccl, NcclCommunicator, NcclId};
+#[doc(hidden)]
+pub use tcp::ShmFaults;
 pub use tcp::{TcpCommunicator, TcpConfig};
 pub use tensor::{DType, TensorBuf};

@@ -70,6 +70,19 @@ pub struct TcpConfig {
     /// loopback TCP). `false`, or `OOBLECK_COMM_SHM=0` in the environment, keeps every pair on
     /// TCP; both ends of a pair must agree, so a rank with it off makes its pairs TCP.
     pub shared_memory: bool,
+    /// Test hooks that make shared-memory setup steps fail as a full `/dev/shm` would.
+    #[doc(hidden)]
+    pub shm_faults: ShmFaults,
+}
+
+/// Shared-memory setup steps to fail on purpose (tests of the TCP fallback).
+#[doc(hidden)]
+#[derive(Debug, Clone, Default)]
+pub struct ShmFaults {
+    /// Creating the pair segment with these higher ranks fails (the pair stays on TCP).
+    pub pair_with: Vec<Rank>,
+    /// Mapping the all-reduce scratch of another member fails.
+    pub map_scratch: bool,
 }
 
 impl TcpConfig {
@@ -83,6 +96,7 @@ impl TcpConfig {
             tuning: Tuning::default(),
             key: None,
             shared_memory: true,
+            shm_faults: ShmFaults::default(),
         }
     }
 
@@ -113,8 +127,8 @@ struct TcpTransport {
     conns: Vec<Option<Conn>>,
     /// Shared-memory links, for peers on this host that agreed to one.
     links: Vec<Option<PairLink>>,
-    /// Ranks on this host with shared memory on (ourselves included when on).
-    local: Vec<bool>,
+    /// Which pairs of ranks agreed on shared memory, as every member of a pair reported it.
+    pairs: local::PairMap,
     scratch: Scratch,
     mailbox: Arc<Mailbox>,
 }
@@ -185,8 +199,8 @@ impl TcpCommunicator {
             generation,
             conns,
             links: negotiated.links,
-            local: negotiated.local,
-            scratch: Scratch::new(rank, generation),
+            pairs: negotiated.pairs,
+            scratch: Scratch::new(rank, generation, cfg.shm_faults.map_scratch),
             mailbox: mailbox.clone(),
         };
         Ok(TcpCommunicator {
@@ -199,6 +213,12 @@ impl TcpCommunicator {
     pub fn shared_memory_peers(&self) -> Vec<Rank> {
         let links = &self.engine.transport.links;
         (0..links.len()).filter(|&r| links[r].is_some()).collect()
+    }
+
+    /// How many all-reduces so far ran through the shared scratch buffers (the others took
+    /// the ring or the direct exchange).
+    pub fn shared_memory_all_reduces(&self) -> u64 {
+        self.engine.transport.scratch.completed()
     }
 }
 
@@ -419,9 +439,9 @@ impl Transport for TcpTransport {
     }
 
     fn all_reduce(&self, cx: &Ctx, g: &[Rank], buf: &mut [u8], dtype: DType) -> Result<bool> {
-        // Every member knows every member's host (from the setup offers), so all of them
-        // take this branch or none does.
-        if !g.iter().all(|&r| self.local[r]) {
+        // Every member of a group on this host knows which of its pairs have shared memory
+        // (their reports were exchanged at setup), so all of them take this branch or none.
+        if !self.pairs.all_linked(g) {
             return Ok(false);
         }
         let (channel, seq) = (cx.channel, cx.seq);

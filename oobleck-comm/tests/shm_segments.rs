@@ -6,13 +6,18 @@ use std::process::Command;
 use std::thread;
 use std::time::Duration;
 
-use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig, TensorBuf};
+use oobleck_comm::{Communicator, ShmFaults, TcpCommunicator, TcpConfig, TensorBuf};
 
 const T: Duration = Duration::from_secs(20);
 
 /// Connects two ranks on loopback with `shm[r]` as rank r's `shared_memory`.
 fn pair(generation: u64, shm: [bool; 2]) -> Vec<TcpCommunicator> {
-    let ls: Vec<TcpListener> = (0..2)
+    group(generation, &shm, vec![ShmFaults::default(); 2])
+}
+
+/// Connects `shm.len()` ranks on loopback; rank r with `shm[r]` and `faults[r]`.
+fn group(generation: u64, shm: &[bool], faults: Vec<ShmFaults>) -> Vec<TcpCommunicator> {
+    let ls: Vec<TcpListener> = (0..shm.len())
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
     let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
@@ -23,6 +28,7 @@ fn pair(generation: u64, shm: [bool; 2]) -> Vec<TcpCommunicator> {
             let mut cfg = TcpConfig::new(rank, generation, addrs.clone());
             cfg.connect_timeout = Duration::from_secs(10);
             cfg.shared_memory = shm[rank];
+            cfg.shm_faults = faults[rank].clone();
             thread::spawn(move || TcpCommunicator::connect(cfg, Some(l)))
         })
         .collect();
@@ -54,6 +60,89 @@ fn exchange(comms: &[TcpCommunicator]) {
             h.join().unwrap();
         }
     });
+}
+
+/// All-reduces `n` inexact f32s (sums depend on the order) over `members`; returns every
+/// member's result bytes after checking them against the sum in f64.
+fn reduce(comms: &[TcpCommunicator], members: &[usize], n: usize) -> Vec<Vec<u8>> {
+    let value = |r: usize, i: usize| ((i * 7919 + r * 104729) % 1000) as f32 * 0.001 + 0.1;
+    thread::scope(|s| {
+        let hs: Vec<_> = members
+            .iter()
+            .map(|&r| {
+                let c = &comms[r];
+                s.spawn(move || {
+                    let v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+                    let mut t = TensorBuf::from_f32(vec![n], &v).unwrap();
+                    c.all_reduce(members, &mut t, T).unwrap();
+                    t
+                })
+            })
+            .collect();
+        let out: Vec<TensorBuf> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let got = out[0].to_f32_vec().unwrap();
+        for (i, &x) in got.iter().enumerate() {
+            let want: f64 = members.iter().map(|&r| value(r, i) as f64).sum();
+            assert!((x as f64 - want).abs() < 1e-4, "element {i}: {x} vs {want}");
+        }
+        out.iter().map(|t| t.as_bytes().to_vec()).collect()
+    })
+}
+
+fn assert_identical(results: &[Vec<u8>]) {
+    assert!(
+        results.iter().all(|r| r == &results[0]),
+        "members disagree bit for bit"
+    );
+}
+
+/// Names in /dev/shm of this process and `generation`.
+fn segments_of(generation: u64) -> Vec<String> {
+    let mine = format!("oobleck-{}-g{generation}-", std::process::id());
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&mine))
+        .collect()
+}
+
+#[test]
+fn a_group_with_one_pair_on_tcp_all_reduces_over_the_ring_on_every_rank() {
+    // Rank 0 cannot create the segment for its pair with rank 2 (as on a full /dev/shm):
+    // 0-1 and 1-2 share memory, 0-2 talks TCP.
+    let mut faults = vec![ShmFaults::default(); 3];
+    faults[0].pair_with = vec![2];
+    let comms = group(14, &[true; 3], faults);
+    assert_eq!(comms[0].shared_memory_peers(), vec![1]);
+    assert_eq!(comms[1].shared_memory_peers(), vec![0, 2]);
+    assert_eq!(comms[2].shared_memory_peers(), vec![1]);
+    for _ in 0..2 {
+        assert_identical(&reduce(&comms, &[0, 1, 2], 300_000));
+    }
+    assert!(comms.iter().all(|c| c.shared_memory_all_reduces() == 0));
+    // A sub-group whose pairs all share memory still uses the scratch.
+    assert_identical(&reduce(&comms, &[1, 2], 300_000));
+    assert_eq!(comms[1].shared_memory_all_reduces(), 1);
+    assert_eq!(comms[2].shared_memory_all_reduces(), 1);
+    assert!(segments_of(14).is_empty());
+}
+
+#[test]
+fn a_scratch_that_will_not_map_sends_the_group_to_the_ring_for_good() {
+    let mut faults = vec![ShmFaults::default(); 3];
+    faults[2].map_scratch = true;
+    let comms = group(15, &[true; 3], faults);
+    assert!(comms.iter().all(|c| c.shared_memory_peers().len() == 2));
+    for _ in 0..3 {
+        assert_identical(&reduce(&comms, &[0, 1, 2], 300_000));
+    }
+    assert!(comms.iter().all(|c| c.shared_memory_all_reduces() == 0));
+    // The scratch files were unlinked once every member had tried them.
+    assert!(segments_of(15).is_empty(), "{:?}", segments_of(15));
+    // Without rank 2 the scratch path works.
+    assert_identical(&reduce(&comms, &[0, 1], 300_000));
+    assert_eq!(comms[0].shared_memory_all_reduces(), 1);
 }
 
 /// A pid that no process has now: a child that already exited and was reaped.
@@ -101,7 +190,10 @@ fn a_dead_processs_segment_is_removed_and_never_joined() {
 fn a_rank_with_shared_memory_off_keeps_its_pairs_on_tcp() {
     for shm in [[true, false], [false, true]] {
         let comms = pair(12, shm);
-        assert!(comms.iter().all(|c| c.shared_memory_peers().is_empty()), "{shm:?}");
+        assert!(
+            comms.iter().all(|c| c.shared_memory_peers().is_empty()),
+            "{shm:?}"
+        );
         exchange(&comms);
     }
 }

@@ -5,7 +5,9 @@
 //! ```text
 //!   member i of n; the tensor in chunks of CHUNK bytes, chunk k in slot k%2 of every scratch;
 //!   slice j of a chunk = its j-th n-th (whole elements)
-//!   READY ─▶ every member (dtype, length, the scratch's name when new); counters were reset
+//!   READY ─▶ every member (state, dtype, length, the scratch's name when new); counters were
+//!   reset. When any READY named a new scratch: MAPPED{ok} ─▶ every member, once each tried to
+//!   map the new ones (then the new scratch files are unlinked)
 //!   for each chunk k:
 //!     a. wait until every member consumed chunk k-2 (slot k%2 is free again)
 //!     b. copy chunk k into my slot; filled = k+1
@@ -20,7 +22,10 @@
 //! so a dead member fails the op with `PeerLost` and a stopped one with `Timeout`. Each slice
 //! is summed by one rank in one order and copied to the others: results are bit-identical.
 //! A member that cannot allocate its scratch (full tmpfs) says so in READY and every member
-//! falls back to the engine's ring all-reduce for that op.
+//! falls back to the engine's ring all-reduce for that op (the next one tries again). A member
+//! that cannot map another's scratch says so in MAPPED (and as BROKEN in every later READY):
+//! every member then runs the ring for this op and every later one of the group. All members
+//! see the same READY and MAPPED messages, so they always take the same path.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::SeqCst;
@@ -36,7 +41,12 @@ use crate::tensor::{add_into, DType};
 
 /// Part numbers of the control messages; the engine's ring parts never get this high.
 pub(crate) const READY: u32 = u32::MAX;
+const MAPPED: u32 = u32::MAX - 1;
 const COPIED: u32 = u32::MAX - 2;
+/// READY states: no scratch this time; ready; never again (a scratch would not map).
+const NONE: u8 = 0;
+const OK: u8 = 1;
+const BROKEN: u8 = 2;
 /// Bytes of one pipelined chunk (a multiple of every element size): two slots of it per rank
 /// stay in cache while the members reduce and copy it.
 const CHUNK: usize = 1 << 20;
@@ -56,6 +66,10 @@ struct GroupScratch {
     /// Ours is new and still linked (unlinked once every member has mapped it).
     linked: bool,
     theirs: HashMap<Rank, Segment>,
+    /// We could not map a member's scratch: this group never uses shared scratch again.
+    broken: bool,
+    /// Every member knows some member is broken: skip straight to the ring.
+    off: bool,
 }
 
 impl Drop for GroupScratch {
@@ -71,6 +85,9 @@ pub(crate) struct Scratch {
     rank: Rank,
     generation: u64,
     groups: Mutex<HashMap<u64, Arc<Mutex<GroupScratch>>>>,
+    /// Test hook: mapping another member's scratch fails.
+    fail_map: bool,
+    completed: std::sync::atomic::AtomicU64,
 }
 
 /// Sends the control message `part` (the concatenation of the slices) to a member.
@@ -92,12 +109,19 @@ fn malformed(peer: Rank, msg: String) -> CommError {
 }
 
 impl Scratch {
-    pub fn new(rank: Rank, generation: u64) -> Self {
+    pub fn new(rank: Rank, generation: u64, fail_map: bool) -> Self {
         Scratch {
             rank,
             generation,
             groups: Mutex::new(HashMap::new()),
+            fail_map,
+            completed: Default::default(),
         }
+    }
+
+    /// All-reduces that ran through the scratch buffers.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(SeqCst)
     }
 
     /// All-reduces `buf` over the sorted group `g` (group id `gid`). `Ok(false)`: a member had
@@ -118,7 +142,30 @@ impl Scratch {
             .or_default()
             .clone();
         let mut gs = gs.lock().unwrap_or_else(|p| p.into_inner());
-        let created = self.ensure_mine(&mut gs, gid);
+        if gs.off {
+            return Ok(false);
+        }
+        let others: Vec<Rank> = g.iter().copied().filter(|&p| p != self.rank).collect();
+        if !self.agree(&mut gs, gid, &others, buf.len(), dtype, wire)? {
+            return Ok(false);
+        }
+        self.chunks(&gs, g, &others, buf, dtype, wire)?;
+        round(&others, COPIED, wire)?;
+        self.completed.fetch_add(1, SeqCst);
+        Ok(true)
+    }
+
+    /// The READY (and MAPPED) exchange: true when every member is ready to use its scratch.
+    fn agree(
+        &self,
+        gs: &mut GroupScratch,
+        gid: u64,
+        others: &[Rank],
+        len: usize,
+        dtype: DType,
+        wire: &Wire,
+    ) -> Result<bool> {
+        let created = self.ensure_mine(gs, gid);
         if let Some(mine) = &gs.mine {
             // Nobody reads them now: the previous op ended with everyone's COPIED, and this
             // one's reads start after our READY.
@@ -126,32 +173,56 @@ impl Scratch {
                 mine.atomic_u32(c).store(0, SeqCst);
             }
         }
+        let state = match (gs.broken, gs.mine.is_some()) {
+            (true, _) => BROKEN,
+            (false, true) => OK,
+            (false, false) => NONE,
+        };
         let mut ready = Vec::with_capacity(10 + 128);
-        ready.push(u8::from(gs.mine.is_some()));
+        ready.push(state);
         ready.push(dtype.code());
-        ready.extend_from_slice(&(buf.len() as u64).to_le_bytes());
+        ready.extend_from_slice(&(len as u64).to_le_bytes());
         if let Some(name) = &created {
             ready.extend_from_slice(name.as_bytes());
         }
-        let others: Vec<Rank> = g.iter().copied().filter(|&p| p != self.rank).collect();
-        for &p in &others {
+        for &p in others {
             (wire.send)(p, READY, &[&ready])?;
         }
-        let mut all_ok = gs.mine.is_some();
-        for &p in &others {
-            all_ok &= self.take_ready(&mut gs, p, buf.len(), dtype, wire)?;
+        let (mut all_ok, mut any_new, mut any_broken) =
+            (state == OK, created.is_some(), state == BROKEN);
+        for &p in others {
+            let (theirs, new) = self.take_ready(gs, p, len, dtype, wire)?;
+            all_ok &= theirs == OK;
+            any_new |= new;
+            any_broken |= theirs == BROKEN;
         }
-        if !all_ok {
-            return Ok(false);
+        if any_new {
+            // Every member saw the same names, so all of them run this round.
+            for &p in others {
+                (wire.send)(p, MAPPED, &[&[u8::from(!gs.broken)]])?;
+            }
+            all_ok &= !gs.broken;
+            for &p in others {
+                let m = (wire.recv)(p, MAPPED)?;
+                all_ok &= m.first() == Some(&1);
+                any_broken |= m.first() != Some(&1);
+            }
+            any_broken |= gs.broken;
+            if gs.linked {
+                // Every member has tried to map it; nobody opens it by name again.
+                gs.mine.as_ref().expect("linked implies present").unlink();
+                gs.linked = false;
+            }
         }
-        self.chunks(&gs, g, &others, buf, dtype, wire)?;
-        if gs.linked {
-            // Every member mapped it before its first `filled`, which we have all seen.
-            gs.mine.as_ref().expect("linked implies present").unlink();
-            gs.linked = false;
+        if any_broken {
+            warn!(
+                rank = self.rank,
+                generation = self.generation,
+                "a member cannot map the shared scratch; this group all-reduces over the ring"
+            );
+            gs.off = true;
         }
-        round(&others, COPIED, wire)?;
-        Ok(true)
+        Ok(all_ok && !any_broken)
     }
 
     /// Steps a to d of the module docs for every chunk of `buf`.
@@ -219,7 +290,8 @@ impl Scratch {
         }
     }
 
-    /// Reads `p`'s READY, maps its new scratch if it names one; false if `p` has none.
+    /// Reads `p`'s READY and maps its new scratch if it names one (a failure marks us
+    /// broken); returns `p`'s state and whether it named a new scratch.
     fn take_ready(
         &self,
         gs: &mut GroupScratch,
@@ -227,12 +299,16 @@ impl Scratch {
         len: usize,
         dtype: DType,
         wire: &Wire,
-    ) -> Result<bool> {
+    ) -> Result<(u8, bool)> {
         let m = (wire.recv)(p, READY)?;
-        if m.len() < 10 {
+        if m.len() < 10 || m[0] > BROKEN {
             return Err(malformed(
                 p,
-                format!("all-reduce READY of {} bytes", m.len()),
+                format!(
+                    "all-reduce READY of {} bytes, state {:?}",
+                    m.len(),
+                    m.first()
+                ),
             ));
         }
         let theirs = u64::from_le_bytes(m[2..10].try_into().expect("8 bytes")) as usize;
@@ -246,25 +322,32 @@ impl Scratch {
                 ),
             ));
         }
-        if m.len() > 10 {
+        let new = m.len() > 10;
+        if new {
             let name = std::str::from_utf8(&m[10..])
                 .map_err(|_| malformed(p, "scratch name is not UTF-8".into()))?;
-            let seg = Segment::open(name, SCRATCH_LEN).map_err(|e| CommError::Unavailable {
-                what: format!("shared-memory scratch {name} of rank {p}"),
-                reason: format!(
-                    "{e}; ranks that share a host must share {} (set OOBLECK_COMM_SHM=0 to use TCP)",
-                    super::segment::SHM_DIR
-                ),
-            })?;
-            gs.theirs.insert(p, seg);
+            match self.map(name) {
+                Ok(seg) => {
+                    gs.theirs.insert(p, seg);
+                }
+                Err(e) => {
+                    warn!(rank = self.rank, peer = p, name, error = %e,
+                          "cannot map a member's shared-memory scratch; the group uses the ring");
+                    gs.broken = true;
+                }
+            }
         }
-        if m[0] == 0 {
-            return Ok(false);
-        }
-        if !gs.theirs.contains_key(&p) {
+        if m[0] == OK && !gs.broken && !gs.theirs.contains_key(&p) {
             return Err(malformed(p, "all-reduce without a scratch".into()));
         }
-        Ok(true)
+        Ok((m[0], new))
+    }
+
+    fn map(&self, name: &str) -> std::io::Result<Segment> {
+        if self.fail_map {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
+        Segment::open(name, SCRATCH_LEN)
     }
 
     fn scratch_of<'a>(&self, gs: &'a GroupScratch, r: Rank) -> &'a Segment {

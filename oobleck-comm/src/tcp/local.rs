@@ -10,7 +10,13 @@
 //!     higher: open, check the header, map, unlink ── Ack{ok} ──▶ lower, which unlinks too
 //!   a pair that agreed has two rings (lo→hi, hi→lo) and sends every message through them;
 //!   any other pair keeps sending over TCP
+//!   every pair on this host   Links{bit j: a ring with rank j}  ◀────────▶  Links{...}
 //! ```
+//!
+//! The last step lets every rank on this host know every local pair's outcome, so all members
+//! of a group agree on whether all of its pairs have shared memory (the condition for the
+//! shared-scratch all-reduce; otherwise every member runs the ring), even where one pair's
+//! setup failed (a full `/dev/shm`, a segment that would not map).
 //!
 //! Each step sends to every peer before it reads from any (small frames, never blocking on a
 //! full socket), so the exchange cannot deadlock; every read is bounded by the connect
@@ -37,6 +43,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"OBKSHMP1");
 const OFFER: u8 = 1;
 const SEGMENT: u8 = 2;
 const ACK: u8 = 3;
+const LINKS: u8 = 4;
 /// Env switch: `OOBLECK_COMM_SHM=0` keeps every pair on TCP.
 pub(crate) const SHM_ENV: &str = "OOBLECK_COMM_SHM";
 
@@ -49,8 +56,34 @@ pub(crate) struct PairLink {
 /// What the exchange agreed on, indexed by rank.
 pub(crate) struct Negotiated {
     pub links: Vec<Option<PairLink>>,
-    /// Rank shares this host with us and has shared memory on (true for ourselves if on).
-    pub local: Vec<bool>,
+    pub pairs: PairMap,
+}
+
+/// The shared-memory links of this rank and of every peer on this host, as each reported them.
+pub(crate) struct PairMap {
+    /// `rows[r][j]`: rank r has a ring with rank j (`rows[r][r]`: r has shared memory on);
+    /// `None` for ranks on other hosts or with shared memory off.
+    rows: Vec<Option<Vec<bool>>>,
+}
+
+impl PairMap {
+    /// True when every pair of the sorted group `g` has shared memory, by both ends' reports.
+    pub fn all_linked(&self, g: &[Rank]) -> bool {
+        let has = |a: Rank, b: Rank| self.rows[a].as_ref().is_some_and(|row| row[b]);
+        g.iter().all(|&a| g.iter().all(|&b| has(a, b) && has(b, a)))
+    }
+}
+
+fn to_bits(v: &[bool]) -> Vec<u8> {
+    let mut out = vec![0u8; v.len().div_ceil(8)];
+    for (j, _) in v.iter().enumerate().filter(|(_, &b)| b) {
+        out[j / 8] |= 1 << (j % 8);
+    }
+    out
+}
+
+fn from_bits(b: &[u8], world: usize) -> Vec<bool> {
+    (0..world).map(|j| b[j / 8] & (1 << (j % 8)) != 0).collect()
 }
 
 /// True unless turned off by the config or `OOBLECK_COMM_SHM=0`.
@@ -94,8 +127,8 @@ impl Chan<'_> {
         frame::write_frame(&mut s, &h, &[payload]).map_err(|e| self.lost(j, e))
     }
 
-    /// Reads `j`'s next setup frame, which must be of `subtype`.
-    fn recv(&self, j: Rank, subtype: u8) -> Result<Vec<u8>> {
+    /// Reads `j`'s next setup frame (at most `cap` bytes), which must be of `subtype`.
+    fn recv(&self, j: Rank, subtype: u8, cap: u32) -> Result<Vec<u8>> {
         let s = self.streams[j].as_ref().expect("a stream per peer");
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -114,7 +147,7 @@ impl Chan<'_> {
             peer: Some(j),
             source: FrameError::Malformed(m),
         };
-        match frame::read_frame(&mut r, self.cfg.generation, 1024) {
+        match frame::read_frame(&mut r, self.cfg.generation, cap) {
             Ok(ReadOutcome::Frame(h, p))
                 if h.kind == Kind::Local && p.first() == Some(&subtype) =>
             {
@@ -157,7 +190,7 @@ pub(crate) fn negotiate(
     let mut local = vec![false; world];
     local[me] = host.is_some();
     for &j in &peers {
-        let p = ch.recv(j, OFFER)?;
+        let p = ch.recv(j, OFFER, 1024)?;
         local[j] = host.is_some()
             && p.first() == Some(&1)
             && Some(&p[1..]) == host.as_deref().map(str::as_bytes);
@@ -187,7 +220,7 @@ pub(crate) fn negotiate(
         created.push((j, seg));
     }
     for &j in &lower {
-        let p = ch.recv(j, SEGMENT)?;
+        let p = ch.recv(j, SEGMENT, 1024)?;
         let seg = (p.first() == Some(&1))
             .then(|| open_pair(cfg, j, &p[1..]))
             .flatten();
@@ -195,7 +228,7 @@ pub(crate) fn negotiate(
         links[j] = seg.map(|s| pair_link(s, false));
     }
     for (j, seg) in created {
-        let ack = ch.recv(j, ACK);
+        let ack = ch.recv(j, ACK, 1024);
         if let Some(s) = &seg {
             s.unlink();
         }
@@ -209,13 +242,59 @@ pub(crate) fn negotiate(
             );
         }
     }
+    let pairs = exchange_links(&ch, &local, &links)?;
     debug!(rank = me, local = ?local, links = links.iter().filter(|l| l.is_some()).count(), "shared memory agreed");
-    Ok(Negotiated { links, local })
+    Ok(Negotiated { links, pairs })
+}
+
+/// Tells every peer on this host which rings we have, and learns theirs.
+fn exchange_links(ch: &Chan, local: &[bool], links: &[Option<PairLink>]) -> Result<PairMap> {
+    let (me, world) = (ch.cfg.rank, local.len());
+    let mine: Vec<bool> = (0..world)
+        .map(|j| {
+            if j == me {
+                local[me]
+            } else {
+                links[j].is_some()
+            }
+        })
+        .collect();
+    let mut rows: Vec<Option<Vec<bool>>> = vec![None; world];
+    if !local[me] {
+        return Ok(PairMap { rows });
+    }
+    let peers: Vec<Rank> = (0..world).filter(|&j| j != me && local[j]).collect();
+    let mut msg = vec![LINKS];
+    msg.extend_from_slice(&to_bits(&mine));
+    for &j in &peers {
+        ch.send(j, &msg)?;
+    }
+    let want = world.div_ceil(8);
+    for &j in &peers {
+        let p = ch.recv(j, LINKS, u32::try_from(want + 1).unwrap_or(u32::MAX))?;
+        if p.len() != want {
+            return Err(CommError::Frame {
+                peer: Some(j),
+                source: FrameError::Malformed(format!(
+                    "shared-memory link report of {} bytes for a world of {world}",
+                    p.len()
+                )),
+            });
+        }
+        rows[j] = Some(from_bits(&p, world));
+    }
+    rows[me] = Some(mine);
+    Ok(PairMap { rows })
 }
 
 fn create_pair(cfg: &TcpConfig, hi: Rank) -> Option<Arc<Segment>> {
     let what = format!("pair-{}-{hi}", cfg.rank);
-    match Segment::create(cfg.generation, &what, seg_len()) {
+    let made = if cfg.shm_faults.pair_with.contains(&hi) {
+        Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
+    } else {
+        Segment::create(cfg.generation, &what, seg_len())
+    };
+    match made {
         Ok(s) => {
             s.atomic_u64(8).store(cfg.generation, SeqCst);
             s.atomic_u64(16)
