@@ -206,6 +206,35 @@ impl<T: Transport> Engine<T> {
         Ok((cx, dtype, shape, len))
     }
 
+    /// Receives a p2p tensor's body (parts 1.., `max_message_bytes` each) into `dst`; a
+    /// transport that streams may copy it straight there.
+    fn recv_parts_into(&self, cx: &Ctx, src: Rank, dst: &mut [u8]) -> Result<()> {
+        let max = self.tuning.max_message_bytes.max(1);
+        if u32::try_from(dst.len().div_ceil(max)).is_err() {
+            return Err(malformed(src, "too many parts".into()));
+        }
+        let total = dst.len();
+        let mut bufs: Vec<(Key, &mut [u8])> = dst
+            .chunks_mut(max)
+            .enumerate()
+            .map(|(p, piece)| {
+                let key = Key {
+                    peer: src,
+                    channel: cx.channel,
+                    seq: cx.seq,
+                    part: p as u32 + 1,
+                };
+                (key, piece)
+            })
+            .collect();
+        // Part p (from 1) holds bytes (p-1)*max .. min(p*max, total).
+        let piece_len = |k: Key| (total - (k.part as usize - 1) * max).min(max);
+        self.mailbox
+            .take_into(&mut bufs, cx.deadline, cx.op, cx.timeout, |k, got| {
+                self.length_mismatch(src, got, piece_len(k))
+            })
+    }
+
     fn length_mismatch(&self, peer: Rank, got: usize, want: usize) -> CommError {
         CommError::Frame {
             peer: Some(peer),
@@ -407,11 +436,8 @@ impl<T: Transport> Communicator for Engine<T> {
             } else if nparts == 1 {
                 self.recv_part(&cx, src, 1)?
             } else {
-                let mut out = Vec::with_capacity(len);
-                for p in 0..nparts {
-                    let part = u32::try_from(p + 1).map_err(|_| bad("too many parts".into()))?;
-                    out.extend_from_slice(&self.recv_part(&cx, src, part)?);
-                }
+                let mut out = vec![0u8; len];
+                self.recv_parts_into(&cx, src, &mut out)?;
                 out
             };
             if data.len() != len {
@@ -436,15 +462,7 @@ impl<T: Transport> Communicator for Engine<T> {
                     dst.as_bytes().len()
                 )));
             }
-            let max = self.tuning.max_message_bytes.max(1);
-            for (p, piece) in dst.as_bytes_mut().chunks_mut(max).enumerate() {
-                let part = u32::try_from(p + 1).map_err(|_| bad("too many parts".into()))?;
-                let data = self.recv_part(&cx, src, part)?;
-                if data.len() != piece.len() {
-                    return Err(self.length_mismatch(src, data.len(), piece.len()));
-                }
-                piece.copy_from_slice(&data);
-            }
+            self.recv_parts_into(&cx, src, dst.as_bytes_mut())?;
             *dst = TensorBuf::from_bytes(dtype, shape, std::mem::take(dst.bytes_vec_mut()))?;
             Ok(())
         })

@@ -2,9 +2,16 @@
 //!
 //! Transports deposit whole messages keyed by `(peer, channel, seq, part)`; operations take
 //! them out with a deadline. Peer failures and `abort` wake every waiter at once.
+//!
+//! A receive into a caller's buffer ([`Mailbox::take_into`]) also *posts* the buffer: a
+//! transport that streams a message (the shared-memory ring) may [`Mailbox::claim`] a posted
+//! buffer of the message's exact length and copy straight into it, saving the copy through a
+//! fresh `Vec`. The receiver does not return while its buffer is claimed: on an error it sets
+//! the claim's cancel flag and waits for the transport to [`Mailbox::release`] it.
 
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::comm::Rank;
@@ -18,9 +25,33 @@ pub(crate) struct Key {
     pub part: u32,
 }
 
+/// A caller's buffer waiting for the message of its key.
+struct Post {
+    ptr: *mut u8,
+    len: usize,
+    /// A transport is copying into it.
+    claimed: bool,
+    /// The message is in the buffer.
+    filled: bool,
+    cancel: Arc<AtomicBool>,
+}
+
+// SAFETY: `ptr` is only written by the thread holding the claim, between `claim` and
+// `release`, while the posting thread waits (see `take_into`).
+unsafe impl Send for Post {}
+
+/// The right to fill a posted buffer: `len` bytes at `ptr`, until [`Mailbox::release`].
+/// Stop copying and release as soon as `cancel` is set.
+pub(crate) struct Claim {
+    key: Key,
+    pub ptr: *mut u8,
+    pub cancel: Arc<AtomicBool>,
+}
+
 struct Inner {
     /// Message and the earliest instant it may be taken (fault injection: delay).
     msgs: HashMap<Key, (Option<Instant>, Vec<u8>)>,
+    posts: HashMap<Key, Post>,
     failed: Vec<Option<CommError>>,
     aborted: bool,
 }
@@ -39,6 +70,7 @@ impl Mailbox {
             generation,
             inner: Mutex::new(Inner {
                 msgs: HashMap::new(),
+                posts: HashMap::new(),
                 failed: vec![None; world],
                 aborted: false,
             }),
@@ -111,6 +143,164 @@ impl Mailbox {
         CommError::Aborted {
             rank: self.rank,
             generation: self.generation,
+        }
+    }
+
+    /// Takes the posted buffer of `key` if its length is `len` and nobody gave up on it.
+    pub fn claim(&self, key: Key, len: usize) -> Option<Claim> {
+        let mut g = self.lock();
+        if g.aborted {
+            return None;
+        }
+        let p = g.posts.get_mut(&key)?;
+        if p.claimed || p.filled || p.len != len || p.cancel.load(SeqCst) {
+            return None;
+        }
+        p.claimed = true;
+        Some(Claim {
+            key,
+            ptr: p.ptr,
+            cancel: p.cancel.clone(),
+        })
+    }
+
+    /// Gives a claimed buffer back: `filled` with the whole message, or not touched again.
+    pub fn release(&self, c: Claim, filled: bool) {
+        let mut g = self.lock();
+        if let Some(p) = g.posts.get_mut(&c.key) {
+            p.claimed = false;
+            p.filled = filled;
+        }
+        drop(g);
+        self.cv.notify_all();
+    }
+
+    /// Fills every buffer of `bufs` with the message of its key by `deadline`; a message of
+    /// another length fails with `mismatch(key, its length)`.
+    pub fn take_into(
+        &self,
+        bufs: &mut [(Key, &mut [u8])],
+        deadline: Instant,
+        op: Op,
+        timeout: Duration,
+        mismatch: impl Fn(Key, usize) -> CommError,
+    ) -> Result<()> {
+        let keys: Vec<Key> = bufs.iter().map(|(k, _)| *k).collect();
+        {
+            let mut g = self.lock();
+            for (i, (k, b)) in bufs.iter_mut().enumerate() {
+                let post = Post {
+                    ptr: b.as_mut_ptr(),
+                    len: b.len(),
+                    claimed: false,
+                    filled: false,
+                    cancel: Arc::new(AtomicBool::new(false)),
+                };
+                match g.posts.entry(*k) {
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(post);
+                    }
+                    std::collections::hash_map::Entry::Occupied(_) => {
+                        drop(g);
+                        self.unpost(&keys[..i]);
+                        return Err(CommError::Invalid(format!(
+                            "two receives of message {k:?} at once"
+                        )));
+                    }
+                }
+            }
+        }
+        // From here on every return goes through `unpost`, which waits out any claim.
+        let out = (|| {
+            for (k, b) in bufs.iter_mut() {
+                if let Some(data) = self.wait_post(*k, deadline, op, timeout)? {
+                    if data.len() != b.len() {
+                        return Err(mismatch(*k, data.len()));
+                    }
+                    b.copy_from_slice(&data);
+                }
+            }
+            Ok(())
+        })();
+        self.unpost(&keys);
+        out
+    }
+
+    /// Waits until `key`'s posted buffer is filled (`None`) or its message arrived whole
+    /// (`Some`, the post then unclaimable).
+    fn wait_post(
+        &self,
+        key: Key,
+        deadline: Instant,
+        op: Op,
+        timeout: Duration,
+    ) -> Result<Option<Vec<u8>>> {
+        let mut g = self.lock();
+        loop {
+            if g.aborted {
+                return Err(self.aborted_error());
+            }
+            let now = Instant::now();
+            let mut wake = deadline;
+            let inner = &mut *g;
+            let post = inner.posts.get_mut(&key).expect("posted by take_into");
+            if post.filled {
+                return Ok(None);
+            }
+            if !post.claimed {
+                match inner.msgs.get(&key) {
+                    Some((Some(t), _)) if *t > now => wake = wake.min(*t),
+                    Some(_) => {
+                        // Nobody may claim it any more: its message is here.
+                        post.cancel.store(true, SeqCst);
+                        let (_, data) = inner.msgs.remove(&key).expect("present: checked above");
+                        return Ok(Some(data));
+                    }
+                    None => {
+                        if let Some(err) = &inner.failed[key.peer] {
+                            return Err(err.clone());
+                        }
+                    }
+                }
+            }
+            if now >= deadline {
+                return Err(CommError::Timeout {
+                    op,
+                    after: timeout,
+                    rank: self.rank,
+                    generation: self.generation,
+                    waiting_on: Some(key.peer),
+                });
+            }
+            g = self
+                .cv
+                .wait_timeout(g, wake - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Withdraws the posts of `keys`, first waiting for every claim on them to be released.
+    fn unpost(&self, keys: &[Key]) {
+        let mut g = self.lock();
+        for k in keys {
+            if let Some(p) = g.posts.get(k) {
+                p.cancel.store(true, SeqCst);
+            }
+        }
+        // Bounded: a claim holder checks `cancel` between naps of a few milliseconds.
+        while keys
+            .iter()
+            .any(|k| g.posts.get(k).is_some_and(|p| p.claimed))
+        {
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(10))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        for k in keys {
+            g.posts.remove(k);
         }
     }
 

@@ -211,3 +211,57 @@ fn no_segment_outlives_the_setup_of_a_healthy_group() {
         .collect();
     assert!(left.is_empty(), "still linked: {left:?}");
 }
+
+/// A tensor of several messages (8 MiB each by default) with a recognisable pattern.
+fn big(n: usize, salt: u32) -> TensorBuf {
+    let v: Vec<f32> = (0..n as u32).map(|i| (i ^ salt) as f32).collect();
+    TensorBuf::from_f32(vec![n], &v).unwrap()
+}
+
+#[test]
+fn p2p_over_shared_memory_arrives_whole_whether_or_not_the_receiver_waits_first() {
+    let comms = pair(16, [true, true]);
+    let n = (20 << 20) / 4 + 5; // three messages, the last one short
+    thread::scope(|s| {
+        // The receiver waits first (its buffers are posted before the data comes) ...
+        let rx = s.spawn(|| {
+            let mut into = TensorBuf::zeros(oobleck_comm::DType::F32, vec![n]).unwrap();
+            comms[1].recv_into(0, 1, &mut into, T).unwrap();
+            into
+        });
+        thread::sleep(Duration::from_millis(100));
+        comms[0].send(1, 1, &big(n, 7), T).unwrap();
+        assert!(rx.join().unwrap() == big(n, 7));
+    });
+    // ... or the whole message is sent (queued in the mailbox) before anyone receives.
+    comms[0].send(1, 2, &big(n, 9), T).unwrap();
+    let mut into = TensorBuf::zeros(oobleck_comm::DType::F32, vec![n]).unwrap();
+    comms[1].recv_into(0, 2, &mut into, T).unwrap();
+    assert!(into == big(n, 9));
+    // And into a fresh tensor (several messages gathered into one buffer).
+    comms[0].send(1, 3, &big(n, 5), T).unwrap();
+    assert!(comms[1].recv(0, 3, T).unwrap() == big(n, 5));
+}
+
+#[test]
+fn a_sender_that_dies_mid_message_fails_a_waiting_receiver_without_hanging() {
+    let comms = pair(17, [true, true]);
+    let n = (64 << 20) / 4;
+    thread::scope(|s| {
+        let rx = s.spawn(|| {
+            let mut into = TensorBuf::zeros(oobleck_comm::DType::F32, vec![n]).unwrap();
+            comms[1].recv_into(0, 1, &mut into, T).map(|()| into)
+        });
+        let tx = s.spawn(|| comms[0].send(1, 1, &big(n, 3), T));
+        thread::sleep(Duration::from_millis(30));
+        comms[0].abort();
+        let _ = tx.join().unwrap();
+        match rx.join().unwrap() {
+            Ok(t) => assert!(t == big(n, 3), "a whole message must be right"),
+            Err(e) => assert!(
+                matches!(e, oobleck_comm::CommError::PeerLost { rank: 0, .. }),
+                "{e}"
+            ),
+        }
+    });
+}

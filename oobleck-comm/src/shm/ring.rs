@@ -255,15 +255,95 @@ impl Link {
 enum Exit {
     Stop,
     Failed(CommError),
+    /// The receiver gave up on the buffer we were filling (only while filling a claim).
+    Cancelled,
 }
 
-/// The reader thread of one link: moves every message into the mailbox until stopped or the
-/// peer is gone. `cap` bounds a message's length (the frame cap of the TCP path).
+/// Waits until `need` bytes past `tail` are published, giving up on stop, the peer's end or
+/// the cancel flag.
+type WaitFn<'a> = &'a dyn Fn(u64, u64, Option<&AtomicBool>) -> Result<(), Exit>;
+
+/// Copies the body bytes `got..len` of the message at `*tail` into `dst`, publishing `tail`
+/// as it goes; returns how many bytes are in `dst` and why it stopped early, if it did.
+fn read_body(
+    r: &Ring,
+    tail: &mut u64,
+    dst: *mut u8,
+    mut got: usize,
+    len: usize,
+    wait: WaitFn,
+    cancel: Option<&AtomicBool>,
+) -> (usize, Option<Exit>) {
+    while got < len {
+        if cancel.is_some_and(|c| c.load(SeqCst)) {
+            return (got, Some(Exit::Cancelled));
+        }
+        if let Err(e) = wait(*tail, 1, cancel) {
+            return (got, Some(e));
+        }
+        let avail = (r.head().load(SeqCst) - *tail) as usize;
+        let n = avail.min(len - got);
+        // SAFETY: `dst` has room for `len` bytes and `got + n <= len`.
+        r.copy_out(*tail, unsafe { dst.add(got) }, n);
+        got += n;
+        *tail += n as u64;
+        r.tail().store(*tail, SeqCst);
+        r.wake_writer();
+    }
+    (got, None)
+}
+
+/// Reads one message body of `len` bytes: straight into the receiver's posted buffer when it
+/// has one of that length (`Ok(None)`), else into a new `Vec` for the mailbox.
+fn read_message(
+    r: &Ring,
+    tail: &mut u64,
+    key: Key,
+    len: usize,
+    mailbox: &Mailbox,
+    wait: WaitFn,
+) -> Result<Option<Vec<u8>>, Exit> {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut got = 0;
+    if let Some(claim) = mailbox.claim(key, len) {
+        match read_body(r, tail, claim.ptr, 0, len, wait, Some(&claim.cancel)) {
+            (_, None) => {
+                mailbox.release(claim, true);
+                return Ok(None);
+            }
+            (n, Some(Exit::Cancelled)) => {
+                // The receiver is gone (its op failed): keep the message whole in a Vec.
+                buf.reserve_exact(len);
+                // SAFETY: the claim keeps `claim.ptr` valid until released; `n <= len`.
+                unsafe { std::ptr::copy_nonoverlapping(claim.ptr, buf.as_mut_ptr(), n) };
+                got = n;
+                mailbox.release(claim, false);
+            }
+            (_, Some(e)) => {
+                mailbox.release(claim, false);
+                return Err(e);
+            }
+        }
+    } else {
+        buf.reserve_exact(len);
+    }
+    let (n, end) = read_body(r, tail, buf.as_mut_ptr(), got, len, wait, None);
+    if let Some(e) = end {
+        return Err(e);
+    }
+    // SAFETY: the first `len` bytes were written above (`n == len`).
+    unsafe { buf.set_len(n) };
+    Ok(Some(buf))
+}
+
+/// The reader thread of one link: moves every message into the mailbox (or a receiver's
+/// posted buffer) until stopped or the peer is gone. `cap` bounds a message's length (the
+/// frame cap of the TCP path).
 pub(crate) fn read_loop(link: &Link, peer: Rank, generation: u64, cap: u32, mailbox: &Mailbox) {
     let r = &link.incoming;
     let mut tail = r.tail().load(SeqCst);
     // Waits until `need` bytes past `tail` are published; a closed peer's last bytes count.
-    let wait = |tail: u64, need: u64| -> Result<(), Exit> {
+    let wait = |tail: u64, need: u64, cancel: Option<&AtomicBool>| -> Result<(), Exit> {
         wait_until(
             r.data_seq(),
             r.reader_waiting(),
@@ -272,6 +352,9 @@ pub(crate) fn read_loop(link: &Link, peer: Rank, generation: u64, cap: u32, mail
                 if link.stop.load(SeqCst) {
                     return Some(Exit::Stop);
                 }
+                if cancel.is_some_and(|c| c.load(SeqCst)) {
+                    return Some(Exit::Cancelled);
+                }
                 let err = link.closed_error()?;
                 // The peer is gone, so `head` is final: what is not there now never comes.
                 (r.head().load(SeqCst) - tail < need).then_some(Exit::Failed(err))
@@ -279,7 +362,7 @@ pub(crate) fn read_loop(link: &Link, peer: Rank, generation: u64, cap: u32, mail
         )
     };
     let exit = loop {
-        if let Err(e) = wait(tail, MSG_HEADER as u64) {
+        if let Err(e) = wait(tail, MSG_HEADER as u64, None) {
             break e;
         }
         let mut hdr = [0u8; MSG_HEADER];
@@ -298,42 +381,26 @@ pub(crate) fn read_loop(link: &Link, peer: Rank, generation: u64, cap: u32, mail
         }
         tail += MSG_HEADER as u64;
         let len = len as usize;
-        let mut buf: Vec<u8> = Vec::with_capacity(len);
-        let mut got = 0usize;
-        let mut failed = None;
-        while got < len {
-            if let Err(e) = wait(tail, 1) {
-                failed = Some(e);
-                break;
-            }
-            let avail = (r.head().load(SeqCst) - tail) as usize;
-            let n = avail.min(len - got);
-            // SAFETY: `buf` has capacity `len`, and `got + n <= len`.
-            r.copy_out(tail, unsafe { buf.as_mut_ptr().add(got) }, n);
-            got += n;
-            tail += n as u64;
-            r.tail().store(tail, SeqCst);
-            r.wake_writer();
-        }
-        if let Some(e) = failed {
-            break e;
-        }
-        // SAFETY: the first `len` bytes were written by `copy_out` above.
-        unsafe { buf.set_len(len) };
-        let pad = ((8 - (MSG_HEADER + len) % 8) % 8) as u64;
-        if let Err(e) = wait(tail, pad) {
-            break e;
-        }
-        tail += pad;
-        r.tail().store(tail, SeqCst);
-        r.wake_writer();
         let key = Key {
             peer,
             channel: word(0),
             seq: word(8),
             part,
         };
-        mailbox.deliver(key, None, buf);
+        let body = match read_message(r, &mut tail, key, len, mailbox, &wait) {
+            Ok(b) => b,
+            Err(e) => break e,
+        };
+        let pad = ((8 - (MSG_HEADER + len) % 8) % 8) as u64;
+        if let Err(e) = wait(tail, pad, None) {
+            break e;
+        }
+        tail += pad;
+        r.tail().store(tail, SeqCst);
+        r.wake_writer();
+        if let Some(buf) = body {
+            mailbox.deliver(key, None, buf);
+        }
     };
     if let Exit::Failed(err) = exit {
         tracing::debug!(peer, generation, error = %err, "shared-memory link ended");
