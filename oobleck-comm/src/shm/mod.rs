@@ -5,7 +5,8 @@
 //!   segment.rs    /dev/shm files: named with pid, generation and a nonce, unlinked once mapped,
 //!                 leftovers of dead pids removed; futex wait/wake
 //!   ring.rs       one SPSC byte ring per direction of a pair: p2p and control messages,
-//!                 streamed, delivered into the Mailbox by a reader thread per link
+//!                 streamed, delivered into the Mailbox by a reader thread per link (or
+//!                 straight into a receiver's posted buffer when it is already waiting)
 //!   allreduce.rs  all-reduce of a group on one host: copy in, reduce a slice in place from
 //!                 every member's scratch, copy out
 //! ```
