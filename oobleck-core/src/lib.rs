@@ -37,6 +37,7 @@ pub mod execution;
 pub mod model;
 pub mod optim;
 pub mod planning;
+pub mod profiler;
 pub mod reconfig;
 pub mod runtime;
 pub mod schedule;
