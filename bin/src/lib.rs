@@ -15,6 +15,7 @@ pub mod exit;
 pub mod generate;
 pub mod placement;
 pub mod plan_cmd;
+pub mod profile_cmd;
 pub(crate) mod plotting;
 pub mod progress;
 pub mod report;

@@ -120,6 +120,8 @@ pub fn workload(args: &WorkloadArgs) -> anyhow::Result<Workload> {
                 .with_context(|| format!("reading profile {}", path.display()))?;
             let p = ModelProfile::from_json(&text)
                 .with_context(|| format!("validating profile {}", path.display()))?;
+            check_file_fingerprint(&p, args, device.name, dtype)
+                .with_context(|| format!("profile {}", path.display()))?;
             (p, u64::MAX)
         }
         None => {
@@ -134,7 +136,7 @@ pub fn workload(args: &WorkloadArgs) -> anyhow::Result<Workload> {
     } else {
         profile
     };
-    if profile.fingerprint.device_kind != device.name {
+    if device_base(&profile.fingerprint.device_kind) != device.name {
         bail!(
             "the profile was made for device `{}`, not `{}`: re-profile or pass --device {}",
             profile.fingerprint.device_kind,
@@ -160,6 +162,44 @@ pub fn workload(args: &WorkloadArgs) -> anyhow::Result<Workload> {
         profile,
         cluster,
         job,
+    })
+}
+
+/// `cpu` of a measured `cpu:<model>x<threads>`: the planner's device the profile is for.
+fn device_base(kind: &str) -> &str {
+    kind.split_once(':').map_or(kind, |(base, _)| base)
+}
+
+/// A profile file must be for the microbatch, dtype and device the plan is asked for (its
+/// model is whatever it measured): otherwise an error naming both fingerprints.
+fn check_file_fingerprint(
+    p: &ModelProfile,
+    args: &WorkloadArgs,
+    device: &str,
+    dtype: Dtype,
+) -> anyhow::Result<()> {
+    let found = &p.fingerprint;
+    let expected = oobleck_core::planning::Fingerprint {
+        model: found.model.clone(),
+        microbatch_size: args.microbatch_size,
+        dtype: match dtype {
+            Dtype::Bf16 => "bf16".into(),
+            _ => "f32".into(),
+        },
+        device_kind: if device_base(&found.device_kind) == device {
+            found.device_kind.clone()
+        } else {
+            device.to_string()
+        },
+    };
+    p.check_fingerprint(&expected).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}: pass the profile's --microbatch-size {} --dtype {} --device {}, or measure \
+             one for this plan with `oobleck profile`",
+            found.microbatch_size,
+            found.dtype,
+            device_base(&found.device_kind)
+        )
     })
 }
 

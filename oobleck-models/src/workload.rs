@@ -60,6 +60,12 @@ pub struct GptWorkloadConfig {
     /// Default none: with `init_from`, the tokenizer its directory ships (see
     /// [`GptWorkloadConfig::tokenizer_path`]); else the built-in GPT-2 tokenizer.
     pub tokenizer: Option<PathBuf>,
+    /// Where the planner's profile comes from: `analytical` (the default: estimated from the
+    /// shape and the device's table rates), `measured` (on a CPU job: every layer measured on
+    /// this machine, or reused from the profile cache; other devices stay analytical, their
+    /// presets are too big to measure here), or the path of a profile JSON (`oobleck profile
+    /// --out`), which must be for this job's microbatch and dtype.
+    pub profile: String,
 }
 
 impl Default for GptWorkloadConfig {
@@ -73,6 +79,7 @@ impl Default for GptWorkloadConfig {
             eval_batches: 4,
             dataset: None,
             tokenizer: None,
+            profile: "analytical".into(),
         }
     }
 }
@@ -267,6 +274,128 @@ impl GptWorkload {
         }
         Ok(profile)
     }
+    /// The fingerprint's model of a measured profile: the preset (or `init_from`) and the
+    /// sequence length, which the times depend on.
+    pub fn measured_model_name(&self) -> String {
+        let what = self.cfg.init_from.as_deref().unwrap_or(&self.cfg.model);
+        format!("{what} seq {}", self.cfg.seq_len)
+    }
+
+    /// Measures every layer on `device` with microbatch 0 of step 0 as the sample (see
+    /// [`oobleck_core::profiler`]): `warmup` untimed and `repeats` timed passes per layer.
+    pub fn measure_profile(
+        &self,
+        device: &Device,
+        precision: Dtype,
+        warmup: usize,
+        repeats: usize,
+    ) -> Result<oobleck_core::profiler::Measured> {
+        let (inputs, targets) = to_tensors(&self.train_batch(0, 0, 0)?, device)?;
+        let req = self.profile_request(&inputs, &targets, device, precision, warmup, repeats);
+        Ok(oobleck_core::profiler::measure(&req)?)
+    }
+
+    /// The fingerprint [`GptWorkload::measure_profile`] gives on `device`.
+    pub fn measured_fingerprint(
+        &self,
+        device: &Device,
+        precision: Dtype,
+    ) -> Result<oobleck_core::planning::Fingerprint> {
+        let (inputs, targets) = to_tensors(&self.train_batch(0, 0, 0)?, device)?;
+        let req = self.profile_request(&inputs, &targets, device, precision, 0, 1);
+        Ok(oobleck_core::profiler::fingerprint(&req)?)
+    }
+
+    /// The measured CPU profile of this workload's microbatch, from the profile cache or
+    /// measured now (then cached); says which on stderr.
+    fn cached_cpu_profile(&self, precision: Dtype) -> Result<ModelProfile> {
+        use oobleck_core::profiler::cache::{self, Source};
+        let device = Device::Cpu;
+        let fp = self.measured_fingerprint(&device, precision)?;
+        let dir = cache::default_dir().ok_or_else(|| {
+            Error::Invalid("no profile cache directory: set OOBLECK_CACHE_DIR or HOME".into())
+        })?;
+        let start = std::time::Instant::now();
+        let (p, source) = cache::load_or_measure(&dir, &fp, || {
+            eprintln!(
+                "profiling {}: {} layers, microbatch {} ...",
+                self.cfg.model,
+                self.model.num_layers(),
+                self.cfg.microbatch_size
+            );
+            Ok(self.measure_profile(&device, precision, 2, 5)?.profile)
+        })?;
+        let secs = start.elapsed().as_secs_f64();
+        match source {
+            Source::Cached(path) => eprintln!("profile from cache {}", path.display()),
+            Source::Measured(path) => {
+                eprintln!("profiled in {secs:.1} s, cached at {}", path.display())
+            }
+            Source::Remeasured { path, reason } => eprintln!(
+                "the profile cache entry {} was corrupt ({reason}): measured again in {secs:.1} s",
+                path.display()
+            ),
+        }
+        Ok(p)
+    }
+
+    /// A profile file, which must be for this job's microbatch and dtype.
+    fn file_profile(
+        &self,
+        path: &std::path::Path,
+        microbatch_size: u32,
+        precision: Dtype,
+    ) -> Result<ModelProfile> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::Invalid(format!(
+                "reading the profile {}: {e} (profile is analytical, measured or a file)",
+                path.display()
+            ))
+        })?;
+        let p = ModelProfile::from_json(&text)
+            .map_err(|e| Error::Invalid(format!("profile {}: {e}", path.display())))?;
+        let dtype = if precision == Dtype::Bf16 {
+            "bf16"
+        } else {
+            "f32"
+        };
+        let found = &p.fingerprint;
+        if found.microbatch_size != microbatch_size || found.dtype != dtype {
+            return Err(Error::Invalid(format!(
+                "profile {} was made for {found:?}, this job needs microbatch {microbatch_size} \
+                 in {dtype}: measure one with `oobleck profile --model {} --microbatch-size \
+                 {microbatch_size} --seq-len {}`",
+                path.display(),
+                self.cfg.model,
+                self.cfg.seq_len
+            )));
+        }
+        Ok(p)
+    }
+
+    fn profile_request<'a>(
+        &'a self,
+        inputs: &'a Tensor,
+        targets: &'a Tensor,
+        device: &'a Device,
+        precision: Dtype,
+        warmup: usize,
+        repeats: usize,
+    ) -> oobleck_core::profiler::ProfileRequest<'a> {
+        oobleck_core::profiler::ProfileRequest {
+            model: self.model.as_ref(),
+            model_name: self.measured_model_name(),
+            inputs,
+            targets,
+            device,
+            dtype: match precision {
+                Dtype::Bf16 => candle_core::DType::BF16,
+                _ => candle_core::DType::F32,
+            },
+            warmup,
+            repeats,
+        }
+    }
 }
 
 impl Workload for GptWorkload {
@@ -325,7 +454,13 @@ impl Workload for GptWorkload {
         microbatch_size: u32,
         precision: Dtype,
     ) -> std::result::Result<ModelProfile, BoxError> {
-        Ok(self.planner_profile(device, microbatch_size, precision)?)
+        match self.cfg.profile.as_str() {
+            "measured" if device.name == "cpu" => Ok(self.cached_cpu_profile(precision)?),
+            "analytical" | "measured" => {
+                Ok(self.planner_profile(device, microbatch_size, precision)?)
+            }
+            path => Ok(self.file_profile(path.as_ref(), microbatch_size, precision)?),
+        }
     }
 
     fn evaluate(&self, model: &Stage) -> std::result::Result<Option<f64>, BoxError> {

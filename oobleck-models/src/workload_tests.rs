@@ -316,3 +316,42 @@ fn init_from_starts_from_the_pretrained_weights() {
     let diff = (got[name].clone() - &params[name]).unwrap().abs().unwrap();
     assert_eq!(diff.max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
 }
+
+/// A measured profile of gpt-tiny has one entry per layer with positive times, and a profile
+/// file is used only for the job's microbatch: otherwise the error names both.
+#[test]
+fn a_measured_profile_file_is_checked_against_the_job() {
+    let (dir, corpus) = small_corpus(20_000);
+    let w = GptWorkload::new(tiny(&corpus)).expect("workload");
+    let m = w
+        .measure_profile(&Device::Cpu, Dtype::F32, 0, 1)
+        .expect("measured");
+    assert_eq!(m.profile.num_layers(), w.model().num_layers());
+    assert!(m
+        .profile
+        .layers
+        .iter()
+        .all(|l| l.forward_ms > 0.0 && l.backward_ms > 0.0));
+    assert_eq!(m.profile.fingerprint.microbatch_size, 2);
+    assert_eq!(m.profile.fingerprint.model, "gpt-tiny seq 16");
+    let file = dir.path().join("p.json");
+    std::fs::write(&file, m.profile.to_json()).expect("write");
+    let with_file = GptWorkload::new(GptWorkloadConfig {
+        profile: file.display().to_string(),
+        ..tiny(&corpus)
+    })
+    .expect("workload");
+    let cpu = DeviceSpec::named("cpu").expect("cpu");
+    let p = with_file
+        .profile(cpu, 2, Dtype::F32)
+        .expect("the file's profile");
+    assert_eq!(p, m.profile);
+    let e = with_file
+        .profile(cpu, 4, Dtype::F32)
+        .expect_err("another microbatch")
+        .to_string();
+    assert!(
+        e.contains("microbatch_size: 2") && e.contains("microbatch 4"),
+        "{e}"
+    );
+}

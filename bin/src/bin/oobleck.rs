@@ -33,6 +33,9 @@ enum Cmd {
     /// Plan pipeline templates and their instantiation for a model and cluster; show what a
     /// failure (`--lose`) or a join (`--join`) would change.
     Plan(oobleck_cli::plan_cmd::PlanArgs),
+    /// Measure every layer's forward and backward time and sizes on a device, print them and
+    /// write the profile JSON (`--out`) that `plan --profile` reads; cached by fingerprint.
+    Profile(oobleck_cli::profile_cmd::ProfileArgs),
     /// Replay a failure trace (or a generated one) under recovery policies: oobleck,
     /// checkpoint-restart, redundancy, and the authors' simulators (table); throughput, where
     /// the time went, and a chart (`--plot`).
@@ -123,6 +126,7 @@ fn run() -> Result<()> {
         Cmd::Models { json } => models(json),
         Cmd::Generate(a) => generate(&a),
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
+        Cmd::Profile(a) => oobleck_cli::profile_cmd::run(&a),
         Cmd::Simulate(a) => oobleck_cli::simulate_cmd::run(&a),
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
