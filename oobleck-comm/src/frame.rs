@@ -173,17 +173,28 @@ pub enum ReadOutcome {
     Bad(FrameError),
 }
 
-/// Reads one frame: the header is validated (magic, version, kind, cap, generation) before
-/// any payload is read or allocated.
-pub fn read_frame(r: &mut impl Read, generation: u64, cap: u32) -> std::io::Result<ReadOutcome> {
+/// Reads and validates one frame's header (`None`: closed cleanly between frames); the
+/// caller reads its `len` payload bytes.
+pub(crate) fn read_header(
+    r: &mut impl Read,
+    generation: u64,
+    cap: u32,
+) -> std::io::Result<Result<Option<Header>, FrameError>> {
     let mut hb = [0u8; HEADER_LEN];
     match read_full(r, &mut hb)? {
         Ok(true) => {}
-        Ok(false) => return Ok(ReadOutcome::Closed),
-        Err(e) => return Ok(ReadOutcome::Bad(e)),
+        Ok(false) => return Ok(Ok(None)),
+        Err(e) => return Ok(Err(e)),
     }
-    let header = match Header::decode(&hb, generation, cap) {
-        Ok(h) => h,
+    Ok(Header::decode(&hb, generation, cap).map(Some))
+}
+
+/// Reads one frame: the header is validated (magic, version, kind, cap, generation) before
+/// any payload is read or allocated.
+pub fn read_frame(r: &mut impl Read, generation: u64, cap: u32) -> std::io::Result<ReadOutcome> {
+    let header = match read_header(r, generation, cap)? {
+        Ok(Some(h)) => h,
+        Ok(None) => return Ok(ReadOutcome::Closed),
         Err(e) => return Ok(ReadOutcome::Bad(e)),
     };
     let len = header.len as usize;

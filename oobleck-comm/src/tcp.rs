@@ -27,6 +27,7 @@
 
 mod handshake;
 mod local;
+mod recv;
 
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -42,7 +43,7 @@ use handshake::{accept_all, connect_one};
 use crate::comm::Rank;
 use crate::engine::{delegate_communicator, Ctx, Engine, Transport, Tuning};
 use crate::error::{CommError, FrameError, Op, Result};
-use crate::frame::{self, Header, Kind, ReadOutcome};
+use crate::frame::{self, Header, Kind};
 use crate::key::SecretKey;
 use crate::mailbox::{Key, Mailbox};
 use crate::shm::{Link, Scratch, Wire};
@@ -307,31 +308,40 @@ fn read_loop(
         reason,
     };
     let err = loop {
-        match frame::read_frame(&mut s, generation, cap) {
-            Ok(ReadOutcome::Frame(h, payload)) if h.kind == Kind::Data => {
-                let key = Key {
-                    peer,
-                    channel: h.channel,
-                    seq: h.seq,
-                    part: h.part,
-                };
-                mailbox.deliver(key, None, payload);
-            }
-            Ok(ReadOutcome::Frame(h, _)) => {
-                break CommError::Frame {
-                    peer: Some(peer),
-                    source: FrameError::Malformed(format!("unexpected {:?} frame", h.kind)),
-                }
-            }
-            Ok(ReadOutcome::Closed) => break lost("connection closed".into()),
-            Ok(ReadOutcome::Bad(FrameError::StaleGeneration { found, expected })) => {
+        let h = match frame::read_header(&mut s, generation, cap) {
+            Ok(Ok(Some(h))) => h,
+            Ok(Ok(None)) => break lost("connection closed".into()),
+            Ok(Err(FrameError::StaleGeneration { found, expected })) => {
                 break CommError::StaleGeneration {
                     peer,
                     ours: expected,
                     theirs: found,
                 }
             }
-            Ok(ReadOutcome::Bad(e)) => {
+            Ok(Err(e)) => {
+                break CommError::Frame {
+                    peer: Some(peer),
+                    source: e,
+                }
+            }
+            Err(e) => break lost(format!("read: {e}")),
+        };
+        if h.kind != Kind::Data {
+            break CommError::Frame {
+                peer: Some(peer),
+                source: FrameError::Malformed(format!("unexpected {:?} frame", h.kind)),
+            };
+        }
+        let key = Key {
+            peer,
+            channel: h.channel,
+            seq: h.seq,
+            part: h.part,
+        };
+        match recv::read_payload(&mut s, key, h.len as usize, mailbox) {
+            Ok(Ok(Some(payload))) => mailbox.deliver(key, None, payload),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
                 break CommError::Frame {
                     peer: Some(peer),
                     source: e,

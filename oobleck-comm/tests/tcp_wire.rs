@@ -233,3 +233,56 @@ fn a_stale_rank_cannot_join_a_newer_generation() {
         r0.err()
     );
 }
+
+/// A Data frame header of `len` payload bytes for message `part` of p2p tag 0.
+fn part_header(part: u32, len: u32) -> Vec<u8> {
+    Header {
+        kind: Kind::Data,
+        generation: GEN,
+        channel: 0,
+        seq: 0,
+        part,
+        len,
+    }
+    .encode()
+    .to_vec()
+}
+
+#[test]
+fn a_receiver_waiting_into_its_buffer_gives_up_at_its_deadline_mid_frame() {
+    let (comm, mut s) = rank0_with_raw_rank1();
+    let n = 1000usize;
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let mut into = oobleck_comm::TensorBuf::zeros(oobleck_comm::DType::F32, vec![n]).unwrap();
+        let r = comm.recv_into(1, 0, &mut into, Duration::from_millis(500));
+        let _ = tx.send(r);
+        drop(comm);
+    });
+    // The tensor's header (f32, one dim of n), then, once the receive waits with its buffer
+    // posted, the first quarter of the data and a stall.
+    let mut meta = vec![1u8, 1];
+    meta.extend_from_slice(&(n as u64).to_le_bytes());
+    let mut b = part_header(0, meta.len() as u32);
+    b.extend_from_slice(&meta);
+    s.write_all(&b).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    let mut b = part_header(1, 4 * n as u32);
+    b.extend_from_slice(&[7; 1000]);
+    s.write_all(&b).unwrap();
+    let r = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the receive returns at its deadline, not when the peer resumes");
+    let err = r.expect_err("three quarters of the data never came");
+    assert!(
+        matches!(
+            err,
+            CommError::Timeout {
+                waiting_on: Some(1),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(s);
+}
