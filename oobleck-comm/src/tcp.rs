@@ -11,6 +11,8 @@
 //!
 //!   op thread ──write_frame (from the caller's buffer, write timeout = op deadline)──▶ socket
 //!   socket ──reader thread: read_frame, validate──▶ Mailbox ──take(key, deadline)──▶ op thread
+//!          (a p2p payload goes straight into the receiver's posted buffer when it already
+//!          waits: tcp/recv.rs)
 //! ```
 //!
 //! Ranks on one host (same boot id, machine id and tmpfs; `tcp/local.rs`) agree right after
