@@ -300,6 +300,12 @@ pub struct TrainArgs {
     /// the page always do.
     #[arg(long, value_name = "HOST:PORT|off")]
     pub status_addr: Option<String>,
+    /// Where the planner's per-layer times come from: `measured` (the default on the CPU:
+    /// every layer is timed on this machine before planning, a few seconds, and the profile
+    /// is cached for the next run), `analytical` (estimated from the shape and device), or
+    /// a profile JSON written by `oobleck profile --out`.
+    #[arg(long, value_name = "measured|analytical|FILE", env = "OOBLECK_PROFILE")]
+    pub profile: Option<String>,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]

@@ -2,8 +2,13 @@
 //! plans from; the second run is a cache hit; a corrupt entry is measured again; a plan asked
 //! for another microbatch names both fingerprints.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::{train_cmd, Guard};
 
 const OOBLECK: &str = env!("CARGO_BIN_EXE_oobleck");
 
@@ -98,4 +103,53 @@ fn a_measured_profile_is_cached_and_planned_from() {
     assert!(stderr.contains("microbatch_size: 2"), "{stderr}");
     assert!(stderr.contains("microbatch_size: 4"), "{stderr}");
     assert!(stderr.contains("--microbatch-size 2"), "{stderr}");
+}
+
+/// `train --profile measured` times the layers before planning (saying so), caches the
+/// profile, reuses it on the next run, and prints its measured step time beside the
+/// planner's prediction; `--profile` with a missing file is refused before anything starts.
+#[test]
+fn train_plans_from_a_measured_profile_and_reports_predicted_against_measured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = dir.path().join("cache");
+    let run = |name: &str| {
+        let args = [
+            "--nodes",
+            "2",
+            "--pipeline-nodes",
+            "2",
+            "--status-addr",
+            "off",
+        ];
+        let mut cmd = train_cmd(&dir.path().join(name), 4, &args);
+        cmd.args(["--profile", "measured"])
+            .env("OOBLECK_CACHE_DIR", &cache);
+        let out = Guard(Some(cmd.spawn().expect("start train"))).finish(Duration::from_secs(240));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "train failed:\n{text}");
+        text
+    };
+    let first = run("a");
+    assert!(first.contains("profiling gpt-tiny"), "{first}");
+    assert!(first.contains("cached at"), "{first}");
+    let line = first
+        .lines()
+        .find(|l| l.contains("step time: measured"))
+        .unwrap_or_else(|| panic!("no step-time line:\n{first}"));
+    assert!(line.contains("planner predicted"), "{line}");
+    let second = run("b");
+    assert!(second.contains("profile from cache"), "{second}");
+    assert!(!second.contains("profiling gpt-tiny"), "{second}");
+
+    let missing = dir.path().join("missing.json");
+    let mut cmd = train_cmd(&dir.path().join("c"), 1, &[]);
+    cmd.args(["--profile", missing.to_str().unwrap()]);
+    let out = Guard(Some(cmd.spawn().expect("start train"))).finish(Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("not `measured`, `analytical` or a profile file"),
+        "{err}"
+    );
 }

@@ -360,11 +360,13 @@ impl GptWorkload {
             "f32"
         };
         let found = &p.fingerprint;
-        if found.microbatch_size != microbatch_size || found.dtype != dtype {
+        let model = self.measured_model_name();
+        let same_model = found.model == model || found.model == self.cfg.model;
+        if !same_model || found.microbatch_size != microbatch_size || found.dtype != dtype {
             return Err(Error::Invalid(format!(
-                "profile {} was made for {found:?}, this job needs microbatch {microbatch_size} \
-                 in {dtype}: measure one with `oobleck profile --model {} --microbatch-size \
-                 {microbatch_size} --seq-len {}`",
+                "profile {} was made for {found:?}, this job needs {model} with microbatch \
+                 {microbatch_size} in {dtype}: measure one with `oobleck profile --model {} \
+                 --microbatch-size {microbatch_size} --seq-len {}`",
                 path.display(),
                 self.cfg.model,
                 self.cfg.seq_len

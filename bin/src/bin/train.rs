@@ -42,6 +42,9 @@ fn run() -> Result<()> {
         return run(&cli.args);
     }
     let args = TrainArgs::parse();
+    if let Some(p) = &args.profile {
+        oobleck_cli::cluster::job::choose_profile(p)?;
+    }
     let mut cfg = args.resolve()?;
     let launch = match (&args.listen, &args.hostfile) {
         (Some(addr), hostfile) => {

@@ -115,11 +115,27 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
     }
 }
 
+/// `train --profile`: checks the choice (`measured`, `analytical` or a profile file that
+/// exists) and makes it the one [`workload_config`] takes. Call it before any thread starts.
+pub fn choose_profile(choice: &str) -> anyhow::Result<()> {
+    if !matches!(choice, "measured" | "analytical") && !Path::new(choice).is_file() {
+        anyhow::bail!(
+            "--profile {choice}: not `measured`, `analytical` or a profile file (write one with \
+             `oobleck profile --model M --out FILE`)"
+        );
+    }
+    std::env::set_var(PROFILE_ENV, choice);
+    Ok(())
+}
+
+/// Where `train --profile` leaves its choice for [`workload_config`].
+const PROFILE_ENV: &str = "OOBLECK_PROFILE";
+
 /// Where the planner's profile comes from: `$OOBLECK_PROFILE` (`analytical`, `measured` or
-/// a profile JSON), default `measured` (a CPU job measures its layers or reuses the cached
-/// measurement; other devices stay analytical).
+/// a profile JSON; `train --profile` sets it), default `measured` (a CPU job measures its
+/// layers or reuses the cached measurement; other devices stay analytical).
 fn profile_choice() -> String {
-    std::env::var("OOBLECK_PROFILE")
+    std::env::var(PROFILE_ENV)
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "measured".into())

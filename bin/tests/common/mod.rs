@@ -83,6 +83,9 @@ fn out_extra_and_pipes(c: &mut Command, out: &Path, extra: &[&str]) {
         .args(extra)
         .env("OOBLECK_BIN", OOBLECK)
         .env("RUST_BACKTRACE", "0")
+        // The analytical profile plans the same pipelines on every run; a measured one depends
+        // on the machine's load (`--profile measured` is tested in profile_cli.rs).
+        .env("OOBLECK_PROFILE", "analytical")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
