@@ -139,6 +139,17 @@ impl Mailbox {
         self.lock().aborted
     }
 
+    /// `op` waited `timeout` for a message from `peer` in vain.
+    fn timed_out(&self, op: Op, timeout: Duration, peer: Rank) -> CommError {
+        CommError::Timeout {
+            op,
+            after: timeout,
+            rank: self.rank,
+            generation: self.generation,
+            waiting_on: Some(peer),
+        }
+    }
+
     pub fn aborted_error(&self) -> CommError {
         CommError::Aborted {
             rank: self.rank,
@@ -264,13 +275,7 @@ impl Mailbox {
                 }
             }
             if now >= deadline {
-                return Err(CommError::Timeout {
-                    op,
-                    after: timeout,
-                    rank: self.rank,
-                    generation: self.generation,
-                    waiting_on: Some(key.peer),
-                });
+                return Err(self.timed_out(op, timeout, key.peer));
             }
             g = self
                 .cv
@@ -325,13 +330,7 @@ impl Mailbox {
                 return Err(err.clone());
             }
             if now >= deadline {
-                return Err(CommError::Timeout {
-                    op,
-                    after: timeout,
-                    rank: self.rank,
-                    generation: self.generation,
-                    waiting_on: Some(key.peer),
-                });
+                return Err(self.timed_out(op, timeout, key.peer));
             }
             g = self
                 .cv

@@ -10,14 +10,7 @@ pub fn median(xs: &[f64]) -> f64 {
     if xs.is_empty() {
         return f64::NAN;
     }
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
+    oobleck_core::profiler::median(&mut xs.to_vec())
 }
 
 pub(super) fn percentile(xs: &[f64], q: f64) -> f64 {
