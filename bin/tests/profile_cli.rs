@@ -61,12 +61,12 @@ fn a_measured_profile_is_cached_and_planned_from() {
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("profile from cache"), "{stderr}");
 
+    // The cache directory also holds the corpus's token cache: pick the profile entry.
     let entry = std::fs::read_dir(&cache)
         .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "json"))
+        .expect("a profile entry in the cache");
     std::fs::write(&entry, "garbage").unwrap();
     let (out, _, stderr) = oobleck(&cache, &profile);
     assert!(out.status.success(), "{stderr}");
