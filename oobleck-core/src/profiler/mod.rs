@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 use crate::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
+use crate::planning::profile::{ms_to_ns, ns_to_ms};
 use crate::planning::{Fingerprint, LayerProfile, ModelProfile};
 use crate::{Error, Result};
 
@@ -202,8 +203,10 @@ fn measure_layer(
     };
     let layer = LayerProfile {
         name: String::new(),
-        forward_ms: median(&mut fwd_ms),
-        backward_ms: median(&mut bwd_ms),
+        // Whole nanoseconds, as the planner reads them back (`ModelProfile::from_json`), so a
+        // profile survives its JSON round trip unchanged.
+        forward_ms: ns_to_ms(ms_to_ns(median(&mut fwd_ms))),
+        backward_ms: ns_to_ms(ms_to_ns(median(&mut bwd_ms))),
         param_bytes,
         activation_bytes,
         output_bytes,
