@@ -11,7 +11,8 @@
 //! ```
 //!
 //! The writer copies bytes, then publishes `head` (SeqCst, so the bytes happen-before the
-//! reader's load of it); the reader copies out, then publishes `tail`. A side with nothing to
+//! reader's load of it); the reader copies out, then publishes `tail`. Both publish every
+//! `PUBLISH` bytes, so the two copies of a long message overlap. A side with nothing to
 //! do spins briefly, then sleeps on the futex word the other side bumps after publishing; the
 //! sleep is capped (a few ms), so stop flags and deadlines are seen soon even if a wake-up
 //! were lost.
@@ -30,6 +31,10 @@ const MSG_HEADER: usize = 24;
 const SPINS: u32 = 64;
 const YIELDS: u32 = 4;
 const NAP: Duration = Duration::from_millis(5);
+/// Bytes either side copies before it publishes its position: the writer fills chunk k+1
+/// while the reader drains chunk k, so a large message streams with both copies running at
+/// once instead of alternating ring-sized halves.
+const PUBLISH: usize = 64 << 10;
 
 /// One direction of a pair, `cap` data bytes at `base` in `seg`.
 #[derive(Clone)]
@@ -200,10 +205,14 @@ impl RingWriter {
                     )?;
                     continue;
                 }
-                let n = free.min(piece.len() - done);
+                let n = free.min(piece.len() - done).min(PUBLISH);
                 r.copy_in(head, &piece[done..done + n]);
                 head += n as u64;
                 done += n;
+                if n == PUBLISH {
+                    r.head().store(head, SeqCst);
+                    r.wake_reader();
+                }
             }
         }
         r.head().store(head, SeqCst);
@@ -282,7 +291,7 @@ fn read_body(
             return (got, Some(e));
         }
         let avail = (r.head().load(SeqCst) - *tail) as usize;
-        let n = avail.min(len - got);
+        let n = avail.min(len - got).min(PUBLISH);
         // SAFETY: `dst` has room for `len` bytes and `got + n <= len`.
         r.copy_out(*tail, unsafe { dst.add(got) }, n);
         got += n;
