@@ -7,6 +7,7 @@
 //! ```text
 //! cargo bench -p oobleck-comm --bench comm                 # 4 KiB .. 256 MiB
 //! OOBLECK_BENCH_MAX_BYTES=16777216 cargo bench -p oobleck-comm --bench comm   # quicker
+//! OOBLECK_BENCH_LOAD=2 OOBLECK_BENCH_ROUNDS=3 cargo bench ...   # busy machine, medians
 //! ```
 //!
 //! The benchmark re-executes itself as the peer processes (env `OOBLECK_BENCH_PEER`); the
@@ -262,6 +263,68 @@ fn memcpy_gbps() -> f64 {
     (n * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The median time of every measurement over rounds.
+fn medians(rounds: Vec<Results>) -> Results {
+    let mut all: HashMap<(&'static str, usize), Vec<f64>> = HashMap::new();
+    for r in rounds {
+        for (k, v) in r {
+            all.entry(k).or_default().push(v);
+        }
+    }
+    all.into_iter()
+        .map(|(k, mut v)| {
+            v.sort_by(f64::total_cmp);
+            (k, v[v.len() / 2])
+        })
+        .collect()
+}
+
+/// `OOBLECK_BENCH_LOAD=N`: N threads of this process spin for the whole measurement, a busy
+/// machine's other work competing with the peers for the cores.
+struct BackgroundLoad {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl BackgroundLoad {
+    fn start(n: usize) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if n > 0 {
+            println!("background load: {n} busy threads beside the peers");
+        }
+        let threads = (0..n)
+            .map(|i| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = i as u64 + 1;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for _ in 0..10_000 {
+                            x = std::hint::black_box(x.wrapping_mul(6364136223846793005) + 1);
+                        }
+                    }
+                })
+            })
+            .collect();
+        BackgroundLoad { stop, threads }
+    }
+}
+
+impl Drop for BackgroundLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 fn human(bytes: usize) -> String {
     if bytes >= 1 << 20 {
         format!("{} MiB", bytes >> 20)
@@ -283,16 +346,34 @@ fn main() {
         return;
     }
     let memcpy = memcpy_gbps();
+    let rounds = env_usize("OOBLECK_BENCH_ROUNDS", 1).max(1);
+    let load = BackgroundLoad::start(env_usize("OOBLECK_BENCH_LOAD", 0));
     let mut tcp = HashMap::new();
     let mut shm = HashMap::new();
     let mut gloo = HashMap::new();
     for world in [2usize, 4] {
-        eprintln!("comm bench: oobleck over TCP, {world} processes ...");
-        tcp.insert(world, run_ours(world, false));
-        eprintln!("comm bench: oobleck over shared memory, {world} processes ...");
-        shm.insert(world, run_ours(world, true));
-        eprintln!("comm bench: Gloo, {world} processes ...");
-        gloo.insert(world, run_gloo(world));
+        let (mut t, mut s, mut g) = (Vec::new(), Vec::new(), Vec::new());
+        // Alternated, so a change in the machine's other load hits every side alike.
+        for round in 1..=rounds {
+            eprintln!(
+                "comm bench: round {round}/{rounds}, oobleck over TCP, {world} processes ..."
+            );
+            t.push(run_ours(world, false));
+            eprintln!("comm bench: round {round}/{rounds}, shared memory, {world} processes ...");
+            s.push(run_ours(world, true));
+            eprintln!("comm bench: round {round}/{rounds}, Gloo, {world} processes ...");
+            g.push(run_gloo(world));
+        }
+        tcp.insert(world, medians(t));
+        shm.insert(world, medians(s));
+        gloo.insert(
+            world,
+            g.into_iter().collect::<Result<Vec<_>, _>>().map(medians),
+        );
+    }
+    drop(load);
+    if rounds > 1 {
+        println!("\nmedians of {rounds} alternated rounds");
     }
     report(memcpy, &tcp, &shm, &gloo);
 }
