@@ -67,7 +67,8 @@ pub fn role() -> Option<String> {
 /// The first call of a user's `main`: when this process was started as an agent or a worker
 /// of a job, runs that role here and exits the process (0, or 1 after printing the error);
 /// otherwise returns at once. `factory` builds the workload in each worker from the job's
-/// workload settings ([`super::JobConfig::workload`]).
+/// workload settings ([`super::JobConfig::workload`]). Every process first gets the training
+/// allocator settings ([`super::tune_allocator`]).
 pub fn take_over<F>(factory: F)
 where
     F: Fn(&serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError>
@@ -75,6 +76,7 @@ where
         + Sync
         + 'static,
 {
+    super::tune_allocator();
     let Some(role) = role() else {
         return;
     };

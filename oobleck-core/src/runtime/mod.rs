@@ -18,6 +18,7 @@
 //!   `metrics.jsonl`.
 
 pub mod agent;
+pub mod allocator;
 pub mod device;
 pub mod driver;
 mod entry;
@@ -29,6 +30,7 @@ pub mod spec;
 pub mod timeouts;
 pub mod worker;
 
+pub use allocator::tune_allocator;
 pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
 pub use pipe::StateSource;
