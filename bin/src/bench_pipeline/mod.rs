@@ -3,8 +3,12 @@
 //! For each configuration `S x P` (stages x pipeline replicas) it runs every rank as a thread of
 //! this process over the real TCP data plane on 127.0.0.1, and reports:
 //!
+//! - the stages the planner cuts from a measured per-layer profile (`oobleck_core::profiler`,
+//!   in the rank's own thread pool), the planner's predicted iteration time for them, and how
+//!   balanced they are, planned and in the running pipeline;
 //! - the measured iteration time (`StageWorker::run_iteration`, the pipeline makespan) against
-//!   `schedule::simulate` fed with stage times profiled in isolation and a measured p2p time;
+//!   that prediction and against `schedule::simulate` fed with stage times profiled in
+//!   isolation and a measured p2p time;
 //! - the bubble fraction per stage, `1 - busy / makespan`, where busy is the rank's time inside
 //!   the iteration but outside communicator calls, against the simulation's and `(S-1)/(m+S-1)`;
 //! - the gradient sync time of a rank (the bucket all-reduces the engine starts on a background
@@ -15,7 +19,8 @@
 //! - the control-plane cost of committing a step with the real `elastic::{Master, Agent}`.
 //!
 //! ```text
-//!  profile: each stage alone, one microbatch, median of reps ─► StageTimes ─┐
+//!  profile: every layer (profiler) ─► planner ─► stages + predicted iteration
+//!           each stage alone, one microbatch, median of reps ─► StageTimes ─┐
 //!  p2p: ping-pong of one activation between ranks 0 and 1 ─► p2p_ns ───────┴► simulate ─► sim
 //!  run:   S·P rank threads (1-thread rayon pool each) ── TCP ── run_iteration ─► measured
 //!                                                        └─ sync_gradients + AdamW
@@ -45,7 +50,6 @@ mod summary;
 mod table;
 
 pub use control::control_plane;
-pub use profile::balanced_cuts;
 pub use summary::theoretical_bubble;
 pub use table::median;
 
@@ -141,6 +145,9 @@ pub struct StageProfile {
     pub layers: (usize, usize),
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// The planner's forward + backward + p2p of the stage per microbatch, from the per-layer
+    /// profile.
+    pub planned_ms: f64,
     /// In the real pipeline: the stage's busy time (outside communicator calls) per
     /// microbatch, median over iterations, mean over pipelines. Above `forward + backward`
     /// when the stage ran slower than alone (shared cores, memory bandwidth, data-plane copies).
@@ -174,6 +181,15 @@ pub struct Row {
     pub p2p_ms: f64,
     /// Median over the timed iterations of the slowest pipeline's makespan.
     pub measured_iter_ms: f64,
+    /// The planner's `T(m)` of its template, from the measured per-layer profile.
+    pub planner_iter_ms: f64,
+    /// measured / planner.
+    pub ratio_to_planner: f64,
+    pub within_10pct_of_planner: bool,
+    /// Slowest over fastest stage minus 1: the plan's (planned per-stage times) and the
+    /// running pipeline's (busy time per microbatch).
+    pub planned_imbalance: f64,
+    pub measured_imbalance: f64,
     pub simulated_iter_ms: f64,
     /// measured / simulated.
     pub ratio: f64,
@@ -344,6 +360,9 @@ mod tests {
         for (name, v) in [
             ("iter", r.measured_iter_ms),
             ("sim", r.simulated_iter_ms),
+            ("planner", r.planner_iter_ms),
+            ("planned imbalance", r.planned_imbalance),
+            ("measured imbalance", r.measured_imbalance),
             ("ratio", r.ratio),
             ("busy sim", r.simulated_from_busy_ms),
             ("bubble", r.bubble_measured_mean),

@@ -1,14 +1,18 @@
 //! What the pipeline runs and what the simulator is fed: the model, its seeded data, and each
-//! stage's forward/backward time profiled alone, with the stages cut to balance those times.
+//! stage's forward/backward time profiled alone, with the stages cut by the planner from a
+//! measured per-layer profile.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_core::execution::tensor_to_buf;
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
+use oobleck_core::planning::template::best_template;
+use oobleck_core::planning::{DeviceSpec, JobSpec, ModelProfile, Template, TemplateMicrobatches};
+use oobleck_core::profiler::ProfileRequest;
 use oobleck_core::schedule::StageTimes;
 use oobleck_models::ModelConfig;
 use rand::{Rng, SeedableRng};
@@ -142,30 +146,40 @@ fn profile_range(
     ))
 }
 
-/// The stages of one run: their layer ranges, each one's time alone, and the shape of the
-/// activation the first stage sends.
+/// The stages of one run: the planner's template for them (cut from the measured per-layer
+/// profile), each stage's time when profiled whole, and the shape of the activation the first
+/// stage sends.
 pub(super) struct ProfiledStages {
     pub(super) ranges: Vec<std::ops::Range<usize>>,
     pub(super) times: Vec<StageTimes>,
     pub(super) act_dims: Vec<usize>,
+    pub(super) template: Template,
 }
 
-/// Balanced cut of `model` into `s` stages from per-layer profiles, then each chosen stage
-/// profiled whole.
+/// Measures every layer with [`oobleck_core::profiler`] (as `oobleck profile` and `train`
+/// do), lets the planner cut the model into `s` single-device stages for `m` microbatches,
+/// then profiles each chosen stage whole for the simulator.
 pub(super) fn profile_stages(
     model: &dyn LayeredModel,
     data: &Data,
-    s: usize,
+    (s, m): (usize, u32),
     reps: usize,
     seed: u64,
 ) -> Result<ProfiledStages> {
-    let l = model.num_layers();
-    let mut per_layer = Vec::with_capacity(l);
-    for i in 0..l {
-        let (t, _) = profile_range(model, i..i + 1, data, reps, seed)?;
-        per_layer.push((t.forward_ns + t.backward_ns) as f64);
-    }
-    let ranges = balanced_cuts(&per_layer, s)?;
+    let (ids, tg) = data.get(0, 0)?;
+    let req = ProfileRequest {
+        model,
+        model_name: "bench pipeline".into(),
+        inputs: &ids,
+        targets: &tg,
+        device: &Device::Cpu,
+        dtype: candle_core::DType::F32,
+        warmup: 1,
+        repeats: reps,
+    };
+    let profile = oobleck_core::profiler::measure(&req)?.profile;
+    let template = plan_stages(&profile, s, m)?;
+    let ranges: Vec<_> = template.stages.iter().map(|st| st.layers()).collect();
     let mut times = Vec::with_capacity(s);
     let mut act_dims = Vec::new();
     for r in &ranges {
@@ -179,61 +193,93 @@ pub(super) fn profile_stages(
         ranges,
         times,
         act_dims,
+        template,
     })
 }
 
-/// Contiguous cut of `w` (per-layer costs) into `s` non-empty stages minimising the largest
-/// stage sum. Returns the stage ranges.
-pub fn balanced_cuts(w: &[f64], s: usize) -> Result<Vec<std::ops::Range<usize>>> {
-    let l = w.len();
-    if s == 0 || s > l {
-        bail!("cannot cut {l} layers into {s} non-empty stages");
+/// The planner's template of `s` nodes of one CPU device each for `m` microbatches, from a
+/// measured `profile` (the `cpu` device's links: 127.0.0.1 here is faster, and an
+/// activation's transfer is a small part of a stage's time).
+pub(super) fn plan_stages(profile: &ModelProfile, s: usize, m: u32) -> Result<Template> {
+    let cpu = DeviceSpec::named("cpu").context("the planner's `cpu` device")?;
+    let job = JobSpec {
+        fault_threshold: 0,
+        microbatch_size: profile.fingerprint.microbatch_size,
+        global_microbatches: m,
+        state_bytes_per_param_byte: 4,
+        template_microbatches: TemplateMicrobatches::Fixed(m),
+    };
+    job.validate(profile)?;
+    let n = u32::try_from(s)?;
+    let (template, _) = best_template(profile, &cpu.cluster(1), &job, n, n).with_context(|| {
+        format!(
+            "the planner finds no {s}-stage layout of {} layers",
+            profile.layers.len()
+        )
+    })?;
+    if template.num_stages() != s {
+        bail!(
+            "the planner's {n}-node template has {} stages, not {s}",
+            template.num_stages()
+        );
     }
-    let pre: Vec<f64> = std::iter::once(0.0)
-        .chain(w.iter().scan(0.0, |a, x| {
-            *a += x;
-            Some(*a)
-        }))
-        .collect();
-    // best[k][j]: the smallest max over cuts of layers 0..j into k stages.
-    let inf = f64::INFINITY;
-    let mut best = vec![vec![inf; l + 1]; s + 1];
-    let mut arg = vec![vec![0usize; l + 1]; s + 1];
-    best[0][0] = 0.0;
-    for k in 1..=s {
-        for j in k..=l {
-            for i in (k - 1)..j {
-                let v = best[k - 1][i].max(pre[j] - pre[i]);
-                if v < best[k][j] {
-                    best[k][j] = v;
-                    arg[k][j] = i;
-                }
-            }
-        }
+    Ok(template)
+}
+
+/// `max / min - 1` of the stages' compute (forward + backward) per microbatch: 0 is perfectly
+/// balanced, 0.2 means the slowest stage takes 20% longer than the fastest.
+pub(super) fn imbalance(stage_ms: &[f64]) -> f64 {
+    let max = stage_ms.iter().copied().fold(f64::MIN, f64::max);
+    let min = stage_ms.iter().copied().fold(f64::MAX, f64::min);
+    if stage_ms.is_empty() || min <= 0.0 {
+        return f64::NAN;
     }
-    let mut cuts = Vec::with_capacity(s);
-    let mut j = l;
-    for k in (1..=s).rev() {
-        let i = arg[k][j];
-        cuts.push(i..j);
-        j = i;
-    }
-    cuts.reverse();
-    Ok(cuts)
+    max / min - 1.0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oobleck_core::planning::{Fingerprint, LayerProfile};
+
+    fn profile(ms: &[f64]) -> ModelProfile {
+        ModelProfile {
+            fingerprint: Fingerprint {
+                model: "test".into(),
+                microbatch_size: 2,
+                dtype: "f32".into(),
+                device_kind: "cpu".into(),
+            },
+            layers: ms
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| LayerProfile {
+                    name: format!("l{i}"),
+                    forward_ms: t / 3.0,
+                    backward_ms: 2.0 * t / 3.0,
+                    param_bytes: 1 << 20,
+                    activation_bytes: 1 << 20,
+                    output_bytes: 1 << 10,
+                })
+                .collect(),
+        }
+    }
 
     #[test]
-    fn balanced_cuts_minimise_the_largest_stage() {
-        let cuts = balanced_cuts(&[1.0, 1.0, 1.0, 1.0, 4.0], 2).unwrap();
+    fn the_planner_cuts_the_measured_layers_into_balanced_stages() {
+        let t = plan_stages(&profile(&[1.0, 1.0, 1.0, 1.0, 4.0]), 2, 8).unwrap();
+        let cuts: Vec<_> = t.stages.iter().map(|s| s.layers()).collect();
         assert_eq!(cuts, vec![0..4, 4..5]);
-        let cuts = balanced_cuts(&[3.0, 1.0, 1.0, 1.0], 2).unwrap();
+        let t = plan_stages(&profile(&[3.0, 1.0, 1.0, 1.0]), 2, 8).unwrap();
+        let cuts: Vec<_> = t.stages.iter().map(|s| s.layers()).collect();
         assert_eq!(cuts, vec![0..1, 1..4]);
-        let cuts = balanced_cuts(&[2.0, 2.0, 1.0, 1.0, 2.0], 3).unwrap();
-        assert_eq!(cuts, vec![0..1, 1..3, 3..5]);
-        assert!(balanced_cuts(&[1.0], 2).is_err());
+        assert!(plan_stages(&profile(&[1.0]), 2, 8).is_err());
+    }
+
+    #[test]
+    fn imbalance_is_the_slowest_over_the_fastest_stage() {
+        assert_eq!(imbalance(&[10.0, 10.0]), 0.0);
+        assert!((imbalance(&[10.0, 12.0]) - 0.2).abs() < 1e-12);
+        assert!(imbalance(&[]).is_nan());
     }
 }

@@ -72,7 +72,7 @@ pub(super) fn run_config(
     let s = c.stages;
     let m = args.microbatches;
     let prof = in_pool(args.threads_per_rank, || {
-        profile_stages(model, &data, s, args.profile_reps, args.seed)
+        profile_stages(model, &data, (s, m), args.profile_reps, args.seed)
     })??;
     let layout = layout_of(model.num_layers(), &prof.ranges, c, m)?;
     let world = s * c.pipelines;

@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use oobleck_core::planning::profile::ns_to_ms;
 use oobleck_core::schedule::{simulate, StageTimes};
 
-use super::profile::ProfiledStages;
+use super::profile::{imbalance, ProfiledStages};
 use super::ranks::{IterRecord, RankResult};
 use super::table::{median, ms};
 use super::{cores, BenchPipelineArgs, Config, Row, StageProfile};
@@ -48,6 +49,14 @@ pub(super) fn summarise(
     let busy_times = busy_stage_times(stage_times, &samples.busy_per_mb);
     let sim_busy_ms =
         simulate(&busy_times, &vec![p2p_ns as u64; s - 1], m).makespan_ns as f64 / 1e6;
+    let planner_ms = ns_to_ms(prof.template.iteration_ns_for(u64::from(m)));
+    let planned: Vec<f64> = prof
+        .template
+        .stages
+        .iter()
+        .map(|st| ns_to_ms(st.time_ns()))
+        .collect();
+    let busy: Vec<f64> = samples.busy_per_mb.iter().map(|b| median(b)).collect();
     let sync = median(&samples.sync_ms);
     let overlap = median(&samples.overlap_ms);
     Row {
@@ -60,16 +69,22 @@ pub(super) fn summarise(
         stage_profile: ranges
             .iter()
             .zip(stage_times)
-            .zip(&samples.busy_per_mb)
-            .map(|((r, t), busy)| StageProfile {
+            .zip(busy.iter().zip(&planned))
+            .map(|((r, t), (&busy, &planned_ms))| StageProfile {
                 layers: (r.start, r.end),
                 forward_ms: t.forward_ns as f64 / 1e6,
                 backward_ms: t.backward_ns as f64 / 1e6,
-                pipeline_busy_ms: median(busy),
+                planned_ms,
+                pipeline_busy_ms: busy,
             })
             .collect(),
         p2p_ms: p2p_ns / 1e6,
         measured_iter_ms: measured,
+        planner_iter_ms: planner_ms,
+        ratio_to_planner: measured / planner_ms,
+        within_10pct_of_planner: (measured / planner_ms - 1.0).abs() <= 0.10,
+        planned_imbalance: imbalance(&planned),
+        measured_imbalance: imbalance(&busy),
         simulated_iter_ms: sim_ms,
         ratio,
         within_15pct: (ratio - 1.0).abs() <= 0.15,

@@ -69,18 +69,35 @@ fn header(o: &mut String, r: &Report) {
             .iter()
             .map(|p| {
                 format!(
-                    "L{}..{} f {:.1} + b {:.1} (in pipeline {:.1})",
-                    p.layers.0, p.layers.1, p.forward_ms, p.backward_ms, p.pipeline_busy_ms
+                    "L{}..{} planned {:.1}, alone f {:.1} + b {:.1}, in pipeline {:.1}",
+                    p.layers.0,
+                    p.layers.1,
+                    p.planned_ms,
+                    p.forward_ms,
+                    p.backward_ms,
+                    p.pipeline_busy_ms
                 )
             })
             .collect();
         let _ = writeln!(
             o,
-            "  {}x{} stage alone, ms/microbatch (busy in the pipeline): {}; p2p {:.2} ms",
+            "  {}x{} stages, ms/microbatch: {}; p2p {:.2} ms",
             row.stages,
             row.pipelines,
             stages.join(" | "),
             row.p2p_ms
+        );
+        let _ = writeln!(
+            o,
+            "      planner: predicted iteration {:.1} ms, measured {:.1} ms, measured/predicted \
+             {:.3} (within 10%: {}); stage imbalance (slowest/fastest - 1) planned {:.1}%, \
+             in pipeline {:.1}%",
+            row.planner_iter_ms,
+            row.measured_iter_ms,
+            row.ratio_to_planner,
+            yes(row.within_10pct_of_planner),
+            100.0 * row.planned_imbalance,
+            100.0 * row.measured_imbalance
         );
         let _ = writeln!(
             o,
