@@ -12,6 +12,11 @@ use oobleck_core::model::ParamSource;
 use oobleck_models::data::open_tokenizer;
 use oobleck_models::{preset_names, ModelConfig};
 
+/// Freed large blocks (logits, the LM head's and the embedding's gradients) are reused, not
+/// faulted in again every step; also in the agents and workers, which run this binary.
+#[global_allocator]
+static ALLOC: oobleck_core::runtime::TrainingAlloc = oobleck_core::runtime::TrainingAlloc;
+
 /// Tools for Oobleck-rs training jobs.
 #[derive(Parser)]
 #[command(name = "oobleck", version)]

@@ -21,6 +21,11 @@ use oobleck_core::model::ParamSource;
 use oobleck_core::runtime::Workload;
 use oobleck_models::workload::GptWorkload;
 
+/// Freed large blocks (logits, the LM head's and the embedding's gradients) are reused, not
+/// faulted in again every step; also in the agents and workers, which run this binary.
+#[global_allocator]
+static ALLOC: oobleck_core::runtime::TrainingAlloc = oobleck_core::runtime::TrainingAlloc;
+
 fn main() -> ExitCode {
     oobleck_cli::exit::report(run())
 }

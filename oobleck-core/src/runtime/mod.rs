@@ -30,7 +30,7 @@ pub mod spec;
 pub mod timeouts;
 pub mod worker;
 
-pub use allocator::tune_allocator;
+pub use allocator::{tune_allocator, TrainingAlloc};
 pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
 pub use pipe::StateSource;
