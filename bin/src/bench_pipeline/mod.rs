@@ -293,6 +293,13 @@ pub fn measure(args: &BenchPipelineArgs) -> Result<(Vec<Row>, Vec<ControlPlane>,
 }
 
 pub fn run(args: &BenchPipelineArgs) -> Result<()> {
+    if args.threads_per_rank > 0 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // Candle's elementwise ops run on one process-wide pool of spinning threads behind a
+        // lock: rank threads sharing it wait for each other (in-pipeline stages measured 1.6x
+        // their time alone on gpt2). Sized to one rank, it runs each op on the caller's
+        // thread, as a rank's own process would. Nothing has used Candle yet at this point.
+        std::env::set_var("CANDLE_NUM_THREADS", args.threads_per_rank.to_string());
+    }
     let load_before = loadavg();
     let (rows, cps, vocab) = measure(args)?;
     let report = Report {

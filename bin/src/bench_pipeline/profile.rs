@@ -18,6 +18,7 @@ use oobleck_models::ModelConfig;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::ranks::in_pool;
 use super::table::median;
 use super::BenchPipelineArgs;
 
@@ -157,33 +158,29 @@ pub(super) struct ProfiledStages {
 }
 
 /// Measures every layer with [`oobleck_core::profiler`] (as `oobleck profile` and `train`
-/// do), lets the planner cut the model into `s` single-device stages for `m` microbatches,
-/// then profiles each chosen stage whole for the simulator.
+/// do) in `copies` threads at once, each in its own pool of `threads` threads, so the layers
+/// are timed while the other cores are as busy as they are in the run (alone, a stage ran
+/// 10-20% faster than beside its neighbour: the cores share their caches and memory); each
+/// layer's time is the median over the copies. The planner then cuts the model into `s`
+/// single-device stages for `m` microbatches, and each chosen stage is profiled whole, alone,
+/// for the simulator.
 pub(super) fn profile_stages(
     model: &dyn LayeredModel,
     data: &Data,
     (s, m): (usize, u32),
+    (copies, threads): (usize, usize),
     reps: usize,
     seed: u64,
 ) -> Result<ProfiledStages> {
-    let (ids, tg) = data.get(0, 0)?;
-    let req = ProfileRequest {
-        model,
-        model_name: "bench pipeline".into(),
-        inputs: &ids,
-        targets: &tg,
-        device: &Device::Cpu,
-        dtype: candle_core::DType::F32,
-        warmup: 1,
-        repeats: reps,
-    };
-    let profile = oobleck_core::profiler::measure(&req)?.profile;
+    let profile = measure_concurrently(model, data, reps, copies.max(1), threads)?;
     let template = plan_stages(&profile, s, m)?;
     let ranges: Vec<_> = template.stages.iter().map(|st| st.layers()).collect();
     let mut times = Vec::with_capacity(s);
     let mut act_dims = Vec::new();
     for r in &ranges {
-        let (t, dims) = profile_range(model, r.clone(), data, reps, seed)?;
+        let (t, dims) = in_pool(threads, || {
+            profile_range(model, r.clone(), data, reps, seed)
+        })??;
         if act_dims.is_empty() {
             act_dims = dims;
         }
@@ -195,6 +192,49 @@ pub(super) fn profile_stages(
         act_dims,
         template,
     })
+}
+
+/// `copies` measured profiles taken at once; per layer the median of their times.
+fn measure_concurrently(
+    model: &dyn LayeredModel,
+    data: &Data,
+    reps: usize,
+    copies: usize,
+    threads: usize,
+) -> Result<ModelProfile> {
+    let (ids, tg) = data.get(0, 0)?;
+    let measure = || {
+        let req = ProfileRequest {
+            model,
+            model_name: "bench pipeline".into(),
+            inputs: &ids,
+            targets: &tg,
+            device: &Device::Cpu,
+            dtype: candle_core::DType::F32,
+            warmup: 1,
+            repeats: reps,
+        };
+        anyhow::Ok(oobleck_core::profiler::measure(&req)?.profile)
+    };
+    let all: Vec<ModelProfile> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..copies)
+            .map(|_| sc.spawn(|| in_pool(threads, measure).and_then(|r| r)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a profiling thread panicked"))
+            })
+            .collect::<Result<_>>()
+    })?;
+    let mut profile = all[0].clone();
+    for (i, layer) in profile.layers.iter_mut().enumerate() {
+        let mut f: Vec<f64> = all.iter().map(|p| p.layers[i].forward_ms).collect();
+        let mut b: Vec<f64> = all.iter().map(|p| p.layers[i].backward_ms).collect();
+        layer.forward_ms = oobleck_core::profiler::median(&mut f);
+        layer.backward_ms = oobleck_core::profiler::median(&mut b);
+    }
+    Ok(profile)
 }
 
 /// The planner's template of `s` nodes of one CPU device each for `m` microbatches, from a

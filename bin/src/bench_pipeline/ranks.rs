@@ -19,7 +19,7 @@ use super::summary::summarise;
 use super::{BenchPipelineArgs, Config, Row};
 
 /// Runs `f` inside a rayon pool of `threads` threads (0: the caller's pool).
-fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> Result<R> {
+pub(super) fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> Result<R> {
     if threads == 0 {
         return Ok(f());
     }
@@ -71,11 +71,10 @@ pub(super) fn run_config(
 ) -> Result<Row> {
     let s = c.stages;
     let m = args.microbatches;
-    let prof = in_pool(args.threads_per_rank, || {
-        profile_stages(model, &data, (s, m), args.profile_reps, args.seed)
-    })??;
-    let layout = layout_of(model.num_layers(), &prof.ranges, c, m)?;
     let world = s * c.pipelines;
+    let copies = (world, args.threads_per_rank);
+    let prof = profile_stages(model, &data, (s, m), copies, args.profile_reps, args.seed)?;
+    let layout = layout_of(model.num_layers(), &prof.ranges, c, m)?;
     let timeout = Duration::from_secs(args.timeout_s);
     let comms: Vec<TimedComm<TcpCommunicator>> = connect_tcp(world, timeout)?
         .into_iter()

@@ -6,7 +6,8 @@
 //! the output of the layers before it, the way a pipeline stage boundary runs it: its input
 //! is a fresh `Var` (so its backward also computes the input gradient the previous stage
 //! needs), and its backward starts from a gradient of ones of its output (the last layer from
-//! its loss). After `warmup` untimed passes, `repeats` timed ones give the median of each
+//! its loss) and adds the parameter gradients into a running sum, as a worker accumulates
+//! them over a step's microbatches. After `warmup` untimed passes, `repeats` timed ones give the median of each
 //! pass. On CUDA every timed pass ends with `Device::synchronize`; on CPU Candle runs
 //! eagerly, so a pass is finished when its call returns.
 //!
@@ -175,7 +176,9 @@ fn measure_layer(
     } else {
         Some(out.ones_like()?)
     };
-    drop(stage.backward(fwd, upstream.as_ref())?);
+    // The backward adds its gradients into a running sum, as a worker's does over the
+    // microbatches of a step (for a large layer that add is a tenth of its backward).
+    let mut acc = stage.backward(fwd, upstream.as_ref())?.params;
     let mut fwd_ms = Vec::with_capacity(req.repeats);
     let mut bwd_ms = Vec::with_capacity(req.repeats);
     let mut peak = None;
@@ -185,7 +188,7 @@ fn measure_layer(
         let fwd = stage.forward(x, ctx)?;
         req.device.synchronize()?;
         let t1 = Instant::now();
-        drop(stage.backward(fwd, upstream.as_ref())?);
+        crate::model::accumulate(&mut acc, stage.backward(fwd, upstream.as_ref())?.params)?;
         req.device.synchronize()?;
         let t2 = Instant::now();
         if r >= req.warmup {
