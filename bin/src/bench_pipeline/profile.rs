@@ -229,10 +229,10 @@ fn measure_concurrently(
     })?;
     let mut profile = all[0].clone();
     for (i, layer) in profile.layers.iter_mut().enumerate() {
-        let mut f: Vec<f64> = all.iter().map(|p| p.layers[i].forward_ms).collect();
-        let mut b: Vec<f64> = all.iter().map(|p| p.layers[i].backward_ms).collect();
-        layer.forward_ms = oobleck_core::profiler::median(&mut f);
-        layer.backward_ms = oobleck_core::profiler::median(&mut b);
+        let f: Vec<f64> = all.iter().map(|p| p.layers[i].forward_ms).collect();
+        let b: Vec<f64> = all.iter().map(|p| p.layers[i].backward_ms).collect();
+        layer.forward_ms = median(&f);
+        layer.backward_ms = median(&b);
     }
     Ok(profile)
 }

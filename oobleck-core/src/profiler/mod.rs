@@ -7,8 +7,8 @@
 //! is a fresh `Var` (so its backward also computes the input gradient the previous stage
 //! needs), and its backward starts from a gradient of ones of its output (the last layer from
 //! its loss) and adds the parameter gradients into a running sum, as a worker accumulates
-//! them over a step's microbatches. After `warmup` untimed passes, `repeats` timed ones give the median of each
-//! pass. On CUDA every timed pass ends with `Device::synchronize`; on CPU Candle runs
+//! them over a step's microbatches. After `warmup` untimed passes, `repeats` timed ones give
+//! the median of each pass. On CUDA every timed pass ends with `Device::synchronize`; on CPU Candle runs
 //! eagerly, so a pass is finished when its call returns.
 //!
 //! Sizes: parameter and output bytes are exact (element counts times the dtype size). The
