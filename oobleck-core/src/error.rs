@@ -36,6 +36,9 @@ pub enum Error {
     #[error(transparent)]
     Workload(Box<dyn std::error::Error + Send + Sync>),
 
+    /// A layer profile cannot be measured as asked (`what`: the request or the measurement).
+    #[error("profiling {model}: {reason}")]
+    Profile { model: String, reason: String },
     /// A scalar argument or config value outside its domain (`op` is the function or config
     /// that checks it, `want` the condition it fails).
     #[error("{op}: {name} = {value} must be {want}")]

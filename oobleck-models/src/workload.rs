@@ -66,6 +66,12 @@ pub struct GptWorkloadConfig {
     /// presets are too big to measure here), or the path of a profile JSON (`oobleck profile
     /// --out`), which must be for this job's microbatch and dtype.
     pub profile: String,
+    /// Worker processes that share this machine's cores while the job trains (a local cluster
+    /// of `N` nodes of `G` devices: `N * G`; a node of a multi-machine job: `G`). A measured CPU
+    /// profile times the layers as that many ranks run them: as many copies at once, each with
+    /// its share of the cores. Default 1: one process owns the machine (`--nodes 1`,
+    /// `oobleck profile`).
+    pub host_ranks: usize,
 }
 
 impl Default for GptWorkloadConfig {
@@ -80,6 +86,7 @@ impl Default for GptWorkloadConfig {
             dataset: None,
             tokenizer: None,
             profile: "analytical".into(),
+            host_ranks: 1,
         }
     }
 }
@@ -149,6 +156,10 @@ pub struct GptWorkload {
     iterations_per_epoch: usize,
     /// What is trained, in words (see [`Workload::name`]).
     description: String,
+    /// The profiles [`Workload::profile`] gave, by device, microbatch and precision: the job
+    /// asks more than once (to check the plan before anything starts, then to plan), and a
+    /// measured profile is measured, or read from the cache and said, once.
+    profiles: std::sync::Mutex<Vec<(String, ModelProfile)>>,
 }
 
 impl GptWorkload {
@@ -180,6 +191,7 @@ impl GptWorkload {
             spec,
             iterations_per_epoch,
             description,
+            profiles: Default::default(),
         })
     }
 
@@ -292,7 +304,19 @@ impl GptWorkload {
     ) -> Result<oobleck_core::profiler::Measured> {
         let (inputs, targets) = to_tensors(&self.train_batch(0, 0, 0)?, device)?;
         let req = self.profile_request(&inputs, &targets, device, precision, warmup, repeats);
-        Ok(oobleck_core::profiler::measure(&req)?)
+        Ok(match self.rank_share(device) {
+            Some((ranks, threads)) => {
+                oobleck_core::profiler::measure_as_ranks(&req, ranks, threads)?
+            }
+            None => oobleck_core::profiler::measure(&req)?,
+        })
+    }
+
+    /// As how many ranks of how many threads each a profile on `device` is measured: `None`
+    /// for one process owning the machine (see [`GptWorkloadConfig::host_ranks`]).
+    fn rank_share(&self, device: &Device) -> Option<(usize, usize)> {
+        let ranks = self.cfg.host_ranks;
+        (ranks > 1 && device.is_cpu()).then(|| (ranks, oobleck_core::profiler::rank_threads(ranks)))
     }
 
     /// The fingerprint [`GptWorkload::measure_profile`] gives on `device`.
@@ -303,7 +327,11 @@ impl GptWorkload {
     ) -> Result<oobleck_core::planning::Fingerprint> {
         let (inputs, targets) = to_tensors(&self.train_batch(0, 0, 0)?, device)?;
         let req = self.profile_request(&inputs, &targets, device, precision, 0, 1);
-        Ok(oobleck_core::profiler::fingerprint(&req)?)
+        let mut fp = oobleck_core::profiler::fingerprint(&req)?;
+        if let Some((ranks, threads)) = self.rank_share(device) {
+            fp.device_kind = oobleck_core::profiler::shared_device_kind(device, ranks, threads);
+        }
+        Ok(fp)
     }
 
     /// The measured CPU profile of this workload's microbatch, from the profile cache or
@@ -317,8 +345,14 @@ impl GptWorkload {
         })?;
         let start = std::time::Instant::now();
         let (p, source) = cache::load_or_measure(&dir, &fp, || {
+            let share = match self.rank_share(&device) {
+                Some((ranks, threads)) => {
+                    format!(", as {ranks} ranks of {threads} thread(s) at once")
+                }
+                None => String::new(),
+            };
             eprintln!(
-                "profiling {}: {} layers, microbatch {} ...",
+                "profiling {}: {} layers, microbatch {}{share} ...",
                 self.cfg.model,
                 self.model.num_layers(),
                 self.cfg.microbatch_size
@@ -456,13 +490,20 @@ impl Workload for GptWorkload {
         microbatch_size: u32,
         precision: Dtype,
     ) -> std::result::Result<ModelProfile, BoxError> {
-        match self.cfg.profile.as_str() {
-            "measured" if device.name == "cpu" => Ok(self.cached_cpu_profile(precision)?),
-            "analytical" | "measured" => {
-                Ok(self.planner_profile(device, microbatch_size, precision)?)
-            }
-            path => Ok(self.file_profile(path.as_ref(), microbatch_size, precision)?),
+        let key = format!("{}/{microbatch_size}/{precision:?}", device.name);
+        let mut known = self.profiles.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, p)) = known.iter().find(|(k, _)| *k == key) {
+            return Ok(p.clone());
         }
+        let p = match self.cfg.profile.as_str() {
+            "measured" if device.name == "cpu" => self.cached_cpu_profile(precision)?,
+            "analytical" | "measured" => {
+                self.planner_profile(device, microbatch_size, precision)?
+            }
+            path => self.file_profile(path.as_ref(), microbatch_size, precision)?,
+        };
+        known.push((key, p.clone()));
+        Ok(p)
     }
 
     fn evaluate(&self, model: &Stage) -> std::result::Result<Option<f64>, BoxError> {

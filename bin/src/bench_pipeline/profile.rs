@@ -194,7 +194,8 @@ pub(super) fn profile_stages(
     })
 }
 
-/// `copies` measured profiles taken at once; per layer the median of their times.
+/// The profile of `copies` ranks of `threads` threads each, measured at once
+/// ([`oobleck_core::profiler::measure_as_ranks`], as `train` measures a local cluster's).
 fn measure_concurrently(
     model: &dyn LayeredModel,
     data: &Data,
@@ -203,38 +204,17 @@ fn measure_concurrently(
     threads: usize,
 ) -> Result<ModelProfile> {
     let (ids, tg) = data.get(0, 0)?;
-    let measure = || {
-        let req = ProfileRequest {
-            model,
-            model_name: "bench pipeline".into(),
-            inputs: &ids,
-            targets: &tg,
-            device: &Device::Cpu,
-            dtype: candle_core::DType::F32,
-            warmup: 1,
-            repeats: reps,
-        };
-        anyhow::Ok(oobleck_core::profiler::measure(&req)?.profile)
+    let req = ProfileRequest {
+        model,
+        model_name: "bench pipeline".into(),
+        inputs: &ids,
+        targets: &tg,
+        device: &Device::Cpu,
+        dtype: candle_core::DType::F32,
+        warmup: 1,
+        repeats: reps,
     };
-    let all: Vec<ModelProfile> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..copies)
-            .map(|_| sc.spawn(|| in_pool(threads, measure).and_then(|r| r)))
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| bail!("a profiling thread panicked"))
-            })
-            .collect::<Result<_>>()
-    })?;
-    let mut profile = all[0].clone();
-    for (i, layer) in profile.layers.iter_mut().enumerate() {
-        let f: Vec<f64> = all.iter().map(|p| p.layers[i].forward_ms).collect();
-        let b: Vec<f64> = all.iter().map(|p| p.layers[i].backward_ms).collect();
-        layer.forward_ms = median(&f);
-        layer.backward_ms = median(&b);
-    }
-    Ok(profile)
+    Ok(oobleck_core::profiler::measure_as_ranks(&req, copies, threads)?.profile)
 }
 
 /// The planner's template of `s` nodes of one CPU device each for `m` microbatches, from a

@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use oobleck_cli::cluster::job::workload_config;
+use oobleck_cli::cluster::job::cluster_workload_config;
 use oobleck_cli::generate::{print_samples, whole_model};
 use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
@@ -99,7 +99,7 @@ fn run() -> Result<()> {
 
 /// The job on a cluster (the runtime's), then samples from its last checkpoint.
 fn train_cluster(cfg: TrainConfig, launch: Launch, args: &TrainArgs) -> Result<()> {
-    let workload = Arc::new(GptWorkload::new(workload_config(&cfg))?);
+    let workload = Arc::new(GptWorkload::new(cluster_workload_config(&cfg, &launch))?);
     let page = oobleck_cli::status_page::parse_addr(args.status_addr.as_deref())?;
     let summary = oobleck_cli::cluster::job::run(
         cfg.clone(),

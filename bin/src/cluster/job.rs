@@ -112,6 +112,20 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
         dataset: cfg.dataset.clone(),
         tokenizer: cfg.tokenizer.clone(),
         profile: profile_choice(),
+        host_ranks: 1,
+    }
+}
+
+/// [`workload_config`] for a cluster job started as `launch`: its measured profile is timed as
+/// the ranks sharing a machine run (every rank of a local cluster; a node's devices otherwise).
+pub fn cluster_workload_config(cfg: &TrainConfig, launch: &Launch) -> GptWorkloadConfig {
+    let host_ranks = match launch {
+        Launch::Local => cfg.nodes * cfg.devices_per_node,
+        Launch::Listen { .. } | Launch::Hostfile { .. } => cfg.devices_per_node,
+    };
+    GptWorkloadConfig {
+        host_ranks: host_ranks.max(1),
+        ..workload_config(cfg)
     }
 }
 

@@ -98,8 +98,10 @@ pub fn load_or_measure(
         Err(reason) => Some(reason),
     };
     let p = measure()?;
-    p.check_fingerprint(fp)
-        .map_err(|e| Error::Msg(format!("the measurement does not match its key: {e}")))?;
+    p.check_fingerprint(fp).map_err(|e| Error::Profile {
+        model: fp.model.clone(),
+        reason: format!("the measurement does not match its cache key: {e}"),
+    })?;
     let path = store(dir, &p)?;
     let source = match corrupt {
         None => Source::Measured(path),

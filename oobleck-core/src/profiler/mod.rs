@@ -30,8 +30,13 @@ use crate::planning::{Fingerprint, LayerProfile, ModelProfile};
 use crate::{Error, Result};
 
 pub mod cache;
+mod ranks;
 #[cfg(test)]
 mod tests;
+
+pub use ranks::{
+    host_cores, measure_as_ranks, rank_threads, shared_device_kind, threads_per_rank, user_threads,
+};
 
 /// What to measure: a model, one sample microbatch and how many passes.
 pub struct ProfileRequest<'a> {
@@ -96,26 +101,33 @@ pub fn fingerprint(req: &ProfileRequest<'_>) -> Result<Fingerprint> {
     Ok(Fingerprint {
         model: req.model_name.clone(),
         microbatch_size: u32::try_from(req.inputs.dims().first().copied().unwrap_or(0))
-            .map_err(|_| Error::Msg("microbatch too large".into()))?,
-        dtype: dtype_name(req.dtype)?.into(),
+            .map_err(|_| profile_error(req, "the microbatch is too large".into()))?,
+        dtype: dtype_name(req.dtype)
+            .map_err(|reason| profile_error(req, reason))?
+            .into(),
         device_kind: device_kind(req.device),
     })
 }
 
-fn dtype_name(d: DType) -> Result<&'static str> {
+fn dtype_name(d: DType) -> std::result::Result<&'static str, String> {
     match d {
         DType::F32 => Ok("f32"),
         DType::BF16 => Ok("bf16"),
-        other => Err(Error::Msg(format!(
-            "cannot profile in {other:?}: use f32 or bf16"
-        ))),
+        other => Err(format!("cannot profile in {other:?}: use f32 or bf16")),
+    }
+}
+
+fn profile_error(req: &ProfileRequest<'_>, reason: String) -> Error {
+    Error::Profile {
+        model: req.model_name.clone(),
+        reason,
     }
 }
 
 /// Measures every layer of `req.model` (see the module docs for how).
 pub fn measure(req: &ProfileRequest<'_>) -> Result<Measured> {
     if req.repeats == 0 {
-        return Err(Error::Msg("profiling needs at least 1 repeat".into()));
+        return Err(profile_error(req, "it needs at least 1 repeat".into()));
     }
     let start = Instant::now();
     let fingerprint = fingerprint(req)?;
@@ -149,7 +161,7 @@ pub fn measure(req: &ProfileRequest<'_>) -> Result<Measured> {
     };
     profile
         .validate()
-        .map_err(|e| Error::Msg(format!("the measured profile is not valid: {e}")))?;
+        .map_err(|e| profile_error(req, format!("the measured profile is not valid: {e}")))?;
     Ok(Measured {
         profile,
         peak_bytes: peaks,

@@ -144,6 +144,45 @@ fn a_tiny_model_gives_a_valid_profile_of_every_layer() {
 }
 
 #[test]
+fn a_profile_measured_as_ranks_names_the_sharing_and_keeps_every_layer() {
+    let model = Tiny(3);
+    let (inputs, targets) = sample(2, 5);
+    let req = ProfileRequest {
+        model: &model,
+        model_name: "tiny-3".into(),
+        inputs: &inputs,
+        targets: &targets,
+        device: &Device::Cpu,
+        dtype: DType::F32,
+        warmup: 1,
+        repeats: 3,
+    };
+    let alone = measure(&req).expect("alone");
+    let shared = measure_as_ranks(&req, 3, 1).expect("as 3 ranks of 1 thread");
+    let p = &shared.profile;
+    p.validate().expect("valid");
+    assert!(p.fingerprint.device_kind.ends_with("x1/3 ranks"), "{p:?}");
+    assert_ne!(p.fingerprint, alone.profile.fingerprint, "cached apart");
+    assert_eq!(p.num_layers(), 3);
+    assert_eq!(shared.peak_bytes.len(), 3);
+    for (a, s) in alone.profile.layers.iter().zip(&p.layers) {
+        assert_eq!((&a.name, a.param_bytes), (&s.name, s.param_bytes));
+        assert_eq!(a.output_bytes, s.output_bytes);
+        assert!(s.forward_ms > 0.0 && s.backward_ms > 0.0, "{s:?}");
+        assert!(s.activation_bytes >= s.output_bytes, "{s:?}");
+    }
+    assert_eq!(&ModelProfile::from_json(&p.to_json()).expect("parses"), p);
+}
+
+#[test]
+fn a_share_of_the_cores_is_at_least_one_thread() {
+    assert_eq!(threads_per_rank(2, 4), 1);
+    assert_eq!(threads_per_rank(16, 4), 4);
+    assert_eq!(threads_per_rank(16, 3), 5);
+    assert_eq!(threads_per_rank(8, 0), 8);
+}
+
+#[test]
 fn zero_repeats_is_refused() {
     let model = Tiny(3);
     let (inputs, targets) = sample(2, 4);

@@ -41,6 +41,9 @@ pub const AGENT_WAIT_ENV: &str = "OOBLECK_AGENT_WAIT";
 pub const EXIT_WITH_PARENT_ENV: &str = "OOBLECK_EXIT_WITH_PARENT";
 /// A worker's global rank.
 pub const RANK_ENV: &str = "OOBLECK_RANK";
+/// Agents of the job on this agent's machine (a local cluster's: all of them); default 1. Its
+/// workers share the machine's cores with theirs.
+pub const HOST_AGENTS_ENV: &str = "OOBLECK_HOST_AGENTS";
 
 /// `OOBLECK_ROLE` of a node agent.
 pub const AGENT: &str = "agent";

@@ -17,9 +17,10 @@ use tokio::sync::mpsc;
 use super::{Local, CONTROL_TIMEOUT, GRACE};
 use crate::elastic::auth::TOKEN_ENV;
 use crate::elastic::protocol::ExitStatus;
+use crate::profiler;
 use crate::runtime::entry::{
-    AGENT_WAIT_ENV, ERROR_TAG, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
-    WORKER,
+    AGENT_WAIT_ENV, ERROR_TAG, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV,
+    RANK_ENV, ROLE_ENV, WORKER,
 };
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::pipe::{parse_progress, ToWorker, WorkerAssignment};
@@ -91,6 +92,28 @@ pub(super) async fn tell_all(node: u32, workers: &mut [Worker], msg: &ToWorker) 
     Ok(())
 }
 
+/// The `RAYON_NUM_THREADS` a worker gets, which sizes the pool Candle's CPU kernels and ours run
+/// on: `None` when the user set it (theirs stands), else an equal share of the machine's `cores`
+/// among the ranks on it (`agents` agents of `devices` workers each), at least one. Without it
+/// every worker starts a thread per core: a local cluster of 4 nodes on 2 cores ran 8 busy
+/// threads on 2 cores, and the measured profile (taken at the same share) would not hold.
+fn worker_threads(user: Option<usize>, cores: usize, agents: usize, devices: u32) -> Option<usize> {
+    let ranks = agents.max(1) * devices.max(1) as usize;
+    match user {
+        Some(_) => None,
+        None => Some(profiler::threads_per_rank(cores, ranks)),
+    }
+}
+
+/// [`HOST_AGENTS_ENV`] of this agent: how many agents of the job share this machine.
+fn host_agents() -> usize {
+    std::env::var(HOST_AGENTS_ENV)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1)
+}
+
 /// Starts the worker of assignment `a` on `device`, hands it the assignment, and relays its
 /// reports to `reports` as [`Local::Report`].
 pub(super) async fn spawn_worker(
@@ -107,8 +130,17 @@ pub(super) async fn spawn_worker(
         HOST_ENV,
         AGENT_WAIT_ENV,
         EXIT_WITH_PARENT_ENV,
+        HOST_AGENTS_ENV,
     ] {
         cmd.env_remove(var);
+    }
+    if let Some(threads) = worker_threads(
+        profiler::user_threads(),
+        profiler::host_cores(),
+        host_agents(),
+        a.plan.devices_per_node,
+    ) {
+        cmd.env("RAYON_NUM_THREADS", threads.to_string());
     }
     let mut child = cmd
         .env(ROLE_ENV, WORKER)
@@ -244,6 +276,28 @@ mod tests {
 
     fn lines(s: &[&str]) -> Vec<String> {
         s.iter().map(|l| l.to_string()).collect()
+    }
+
+    #[test]
+    fn workers_share_the_machines_cores_unless_the_user_sized_their_pool() {
+        // (user, cores, agents, devices) -> threads
+        let table = [
+            ((None, 2, 4, 1), Some(1)),  // README train: 4 local nodes on 2 cores
+            ((None, 16, 4, 1), Some(4)), // a bigger machine
+            ((None, 16, 2, 2), Some(4)), // 2 agents of 2 devices
+            ((None, 16, 1, 4), Some(4)), // one node of a multi-machine job
+            ((None, 16, 1, 1), Some(16)),
+            ((None, 6, 4, 1), Some(1)), // shares round down, never to 0
+            ((None, 16, 0, 0), Some(16)),
+            ((Some(3), 16, 4, 1), None),
+        ];
+        for ((user, cores, agents, devices), want) in table {
+            assert_eq!(
+                worker_threads(user, cores, agents, devices),
+                want,
+                "{user:?} {cores} {agents} {devices}"
+            );
+        }
     }
 
     #[test]

@@ -55,6 +55,7 @@ impl AgentSet {
         let mut pids = Vec::with_capacity(n);
         for i in 0..n {
             let mut child = crate::runtime::agent_command(exe, master, token, 10)
+                .env(crate::runtime::entry::HOST_AGENTS_ENV, n.to_string())
                 .spawn()
                 .with_ctx(|| format!("starting agent {i} ({})", exe.display()))?;
             pids.push(child.id());
