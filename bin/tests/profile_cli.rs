@@ -132,6 +132,9 @@ fn train_plans_from_a_measured_profile_and_reports_predicted_against_measured() 
     };
     let first = run("a");
     assert!(first.contains("profiling gpt-tiny"), "{first}");
+    // Measured as the job's two workers share this machine, and said once.
+    assert!(first.contains("as 2 ranks of"), "{first}");
+    assert_eq!(first.matches("profiling gpt-tiny").count(), 1, "{first}");
     assert!(first.contains("cached at"), "{first}");
     let line = first
         .lines()
@@ -139,7 +142,7 @@ fn train_plans_from_a_measured_profile_and_reports_predicted_against_measured() 
         .unwrap_or_else(|| panic!("no step-time line:\n{first}"));
     assert!(line.contains("planner predicted"), "{line}");
     let second = run("b");
-    assert!(second.contains("profile from cache"), "{second}");
+    assert_eq!(second.matches("profile from cache").count(), 1, "{second}");
     assert!(!second.contains("profiling gpt-tiny"), "{second}");
 
     let missing = dir.path().join("missing.json");

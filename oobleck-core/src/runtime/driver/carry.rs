@@ -235,7 +235,9 @@ impl<'a> Driver<'a> {
                 },
             }),
             Action::ValLoss { step, val_loss } => self.p.files.val_loss(step, val_loss)?,
-            Action::ReleaseHeld => self.p.files.release()?,
+            Action::ReleaseHeld => {
+                self.p.files.release()?;
+            }
             Action::TruncateMetrics { after } => self.p.files.truncate_after(after)?,
             Action::Finish {
                 step,
@@ -444,6 +446,15 @@ impl<'a> Driver<'a> {
             // The final state is uploaded after the last step: nothing waits for it.
             stall_ms: 0.0,
         })?;
+        // A step's line waits for its validation loss, which never comes when a saver's
+        // upload of that step failed: written without it rather than held (and lost, with
+        // every step after it).
+        let unmet = self.p.files.release()?;
+        if !unmet.is_empty() {
+            self.p.observer.note(&format!(
+                "no validation loss came for step(s) {unmet:?} (a saver's state of that step                  never reached the master); metrics.jsonl has those steps without it"
+            ));
+        }
         if let Some(mut m) = self.final_metrics.take() {
             m.val_loss = val;
             self.p.files.metrics(m, false)?;

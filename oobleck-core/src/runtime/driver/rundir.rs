@@ -104,12 +104,18 @@ impl RunFiles {
         self.flush()
     }
 
-    /// Writes every held line without waiting any more.
-    pub fn release(&mut self) -> Result<()> {
-        for (_, waiting) in self.held.iter_mut() {
+    /// Writes every held line without waiting any more; the steps whose validation loss was
+    /// still awaited.
+    pub fn release(&mut self) -> Result<Vec<u64>> {
+        let mut unmet = Vec::new();
+        for (m, waiting) in self.held.iter_mut() {
+            if *waiting {
+                unmet.push(m.step);
+            }
             *waiting = false;
         }
-        self.flush()
+        self.flush()?;
+        Ok(unmet)
     }
 
     /// Writes the lines that wait for nothing, in step order.
@@ -172,6 +178,54 @@ mod tests {
             config: None,
         };
         save_checkpoint(dir, &params, &[], &trainer).expect("save")
+    }
+
+    fn metrics_line(step: u64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss: 1.0,
+            lr: 0.1,
+            grad_norm: 0.5,
+            samples_per_s: 1.0,
+            tokens_per_s: 1.0,
+            generation: 0,
+            pipelines: 1,
+            nodes: 1,
+            wall_s: step as f64,
+            val_loss: None,
+            microbatches: String::new(),
+            times: BTreeMap::new(),
+        }
+    }
+
+    fn written_steps(dir: &Path) -> Vec<(u64, Option<f64>)> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .expect("metrics.jsonl")
+            .lines()
+            .map(|l| {
+                let m: StepMetrics = serde_json::from_str(l).expect("a metrics line");
+                (m.step, m.val_loss)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_line_waiting_for_a_validation_loss_that_never_comes_is_written_at_release() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut files = RunFiles::open(dir.path(), Vec::new()).expect("open");
+        files.metrics(metrics_line(1), false).expect("1");
+        files.metrics(metrics_line(2), true).expect("2 waits");
+        files.metrics(metrics_line(3), false).expect("3");
+        files.metrics(metrics_line(4), true).expect("4 waits");
+        assert_eq!(written_steps(dir.path()), vec![(1, None)], "held in order");
+        files.val_loss(4, 2.5).expect("4's loss");
+        assert_eq!(written_steps(dir.path()), vec![(1, None)], "2 still waits");
+        assert_eq!(files.release().expect("release"), vec![2]);
+        assert_eq!(
+            written_steps(dir.path()),
+            vec![(1, None), (2, None), (3, None), (4, Some(2.5))]
+        );
+        assert_eq!(files.release().expect("again"), Vec::<u64>::new());
     }
 
     #[test]
