@@ -128,6 +128,50 @@ pub(crate) fn gemm(
     Ok(())
 }
 
+/// `c[m, n] = a[m, k] · b[k, n]` with `c` row-major, on the calling thread (a task of a
+/// parallel caller, as the batched products of `fused_bmm.rs` are).
+pub(crate) fn sgemm_one(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    c: &mut [f32],
+) -> CResult<()> {
+    if !a.fits(m, k) || !b.fits(k, n) || c.len() != m * n {
+        return Err(msg(format!(
+            "sgemm {m}x{k}x{n}: operands of {}, {} and {} elements do not fit",
+            a.data.len(),
+            b.data.len(),
+            c.len()
+        )));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // SAFETY: `fits` checked that every element (r, j) of A (r < m, j < k) and of B is inside
+    // its slice, and C is exactly m x n row-major; beta is 0, so C is only written.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.data.as_ptr(),
+            a.rs as isize,
+            a.cs as isize,
+            b.data.as_ptr(),
+            b.rs as isize,
+            b.cs as isize,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        )
+    }
+    Ok(())
+}
+
 /// The output pointer shared by column-split tasks, each of which writes its own columns.
 struct SharedMut(*mut f32);
 // SAFETY: only used by `gemm`, whose tasks write disjoint columns of one live `&mut [f32]`.

@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use oobleck_core::model::{checked_param, seeded_normal, ParamSource};
 
 use crate::Result;
-use crate::{fused, fused_linear};
+use crate::{fused, fused_bmm, fused_linear};
 
 /// Whether the fused CPU kernels apply to `x`.
 fn fusable(x: &Tensor) -> bool {
@@ -143,7 +143,11 @@ pub(crate) fn causal_attention(
     let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
     let scale = 1.0 / (hd as f64).sqrt();
     let dtype = q.dtype();
-    let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?; // [b, h, t, t]
+    let scores = if fusable(&q) {
+        q.apply_op2(&k, fused_bmm::Bmm { trans_b: true })?
+    } else {
+        q.matmul(&k.t()?)?.to_dtype(DType::F32)?
+    }; // [b, h, t, t]
     let att = if fusable(&scores) {
         scores.apply_op1(fused::CausalSoftmax {
             scale: scale as f32,
@@ -153,7 +157,12 @@ pub(crate) fn causal_attention(
         candle_nn::ops::softmax(&att, D::Minus1)?
     };
     let att = drop(&att.to_dtype(dtype)?)?;
-    let y = att.matmul(&v)?; // [b, h, t, hd]
+    let y = if fusable(&att) {
+        att.contiguous()?
+            .apply_op2(&v, fused_bmm::Bmm { trans_b: false })?
+    } else {
+        att.matmul(&v)?
+    }; // [b, h, t, hd]
     Ok(y.transpose(1, 2)?.reshape((b, t, d))?)
 }
 
