@@ -22,6 +22,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor
 use rayon::prelude::*;
 
 use crate::fused_linear::{gemm, Mat};
+use crate::lanes::{dot_f32, exp_f32, max_f32, sum_f32, tanh_f32};
 
 pub(crate) type CResult<T> = candle_core::Result<T>;
 
@@ -56,34 +57,6 @@ pub(crate) fn with_f32<R>(
     f(f32s(cpu, l, what)?)
 }
 
-/// `exp` by range reduction and the Cephes degree-6 polynomial (relative error ~2e-7, like
-/// libm's `expf`), written without branches or calls so that loops over it vectorise.
-#[inline(always)]
-pub(crate) fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Below -87.3 the result would be subnormal: flush to (nearly) zero as 2^-126 · exp(r).
-    let x = x.clamp(-87.3, 88.7);
-    // Round to nearest by the 1.5·2^23 trick (no `round` call, which SSE2 cannot vectorise).
-    let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
-/// `tanh(x) = 1 - 2 / (exp(2x) + 1)`, exact at the saturated ends.
-#[inline(always)]
-fn tanh_f32(x: f32) -> f32 {
-    1.0 - 2.0 / (exp_f32(2.0 * x) + 1.0)
-}
-
 // ---------------------------------------------------------------------------------------------
 // LM head + cross-entropy
 
@@ -98,13 +71,12 @@ fn xent_in_place(data: &mut [f32], targets: &[u32]) -> f64 {
         .zip(targets.par_iter())
         .map(|(row, &t)| {
             let t = t as usize;
-            let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let m = max_f32(row);
             let x_t = row[t];
-            let mut s = 0.0f32;
             for x in row.iter_mut() {
                 *x = exp_f32(*x - m);
-                s += *x;
             }
+            let s = sum_f32(row);
             let k = inv_n / s;
             for x in row.iter_mut() {
                 *x *= k;
@@ -257,13 +229,11 @@ impl CustomOp1 for CausalSoftmax {
             .for_each(|(r, (yr, xr))| {
                 let keep = r % t + 1; // query i sees keys 0..=i
                 let (yk, xk) = (&mut yr[..keep], &xr[..keep]);
-                let m = xk.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-                let mut sum = 0.0f32;
+                let m = max_f32(xk) * scale;
                 for (o, &v) in yk.iter_mut().zip(xk) {
                     *o = exp_f32(v * scale - m);
-                    sum += *o;
                 }
-                let k = 1.0 / sum;
+                let k = 1.0 / sum_f32(yk);
                 for o in yk.iter_mut() {
                     *o *= k;
                 }
@@ -284,7 +254,7 @@ impl CustomOp1 for CausalSoftmax {
                     .for_each(|(r, (dxr, (yr, dyr)))| {
                         let keep = r % t + 1;
                         let (yk, dyk) = (&yr[..keep], &dyr[..keep]);
-                        let dot: f32 = yk.iter().zip(dyk).map(|(a, b)| a * b).sum();
+                        let dot = dot_f32(yk, dyk);
                         for ((o, &a), &b) in dxr[..keep].iter_mut().zip(yk).zip(dyk) {
                             *o = scale * a * (b - dot);
                         }
@@ -478,19 +448,6 @@ fn layer_norm_bwd(xv: &[f32], wv: &[f32], dyv: &[f32], eps: f32) -> (Vec<f32>, V
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fast_exp_matches_libm() {
-        let mut worst = 0f32;
-        for i in -8000..=8000 {
-            let x = i as f32 * 0.01;
-            let rel = ((exp_f32(x) - x.exp()) / x.exp()).abs();
-            worst = worst.max(rel);
-        }
-        assert!(worst < 5e-7, "worst relative error {worst}");
-        assert!(exp_f32(f32::NEG_INFINITY) < 1e-37);
-        assert!((tanh_f32(30.0) - 1.0).abs() < 1e-7 && (tanh_f32(-30.0) + 1.0).abs() < 1e-7);
-    }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)

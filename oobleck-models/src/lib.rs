@@ -17,6 +17,7 @@ mod fused_bmm;
 mod fused_linear;
 pub mod gpt2;
 pub mod hf;
+mod lanes;
 mod nn;
 pub mod opt;
 pub mod recipe;
