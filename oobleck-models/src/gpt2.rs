@@ -32,7 +32,9 @@ use oobleck_core::model::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::nn::{causal_attention, conv1d, gelu_tanh, layer_norm, lm_head_loss, Init, Params};
+use crate::nn::{
+    causal_attention_packed, conv1d, gelu_tanh, layer_norm, lm_head_loss, Init, Params,
+};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face GPT-2 `config.json` that shape the model.
@@ -368,17 +370,14 @@ impl Layer for Block {
     fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> oobleck_core::Result<Tensor> {
         let c = &self.cfg;
         let eps = c.layer_norm_epsilon;
-        let d = c.n_embd;
         // A stage's input arrives in f32; a no-op when it already is ctx.dtype.
         let x = &x.to_dtype(ctx.dtype)?;
         // Attention: x + c_proj(attn(c_attn(ln_1(x)))).
         let h = layer_norm(x, &self.ln1_w, &self.ln1_b, eps)?;
         let qkv = conv1d(&h, &self.attn_w, &self.attn_b)?; // [b, t, 3d]
-        let q = qkv.narrow(2, 0, d)?;
-        let k = qkv.narrow(2, d, d)?;
-        let v = qkv.narrow(2, 2 * d, d)?;
-        // Attention dropout on the probabilities, keyed per sample row like the others.
-        let a = causal_attention(&q, &k, &v, c.n_head, |p| {
+                                                           // Attention dropout on the probabilities, keyed per sample row like the others.
+        let dropping = ctx.train && c.attn_pdrop > 0.0;
+        let a = causal_attention_packed(&qkv, c.n_head, dropping, |p| {
             dropout(p, c.attn_pdrop, ctx, self.idx, 2)
         })?; // [b, t, d]
         let a = conv1d(&a, &self.attn_proj_w, &self.attn_proj_b)?;

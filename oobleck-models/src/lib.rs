@@ -13,6 +13,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 mod fused;
+mod fused_attention;
 mod fused_bmm;
 mod fused_linear;
 pub mod gpt2;

@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use oobleck_core::model::{checked_param, seeded_normal, ParamSource};
 
 use crate::Result;
-use crate::{fused, fused_bmm, fused_linear};
+use crate::{fused, fused_attention, fused_bmm, fused_linear};
 
 /// Whether the fused CPU kernels apply to `x`.
 fn fusable(x: &Tensor) -> bool {
@@ -124,9 +124,45 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 
 /// Causal multi-head attention of already-projected `q`, `k`, `v`, each `[b, t, d]`.
 /// `q` is scaled by `1/sqrt(d_head)` here. `drop` is applied to the attention probabilities
-/// `[b, h, t, t]` (attention dropout; the identity when off). The softmax runs in f32; the
-/// rest in the dtype of `q`.
+/// `[b, h, t, t]` (attention dropout; the identity when off), which `dropping` says it is not.
+/// The softmax runs in f32; the rest in the dtype of `q`. On the CPU in f32 with nothing
+/// dropped, all of it is one fused op (`fused_attention.rs`).
 pub(crate) fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    n_head: usize,
+    dropping: bool,
+    drop: impl Fn(&Tensor) -> oobleck_core::Result<Tensor>,
+) -> Result<Tensor> {
+    if !dropping && fusable(q) && fusable(k) && fusable(v) {
+        return Ok(fused_attention::separate_attention(q, k, v, n_head)?);
+    }
+    composed_attention(q, k, v, n_head, drop)
+}
+
+/// [`causal_attention`] of GPT-2's fused projection `qkv [b, t, 3d]` (q, k, v side by side).
+pub(crate) fn causal_attention_packed(
+    qkv: &Tensor,
+    n_head: usize,
+    dropping: bool,
+    drop: impl Fn(&Tensor) -> oobleck_core::Result<Tensor>,
+) -> Result<Tensor> {
+    if !dropping && fusable(qkv) {
+        return Ok(fused_attention::packed_attention(qkv, n_head)?);
+    }
+    let d = qkv.dim(2)? / 3;
+    let (q, k, v) = (
+        qkv.narrow(2, 0, d)?,
+        qkv.narrow(2, d, d)?,
+        qkv.narrow(2, 2 * d, d)?,
+    );
+    composed_attention(&q, &k, &v, n_head, drop)
+}
+
+/// Attention of Candle ops and the per-op fused kernels: the path when attention
+/// probabilities are dropped out (`drop`), and off the CPU.
+fn composed_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

@@ -427,6 +427,7 @@ impl Layer for DecoderLayer {
             &lin(&h, &self.k)?,
             &lin(&h, &self.v)?,
             c.num_attention_heads,
+            ctx.train && c.attention_dropout > 0.0,
             |p| dropout(p, c.attention_dropout, ctx, self.idx, 2),
         )?;
         let a = lin(&a, &self.out)?;
