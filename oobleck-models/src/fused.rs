@@ -21,7 +21,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::fused_linear::{gemm, Mat};
+use crate::fused_linear::{gemm_new, Mat};
 use crate::lanes::{dot_f32, exp_f32, max_f32, sum_f32, tanh_f32};
 
 pub(crate) type CResult<T> = candle_core::Result<T>;
@@ -124,27 +124,9 @@ impl candle_core::CustomOp2 for LmHeadLoss {
         let (dh, dw) = with_f32(&self.probs_grad, "lm head P", |p| {
             with_f32(w, "lm head w", |wv| {
                 with_f32(h, "lm head h", |hv| {
-                    let mut dh = vec![0f32; n * d]; // P · w
-                    gemm(
-                        n,
-                        v,
-                        d,
-                        Mat::row_major(p, v),
-                        Mat::row_major(wv, d),
-                        &mut dh,
-                        0.0,
-                    )?;
-                    let mut dw = vec![0f32; v * d]; // Pᵀ · h
-                    gemm(
-                        v,
-                        n,
-                        d,
-                        Mat::transposed(p, v),
-                        Mat::row_major(hv, d),
-                        &mut dw,
-                        0.0,
-                    )?;
-                    dh.iter_mut().chain(dw.iter_mut()).for_each(|x| *x *= g);
+                    let (pm, pt) = (Mat::row_major(p, v), Mat::transposed(p, v));
+                    let dh = gemm_new(n, v, d, pm, Mat::row_major(wv, d), g)?; // g·P·w
+                    let dw = gemm_new(v, n, d, pt, Mat::row_major(hv, d), g)?; // g·Pᵀ·h
                     Ok((dh, dw))
                 })
             })
@@ -175,18 +157,9 @@ pub(crate) fn lm_head_loss(h: &Tensor, w: &Tensor, targets: &[u32]) -> CResult<T
     }
     let h = h.contiguous()?;
     // logits [n, v] = h · wᵀ, outside the graph; then overwritten by their gradient.
-    let mut logits = vec![0f32; n * v];
-    with_f32(&h, "lm head h", |hv| {
+    let mut logits = with_f32(&h, "lm head h", |hv| {
         with_f32(w, "lm head w", |wv| {
-            gemm(
-                n,
-                d,
-                v,
-                Mat::row_major(hv, d),
-                Mat::transposed(wv, d),
-                &mut logits,
-                0.0,
-            )
+            gemm_new(n, d, v, Mat::row_major(hv, d), Mat::transposed(wv, d), 1.0)
         })
     })?;
     let loss = xent_in_place(&mut logits, targets) as f32;

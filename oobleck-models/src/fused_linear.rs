@@ -52,80 +52,110 @@ pub(crate) fn gemm(
     c: &mut [f32],
     beta: f32,
 ) -> CResult<()> {
-    if !a.fits(m, k) || !b.fits(k, n) || c.len() != m * n {
+    check(m, k, n, &a, &b, c.len())?;
+    // SAFETY: `c` holds m x n initialised elements, borrowed mutably for the call.
+    unsafe { gemm_raw(m, k, n, a, b, 1.0, SharedMut(c.as_mut_ptr()), beta) };
+    Ok(())
+}
+
+/// A new row-major `alpha · a[m, k] · b[k, n]`, written once: no zero fill first (on the LM
+/// head's `[2048, 50257]` logits a zero fill is a 412 MB pass of its own).
+pub(crate) fn gemm_new(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    alpha: f32,
+) -> CResult<Vec<f32>> {
+    check(m, k, n, &a, &b, m * n)?;
+    let mut c: Vec<f32> = Vec::with_capacity(m * n);
+    let out = SharedMut(c.spare_capacity_mut().as_mut_ptr().cast());
+    // SAFETY: `c` has capacity for m x n elements; with beta = 0 sgemm writes every element of
+    // C without reading it (matrixmultiply: "if β is zero, C does not need to be
+    // initialized"), also when k = 0 (it writes zeros), so all m x n are set afterwards.
+    unsafe {
+        gemm_raw(m, k, n, a, b, alpha, out, 0.0);
+        c.set_len(m * n);
+    }
+    Ok(c)
+}
+
+/// Whether `a [m, k]`, `b [k, n]` and an output of `c_len` elements fit a product.
+fn check(m: usize, k: usize, n: usize, a: &Mat, b: &Mat, c_len: usize) -> CResult<()> {
+    if !a.fits(m, k) || !b.fits(k, n) || c_len != m * n {
         return Err(msg(format!(
-            "gemm {m}x{k}x{n}: operands of {}, {} and {} elements do not fit",
+            "gemm {m}x{k}x{n}: operands of {}, {} and {c_len} elements do not fit",
             a.data.len(),
             b.data.len(),
-            c.len()
         )));
     }
+    Ok(())
+}
+
+/// The parallel product behind [`gemm`] and [`gemm_new`].
+///
+/// # Safety
+/// `c` must be valid for writes of m x n elements (and reads, when `beta` is not 0), and
+/// nothing else may touch them during the call; the operands must pass [`check`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    alpha: f32,
+    c: SharedMut,
+    beta: f32,
+) {
     if m == 0 || n == 0 {
-        return Ok(());
+        return;
     }
     let threads = rayon::current_num_threads().max(1);
-    if n > m && n >= 128 {
-        // Wide outputs (the LM head: n = vocab): split the columns, so each task packs only
-        // its slice of B and all tasks share the small A.
+    // Wide outputs (the LM head: n = vocab) split the columns, so each task packs only its
+    // slice of B and all tasks share the small A; others split rows, in blocks of a multiple
+    // of 16 (the kernel's height), at least 64 rows each.
+    let wide = n > m && n >= 128;
+    let (block, blocks) = if wide {
         let cols = n.div_ceil(threads).next_multiple_of(16).min(n);
-        let c_ptr = SharedMut(c.as_mut_ptr());
-        (0..n.div_ceil(cols)).into_par_iter().for_each(|t| {
-            let j0 = t * cols;
-            let nc = cols.min(n - j0);
-            let c_ptr = &c_ptr;
-            // SAFETY: as below for A and B (B's columns j0..j0+nc start at offset j0 * cs);
-            // task t writes only columns j0..j0+nc of C, disjoint from every other task's,
-            // and `c` stays mutably borrowed until all tasks have joined.
-            unsafe {
-                matrixmultiply::sgemm(
-                    m,
-                    k,
-                    nc,
-                    1.0,
-                    a.data.as_ptr(),
-                    a.rs as isize,
-                    a.cs as isize,
-                    b.data.as_ptr().add(j0 * b.cs),
-                    b.rs as isize,
-                    b.cs as isize,
-                    beta,
-                    c_ptr.0.add(j0),
-                    n as isize,
-                    1,
-                )
-            }
-        });
-        return Ok(());
-    }
-    // Row blocks of a multiple of 16 (the AVX2 kernel's height), at least 64 rows each.
-    let rows = m.div_ceil(threads).next_multiple_of(16).max(64).min(m);
-    c.par_chunks_mut(rows * n).enumerate().for_each(|(i, cc)| {
-        let r0 = i * rows;
-        let mr = cc.len() / n;
-        let ad = &a.data[r0 * a.rs..];
-        // SAFETY: `fits` checked above that every element (r, j) of A (r < m, j < k), of B
-        // and of C is inside its slice; this block reads rows r0..r0+mr of A from `ad`,
-        // which starts at row r0, and writes only its own chunk `cc` of C (mr x n, row-major).
+        (cols, n.div_ceil(cols))
+    } else {
+        let rows = m.div_ceil(threads).next_multiple_of(16).max(64).min(m);
+        (rows, m.div_ceil(rows))
+    };
+    let c = &c;
+    (0..blocks).into_par_iter().for_each(|t| {
+        let j0 = t * block;
+        // Task t computes columns j0.. (wide) or rows j0.. of C.
+        let (mr, nc, a0, b0, c0) = if wide {
+            (m, block.min(n - j0), 0, j0 * b.cs, j0)
+        } else {
+            (block.min(m - j0), n, j0 * a.rs, 0, j0 * n)
+        };
+        // SAFETY: `check` put every element (r, j) of A (r < m, j < k) and of B inside its
+        // slice, and this task's rows or columns start at offsets a0 / b0 of them; it writes
+        // only its own rows or columns of C (valid by the caller's contract), disjoint from
+        // every other task's, and all tasks join before the caller goes on.
         unsafe {
             matrixmultiply::sgemm(
                 mr,
                 k,
-                n,
-                1.0,
-                ad.as_ptr(),
+                nc,
+                alpha,
+                a.data.as_ptr().add(a0),
                 a.rs as isize,
                 a.cs as isize,
-                b.data.as_ptr(),
+                b.data.as_ptr().add(b0),
                 b.rs as isize,
                 b.cs as isize,
                 beta,
-                cc.as_mut_ptr(),
+                c.0.add(c0),
                 n as isize,
                 1,
             )
         }
     });
-    Ok(())
 }
 
 /// `c[m, n] = a[m, k] · b[k, n]` with `c` row-major, on the calling thread (a task of a
@@ -172,9 +202,10 @@ pub(crate) fn sgemm_one(
     Ok(())
 }
 
-/// The output pointer shared by column-split tasks, each of which writes its own columns.
+/// The output pointer shared by the tasks of one product, each of which writes its own rows
+/// or columns.
 struct SharedMut(*mut f32);
-// SAFETY: only used by `gemm`, whose tasks write disjoint columns of one live `&mut [f32]`.
+// SAFETY: only used by `gemm_raw`, whose tasks write disjoint parts of one output.
 unsafe impl Sync for SharedMut {}
 
 /// `y = x · W + b` for `x [rows, in]`, bias `[out]`, and the weight stored `[in, out]`
@@ -268,17 +299,15 @@ impl CustomOp3 for Linear {
                     } else {
                         Mat::transposed(wv, out)
                     };
-                    let mut dx = vec![0f32; rows * inp];
-                    gemm(rows, out, inp, Mat::row_major(g, out), wt, &mut dx, 0.0)?;
+                    let dx = gemm_new(rows, out, inp, Mat::row_major(g, out), wt, 1.0)?;
                     // dW in the stored layout: [in, out] = xᵀ · dy, or [out, in] = dyᵀ · x.
-                    let mut dw = vec![0f32; inp * out];
-                    if self.out_in {
+                    let dw = if self.out_in {
                         let (a, b) = (Mat::transposed(g, out), Mat::row_major(xv, inp));
-                        gemm(out, rows, inp, a, b, &mut dw, 0.0)?;
+                        gemm_new(out, rows, inp, a, b, 1.0)?
                     } else {
                         let (a, b) = (Mat::transposed(xv, inp), Mat::row_major(g, out));
-                        gemm(inp, rows, out, a, b, &mut dw, 0.0)?;
-                    }
+                        gemm_new(inp, rows, out, a, b, 1.0)?
+                    };
                     Ok((dx, dw, column_sums(g, out)))
                 })
             })
