@@ -29,7 +29,6 @@ use crate::mailbox::{Key, Mailbox};
 pub(crate) const RING_HEADER: usize = 256;
 const MSG_HEADER: usize = 24;
 const SPINS: u32 = 64;
-const YIELDS: u32 = 4;
 const NAP: Duration = Duration::from_millis(5);
 /// Bytes either side copies before it publishes its position: the writer fills chunk k+1
 /// while the reader drains chunk k, so a large message streams with both copies running at
@@ -114,22 +113,22 @@ impl Ring {
     }
 }
 
-/// Waits (spin, yield, then futex naps) until `ready()`; `give_up()` is checked between naps.
+/// Waits (spin, then futex naps) until `ready()`; `give_up()` is checked between naps.
 fn wait_until<E>(
     seq: &AtomicU32,
     waiting: &AtomicU32,
     ready: impl Fn() -> bool,
     give_up: impl Fn() -> Option<E>,
 ) -> Result<(), E> {
-    for i in 0..SPINS + YIELDS {
+    // No `yield_now` between spinning and sleeping: on a busy machine a yield hands the core
+    // to a compute thread for its whole slice (~2 ms per wait: a 4 KiB shm all-reduce took
+    // 2.2 ms under `OOBLECK_BENCH_LOAD=2`, 120 us without the yields), while a futex sleeper
+    // is woken at once.
+    for _ in 0..SPINS {
         if ready() {
             return Ok(());
         }
-        if i < SPINS {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
+        std::hint::spin_loop();
     }
     loop {
         let s = seq.load(SeqCst);
