@@ -198,12 +198,18 @@ pub fn seeded_normal(
     Ok(Tensor::from_vec(v, shape, device)?)
 }
 
+/// Whether [`dropout`] with probability `p` changes anything in this pass (a training pass
+/// with `p > 0`); otherwise it is the identity, which fused kernels may rely on.
+pub fn drops(p: f64, ctx: &ForwardCtx) -> bool {
+    ctx.train && p > 0.0
+}
+
 /// A dropout mask keyed by `(key, layer, site, row)`: which elements survive, scaled by
 /// `1/(1-p)`. Dim 0 of `x` is the batch; row `i` of `x` is row `ctx.rows.offset + i` of the
 /// microbatch and draws from its own ChaCha stream, so the mask of a slice of rows equals those
 /// rows of the whole microbatch's mask however a multi-device stage cuts it.
 pub fn dropout(x: &Tensor, p: f64, ctx: &ForwardCtx, layer: usize, site: u64) -> Result<Tensor> {
-    if !ctx.train || p <= 0.0 {
+    if !drops(p, ctx) {
         return Ok(x.clone());
     }
     if p >= 1.0 {

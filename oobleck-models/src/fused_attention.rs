@@ -20,7 +20,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::fused::{f32s, msg, with_f32, CResult};
-use crate::fused_linear::{sgemm_one, Mat};
+use crate::fused_linear::{sgemm_one, sgemm_strided, Mat};
 use crate::lanes::{dot_f32, exp_f32, max_f32, sum_f32};
 
 /// Batch, sequence, heads and head width of one attention call.
@@ -137,37 +137,17 @@ impl Out {
     ) -> CResult<()> {
         let (m, n) = (g.t, g.hd);
         let start = part.start(g, item);
-        let fits = |x: &Mat, rows: usize, cols: usize| {
-            (rows - 1) * x.rs + (cols - 1) * x.cs < x.data.len()
-        };
         if m == 0 || n == 0 || k == 0 {
             return Ok(());
         }
-        if !fits(&a, m, k) || !fits(&b, k, n) || start + (m - 1) * part.rs + n > self.len {
+        if !a.fits(m, k) || !b.fits(k, n) || start + (m - 1) * part.rs + n > self.len {
             return Err(msg(format!(
                 "attention product {m}x{k}x{n} of head {item}: an operand or the output is too short"
             )));
         }
         // SAFETY: the checks above keep every element of A, B and of the written head inside
-        // its buffer; beta is 0, so C is only written, and the caller keeps heads disjoint.
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.data.as_ptr(),
-                a.rs as isize,
-                a.cs as isize,
-                b.data.as_ptr(),
-                b.rs as isize,
-                b.cs as isize,
-                0.0,
-                self.ptr.add(start),
-                part.rs as isize,
-                1,
-            )
-        }
+        // its buffer, and the caller keeps heads disjoint.
+        unsafe { sgemm_strided(m, k, n, a, b, self.ptr.add(start), part.rs) };
         Ok(())
     }
 }
@@ -447,13 +427,8 @@ pub(crate) fn separate_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused_linear::tests::max_rel_diff;
     use candle_core::{DType, Device, Var, D};
-
-    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let max_abs = |t: Tensor| t.abs()?.max_all()?.to_scalar::<f32>();
-        let d = (a - b).and_then(max_abs).unwrap();
-        d / max_abs(b.clone()).unwrap().max(1.0)
-    }
 
     /// Attention of Candle's primitive ops only (autograd's own backward).
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize) -> Tensor {

@@ -183,13 +183,8 @@ impl CustomOp2 for Bmm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused_linear::tests::max_rel_diff;
     use candle_core::{Device, Var};
-
-    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let max_abs = |t: Tensor| t.abs()?.max_all()?.to_scalar::<f32>();
-        let d = (a - b).and_then(max_abs).unwrap();
-        d / max_abs(b.clone()).unwrap().max(1.0)
-    }
 
     #[test]
     fn batched_matmul_matches_candles_with_gradients_in_both_layouts() {

@@ -37,7 +37,7 @@ impl<'a> Mat<'a> {
     }
 
     /// Whether every element of a `rows x cols` view lies inside `data`.
-    fn fits(&self, rows: usize, cols: usize) -> bool {
+    pub(crate) fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
     }
 }
@@ -168,19 +168,32 @@ pub(crate) fn sgemm_one(
     b: Mat,
     c: &mut [f32],
 ) -> CResult<()> {
-    if !a.fits(m, k) || !b.fits(k, n) || c.len() != m * n {
-        return Err(msg(format!(
-            "sgemm {m}x{k}x{n}: operands of {}, {} and {} elements do not fit",
-            a.data.len(),
-            b.data.len(),
-            c.len()
-        )));
-    }
+    check(m, k, n, &a, &b, c.len())?;
+    // SAFETY: `check` made C exactly m x n, row-major, borrowed mutably for the call.
+    unsafe { sgemm_strided(m, k, n, a, b, c.as_mut_ptr(), n) };
+    Ok(())
+}
+
+/// `c = a[m, k] · b[k, n]` on the calling thread, `c` an m x n view with row stride `rsc`
+/// (attention writes one head's columns of a wider row this way).
+///
+/// # Safety
+/// `a` and `b` must fit (`Mat::fits`), `c` must be valid for writes of
+/// `(m - 1) · rsc + n` elements, and nothing else may touch the m x n written ones meanwhile.
+pub(crate) unsafe fn sgemm_strided(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    c: *mut f32,
+    rsc: usize,
+) {
     if m == 0 || n == 0 {
-        return Ok(());
+        return;
     }
-    // SAFETY: `fits` checked that every element (r, j) of A (r < m, j < k) and of B is inside
-    // its slice, and C is exactly m x n row-major; beta is 0, so C is only written.
+    // SAFETY: the caller's contract; beta is 0, so C is only written (all of it, also when
+    // k = 0).
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -194,12 +207,11 @@ pub(crate) fn sgemm_one(
             b.rs as isize,
             b.cs as isize,
             0.0,
-            c.as_mut_ptr(),
-            n as isize,
+            c,
+            rsc as isize,
             1,
         )
     }
-    Ok(())
 }
 
 /// The output pointer shared by the tasks of one product, each of which writes its own rows
@@ -342,11 +354,12 @@ fn column_sums(g: &[f32], cols: usize) -> Vec<f32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    /// Largest absolute difference over the largest magnitude of `b` (at least 1).
+    pub(crate) fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         let max_abs = |t: Tensor| t.abs()?.max_all()?.to_scalar::<f32>();
         let d = (a - b).and_then(max_abs).unwrap();
         d / max_abs(b.clone()).unwrap().max(1.0)

@@ -27,7 +27,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor, Var};
 use oobleck_core::model::{
-    check_layer_range, dropout, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
+    check_layer_range, dropout, drops, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
     ParamSource, TiedParam,
 };
 use serde::{Deserialize, Serialize};
@@ -376,7 +376,7 @@ impl Layer for Block {
         let h = layer_norm(x, &self.ln1_w, &self.ln1_b, eps)?;
         let qkv = conv1d(&h, &self.attn_w, &self.attn_b)?; // [b, t, 3d]
                                                            // Attention dropout on the probabilities, keyed per sample row like the others.
-        let dropping = ctx.train && c.attn_pdrop > 0.0;
+        let dropping = drops(c.attn_pdrop, ctx);
         let a = causal_attention_packed(&qkv, c.n_head, dropping, |p| {
             dropout(p, c.attn_pdrop, ctx, self.idx, 2)
         })?; // [b, t, d]

@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor, Var};
 use oobleck_core::model::{
-    check_layer_range, dropout, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
+    check_layer_range, dropout, drops, transformer_layer_name, ForwardCtx, Layer, LayeredModel,
     ParamSource, TiedParam,
 };
 use serde::{Deserialize, Serialize};
@@ -427,7 +427,7 @@ impl Layer for DecoderLayer {
             &lin(&h, &self.k)?,
             &lin(&h, &self.v)?,
             c.num_attention_heads,
-            ctx.train && c.attention_dropout > 0.0,
+            drops(c.attention_dropout, ctx),
             |p| dropout(p, c.attention_dropout, ctx, self.idx, 2),
         )?;
         let a = lin(&a, &self.out)?;
