@@ -33,9 +33,15 @@ pub fn default_dir() -> Option<PathBuf> {
     Some(base.join("oobleck").join("profiles"))
 }
 
-/// The key of a fingerprint: 64-bit FNV-1a of its JSON, in hex (stable across builds).
+/// How profiles are measured; a change of method changes every key, so profiles measured
+/// the old way are measured again (2: layers swept in windows, not timed alone).
+const METHOD: u32 = 2;
+
+/// The key of a fingerprint: 64-bit FNV-1a of the measuring method and the fingerprint's
+/// JSON, in hex (stable across builds).
 pub fn key(fp: &Fingerprint) -> String {
-    let text = serde_json::to_string(fp).expect("a fingerprint always serialises");
+    let json = serde_json::to_string(fp).expect("a fingerprint always serialises");
+    let text = format!("method {METHOD} {json}");
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in text.bytes() {
         h ^= u64::from(b);

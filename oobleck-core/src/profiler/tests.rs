@@ -259,3 +259,34 @@ fn a_corrupt_or_mismatched_entry_is_measured_again() {
     assert!(matches!(src, Source::Remeasured { .. }), "{src:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn windows_of_any_size_time_every_layer_and_agree_on_sizes() {
+    let model = Tiny(5);
+    let (inputs, targets) = sample(3, 5);
+    let req = ProfileRequest {
+        model: &model,
+        model_name: "tiny-5".into(),
+        inputs: &inputs,
+        targets: &targets,
+        device: &Device::Cpu,
+        dtype: DType::F32,
+        warmup: 1,
+        repeats: 3,
+    };
+    let one = measure_in_windows(&req, u64::MAX).expect("one window");
+    // Each layer alone, and windows of a few layers (a 16x16 f32 layer is 1 KiB).
+    for bytes in [0, 2048] {
+        let m = measure_in_windows(&req, bytes).expect("windows");
+        m.profile.validate().expect("valid");
+        assert_eq!(m.peak_bytes.len(), 5);
+        for (a, b) in one.profile.layers.iter().zip(&m.profile.layers) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(
+                (a.param_bytes, a.output_bytes),
+                (b.param_bytes, b.output_bytes)
+            );
+            assert!(b.forward_ms > 0.0 && b.backward_ms > 0.0, "{bytes}: {b:?}");
+        }
+    }
+}
