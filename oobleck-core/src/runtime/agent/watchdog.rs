@@ -104,9 +104,10 @@ impl Watch {
         let m = self.median_step_s()?;
         (m > spec.hang_timeout_s).then(|| {
             format!(
-                "steps take {m:.2} s (median), longer than --hang-timeout {} s: a worker that \
-                 reports but does not move is taken for hung after {:.1} s ({} steps), one \
-                 whose reports stop after {} s",
+                "hang limits follow the step time (nothing is wrong): steps take {m:.2} s \
+                 (median), above --hang-timeout {} s, so a worker that reports but does not \
+                 move is taken for hung after {:.1} s ({} steps), one whose reports stop after \
+                 {} s",
                 spec.hang_timeout_s,
                 spec.hang_factor * m,
                 spec.hang_factor,
