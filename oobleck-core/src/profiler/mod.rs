@@ -22,7 +22,7 @@
 //! the process's resident memory over the first (cold) forward of the layer, before the
 //! allocator has freed memory it could reuse, and never below the output's bytes. On CUDA
 //! there is no allocator counter through Candle, so the output bytes are a lower bound there.
-//! The peak of one forward + backward of the layer alone (reported beside the profile, not
+//! The peak of that cold forward + backward of the layer (reported beside the profile, not
 //! planned on) is the Linux peak-RSS counter (`VmHWM`, reset through `/proc/self/clear_refs`)
 //! above the resident memory before the pass; `None` where that is unavailable (not Linux,
 //! or CUDA).
@@ -216,17 +216,15 @@ impl Window {
         ctx: &ForwardCtx,
     ) -> Result<(LayerProfile, Option<u64>, Tensor)> {
         let cpu = matches!(req.device, Device::Cpu);
+        // The cold pass gives the kept bytes (its forward) and the peak (forward + backward).
+        let base = if cpu { reset_peak_rss() } else { None };
         let rss0 = rss_bytes();
         let fwd = stage.forward(x, ctx)?;
         let kept = rss_bytes().zip(rss0).map(|(a, b)| a.saturating_sub(b));
         let out = fwd.output.detach();
         let output_bytes = bytes_of(&out);
         let upstream = ones_upstream(&out)?;
-        let mut acc = stage.backward(fwd, upstream.as_ref())?.params;
-        // One more pass alone for the peak, the cold one's graph freed first.
-        let base = if cpu { reset_peak_rss() } else { None };
-        let fwd = stage.forward(x, ctx)?;
-        crate::model::accumulate(&mut acc, stage.backward(fwd, upstream.as_ref())?.params)?;
+        let acc = stage.backward(fwd, upstream.as_ref())?.params;
         let peak = base.zip(peak_rss()).map(|(b, p)| p.saturating_sub(b));
         let param_bytes = stage.params().iter().map(|(_, v)| bytes_of(v)).sum();
         let activation_bytes = if cpu {
