@@ -99,19 +99,29 @@ fn sample(b: usize, t: usize) -> (Tensor, Tensor) {
     )
 }
 
-fn measure_tiny(layers: usize, b: usize) -> Measured {
-    let model = Tiny(layers);
-    let (inputs, targets) = sample(b, 5);
-    let req = ProfileRequest {
-        model: &model,
-        model_name: format!("tiny-{layers}"),
-        inputs: &inputs,
-        targets: &targets,
+/// A request on the CPU in f32, one warm-up and three timed passes.
+fn request<'a>(
+    model: &'a Tiny,
+    name: &str,
+    inputs: &'a Tensor,
+    targets: &'a Tensor,
+) -> ProfileRequest<'a> {
+    ProfileRequest {
+        model,
+        model_name: name.into(),
+        inputs,
+        targets,
         device: &Device::Cpu,
         dtype: DType::F32,
         warmup: 1,
         repeats: 3,
-    };
+    }
+}
+
+fn measure_tiny(layers: usize, b: usize) -> Measured {
+    let model = Tiny(layers);
+    let (inputs, targets) = sample(b, 5);
+    let req = request(&model, &format!("tiny-{layers}"), &inputs, &targets);
     measure(&req).expect("a tiny model profiles")
 }
 
@@ -147,16 +157,7 @@ fn a_tiny_model_gives_a_valid_profile_of_every_layer() {
 fn a_profile_measured_as_ranks_names_the_sharing_and_keeps_every_layer() {
     let model = Tiny(3);
     let (inputs, targets) = sample(2, 5);
-    let req = ProfileRequest {
-        model: &model,
-        model_name: "tiny-3".into(),
-        inputs: &inputs,
-        targets: &targets,
-        device: &Device::Cpu,
-        dtype: DType::F32,
-        warmup: 1,
-        repeats: 3,
-    };
+    let req = request(&model, "tiny-3", &inputs, &targets);
     let alone = measure(&req).expect("alone");
     let shared = measure_as_ranks(&req, 3, 1).expect("as 3 ranks of 1 thread");
     let p = &shared.profile;
@@ -187,14 +188,9 @@ fn zero_repeats_is_refused() {
     let model = Tiny(3);
     let (inputs, targets) = sample(2, 4);
     let req = ProfileRequest {
-        model: &model,
-        model_name: "tiny".into(),
-        inputs: &inputs,
-        targets: &targets,
-        device: &Device::Cpu,
-        dtype: DType::F32,
         warmup: 0,
         repeats: 0,
+        ..request(&model, "tiny", &inputs, &targets)
     };
     let e = measure(&req).expect_err("no repeats");
     assert!(e.to_string().contains("at least 1 repeat"), "{e}");
@@ -264,16 +260,7 @@ fn a_corrupt_or_mismatched_entry_is_measured_again() {
 fn windows_of_any_size_time_every_layer_and_agree_on_sizes() {
     let model = Tiny(5);
     let (inputs, targets) = sample(3, 5);
-    let req = ProfileRequest {
-        model: &model,
-        model_name: "tiny-5".into(),
-        inputs: &inputs,
-        targets: &targets,
-        device: &Device::Cpu,
-        dtype: DType::F32,
-        warmup: 1,
-        repeats: 3,
-    };
+    let req = request(&model, "tiny-5", &inputs, &targets);
     let one = measure_in_windows(&req, u64::MAX).expect("one window");
     // Each layer alone, and windows of a few layers (a 16x16 f32 layer is 1 KiB).
     for bytes in [0, 2048] {
