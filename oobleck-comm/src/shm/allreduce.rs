@@ -272,7 +272,7 @@ impl Scratch {
             }
             publish(FILLED, k32 + 1);
             wait(FILLED, k32 + 1)?;
-            self.reduce_my_slice(gs, g, slot, chunk, dtype);
+            self.reduce_my_slice(gs, g, slot, &mut chunk[a..b], a, dtype);
             publish(REDUCED_AT, k32 + 1);
             wait(REDUCED_AT, k32 + 1)?;
             self.copy_other_slices(gs, g, slot, chunk, dtype);
@@ -370,18 +370,18 @@ impl Scratch {
         }
     }
 
-    /// Adds slice i of every other member's `slot` to slice i of `chunk`, and copies the sum
-    /// into our slot.
+    /// Adds slice i (bytes `a..a + acc.len()` of the chunk) of every other member's `slot`
+    /// to `acc`, our tensor's slice i, and copies the sum into our slot.
     fn reduce_my_slice(
         &self,
         gs: &GroupScratch,
         g: &[Rank],
         slot: usize,
-        chunk: &mut [u8],
+        acc: &mut [u8],
+        a: usize,
         dtype: DType,
     ) {
-        let (a, b) = slice(g, self.rank, chunk.len(), dtype);
-        let acc = &mut chunk[a..b];
+        let b = a + acc.len();
         for &r in g.iter().filter(|&&r| r != self.rank) {
             // SAFETY: every member wrote its slot before its `filled` and does not touch our
             // slice of it again in this chunk.
