@@ -1,6 +1,7 @@
 //! Side-by-side data-plane benchmark (not a test; nothing is asserted):
 //! all-reduce bus bandwidth and latency of the TCP backend for 2 and 4 processes on one host,
-//! once with shared memory (the default between ranks of one host) and once forced onto
+//! once with shared memory (the default between ranks of one host; with the caller's tensors
+//! and with tensors from `Communicator::alloc`, reduced in place) and once forced onto
 //! loopback TCP, p2p bandwidth, `memcpy` bandwidth as the physical bound, and PyTorch Gloo
 //! (`torch.distributed`, CPU) on the same sizes when `python3 -c 'import torch'` works.
 //!
@@ -20,7 +21,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use oobleck_comm::{Communicator, TcpCommunicator, TcpConfig, TensorBuf};
+use oobleck_comm::{Communicator, DType, TcpCommunicator, TcpConfig, TensorBuf};
 
 const PEER_ENV: &str = "OOBLECK_BENCH_PEER";
 const OP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -84,17 +85,19 @@ fn peer(spec: &str) {
     for bytes in sizes() {
         let n = bytes / 4;
         let mut t = TensorBuf::from_f32(vec![n], &vec![1.0; n]).expect("tensor");
-        comm.all_reduce(&all, &mut t, OP_TIMEOUT).expect("warm-up");
-        let iters = iters_for(bytes);
-        comm.barrier(&all, OP_TIMEOUT).expect("barrier");
-        let start = Instant::now();
-        for _ in 0..iters {
-            comm.all_reduce(&all, &mut t, OP_TIMEOUT)
-                .expect("all_reduce");
-        }
-        let secs = start.elapsed().as_secs_f64() / iters as f64;
+        let secs = time_all_reduce(&comm, &all, &mut t);
         if rank == 0 {
             println!("RESULT allreduce {bytes} {secs}");
+        }
+        if cfg_shm(spec) {
+            // The same through tensors the communicator allocated: in place in shared memory.
+            let mut t = comm.alloc(DType::F32, vec![n]).expect("alloc");
+            t.as_bytes_mut()
+                .copy_from_slice(bytemuck::cast_slice(&vec![1.0f32; n]));
+            let secs = time_all_reduce(&comm, &all, &mut t);
+            if rank == 0 {
+                println!("RESULT allreduce_alloc {bytes} {secs}");
+            }
         }
     }
     if world == 2 {
@@ -125,6 +128,18 @@ fn peer(spec: &str) {
     }
     comm.barrier(&all, OP_TIMEOUT).expect("final barrier");
     println!("DONE");
+}
+
+/// Seconds per all-reduce of `t` over `all`, after one warm-up.
+fn time_all_reduce(comm: &TcpCommunicator, all: &[usize], t: &mut TensorBuf) -> f64 {
+    comm.all_reduce(all, t, OP_TIMEOUT).expect("warm-up");
+    let iters = iters_for(t.as_bytes().len());
+    comm.barrier(all, OP_TIMEOUT).expect("barrier");
+    let start = Instant::now();
+    for _ in 0..iters {
+        comm.all_reduce(all, t, OP_TIMEOUT).expect("all_reduce");
+    }
+    start.elapsed().as_secs_f64() / iters as f64
 }
 
 /// Kills and reaps the peers on every exit path.
@@ -182,7 +197,11 @@ fn run_ours(world: usize, shm: bool) -> Results {
         let f: Vec<&str> = line.split_whitespace().collect();
         match f.as_slice() {
             ["RESULT", kind, bytes, secs] => {
-                let kind = if *kind == "p2p" { "p2p" } else { "allreduce" };
+                let kind = match *kind {
+                    "p2p" => "p2p",
+                    "allreduce_alloc" => "allreduce_alloc",
+                    _ => "allreduce",
+                };
                 res.insert(
                     (kind, bytes.parse().expect("bytes")),
                     secs.parse().expect("secs"),
@@ -424,6 +443,26 @@ fn report(
         println!("{row}");
     }
     println!();
+    println!(
+        "all-reduce of tensors from Communicator::alloc (in place in shared memory) beside Gloo"
+    );
+    println!(
+        "{:>8} | {:>15} | {:>15} | {:>15} | {:>15}",
+        "size", "alloc 2p bw lat", "gloo 2p bw lat", "alloc 4p bw lat", "gloo 4p bw lat"
+    );
+    for bytes in sizes() {
+        let mut row = format!("{:>8}", human(bytes));
+        for world in [2, 4] {
+            for r in [
+                get(&shm[&world], "allreduce_alloc", bytes),
+                gl(world, "allreduce", bytes),
+            ] {
+                row += &format!(" | {}", cell(r.as_ref(), world, bytes));
+            }
+        }
+        println!("{row}");
+    }
+    println!();
     println!("p2p send/recv, 2 processes; GB/s (memcpy bound: {memcpy:.2} GB/s)");
     println!(
         "{:>8} | {:>8} | {:>8} | {:>8} | {:>10} | {:>10}",
@@ -459,8 +498,12 @@ fn report(
     for world in [2, 4] {
         let theirs = gl(world, "allreduce", target);
         let shm_want = (world == 4).then_some(5.0);
-        for (name, ours, w) in [("tcp", &tcp, Some(1.0)), ("shm", &shm, shm_want)] {
-            if let (Some(o), Some(t)) = (get(&ours[&world], "allreduce", target), theirs) {
+        for (name, ours, kind, w) in [
+            ("tcp", &tcp, "allreduce", Some(1.0)),
+            ("shm", &shm, "allreduce", shm_want),
+            ("shm alloc", &shm, "allreduce_alloc", shm_want),
+        ] {
+            if let (Some(o), Some(t)) = (get(&ours[&world], kind, target), theirs) {
                 println!(
                     "target: all-reduce busbw at 64 MiB, {world}p: {name}/gloo = {:.2} ({})",
                     t / o,

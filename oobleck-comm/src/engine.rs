@@ -23,7 +23,7 @@ use tracing::{debug_span, warn};
 use crate::comm::{group_id, normalize_group, Communicator, Rank};
 use crate::error::{CommError, FrameError, Op, Result};
 use crate::mailbox::{Key, Mailbox};
-use crate::tensor::{add_into, decode_meta, encode_meta, DType, TensorBuf};
+use crate::tensor::{add_into, byte_len, decode_meta, encode_meta, DType, TensorBuf};
 
 /// Moves one message to one peer. Implementations must be `Sync`: several operations send
 /// concurrently.
@@ -44,8 +44,13 @@ pub(crate) trait Transport: Send + Sync {
     /// The backend's own all-reduce of `buf` over the sorted group `g`, where it has a better
     /// one (shared memory on one host). `Ok(false)`: not handled, nothing sent that the
     /// engine's algorithms would read; the engine runs its own on the same context.
-    fn all_reduce(&self, _cx: &Ctx, _g: &[Rank], _buf: &mut [u8], _dtype: DType) -> Result<bool> {
+    fn all_reduce(&self, _cx: &Ctx, _g: &[Rank], _tensor: &mut TensorBuf) -> Result<bool> {
         Ok(false)
+    }
+    /// Memory for a tensor of `len` bytes that the backend's all-reduce works on in place
+    /// (shared memory); `None`: ordinary heap memory.
+    fn alloc_shared(&self, _len: usize) -> Option<crate::shm::SharedBytes> {
+        None
     }
 }
 
@@ -463,7 +468,7 @@ impl<T: Transport> Communicator for Engine<T> {
                 )));
             }
             self.recv_parts_into(&cx, src, dst.as_bytes_mut())?;
-            *dst = TensorBuf::from_bytes(dtype, shape, std::mem::take(dst.bytes_vec_mut()))?;
+            dst.set_shape(shape)?;
             Ok(())
         })
     }
@@ -485,17 +490,29 @@ impl<T: Transport> Communicator for Engine<T> {
         let dtype = tensor.dtype();
         self.guarded(Op::AllReduce, || {
             let cx = self.collective_ctx(Op::AllReduce, &g, timeout);
-            let buf = tensor.as_bytes_mut();
-            let small = bytes <= self.tuning.direct_max_bytes || buf.len() / dtype.size() < g.len();
-            if !small && self.transport.all_reduce(&cx, &g, buf, dtype)? {
+            let small = bytes <= self.tuning.direct_max_bytes || bytes / dtype.size() < g.len();
+            if !small && self.transport.all_reduce(&cx, &g, tensor)? {
                 return Ok(());
             }
+            let buf = tensor.as_bytes_mut();
             if small {
                 self.all_reduce_direct(&cx, &g, buf, dtype)
             } else {
                 self.all_reduce_ring(&cx, &g, buf, dtype)
             }
         })
+    }
+
+    fn alloc(&self, dtype: DType, shape: Vec<usize>) -> Result<TensorBuf> {
+        let len = byte_len(dtype, &shape)?;
+        // Small tensors take the one-round exchange, which has nothing to gain from sharing.
+        if len <= self.tuning.direct_max_bytes || self.is_aborted() {
+            return TensorBuf::zeros(dtype, shape);
+        }
+        match self.transport.alloc_shared(len) {
+            Some(bytes) => Ok(TensorBuf::shared(dtype, shape, bytes)),
+            None => TensorBuf::zeros(dtype, shape),
+        }
     }
 
     fn broadcast(
@@ -567,6 +584,9 @@ macro_rules! delegate_communicator {
             }
             fn recv_into(&self, src: $crate::comm::Rank, tag: u64, dst: &mut $crate::tensor::TensorBuf, timeout: std::time::Duration) -> $crate::error::Result<()> {
                 self.$($field)+.recv_into(src, tag, dst, timeout)
+            }
+            fn alloc(&self, dtype: $crate::tensor::DType, shape: Vec<usize>) -> $crate::error::Result<$crate::tensor::TensorBuf> {
+                self.$($field)+.alloc(dtype, shape)
             }
             fn all_reduce(&self, group: &[$crate::comm::Rank], tensor: &mut $crate::tensor::TensorBuf, timeout: std::time::Duration) -> $crate::error::Result<()> {
                 self.$($field)+.all_reduce(group, tensor, timeout)

@@ -48,8 +48,8 @@ use crate::error::{CommError, FrameError, Op, Result};
 use crate::frame::{self, Header, Kind};
 use crate::key::SecretKey;
 use crate::mailbox::{Key, Mailbox};
-use crate::shm::{Link, Scratch, Wire};
-use crate::tensor::DType;
+use crate::shm::{Link, Pool, Scratch, SharedBytes, Wire};
+use crate::tensor::TensorBuf;
 use local::PairLink;
 
 /// Everything a rank needs to join one generation of a TCP group.
@@ -86,6 +86,8 @@ pub struct ShmFaults {
     pub pair_with: Vec<Rank>,
     /// Mapping the all-reduce scratch of another member fails.
     pub map_scratch: bool,
+    /// Mapping another member's shared tensor (`alloc`) fails.
+    pub map_tensor: bool,
 }
 
 impl TcpConfig {
@@ -133,6 +135,8 @@ struct TcpTransport {
     /// Which pairs of ranks agreed on shared memory, as every member of a pair reported it.
     pairs: local::PairMap,
     scratch: Scratch,
+    /// Shared tensors (`alloc`) not in use; only where some peer shares memory with us.
+    pool: Option<Arc<Pool>>,
     mailbox: Arc<Mailbox>,
 }
 
@@ -197,13 +201,15 @@ impl TcpCommunicator {
             }));
         }
         debug!(rank, generation, world, "tcp communicator connected");
+        let any_link = negotiated.links.iter().any(Option::is_some);
         let transport = TcpTransport {
             rank,
             generation,
             conns,
             links: negotiated.links,
             pairs: negotiated.pairs,
-            scratch: Scratch::new(rank, generation, cfg.shm_faults.map_scratch),
+            scratch: Scratch::new(rank, generation, cfg.shm_faults),
+            pool: any_link.then(|| Pool::new(rank, generation)),
             mailbox: mailbox.clone(),
         };
         Ok(TcpCommunicator {
@@ -218,10 +224,15 @@ impl TcpCommunicator {
         (0..links.len()).filter(|&r| links[r].is_some()).collect()
     }
 
-    /// How many all-reduces so far ran through the shared scratch buffers (the others took
-    /// the ring or the direct exchange).
+    /// How many all-reduces so far ran through shared memory, through the scratch buffers or
+    /// in place (the others took the ring or the direct exchange).
     pub fn shared_memory_all_reduces(&self) -> u64 {
         self.engine.transport.scratch.completed()
+    }
+
+    /// How many of those ran in place on the members' shared tensors (`alloc`).
+    pub fn in_place_all_reduces(&self) -> u64 {
+        self.engine.transport.scratch.completed_in_place()
     }
 }
 
@@ -442,6 +453,9 @@ impl Transport for TcpTransport {
     }
 
     fn shutdown(&self) {
+        if let Some(p) = &self.pool {
+            p.close();
+        }
         for l in self.links.iter().flatten() {
             l.link.stop();
         }
@@ -450,7 +464,11 @@ impl Transport for TcpTransport {
         }
     }
 
-    fn all_reduce(&self, cx: &Ctx, g: &[Rank], buf: &mut [u8], dtype: DType) -> Result<bool> {
+    fn alloc_shared(&self, len: usize) -> Option<SharedBytes> {
+        self.pool.as_ref()?.alloc(len)
+    }
+
+    fn all_reduce(&self, cx: &Ctx, g: &[Rank], tensor: &mut TensorBuf) -> Result<bool> {
         // Every member of a group on this host knows which of its pairs have shared memory
         // (their reports were exchanged at setup), so all of them take this branch or none.
         if !self.pairs.all_linked(g) {
@@ -499,6 +517,6 @@ impl Transport for TcpTransport {
             recv: &recv,
             check: &check,
         };
-        self.scratch.all_reduce(channel, g, buf, dtype, &wire)
+        self.scratch.all_reduce(channel, g, tensor, &wire)
     }
 }

@@ -1,6 +1,7 @@
 //! Host tensors as the communicators see them: little-endian bytes + dtype + shape.
 
 use crate::error::{CommError, Result};
+use crate::shm::SharedBytes;
 
 /// Element types the data plane moves and reduces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -42,11 +43,39 @@ impl DType {
 }
 
 /// A dense host tensor: `data` holds `shape.iter().product()` elements of `dtype`, little-endian.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// The bytes are on the heap, or in shared memory when the tensor came from
+/// [`Communicator::alloc`](crate::Communicator::alloc); both behave alike, and a clone is
+/// always on the heap.
+#[derive(Debug)]
 pub struct TensorBuf {
     dtype: DType,
     shape: Vec<usize>,
-    data: Vec<u8>,
+    data: Data,
+}
+
+#[derive(Debug)]
+enum Data {
+    Heap(Vec<u8>),
+    Shared(SharedBytes),
+}
+
+impl Clone for TensorBuf {
+    fn clone(&self) -> Self {
+        TensorBuf {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: Data::Heap(self.as_bytes().to_vec()),
+        }
+    }
+}
+
+impl PartialEq for TensorBuf {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.as_bytes() == other.as_bytes()
+    }
 }
 
 impl TensorBuf {
@@ -59,7 +88,35 @@ impl TensorBuf {
                 data.len()
             )));
         }
-        Ok(TensorBuf { dtype, shape, data })
+        Ok(TensorBuf {
+            dtype,
+            shape,
+            data: Data::Heap(data),
+        })
+    }
+
+    /// A tensor over shared bytes of exactly its length (from a communicator's pool).
+    pub(crate) fn shared(dtype: DType, shape: Vec<usize>, data: SharedBytes) -> Self {
+        debug_assert_eq!(byte_len(dtype, &shape).ok(), Some(data.as_slice().len()));
+        TensorBuf {
+            dtype,
+            shape,
+            data: Data::Shared(data),
+        }
+    }
+
+    /// True when the bytes are in shared memory ([`Communicator::alloc`](crate::Communicator::alloc)
+    /// on a rank with peers on its host): all-reduces over such tensors work in place.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.data, Data::Shared(_))
+    }
+
+    /// The shared segment's name, for the members of an all-reduce to map.
+    pub(crate) fn shared_name(&self) -> Option<&str> {
+        match &self.data {
+            Data::Shared(s) => Some(s.name()),
+            Data::Heap(_) => None,
+        }
     }
 
     /// A zero-filled tensor.
@@ -68,7 +125,7 @@ impl TensorBuf {
         Ok(TensorBuf {
             dtype,
             shape,
-            data: vec![0; n],
+            data: Data::Heap(vec![0; n]),
         })
     }
 
@@ -99,29 +156,48 @@ impl TensorBuf {
     }
 
     pub fn elem_count(&self) -> usize {
-        self.data.len() / self.dtype.size()
+        self.as_bytes().len() / self.dtype.size()
     }
 
     pub fn as_bytes(&self) -> &[u8] {
-        &self.data
+        match &self.data {
+            Data::Heap(v) => v,
+            Data::Shared(s) => s.as_slice(),
+        }
     }
 
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.data
+        match &mut self.data {
+            Data::Heap(v) => v,
+            Data::Shared(s) => s.as_mut_slice(),
+        }
     }
 
-    /// The byte vector itself (crate-internal: callers must keep the length consistent).
-    pub(crate) fn bytes_vec_mut(&mut self) -> &mut Vec<u8> {
-        &mut self.data
+    /// Gives the same bytes another shape of the same byte length (a received message's).
+    pub(crate) fn set_shape(&mut self, shape: Vec<usize>) -> Result<()> {
+        let want = byte_len(self.dtype, &shape)?;
+        if want != self.as_bytes().len() {
+            return Err(CommError::Invalid(format!(
+                "shape {shape:?} of {:?} needs {want} bytes, the buffer has {}",
+                self.dtype,
+                self.as_bytes().len()
+            )));
+        }
+        self.shape = shape;
+        Ok(())
     }
 
+    /// The bytes as a vector (a copy when they are shared).
     pub fn into_bytes(self) -> Vec<u8> {
-        self.data
+        match self.data {
+            Data::Heap(v) => v,
+            Data::Shared(s) => s.as_slice().to_vec(),
+        }
     }
 
     /// Elements as `f32` (converting from bf16/f16; i64 is rejected).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        let c = &self.data;
+        let c = self.as_bytes();
         Ok(match self.dtype {
             DType::F32 => c
                 .chunks_exact(4)
@@ -149,14 +225,14 @@ impl TensorBuf {
             )));
         }
         Ok(self
-            .data
+            .as_bytes()
             .chunks_exact(8)
             .map(|b| i64::from_le_bytes(b.try_into().expect("chunks_exact(8) yields 8 bytes")))
             .collect())
     }
 }
 
-fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize> {
+pub(crate) fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))

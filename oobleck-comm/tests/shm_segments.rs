@@ -6,7 +6,7 @@ use std::process::Command;
 use std::thread;
 use std::time::Duration;
 
-use oobleck_comm::{Communicator, ShmFaults, TcpCommunicator, TcpConfig, TensorBuf};
+use oobleck_comm::{Communicator, DType, ShmFaults, TcpCommunicator, TcpConfig, TensorBuf};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -65,7 +65,18 @@ fn exchange(comms: &[TcpCommunicator]) {
 /// All-reduces `n` inexact f32s (sums depend on the order) over `members`; returns every
 /// member's result bytes after checking them against the sum in f64.
 fn reduce(comms: &[TcpCommunicator], members: &[usize], n: usize) -> Vec<Vec<u8>> {
+    reduce_with(comms, members, n, |_| false)
+}
+
+/// As [`reduce`], rank r's tensor from `alloc` when `alloc(r)`, else on the heap.
+fn reduce_with(
+    comms: &[TcpCommunicator],
+    members: &[usize],
+    n: usize,
+    alloc: impl Fn(usize) -> bool + Sync,
+) -> Vec<Vec<u8>> {
     let value = |r: usize, i: usize| ((i * 7919 + r * 104729) % 1000) as f32 * 0.001 + 0.1;
+    let alloc = &alloc;
     thread::scope(|s| {
         let hs: Vec<_> = members
             .iter()
@@ -73,7 +84,15 @@ fn reduce(comms: &[TcpCommunicator], members: &[usize], n: usize) -> Vec<Vec<u8>
                 let c = &comms[r];
                 s.spawn(move || {
                     let v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
-                    let mut t = TensorBuf::from_f32(vec![n], &v).unwrap();
+                    let mut t = if alloc(r) {
+                        let mut t = c.alloc(DType::F32, vec![n]).unwrap();
+                        assert!(t.is_shared(), "rank {r}: alloc on a host with peers shares");
+                        assert!(t.as_bytes().iter().all(|&b| b == 0), "alloc zero-fills");
+                        t.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(&v));
+                        t
+                    } else {
+                        TensorBuf::from_f32(vec![n], &v).unwrap()
+                    };
                     c.all_reduce(members, &mut t, T).unwrap();
                     t
                 })
@@ -143,6 +162,140 @@ fn a_scratch_that_will_not_map_sends_the_group_to_the_ring_for_good() {
     // Without rank 2 the scratch path works.
     assert_identical(&reduce(&comms, &[0, 1], 300_000));
     assert_eq!(comms[0].shared_memory_all_reduces(), 1);
+}
+
+#[test]
+fn tensors_from_alloc_all_reduce_in_place_and_come_back_from_the_pool() {
+    let comms = group(31, &[true; 3], vec![ShmFaults::default(); 3]);
+    // Not a multiple of 3 elements, nor of the in-place pass.
+    let n = 300_001;
+    assert_identical(&reduce(&comms, &[0, 1, 2], n));
+    let in_place = reduce_with(&comms, &[0, 1, 2], n, |_| true);
+    assert_identical(&in_place);
+    assert_eq!(
+        reduce_with(&comms, &[0, 1, 2], n, |_| true),
+        in_place,
+        "the same bits from run to run"
+    );
+    for c in &comms {
+        assert_eq!(c.shared_memory_all_reduces(), 3);
+        assert_eq!(c.in_place_all_reduces(), 2);
+    }
+    // The next step's tensors come back from the pools under the same names: no new files,
+    // and the members' mappings are reused.
+    let files = segments_of(31).len();
+    assert_identical(&reduce_with(&comms, &[0, 1, 2], n, |_| true));
+    assert_eq!(segments_of(31).len(), files);
+    // A subgroup, and a tensor of another size.
+    assert_identical(&reduce_with(&comms, &[0, 2], 70_000, |_| true));
+    assert_eq!(comms[0].in_place_all_reduces(), 4);
+    assert_eq!(comms[1].in_place_all_reduces(), 3);
+    drop(comms);
+    assert!(
+        segments_of(31).is_empty(),
+        "dropping the communicators unlinks their tensors' files: {:?}",
+        segments_of(31)
+    );
+}
+
+#[test]
+fn in_place_sums_are_exact_in_every_dtype() {
+    let comms = group(35, &[true; 3], vec![ShmFaults::default(); 3]);
+    let n = 100_003;
+    // Small integers: exact in every dtype, so the expected sum is exact too.
+    let value = |r: usize, i: usize| ((i % 61) + 5 * r) as f32;
+    let bytes_of = |dtype: DType, v: &[f32]| -> Vec<u8> {
+        match dtype {
+            DType::F32 => TensorBuf::from_f32(vec![n], v),
+            DType::BF16 => TensorBuf::from_bf16(
+                vec![n],
+                &v.iter()
+                    .map(|&x| half::bf16::from_f32(x))
+                    .collect::<Vec<_>>(),
+            ),
+            DType::F16 => TensorBuf::from_f16(
+                vec![n],
+                &v.iter()
+                    .map(|&x| half::f16::from_f32(x))
+                    .collect::<Vec<_>>(),
+            ),
+            DType::I64 => {
+                TensorBuf::from_i64(vec![n], &v.iter().map(|&x| x as i64).collect::<Vec<_>>())
+            }
+        }
+        .unwrap()
+        .into_bytes()
+    };
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::I64] {
+        let out: Vec<Vec<u8>> = thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    s.spawn(move || {
+                        let v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+                        let mut t = c.alloc(dtype, vec![n]).unwrap();
+                        t.as_bytes_mut().copy_from_slice(&bytes_of(dtype, &v));
+                        c.all_reduce(&[0, 1, 2], &mut t, T).unwrap();
+                        t.into_bytes()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want: Vec<f32> = (0..n).map(|i| (0..3).map(|r| value(r, i)).sum()).collect();
+        assert_identical(&out);
+        assert_eq!(out[0], bytes_of(dtype, &want), "{dtype:?}");
+    }
+    assert_eq!(comms[0].in_place_all_reduces(), 4);
+}
+
+#[test]
+fn an_op_where_a_member_has_no_shared_tensor_or_cannot_map_one_goes_through_scratch() {
+    let mut faults = vec![ShmFaults::default(); 3];
+    faults[1].map_tensor = true;
+    let comms = group(32, &[true; 3], faults);
+    let n = 200_003;
+    let mixed = reduce_with(&comms, &[0, 1, 2], n, |r| r != 2);
+    assert_identical(&mixed);
+    let unmapped = reduce_with(&comms, &[0, 1, 2], n, |_| true);
+    assert_eq!(unmapped, mixed);
+    for c in &comms {
+        assert_eq!(c.shared_memory_all_reduces(), 2);
+        assert_eq!(c.in_place_all_reduces(), 0);
+    }
+    // Without rank 1 (whose mapping fails) the same tensors go in place.
+    reduce_with(&comms, &[0, 2], n, |_| true);
+    assert_eq!(comms[0].in_place_all_reduces(), 1);
+}
+
+#[test]
+fn alloc_shares_only_what_the_shared_all_reduce_would_take() {
+    let on_tcp = pair(33, [false, false]);
+    assert!(!on_tcp[0]
+        .alloc(DType::F32, vec![1 << 20])
+        .unwrap()
+        .is_shared());
+    let comms = pair(34, [true, true]);
+    let small = comms[0].alloc(DType::BF16, vec![4, 8]).unwrap();
+    assert!(
+        !small.is_shared(),
+        "a one-round all-reduce has nothing to gain"
+    );
+    assert_eq!(small, TensorBuf::zeros(DType::BF16, vec![4, 8]).unwrap());
+    let big = comms[0].alloc(DType::I64, vec![3, 100_000]).unwrap();
+    assert!(big.is_shared());
+    assert_eq!(big.shape(), &[3, 100_000]);
+    assert_eq!(big.to_i64_vec().unwrap(), vec![0; 300_000]);
+    let copy = big.clone();
+    assert!(!copy.is_shared(), "a clone lives on the heap");
+    assert_eq!(copy, big);
+    assert!(comms[0].alloc(DType::F32, vec![usize::MAX, 2]).is_err());
+    comms[0].abort();
+    assert!(!comms[0]
+        .alloc(DType::F32, vec![1 << 20])
+        .unwrap()
+        .is_shared());
 }
 
 /// A pid that no process has now: a child that already exited and was reaped.

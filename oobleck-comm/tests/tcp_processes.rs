@@ -1,6 +1,6 @@
 //! Multi-process TCP tests: real processes on 127.0.0.1, killed and stopped with real
-//! signals, once with shared memory between them (the default on one host) and once with
-//! every pair on TCP. The test binary re-executes itself as the peers (`peer_main` with
+//! signals, with shared memory between them (the default on one host; the all-reduce through
+//! scratch, or in place on tensors from `alloc`) and with every pair on TCP. The test binary re-executes itself as the peers (`peer_main` with
 //! `OOBLECK_COMM_PEER` set); a guard kills every child on any exit path.
 
 use std::io::{BufRead, BufReader, Write};
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use oobleck_comm::{CommError, Communicator, TcpCommunicator, TcpConfig, TensorBuf};
+use oobleck_comm::{CommError, Communicator, DType, TcpCommunicator, TcpConfig, TensorBuf};
 
 const PEER_ENV: &str = "OOBLECK_COMM_PEER";
 /// Peers exit on their own after this long, even if the parent vanished.
@@ -28,7 +28,8 @@ fn peer_main() {
     let mut it = spec.split(',');
     let rank: usize = it.next().unwrap().parse().unwrap();
     let op_timeout = Duration::from_millis(it.next().unwrap().parse().unwrap());
-    let shm = it.next() == Some("shm");
+    let mode = it.next().unwrap_or("tcp");
+    let (shm, alloc) = (mode != "tcp", mode == "alloc");
     let born = Instant::now();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     println!("PEER PORT {}", l.local_addr().unwrap().port());
@@ -46,11 +47,23 @@ fn peer_main() {
     let n = 256 << 10; // 1 MiB of f32: the pipelined ring path
     let mut round = 0u64;
     while born.elapsed() < PEER_LIFETIME {
-        let mut t = TensorBuf::from_f32(vec![n], &vec![1.0; n]).unwrap();
+        let mut t = if alloc {
+            let mut t = comm.alloc(DType::F32, vec![n]).unwrap();
+            assert!(t.is_shared());
+            t.as_bytes_mut()
+                .copy_from_slice(bytemuck::cast_slice(&vec![1.0f32; n]));
+            t
+        } else {
+            TensorBuf::from_f32(vec![n], &vec![1.0; n]).unwrap()
+        };
         let start = Instant::now();
         match comm.all_reduce(&group, &mut t, op_timeout) {
             Ok(()) => {
                 assert_eq!(t.to_f32_vec().unwrap()[n - 1], world as f32);
+                assert_eq!(
+                    comm.in_place_all_reduces(),
+                    if alloc { round + 1 } else { 0 }
+                );
                 println!("PEER ROUND {round} OK");
             }
             Err(e) => {
@@ -86,7 +99,7 @@ impl Drop for Children {
 fn start_peers(
     world: usize,
     op_timeout_ms: u64,
-    shm: bool,
+    mode: &str,
 ) -> (Children, Receiver<(usize, String)>) {
     let exe = std::env::current_exe().unwrap();
     let mut kids = Children(Vec::new());
@@ -94,10 +107,7 @@ fn start_peers(
     for rank in 0..world {
         let mut child = Command::new(&exe)
             .args(["--exact", "peer_main", "--nocapture", "--test-threads=1"])
-            .env(
-                PEER_ENV,
-                format!("{rank},{op_timeout_ms},{}", if shm { "shm" } else { "tcp" }),
-            )
+            .env(PEER_ENV, format!("{rank},{op_timeout_ms},{mode}"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -166,8 +176,8 @@ fn pid(c: &Child) -> Pid {
 }
 
 /// Checks every peer reported the transport asked for (shared memory with all others or none).
-fn check_transport(rx: &Receiver<(usize, String)>, world: usize, shm: bool) {
-    let want = if shm { world - 1 } else { 0 };
+fn check_transport(rx: &Receiver<(usize, String)>, world: usize, mode: &str) {
+    let want = if mode == "tcp" { 0 } else { world - 1 };
     let all: Vec<usize> = (0..world).collect();
     for (r, line) in wait_for(rx, &all, Duration::from_secs(20), |l| l.starts_with("SHM ")) {
         assert_eq!(line, format!("SHM {want}"), "rank {r}");
@@ -187,10 +197,10 @@ fn segments_of(pid: u32) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn sigkilled_peer_fails_the_others_fast_with_peer_lost(shm: bool) {
+fn sigkilled_peer_fails_the_others_fast_with_peer_lost(mode: &str) {
     let op_timeout_ms = 20_000;
-    let (kids, rx) = start_peers(3, op_timeout_ms, shm);
-    check_transport(&rx, 3, shm);
+    let (mut kids, rx) = start_peers(3, op_timeout_ms, mode);
+    check_transport(&rx, 3, mode);
     wait_for(&rx, &[0, 1, 2], Duration::from_secs(20), |l| {
         l == "ROUND 2 OK"
     });
@@ -203,15 +213,23 @@ fn sigkilled_peer_fails_the_others_fast_with_peer_lost(shm: bool) {
     for (r, line) in errs {
         assert!(line.starts_with("ERR PeerLost"), "rank {r}: {line}");
     }
+    if mode == "alloc" {
+        // Its tensors' files stay linked while in use (a member may join a group later), so
+        // the killed process leaves them; the next group to form on this host removes them
+        // (once the pid is gone: reaped, not a zombie).
+        kids.0[2].wait().unwrap();
+        let (_next, rx) = start_peers(2, op_timeout_ms, "shm");
+        check_transport(&rx, 2, "shm");
+    }
     // Every segment was unlinked once mapped: the killed process left nothing behind.
     let left = segments_of(kids.0[2].id());
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
 
-fn sigstopped_peer_makes_the_others_fail_within_their_timeout(shm: bool) {
+fn sigstopped_peer_makes_the_others_fail_within_their_timeout(mode: &str) {
     let op_timeout_ms = 1500;
-    let (kids, rx) = start_peers(3, op_timeout_ms, shm);
-    check_transport(&rx, 3, shm);
+    let (kids, rx) = start_peers(3, op_timeout_ms, mode);
+    check_transport(&rx, 3, mode);
     wait_for(&rx, &[0, 1, 2], Duration::from_secs(20), |l| {
         l == "ROUND 2 OK"
     });
@@ -240,20 +258,30 @@ fn sigstopped_peer_makes_the_others_fail_within_their_timeout(shm: bool) {
 
 #[test]
 fn sigkilled_peer_fails_the_others_fast_with_peer_lost_over_shared_memory() {
-    sigkilled_peer_fails_the_others_fast_with_peer_lost(true);
+    sigkilled_peer_fails_the_others_fast_with_peer_lost("shm");
+}
+
+#[test]
+fn sigkilled_peer_fails_the_others_fast_with_peer_lost_in_place() {
+    sigkilled_peer_fails_the_others_fast_with_peer_lost("alloc");
 }
 
 #[test]
 fn sigkilled_peer_fails_the_others_fast_with_peer_lost_over_tcp() {
-    sigkilled_peer_fails_the_others_fast_with_peer_lost(false);
+    sigkilled_peer_fails_the_others_fast_with_peer_lost("tcp");
 }
 
 #[test]
 fn sigstopped_peer_makes_the_others_fail_within_their_timeout_over_shared_memory() {
-    sigstopped_peer_makes_the_others_fail_within_their_timeout(true);
+    sigstopped_peer_makes_the_others_fail_within_their_timeout("shm");
+}
+
+#[test]
+fn sigstopped_peer_makes_the_others_fail_within_their_timeout_in_place() {
+    sigstopped_peer_makes_the_others_fail_within_their_timeout("alloc");
 }
 
 #[test]
 fn sigstopped_peer_makes_the_others_fail_within_their_timeout_over_tcp() {
-    sigstopped_peer_makes_the_others_fail_within_their_timeout(false);
+    sigstopped_peer_makes_the_others_fail_within_their_timeout("tcp");
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
-use oobleck_comm::{Communicator, Rank, TcpCommunicator, TcpConfig, TensorBuf};
+use oobleck_comm::{Communicator, DType, Rank, TcpCommunicator, TcpConfig, TensorBuf};
 
 /// A communicator that counts the wall time spent inside its calls.
 pub(super) struct TimedComm<C> {
@@ -65,6 +65,9 @@ impl<C: Communicator> Communicator for TimedComm<C> {
         timeout: Duration,
     ) -> oobleck_comm::Result<()> {
         self.timed(|| self.inner.recv_into(src, tag, dst, timeout))
+    }
+    fn alloc(&self, dtype: DType, shape: Vec<usize>) -> oobleck_comm::Result<TensorBuf> {
+        self.inner.alloc(dtype, shape)
     }
     fn all_reduce(
         &self,

@@ -1,32 +1,39 @@
-//! All-reduce among ranks of one host through shared scratch buffers, pipelined in chunks
-//! small enough to stay in cache: each byte is read from the caller's tensor once, reduced
-//! once by the rank that owns its slice, and written back once.
+//! All-reduce among ranks of one host. In place when every member's tensor is in shared
+//! memory (`Communicator::alloc`): each member sums its slice of all the tensors and writes the
+//! sum into all of them. Otherwise through shared scratch buffers, pipelined in chunks small
+//! enough to stay in cache: each byte is read from the caller's tensor once, reduced once by the
+//! rank that owns its slice, and written back once.
 //!
 //! ```text
-//!   member i of n; the tensor in chunks of CHUNK bytes, chunk k in slot k%2 of every scratch;
-//!   slice j of a chunk = its j-th n-th (whole elements)
-//!   READY ─▶ every member (state, dtype, length, the scratch's name when new); counters were
-//!   reset. When any READY named a new scratch: MAPPED{ok} ─▶ every member, once each tried to
-//!   map the new ones (then the new scratch files are unlinked)
-//!   for each chunk k:
+//!   member i of n; slice j of a tensor (or of a chunk) = its j-th n-th (whole elements)
+//!   READY ─▶ every member (state, dtype, length, the scratch's name when new, the shared
+//!   tensor's name if any); counters were reset. When any READY named a new scratch:
+//!   MAPPED{ok} ─▶ every member, once each tried to map the new ones (then the new scratch
+//!   files are unlinked)
+//!   every member named a tensor: each maps the others' (kept per group), TENSORS{ok} ─▶ every
+//!     member; all ok: add slice i of every other member's tensor to my slice i, copy the sum
+//!     into theirs (no member touches another's slice, so no waits until the end)
+//!   else, the tensor in chunks of CHUNK bytes, chunk k in slot k%2 of every scratch:
 //!     a. wait until every member consumed chunk k-2 (slot k%2 is free again)
 //!     b. copy chunk k but my own slice into my slot; filled = k+1
 //!     c. wait for every member's filled > k; add slice i of every other member's slot, in
 //!        group order, to my tensor's slice i; copy it into my slot; reduced = k+1
 //!     d. wait for every member's reduced > k; copy slice j from member j's slot; consumed = k+1
-//!   COPIED ─▶ every member; wait for theirs (no counter is reset while another still reads it)
+//!   COPIED ─▶ every member; wait for theirs (nobody returns, and reuses its tensor or resets a
+//!   counter, while another still reads or writes it)
 //! ```
 //!
 //! Counters live in the owner's scratch header and are waited on by spin, then futex naps;
 //! every nap re-checks abort, the peer's failure (its TCP connection) and the op's deadline,
 //! so a dead member fails the op with `PeerLost` and a stopped one with `Timeout`. Each slice
 //! is summed by one rank in one order (its own part first, then the others' in group order) and
-//! copied to the others: results are bit-identical on every member and from run to run.
-//! A member that cannot allocate its scratch (full tmpfs) says so in READY and every member
-//! falls back to the engine's ring all-reduce for that op (the next one tries again). A member
-//! that cannot map another's scratch says so in MAPPED (and as BROKEN in every later READY):
-//! every member then runs the ring for this op and every later one of the group. All members
-//! see the same READY and MAPPED messages, so they always take the same path.
+//! copied to the others: results are bit-identical on every member and from run to run. (The two
+//! paths cut the tensor into slices differently, so their sums may differ in the last bits.) A member that cannot allocate its scratch (full tmpfs) says so in READY and every
+//! member falls back to the engine's ring all-reduce for that op (the next one tries again). A
+//! member that cannot map another's scratch says so in MAPPED (and as BROKEN in every later
+//! READY): every member then runs the ring for this op and every later one of the group. A
+//! member that cannot map another's tensor says so in TENSORS and the op goes through scratch.
+//! All members see the same messages, so they always take the same path.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::SeqCst;
@@ -38,12 +45,14 @@ use tracing::warn;
 use super::segment::{futex_wait, futex_wake, Segment};
 use crate::comm::Rank;
 use crate::error::{CommError, FrameError, Result};
-use crate::tensor::{add_into, DType};
+use crate::tcp::ShmFaults;
+use crate::tensor::{add_into, DType, TensorBuf};
 
 /// Part numbers of the control messages; the engine's ring parts never get this high.
 pub(crate) const READY: u32 = u32::MAX;
 const MAPPED: u32 = u32::MAX - 1;
 const COPIED: u32 = u32::MAX - 2;
+const TENSORS: u32 = u32::MAX - 3;
 /// READY states: no scratch this time; ready; never again (a scratch would not map).
 const NONE: u8 = 0;
 const OK: u8 = 1;
@@ -60,6 +69,14 @@ const FILLED: usize = 0;
 const REDUCED_AT: usize = 64;
 const CONSUMED: usize = 128;
 const SCRATCH_LEN: usize = HEADER + 2 * CHUNK;
+/// In-place path: bytes summed per pass (stays in L1/L2 while it is copied to the members),
+/// and how often the failure checks run.
+const IN_PLACE_PASS: usize = 64 << 10;
+const CHECK_EVERY: usize = 4 << 20;
+/// Other members' tensors kept mapped per group and member, in number and bytes (least
+/// recently used go first; a mapping pins its memory even after its owner dropped it).
+const TENSOR_MAPS: usize = 64;
+const TENSOR_MAP_BYTES: usize = 2 << 30;
 const SPINS: u32 = 32;
 const NAP: Duration = Duration::from_millis(2);
 
@@ -74,6 +91,16 @@ struct GroupScratch {
     broken: bool,
     /// Every member knows some member is broken: skip straight to the ring.
     off: bool,
+    /// The other members' shared tensors, by rank: (segment name, mapping), oldest use first.
+    tensors: HashMap<Rank, Vec<(String, Segment)>>,
+}
+
+/// What the READY exchange settled.
+struct Agreed {
+    /// Every member is ready to use its scratch.
+    scratch: bool,
+    /// Every member passed a shared tensor: the others' names, in group order.
+    tensors: Option<Vec<String>>,
 }
 
 impl Drop for GroupScratch {
@@ -89,9 +116,10 @@ pub(crate) struct Scratch {
     rank: Rank,
     generation: u64,
     groups: Mutex<HashMap<u64, Arc<Mutex<GroupScratch>>>>,
-    /// Test hook: mapping another member's scratch fails.
-    fail_map: bool,
+    /// Test hooks: mapping another member's scratch or tensor fails.
+    faults: ShmFaults,
     completed: std::sync::atomic::AtomicU64,
+    in_place: std::sync::atomic::AtomicU64,
 }
 
 /// Sends the control message `part` (the concatenation of the slices) to a member.
@@ -113,29 +141,35 @@ fn malformed(peer: Rank, msg: String) -> CommError {
 }
 
 impl Scratch {
-    pub fn new(rank: Rank, generation: u64, fail_map: bool) -> Self {
+    pub fn new(rank: Rank, generation: u64, faults: ShmFaults) -> Self {
         Scratch {
             rank,
             generation,
             groups: Mutex::new(HashMap::new()),
-            fail_map,
+            faults,
             completed: Default::default(),
+            in_place: Default::default(),
         }
     }
 
-    /// All-reduces that ran through the scratch buffers.
+    /// All-reduces that ran through shared memory (scratch or in place).
     pub fn completed(&self) -> u64 {
         self.completed.load(SeqCst)
     }
 
-    /// All-reduces `buf` over the sorted group `g` (group id `gid`). `Ok(false)`: a member had
-    /// no scratch, nothing was reduced, and the caller must run another algorithm.
+    /// All-reduces that ran in place on the members' shared tensors.
+    pub fn completed_in_place(&self) -> u64 {
+        self.in_place.load(SeqCst)
+    }
+
+    /// All-reduces `tensor` over the sorted group `g` (group id `gid`). `Ok(false)`: a member
+    /// had no scratch and not every member a shared tensor, nothing was reduced, and the
+    /// caller must run another algorithm.
     pub fn all_reduce(
         &self,
         gid: u64,
         g: &[Rank],
-        buf: &mut [u8],
-        dtype: DType,
+        tensor: &mut TensorBuf,
         wire: &Wire,
     ) -> Result<bool> {
         let gs = self
@@ -150,16 +184,28 @@ impl Scratch {
             return Ok(false);
         }
         let others: Vec<Rank> = g.iter().copied().filter(|&p| p != self.rank).collect();
-        if !self.agree(&mut gs, gid, &others, buf.len(), dtype, wire)? {
+        let (dtype, len) = (tensor.dtype(), tensor.as_bytes().len());
+        let name = tensor.shared_name().map(str::to_owned);
+        let agreed = self.agree(&mut gs, gid, &others, len, dtype, name.as_deref(), wire)?;
+        let theirs = match &agreed.tensors {
+            Some(names) => self.map_tensors(&mut gs, &others, names, len, wire)?,
+            None => None,
+        };
+        if let Some(theirs) = theirs {
+            self.reduce_in_place(g, tensor, &theirs, &others, wire)?;
+            self.in_place.fetch_add(1, SeqCst);
+        } else if agreed.scratch {
+            self.chunks(&gs, g, &others, tensor.as_bytes_mut(), dtype, wire)?;
+        } else {
             return Ok(false);
         }
-        self.chunks(&gs, g, &others, buf, dtype, wire)?;
         round(&others, COPIED, wire)?;
         self.completed.fetch_add(1, SeqCst);
         Ok(true)
     }
 
-    /// The READY (and MAPPED) exchange: true when every member is ready to use its scratch.
+    /// The READY (and MAPPED) exchange.
+    #[allow(clippy::too_many_arguments)]
     fn agree(
         &self,
         gs: &mut GroupScratch,
@@ -167,8 +213,9 @@ impl Scratch {
         others: &[Rank],
         len: usize,
         dtype: DType,
+        tensor: Option<&str>,
         wire: &Wire,
-    ) -> Result<bool> {
+    ) -> Result<Agreed> {
         let created = self.ensure_mine(gs, gid);
         if let Some(mine) = &gs.mine {
             // Nobody reads them now: the previous op ended with everyone's COPIED, and this
@@ -182,23 +229,30 @@ impl Scratch {
             (false, true) => OK,
             (false, false) => NONE,
         };
-        let mut ready = Vec::with_capacity(10 + 128);
+        let scratch_name = created.as_deref().unwrap_or("");
+        let mut ready = Vec::with_capacity(11 + 256);
         ready.push(state);
         ready.push(dtype.code());
         ready.extend_from_slice(&(len as u64).to_le_bytes());
-        if let Some(name) = &created {
-            ready.extend_from_slice(name.as_bytes());
-        }
+        // Segment names are at most 128 bytes (`segment::valid_name`).
+        ready.push(scratch_name.len() as u8);
+        ready.extend_from_slice(scratch_name.as_bytes());
+        ready.extend_from_slice(tensor.unwrap_or("").as_bytes());
         for &p in others {
             (wire.send)(p, READY, &[&ready])?;
         }
         let (mut all_ok, mut any_new, mut any_broken) =
             (state == OK, created.is_some(), state == BROKEN);
+        let mut names = tensor.map(|_| Vec::with_capacity(others.len()));
         for &p in others {
-            let (theirs, new) = self.take_ready(gs, p, len, dtype, wire)?;
-            all_ok &= theirs == OK;
-            any_new |= new;
-            any_broken |= theirs == BROKEN;
+            let r = self.take_ready(gs, p, len, dtype, wire)?;
+            all_ok &= r.state == OK;
+            any_new |= r.new_scratch;
+            any_broken |= r.state == BROKEN;
+            names = names.zip(r.tensor).map(|(mut v, n)| {
+                v.push(n);
+                v
+            });
         }
         if any_new {
             // Every member saw the same names, so all of them run this round.
@@ -226,7 +280,115 @@ impl Scratch {
             );
             gs.off = true;
         }
-        Ok(all_ok && !any_broken)
+        Ok(Agreed {
+            scratch: all_ok && !any_broken,
+            tensors: names,
+        })
+    }
+
+    /// Maps (or finds mapped) every other member's tensor, in `others` order, and tells the
+    /// members whether that worked (TENSORS); `None` unless it did on every member. The
+    /// pointers stay valid while `gs` is locked.
+    fn map_tensors(
+        &self,
+        gs: &mut GroupScratch,
+        others: &[Rank],
+        names: &[String],
+        len: usize,
+        wire: &Wire,
+    ) -> Result<Option<Vec<*mut u8>>> {
+        let mut ptrs = Vec::with_capacity(others.len());
+        for (&p, name) in others.iter().zip(names) {
+            match self.tensor_of(gs, p, name, len) {
+                Ok(ptr) => ptrs.push(ptr),
+                Err(e) => warn!(rank = self.rank, peer = p, name = %name, error = %e,
+                                "cannot map a member's shared tensor; this all-reduce goes through scratch"),
+            }
+        }
+        let ok = ptrs.len() == others.len();
+        for &p in others {
+            (wire.send)(p, TENSORS, &[&[u8::from(ok)]])?;
+        }
+        let mut all_ok = ok;
+        for &p in others {
+            all_ok &= (wire.recv)(p, TENSORS)?.first() == Some(&1);
+        }
+        Ok(all_ok.then_some(ptrs))
+    }
+
+    /// The mapping of member `p`'s tensor segment `name`, from the group's cache or mapped now.
+    fn tensor_of(
+        &self,
+        gs: &mut GroupScratch,
+        p: Rank,
+        name: &str,
+        len: usize,
+    ) -> std::io::Result<*mut u8> {
+        let maps = gs.tensors.entry(p).or_default();
+        let seg = match maps.iter().position(|(n, _)| n == name) {
+            Some(i) => {
+                let hit = maps.remove(i);
+                maps.push(hit);
+                &maps.last().expect("just pushed").1
+            }
+            None => {
+                if self.faults.map_tensor {
+                    return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+                }
+                let seg = Segment::open(name, len)?;
+                let mut bytes: usize = maps.iter().map(|(_, s)| s.len()).sum::<usize>() + seg.len();
+                while !maps.is_empty() && (maps.len() >= TENSOR_MAPS || bytes > TENSOR_MAP_BYTES) {
+                    bytes -= maps.remove(0).1.len();
+                }
+                maps.push((name.to_string(), seg));
+                &maps.last().expect("just pushed").1
+            }
+        };
+        if seg.len() < len {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("segment {name} has {} bytes, the tensor {len}", seg.len()),
+            ));
+        }
+        Ok(seg.ptr())
+    }
+
+    /// Sums slice i of every member's tensor into ours, in group order, and copies the sum into
+    /// theirs (`theirs`: the others' mappings, in `others` order).
+    fn reduce_in_place(
+        &self,
+        g: &[Rank],
+        tensor: &mut TensorBuf,
+        theirs: &[*mut u8],
+        others: &[Rank],
+        wire: &Wire,
+    ) -> Result<()> {
+        let dtype = tensor.dtype();
+        let bytes = tensor.as_bytes_mut();
+        let (a, b) = slice(g, self.rank, bytes.len(), dtype);
+        // Only our slice is touched through `acc`; the members write theirs into the same
+        // mapping meanwhile, so no slice of the whole tensor is held across the loop.
+        let mine = bytes.as_mut_ptr();
+        let pass = IN_PLACE_PASS / dtype.size() * dtype.size();
+        for x in (a..b).step_by(pass) {
+            let y = (x + pass).min(b);
+            if (x - a) % CHECK_EVERY < pass {
+                others.iter().try_for_each(|&p| (wire.check)(p))?;
+            }
+            // SAFETY: bytes x..y of our slice, which only this rank reads or writes during
+            // the op, in our mapping and in every member's (all at least `len` bytes long).
+            let acc = unsafe { std::slice::from_raw_parts_mut(mine.add(x), y - x) };
+            for &t in theirs {
+                add_into(dtype, acc, unsafe {
+                    std::slice::from_raw_parts(t.add(x), y - x)
+                });
+            }
+            for &t in theirs {
+                // SAFETY: as above.
+                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), t.add(x), y - x) };
+            }
+        }
+        Ok(())
     }
 
     /// Steps a to d of the module docs for every chunk of `buf`.
@@ -302,8 +464,7 @@ impl Scratch {
         }
     }
 
-    /// Reads `p`'s READY and maps its new scratch if it names one (a failure marks us
-    /// broken); returns `p`'s state and whether it named a new scratch.
+    /// Reads `p`'s READY and maps its new scratch if it names one (a failure marks us broken).
     fn take_ready(
         &self,
         gs: &mut GroupScratch,
@@ -311,9 +472,10 @@ impl Scratch {
         len: usize,
         dtype: DType,
         wire: &Wire,
-    ) -> Result<(u8, bool)> {
+    ) -> Result<Ready> {
         let m = (wire.recv)(p, READY)?;
-        if m.len() < 10 || m[0] > BROKEN {
+        let sl = m.get(10).map_or(0, |&l| l as usize);
+        if m.len() < 11 + sl || m[0] > BROKEN {
             return Err(malformed(
                 p,
                 format!(
@@ -334,16 +496,14 @@ impl Scratch {
                 ),
             ));
         }
-        let new = m.len() > 10;
-        if new {
-            let name = std::str::from_utf8(&m[10..])
-                .map_err(|_| malformed(p, "scratch name is not UTF-8".into()))?;
-            match self.map(name) {
+        let (scratch, tensor) = (text(p, &m[11..11 + sl])?, text(p, &m[11 + sl..])?);
+        if !scratch.is_empty() {
+            match self.map(scratch) {
                 Ok(seg) => {
                     gs.theirs.insert(p, seg);
                 }
                 Err(e) => {
-                    warn!(rank = self.rank, peer = p, name, error = %e,
+                    warn!(rank = self.rank, peer = p, name = scratch, error = %e,
                           "cannot map a member's shared-memory scratch; the group uses the ring");
                     gs.broken = true;
                 }
@@ -352,11 +512,15 @@ impl Scratch {
         if m[0] == OK && !gs.broken && !gs.theirs.contains_key(&p) {
             return Err(malformed(p, "all-reduce without a scratch".into()));
         }
-        Ok((m[0], new))
+        Ok(Ready {
+            state: m[0],
+            new_scratch: !scratch.is_empty(),
+            tensor: (!tensor.is_empty()).then(|| tensor.to_string()),
+        })
     }
 
     fn map(&self, name: &str) -> std::io::Result<Segment> {
-        if self.fail_map {
+        if self.faults.map_scratch {
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         }
         Segment::open(name, SCRATCH_LEN)
@@ -417,6 +581,18 @@ impl Scratch {
             };
         }
     }
+}
+
+/// A segment name from member `p`'s READY.
+fn text(p: Rank, b: &[u8]) -> Result<&str> {
+    std::str::from_utf8(b).map_err(|_| malformed(p, "segment name is not UTF-8".into()))
+}
+
+/// One member's READY.
+struct Ready {
+    state: u8,
+    new_scratch: bool,
+    tensor: Option<String>,
 }
 
 /// Waits until the counter at `counter` in `seg` reaches `at_least`.

@@ -7,17 +7,21 @@
 //!   ring.rs       one SPSC byte ring per direction of a pair: p2p and control messages,
 //!                 streamed, delivered into the Mailbox by a reader thread per link (or
 //!                 straight into a receiver's posted buffer when it is already waiting)
-//!   allreduce.rs  all-reduce of a group on one host: copy in, reduce a slice in place from
-//!                 every member's scratch, copy out
+//!   allreduce.rs  all-reduce of a group on one host: in place on every member's shared
+//!                 tensor when all have one, else copy in, reduce a slice from every
+//!                 member's scratch, copy out
+//!   buffer.rs     tensors in shared memory (`Communicator::alloc`), pooled per communicator
 //! ```
 //!
 //! Failure detection stays on the TCP connection of each pair: its EOF stops the link (after
 //! delivering every complete message already in the ring) and fails the peer.
 
 mod allreduce;
+mod buffer;
 mod ring;
 mod segment;
 
 pub(crate) use allreduce::{Scratch, Wire};
+pub(crate) use buffer::{Pool, SharedBytes};
 pub(crate) use ring::{read_loop, Link, Ring, RingWriter, RING_HEADER};
 pub(crate) use segment::{host_identity, remove_stale, Segment, SHM_DIR};

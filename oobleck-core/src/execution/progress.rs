@@ -17,7 +17,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use oobleck_comm::{Communicator, Rank, Result as CommResult, TensorBuf};
+use oobleck_comm::{Communicator, DType, Rank, Result as CommResult, TensorBuf};
 use serde::{Deserialize, Serialize};
 
 /// One thing a rank can be doing.
@@ -414,6 +414,9 @@ impl Communicator for Watched {
         self.marked(self.progress.enter(Self::p2p(src, tag, false)), || {
             self.inner.recv_into(src, tag, dst, timeout)
         })
+    }
+    fn alloc(&self, dtype: DType, shape: Vec<usize>) -> CommResult<TensorBuf> {
+        self.inner.alloc(dtype, shape)
     }
     fn all_reduce(
         &self,

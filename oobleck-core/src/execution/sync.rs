@@ -261,7 +261,9 @@ pub(super) fn sync_buckets(worker: &StageWorker) -> Vec<SyncBucket> {
     out
 }
 
-/// Sums the gradients `names` over `group` as one flat f32 buffer and writes them back.
+/// Sums the gradients `names` over `group` as one flat f32 buffer and writes them back. The
+/// buffer comes from the communicator (shared memory on one host, reduced in place there) and
+/// goes back to it when dropped, for the next step's bucket of the same size.
 pub(super) fn all_reduce_named(
     comm: &dyn Communicator,
     group: &[oobleck_comm::Rank],
@@ -269,23 +271,35 @@ pub(super) fn all_reduce_named(
     grads: &mut HashMap<String, Tensor>,
     timeout: std::time::Duration,
 ) -> Result<()> {
-    let mut flat: Vec<f32> = Vec::new();
-    let mut shapes = Vec::with_capacity(names.len());
+    let mut parts = Vec::with_capacity(names.len());
     for name in names {
         let g = grads.get(name).ok_or_else(|| missing(name))?;
-        shapes.push((g.dims().to_vec(), g.elem_count(), g.device().clone()));
-        flat.extend(
-            g.to_dtype(candle_core::DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?,
-        );
+        parts.push(g.to_dtype(candle_core::DType::F32)?.flatten_all()?);
     }
-    let mut buf = TensorBuf::from_f32(vec![flat.len()], &flat)?;
-    comm.all_reduce(group, &mut buf, timeout)?;
-    let summed = buf_f32(&buf)?;
+    let total = parts.iter().map(Tensor::elem_count).sum();
+    let mut buf = comm.alloc(oobleck_comm::DType::F32, vec![total])?;
     let mut off = 0;
-    for (name, (dims, n, dev)) in names.iter().zip(shapes) {
-        let t = Tensor::from_slice(&summed[off..off + n], dims, &dev)?;
+    for p in &parts {
+        let bytes = &mut buf.as_bytes_mut()[4 * off..4 * (off + p.elem_count())];
+        bytes.copy_from_slice(bytemuck::cast_slice(&p.to_vec1::<f32>()?));
+        off += p.elem_count();
+    }
+    drop(parts);
+    comm.all_reduce(group, &mut buf, timeout)?;
+    let owned;
+    // Shared memory is page-aligned and heap bytes almost always 4-aligned; else a copy.
+    let summed: &[f32] = match bytemuck::try_cast_slice(buf.as_bytes()) {
+        Ok(s) => s,
+        Err(_) => {
+            owned = buf_f32(&buf)?;
+            &owned
+        }
+    };
+    let mut off = 0;
+    for name in names {
+        let g = grads.get(name).ok_or_else(|| missing(name))?;
+        let (dims, n) = (g.dims().to_vec(), g.elem_count());
+        let t = Tensor::from_slice(&summed[off..off + n], dims, g.device())?;
         off += n;
         grads.insert(name.clone(), t);
     }
