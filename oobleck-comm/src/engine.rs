@@ -315,22 +315,46 @@ impl<T: Transport> Engine<T> {
                 self.send_part(cx, next, part(k + 1, c)?, &[&buf[a..b]])?;
             }
         }
-        // All-gather: at step k receive the complete segment (i-k), copy, forward.
-        for k in 0..steps {
-            let s = (i + n - k) % n;
-            for c in 0..nchunks {
-                let (a, b) = range(s, c);
-                let data = self.recv_part(cx, prev, part(steps + k, c)?)?;
-                if data.len() != b - a {
-                    return Err(self.length_mismatch(prev, data.len(), b - a));
-                }
-                buf[a..b].copy_from_slice(&data);
-                if k + 1 < steps {
-                    self.send_part(cx, next, part(steps + k + 1, c)?, &[&buf[a..b]])?;
-                }
-            }
+        // All-gather: at step k receive the complete segment (i-k) and forward it. Every
+        // chunk's place in the tensor is posted at once, so the transport's reader copies the
+        // data straight there instead of through a message buffer (what arrived before the
+        // post is copied from the mailbox as before).
+        // (step, chunk, bytes), in the order they arrive: part (steps + k) * nchunks + c.
+        let places: Vec<(usize, usize, (usize, usize))> = (0..steps)
+            .flat_map(|k| (0..nchunks).map(move |c| (k, c, range((i + n - k) % n, c))))
+            .collect();
+        let base = buf.as_mut_ptr();
+        let mut bufs = Vec::with_capacity(places.len());
+        for &(k, c, (a, b)) in &places {
+            let key = Key {
+                peer: prev,
+                channel: cx.channel,
+                seq: cx.seq,
+                part: part(steps + k, c)?,
+            };
+            // SAFETY: the ranges of distinct (segment, chunk) pairs are disjoint and inside
+            // `buf`, which is not touched otherwise until they are unposted.
+            let piece: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(base.add(a), b - a) };
+            bufs.push((key, piece));
         }
-        Ok(())
+        let want = |key: Key| {
+            let (_, _, (a, b)) = places[key.part as usize - steps * nchunks];
+            b - a
+        };
+        self.mailbox.take_into_each(
+            &mut bufs,
+            cx.deadline,
+            cx.op,
+            cx.timeout,
+            |key, got| self.length_mismatch(prev, got, want(key)),
+            |j, data| {
+                let (k, c, _) = places[j];
+                if k + 1 < steps {
+                    self.send_part(cx, next, part(steps + k + 1, c)?, &[data])?;
+                }
+                Ok(())
+            },
+        )
     }
 
     fn broadcast_inner(&self, cx: &Ctx, g: &[Rank], root: Rank, buf: &mut [u8]) -> Result<()> {

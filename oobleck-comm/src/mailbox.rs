@@ -196,6 +196,21 @@ impl Mailbox {
         timeout: Duration,
         mismatch: impl Fn(Key, usize) -> CommError,
     ) -> Result<()> {
+        self.take_into_each(bufs, deadline, op, timeout, mismatch, |_, _| Ok(()))
+    }
+
+    /// As [`Mailbox::take_into`], calling `filled(i, buffer)` as soon as buffer `i` holds its
+    /// message, in the order of `bufs` (all of them stay posted until the last is filled, so
+    /// a transport can copy later messages straight in meanwhile).
+    pub fn take_into_each(
+        &self,
+        bufs: &mut [(Key, &mut [u8])],
+        deadline: Instant,
+        op: Op,
+        timeout: Duration,
+        mismatch: impl Fn(Key, usize) -> CommError,
+        mut filled: impl FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let keys: Vec<Key> = bufs.iter().map(|(k, _)| *k).collect();
         {
             let mut g = self.lock();
@@ -223,13 +238,14 @@ impl Mailbox {
         }
         // From here on every return goes through `unpost`, which waits out any claim.
         let out = (|| {
-            for (k, b) in bufs.iter_mut() {
+            for (i, (k, b)) in bufs.iter_mut().enumerate() {
                 if let Some(data) = self.wait_post(*k, deadline, op, timeout)? {
                     if data.len() != b.len() {
                         return Err(mismatch(*k, data.len()));
                     }
                     b.copy_from_slice(&data);
                 }
+                filled(i, b)?;
             }
             Ok(())
         })();
