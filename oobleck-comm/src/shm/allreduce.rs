@@ -42,6 +42,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
+use super::in_place::{self, TensorMaps};
 use super::segment::{futex_wait, futex_wake, Segment};
 use crate::comm::Rank;
 use crate::error::{CommError, FrameError, Result};
@@ -52,7 +53,7 @@ use crate::tensor::{add_into, DType, TensorBuf};
 pub(crate) const READY: u32 = u32::MAX;
 const MAPPED: u32 = u32::MAX - 1;
 const COPIED: u32 = u32::MAX - 2;
-const TENSORS: u32 = u32::MAX - 3;
+// u32::MAX - 3: TENSORS (`in_place.rs`).
 /// READY states: no scratch this time; ready; never again (a scratch would not map).
 const NONE: u8 = 0;
 const OK: u8 = 1;
@@ -69,14 +70,6 @@ const FILLED: usize = 0;
 const REDUCED_AT: usize = 64;
 const CONSUMED: usize = 128;
 const SCRATCH_LEN: usize = HEADER + 2 * CHUNK;
-/// In-place path: bytes summed per pass (stays in L1/L2 while it is copied to the members),
-/// and how often the failure checks run.
-const IN_PLACE_PASS: usize = 64 << 10;
-const CHECK_EVERY: usize = 4 << 20;
-/// Other members' tensors kept mapped per group and member, in number and bytes (least
-/// recently used go first; a mapping pins its memory even after its owner dropped it).
-const TENSOR_MAPS: usize = 64;
-const TENSOR_MAP_BYTES: usize = 2 << 30;
 const SPINS: u32 = 32;
 const NAP: Duration = Duration::from_millis(2);
 
@@ -91,8 +84,8 @@ struct GroupScratch {
     broken: bool,
     /// Every member knows some member is broken: skip straight to the ring.
     off: bool,
-    /// The other members' shared tensors, by rank: (segment name, mapping), oldest use first.
-    tensors: HashMap<Rank, Vec<(String, Segment)>>,
+    /// The other members' shared tensors this group all-reduced in place.
+    tensors: TensorMaps,
 }
 
 /// What the READY exchange settled.
@@ -133,7 +126,7 @@ pub(crate) struct Wire<'a> {
     pub check: &'a dyn Fn(Rank) -> Result<()>,
 }
 
-fn malformed(peer: Rank, msg: String) -> CommError {
+pub(super) fn malformed(peer: Rank, msg: String) -> CommError {
     CommError::Frame {
         peer: Some(peer),
         source: FrameError::Malformed(msg),
@@ -188,11 +181,15 @@ impl Scratch {
         let name = tensor.shared_name().map(str::to_owned);
         let agreed = self.agree(&mut gs, gid, &others, len, dtype, name.as_deref(), wire)?;
         let theirs = match &agreed.tensors {
-            Some(names) => self.map_tensors(&mut gs, &others, names, len, wire)?,
+            Some(names) => {
+                let fail = self.faults.map_tensor;
+                gs.tensors
+                    .map_all(self.rank, fail, &others, names, len, wire)?
+            }
             None => None,
         };
         if let Some(theirs) = theirs {
-            self.reduce_in_place(g, tensor, &theirs, &others, wire)?;
+            in_place::reduce(self.rank, g, tensor, &theirs, &others, wire)?;
             self.in_place.fetch_add(1, SeqCst);
         } else if agreed.scratch {
             self.chunks(&gs, g, &others, tensor.as_bytes_mut(), dtype, wire)?;
@@ -284,111 +281,6 @@ impl Scratch {
             scratch: all_ok && !any_broken,
             tensors: names,
         })
-    }
-
-    /// Maps (or finds mapped) every other member's tensor, in `others` order, and tells the
-    /// members whether that worked (TENSORS); `None` unless it did on every member. The
-    /// pointers stay valid while `gs` is locked.
-    fn map_tensors(
-        &self,
-        gs: &mut GroupScratch,
-        others: &[Rank],
-        names: &[String],
-        len: usize,
-        wire: &Wire,
-    ) -> Result<Option<Vec<*mut u8>>> {
-        let mut ptrs = Vec::with_capacity(others.len());
-        for (&p, name) in others.iter().zip(names) {
-            match self.tensor_of(gs, p, name, len) {
-                Ok(ptr) => ptrs.push(ptr),
-                Err(e) => warn!(rank = self.rank, peer = p, name = %name, error = %e,
-                                "cannot map a member's shared tensor; this all-reduce goes through scratch"),
-            }
-        }
-        let ok = ptrs.len() == others.len();
-        for &p in others {
-            (wire.send)(p, TENSORS, &[&[u8::from(ok)]])?;
-        }
-        let mut all_ok = ok;
-        for &p in others {
-            all_ok &= (wire.recv)(p, TENSORS)?.first() == Some(&1);
-        }
-        Ok(all_ok.then_some(ptrs))
-    }
-
-    /// The mapping of member `p`'s tensor segment `name`, from the group's cache or mapped now.
-    fn tensor_of(
-        &self,
-        gs: &mut GroupScratch,
-        p: Rank,
-        name: &str,
-        len: usize,
-    ) -> std::io::Result<*mut u8> {
-        let maps = gs.tensors.entry(p).or_default();
-        let seg = match maps.iter().position(|(n, _)| n == name) {
-            Some(i) => {
-                let hit = maps.remove(i);
-                maps.push(hit);
-                &maps.last().expect("just pushed").1
-            }
-            None => {
-                if self.faults.map_tensor {
-                    return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
-                }
-                let seg = Segment::open(name, len)?;
-                let mut bytes: usize = maps.iter().map(|(_, s)| s.len()).sum::<usize>() + seg.len();
-                while !maps.is_empty() && (maps.len() >= TENSOR_MAPS || bytes > TENSOR_MAP_BYTES) {
-                    bytes -= maps.remove(0).1.len();
-                }
-                maps.push((name.to_string(), seg));
-                &maps.last().expect("just pushed").1
-            }
-        };
-        if seg.len() < len {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("segment {name} has {} bytes, the tensor {len}", seg.len()),
-            ));
-        }
-        Ok(seg.ptr())
-    }
-
-    /// Sums slice i of every member's tensor into ours, in group order, and copies the sum into
-    /// theirs (`theirs`: the others' mappings, in `others` order).
-    fn reduce_in_place(
-        &self,
-        g: &[Rank],
-        tensor: &mut TensorBuf,
-        theirs: &[*mut u8],
-        others: &[Rank],
-        wire: &Wire,
-    ) -> Result<()> {
-        let dtype = tensor.dtype();
-        let bytes = tensor.as_bytes_mut();
-        let (a, b) = slice(g, self.rank, bytes.len(), dtype);
-        // Only our slice is touched through `acc`; the members write theirs into the same
-        // mapping meanwhile, so no slice of the whole tensor is held across the loop.
-        let mine = bytes.as_mut_ptr();
-        let pass = IN_PLACE_PASS / dtype.size() * dtype.size();
-        for x in (a..b).step_by(pass) {
-            let y = (x + pass).min(b);
-            if (x - a) % CHECK_EVERY < pass {
-                others.iter().try_for_each(|&p| (wire.check)(p))?;
-            }
-            // SAFETY: bytes x..y of our slice, which only this rank reads or writes during
-            // the op, in our mapping and in every member's (all at least `len` bytes long).
-            let acc = unsafe { std::slice::from_raw_parts_mut(mine.add(x), y - x) };
-            for &t in theirs {
-                add_into(dtype, acc, unsafe {
-                    std::slice::from_raw_parts(t.add(x), y - x)
-                });
-            }
-            for &t in theirs {
-                // SAFETY: as above.
-                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), t.add(x), y - x) };
-            }
-        }
-        Ok(())
     }
 
     /// Steps a to d of the module docs for every chunk of `buf`.
@@ -620,7 +512,7 @@ fn wait_for(
 }
 
 /// Byte range of member `r`'s slice (whole elements).
-fn slice(g: &[Rank], r: Rank, len: usize, dtype: DType) -> (usize, usize) {
+pub(super) fn slice(g: &[Rank], r: Rank, len: usize, dtype: DType) -> (usize, usize) {
     let n = g.len();
     let k = g.iter().position(|&x| x == r).expect("member of the group");
     let (es, elems) = (dtype.size(), len / dtype.size());

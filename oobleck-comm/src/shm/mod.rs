@@ -10,6 +10,7 @@
 //!   allreduce.rs  all-reduce of a group on one host: in place on every member's shared
 //!                 tensor when all have one, else copy in, reduce a slice from every
 //!                 member's scratch, copy out
+//!   in_place.rs   the in-place path: mapping the members' tensors, summing a slice of all
 //!   buffer.rs     tensors in shared memory (`Communicator::alloc`), pooled per communicator
 //! ```
 //!
@@ -18,6 +19,7 @@
 
 mod allreduce;
 mod buffer;
+mod in_place;
 mod ring;
 mod segment;
 
