@@ -22,6 +22,7 @@ impl Factory for Local {
         Cluster {
             comms,
             kill: Box::new(move |r| net.drop_rank(r)),
+            alloc: false,
         }
     }
 }
@@ -41,6 +42,7 @@ fn network(world: usize) -> (LocalNetwork, Cluster) {
         Cluster {
             comms,
             kill: Box::new(move |r| n2.drop_rank(r)),
+            alloc: false,
         },
     )
 }

@@ -1,7 +1,8 @@
 //! The conformance suite on the TCP backend, all ranks as threads of this process on
-//! 127.0.0.1 (multi-process tests with real signals are in `tcp_processes.rs`), twice: with
-//! shared memory (the default between ranks of one host; checked to be in use) and with it
-//! turned off, every pair on TCP.
+//! 127.0.0.1 (multi-process tests with real signals are in `tcp_processes.rs`), three times:
+//! with shared memory (the default between ranks of one host; checked to be in use), with it
+//! and all-reduce inputs from `alloc` (reduced in place), and with it turned off, every pair on
+//! TCP.
 
 mod common;
 
@@ -13,9 +14,11 @@ use std::time::Duration;
 use common::{Cluster, Comm, Factory};
 use oobleck_comm::{TcpCommunicator, TcpConfig, Tuning};
 
-/// The TCP backend; `shm`: shared memory between the ranks (all on this host) or none.
+/// The TCP backend; `shm`: shared memory between the ranks (all on this host) or none;
+/// `alloc`: all-reduce inputs from `Communicator::alloc`.
 struct Tcp {
     shm: bool,
+    alloc: bool,
 }
 
 /// Connects `world` ranks over loopback, each on its own port.
@@ -59,6 +62,7 @@ impl Factory for Tcp {
             comms,
             // Aborting closes every socket of that rank: what its peers see when it dies.
             kill: Box::new(move |r| handles[r].abort()),
+            alloc: self.alloc,
         }
     }
 }
@@ -66,11 +70,26 @@ impl Factory for Tcp {
 mod shared_memory {
     use super::{common, Tcp};
     use crate::conformance_suite;
-    conformance_suite!(Tcp { shm: true });
+    conformance_suite!(Tcp {
+        shm: true,
+        alloc: false
+    });
+}
+
+mod in_place {
+    use super::{common, Tcp};
+    use crate::conformance_suite;
+    conformance_suite!(Tcp {
+        shm: true,
+        alloc: true
+    });
 }
 
 mod forced_tcp {
     use super::{common, Tcp};
     use crate::conformance_suite;
-    conformance_suite!(Tcp { shm: false });
+    conformance_suite!(Tcp {
+        shm: false,
+        alloc: false
+    });
 }

@@ -14,6 +14,9 @@ pub type Comm = Arc<dyn Communicator>;
 pub struct Cluster {
     pub comms: Vec<Comm>,
     pub kill: Box<dyn Fn(Rank) + Send + Sync>,
+    /// All-reduce inputs come from `Communicator::alloc` (in place in shared memory on a
+    /// host), not from the heap.
+    pub alloc: bool,
 }
 
 pub trait Factory: Sync {
@@ -74,6 +77,16 @@ fn contribution(dtype: DType, n: usize, r: Rank) -> TensorBuf {
     .unwrap()
 }
 
+/// `t` as an all-reduce input: itself, or copied into a tensor from `comm.alloc` when `alloc`.
+fn input(comm: &Comm, alloc: bool, t: TensorBuf) -> TensorBuf {
+    if !alloc {
+        return t;
+    }
+    let mut a = comm.alloc(t.dtype(), t.shape().to_vec()).unwrap();
+    a.as_bytes_mut().copy_from_slice(t.as_bytes());
+    a
+}
+
 fn expected_sum(dtype: DType, n: usize, group: &[Rank]) -> TensorBuf {
     let mut acc = vec![0i64; n];
     for &r in group {
@@ -104,9 +117,9 @@ fn expected_sum(dtype: DType, n: usize, group: &[Rank]) -> TensorBuf {
 }
 
 fn check_all_reduce(c: &Cluster, group: &[Rank], dtype: DType, n: usize) {
-    let g = group.to_vec();
+    let (g, alloc) = (group.to_vec(), c.alloc);
     let out = on_ranks(c, group, move |r, comm| {
-        let mut t = contribution(dtype, n, r);
+        let mut t = input(&comm, alloc, contribution(dtype, n, r));
         comm.all_reduce(&g, &mut t, T).map(|_| t)
     });
     let want = expected_sum(dtype, n, group);
@@ -194,11 +207,11 @@ pub fn concurrent_ops_on_different_subgroups(f: &dyn Factory) {
     let mut hs = Vec::new();
     for g in &groups {
         for &r in g {
-            let (g, comm) = (g.clone(), c.comms[r].clone());
+            let (g, comm, alloc) = (g.clone(), c.comms[r].clone(), c.alloc);
             hs.push(thread::spawn(move || {
                 for round in 0..5 {
                     let n = 100 + 997 * round;
-                    let mut t = contribution(DType::F32, n, r);
+                    let mut t = input(&comm, alloc, contribution(DType::F32, n, r));
                     comm.all_reduce(&g, &mut t, T)?;
                     assert!(
                         t == expected_sum(DType::F32, n, &g),
@@ -296,8 +309,9 @@ pub fn invalid_arguments_are_errors_that_do_not_poison(f: &dyn Factory) {
 /// Members that disagree on the tensor size get an error, not a hang or garbage.
 pub fn mismatched_sizes_fail_instead_of_hanging(f: &dyn Factory) {
     let c = f.cluster(2, small_chunks());
-    let out = on_ranks(&c, &[0, 1], |r, comm| {
-        let mut t = contribution(DType::F32, 100 + r, r);
+    let alloc = c.alloc;
+    let out = on_ranks(&c, &[0, 1], move |r, comm| {
+        let mut t = input(&comm, alloc, contribution(DType::F32, 100 + r, r));
         comm.all_reduce(&[0, 1], &mut t, Duration::from_secs(5))
     });
     assert!(out.iter().all(|o| o.is_err()), "{out:?}");
@@ -310,9 +324,9 @@ pub fn dead_peer_fails_pending_ops_with_peer_lost(f: &dyn Factory) {
     let start = Instant::now();
     let hs: Vec<_> = (0..3)
         .map(|r| {
-            let comm = c.comms[r].clone();
+            let (comm, alloc) = (c.comms[r].clone(), c.alloc);
             thread::spawn(move || {
-                let mut t = contribution(DType::F32, 10_000, r);
+                let mut t = input(&comm, alloc, contribution(DType::F32, 10_000, r));
                 comm.all_reduce(&[0, 1, 2, 3], &mut t, T)
             })
         })
@@ -334,8 +348,11 @@ pub fn silent_peer_times_out_within_the_deadline(f: &dyn Factory) {
     let c = f.cluster(3, Tuning::default());
     let timeout = Duration::from_millis(400);
     let start = Instant::now();
+    let alloc = c.alloc;
     let out = on_ranks(&c, &[0, 1], move |r, comm| {
-        let mut t = contribution(DType::F32, 100, r);
+        // Shared tensors only come above the one-round size: a larger one then.
+        let n = if alloc { 100_000 } else { 100 };
+        let mut t = input(&comm, alloc, contribution(DType::F32, n, r));
         comm.all_reduce(&[0, 1, 2], &mut t, timeout)
     });
     let took = start.elapsed();
@@ -365,7 +382,7 @@ pub fn silent_peer_times_out_within_the_deadline(f: &dyn Factory) {
 pub fn abort_from_another_thread_unblocks_everything(f: &dyn Factory) {
     let c = f.cluster(3, Tuning::default());
     let comm = c.comms[0].clone();
-    let start = Instant::now();
+    let (start, c_alloc) = (Instant::now(), c.alloc);
     let pending: Vec<_> = (0..3)
         .map(|i| {
             let comm = comm.clone();
@@ -373,7 +390,11 @@ pub fn abort_from_another_thread_unblocks_everything(f: &dyn Factory) {
                 0 => comm.recv(1, 5, T).map(|_| ()),
                 1 => comm.barrier(&[0, 2], T),
                 _ => {
-                    let mut t = TensorBuf::zeros(DType::F32, vec![1 << 20]).unwrap();
+                    let mut t = input(
+                        &comm,
+                        c_alloc,
+                        TensorBuf::zeros(DType::F32, vec![1 << 20]).unwrap(),
+                    );
                     comm.all_reduce(&[0, 1, 2], &mut t, T)
                 }
             })
