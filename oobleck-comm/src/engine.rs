@@ -236,10 +236,14 @@ impl<T: Transport> Engine<T> {
             .collect();
         // Part p (from 1) holds bytes (p-1)*max .. min(p*max, total).
         let piece_len = |k: Key| (total - (k.part as usize - 1) * max).min(max);
-        self.mailbox
-            .take_into(&mut bufs, cx.deadline, cx.op, cx.timeout, |k, got| {
-                self.length_mismatch(src, got, piece_len(k))
-            })
+        self.mailbox.take_into(
+            &mut bufs,
+            cx.deadline,
+            cx.op,
+            cx.timeout,
+            |k, got| self.length_mismatch(src, got, piece_len(k)),
+            |_, _| Ok(()),
+        )
     }
 
     fn length_mismatch(&self, peer: Rank, got: usize, want: usize) -> CommError {
@@ -450,7 +454,8 @@ impl<T: Transport> Communicator for Engine<T> {
     fn alloc(&self, dtype: DType, shape: Vec<usize>) -> Result<TensorBuf> {
         let len = byte_len(dtype, &shape)?;
         // Small tensors take the one-round exchange, which has nothing to gain from sharing.
-        if len <= self.tuning.direct_max_bytes || self.is_aborted() {
+        // (After an abort the transport has no shared memory to give.)
+        if len <= self.tuning.direct_max_bytes {
             return TensorBuf::zeros(dtype, shape);
         }
         match self.transport.alloc_shared(len) {

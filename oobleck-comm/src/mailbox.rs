@@ -187,22 +187,10 @@ impl Mailbox {
     }
 
     /// Fills every buffer of `bufs` with the message of its key by `deadline`; a message of
-    /// another length fails with `mismatch(key, its length)`.
+    /// another length fails with `mismatch(key, its length)`. `filled(i, buffer)` is called as
+    /// soon as buffer `i` holds its message, in the order of `bufs`; all of them stay posted
+    /// until the last is filled, so a transport can copy later messages straight in meanwhile.
     pub fn take_into(
-        &self,
-        bufs: &mut [(Key, &mut [u8])],
-        deadline: Instant,
-        op: Op,
-        timeout: Duration,
-        mismatch: impl Fn(Key, usize) -> CommError,
-    ) -> Result<()> {
-        self.take_into_each(bufs, deadline, op, timeout, mismatch, |_, _| Ok(()))
-    }
-
-    /// As [`Mailbox::take_into`], calling `filled(i, buffer)` as soon as buffer `i` holds its
-    /// message, in the order of `bufs` (all of them stay posted until the last is filled, so
-    /// a transport can copy later messages straight in meanwhile).
-    pub fn take_into_each(
         &self,
         bufs: &mut [(Key, &mut [u8])],
         deadline: Instant,

@@ -82,7 +82,7 @@ impl<T: Transport> Engine<T> {
             let (_, _, (a, b)) = places[key.part as usize - steps * nchunks];
             b - a
         };
-        self.mailbox.take_into_each(
+        self.mailbox.take_into(
             &mut bufs,
             cx.deadline,
             cx.op,

@@ -27,13 +27,14 @@
 //! every nap re-checks abort, the peer's failure (its TCP connection) and the op's deadline,
 //! so a dead member fails the op with `PeerLost` and a stopped one with `Timeout`. Each slice
 //! is summed by one rank in one order (its own part first, then the others' in group order) and
-//! copied to the others: results are bit-identical on every member and from run to run. (The two
-//! paths cut the tensor into slices differently, so their sums may differ in the last bits.) A member that cannot allocate its scratch (full tmpfs) says so in READY and every
-//! member falls back to the engine's ring all-reduce for that op (the next one tries again). A
-//! member that cannot map another's scratch says so in MAPPED (and as BROKEN in every later
-//! READY): every member then runs the ring for this op and every later one of the group. A
-//! member that cannot map another's tensor says so in TENSORS and the op goes through scratch.
-//! All members see the same messages, so they always take the same path.
+//! copied to the others: results are bit-identical on every member and from run to run (the two
+//! paths cut the tensor into slices differently, so their sums may differ in the last bits). A
+//! member that cannot allocate its scratch (full tmpfs) says so in READY and every member falls
+//! back to the engine's ring all-reduce for that op (the next one tries again). A member that
+//! cannot map another's scratch says so in MAPPED (and as BROKEN in every later READY): every
+//! member then runs the ring for this op and every later one of the group. A member that
+//! cannot map another's tensor says so in TENSORS and the op goes through scratch. All members
+//! see the same messages, so they always take the same path.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::SeqCst;
@@ -126,7 +127,7 @@ pub(crate) struct Wire<'a> {
     pub check: &'a dyn Fn(Rank) -> Result<()>,
 }
 
-pub(super) fn malformed(peer: Rank, msg: String) -> CommError {
+fn malformed(peer: Rank, msg: String) -> CommError {
     CommError::Frame {
         peer: Some(peer),
         source: FrameError::Malformed(msg),
@@ -178,8 +179,7 @@ impl Scratch {
         }
         let others: Vec<Rank> = g.iter().copied().filter(|&p| p != self.rank).collect();
         let (dtype, len) = (tensor.dtype(), tensor.as_bytes().len());
-        let name = tensor.shared_name().map(str::to_owned);
-        let agreed = self.agree(&mut gs, gid, &others, len, dtype, name.as_deref(), wire)?;
+        let agreed = self.agree(&mut gs, gid, &others, tensor, wire)?;
         let theirs = match &agreed.tensors {
             Some(names) => {
                 let fail = self.faults.map_tensor;
@@ -201,18 +201,17 @@ impl Scratch {
         Ok(true)
     }
 
-    /// The READY (and MAPPED) exchange.
-    #[allow(clippy::too_many_arguments)]
+    /// The READY (and MAPPED) exchange over `tensor`'s dtype, length and shared segment.
     fn agree(
         &self,
         gs: &mut GroupScratch,
         gid: u64,
         others: &[Rank],
-        len: usize,
-        dtype: DType,
-        tensor: Option<&str>,
+        tensor: &TensorBuf,
         wire: &Wire,
     ) -> Result<Agreed> {
+        let (dtype, len) = (tensor.dtype(), tensor.as_bytes().len());
+        let tensor = tensor.shared_name();
         let created = self.ensure_mine(gs, gid);
         if let Some(mine) = &gs.mine {
             // Nobody reads them now: the previous op ended with everyone's COPIED, and this
