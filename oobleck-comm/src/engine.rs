@@ -24,7 +24,7 @@ use tracing::{debug_span, warn};
 
 use crate::comm::{group_id, normalize_group, Communicator, Rank};
 use crate::error::{CommError, FrameError, Op, Result};
-use crate::mailbox::{Key, Mailbox};
+use crate::mailbox::{Due, Key, Mailbox};
 use crate::tensor::{add_into, byte_len, decode_meta, encode_meta, DType, TensorBuf};
 
 /// Moves one message to one peer. Implementations must be `Sync`: several operations send
@@ -103,6 +103,16 @@ pub(crate) struct Ctx {
     pub seq: u64,
 }
 
+impl Ctx {
+    pub fn due(&self) -> Due {
+        Due {
+            deadline: self.deadline,
+            op: self.op,
+            timeout: self.timeout,
+        }
+    }
+}
+
 fn next(map: &Mutex<HashMap<(Rank, u64), u64>>, k: (Rank, u64)) -> u64 {
     let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
     let c = m.entry(k).or_insert(0);
@@ -179,7 +189,7 @@ impl<T: Transport> Engine<T> {
             seq: cx.seq,
             part,
         };
-        self.mailbox.take(key, cx.deadline, cx.op, cx.timeout)
+        self.mailbox.take(key, cx.due())
     }
 
     /// A received chunk whose length differs from ours: the peers disagree on the tensor.
@@ -238,9 +248,8 @@ impl<T: Transport> Engine<T> {
         let piece_len = |k: Key| (total - (k.part as usize - 1) * max).min(max);
         self.mailbox.take_into(
             &mut bufs,
-            cx.deadline,
-            cx.op,
-            cx.timeout,
+            None,
+            cx.due(),
             |k, got| self.length_mismatch(src, got, piece_len(k)),
             |_, _| Ok(()),
         )

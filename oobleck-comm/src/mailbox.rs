@@ -8,6 +8,11 @@
 //! buffer of the message's exact length and copy straight into it, saving the copy through a
 //! fresh `Vec`. The receiver does not return while its buffer is claimed: on an error it sets
 //! the claim's cancel flag and waits for the transport to [`Mailbox::release`] it.
+//!
+//! A buffer may also be posted to *accumulate*: the message is added to it elementwise
+//! (the ring all-reduce's reduce-scatter), so a transport that claims it reduces as it reads,
+//! through a small cache-resident buffer, instead of handing over a whole message to be read
+//! again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
@@ -16,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::Rank;
 use crate::error::{CommError, Op, Result};
+use crate::tensor::{add_into, DType};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Key {
@@ -25,10 +31,21 @@ pub(crate) struct Key {
     pub part: u32,
 }
 
+/// Until when an operation waits, and what its timeout error names.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Due {
+    pub deadline: Instant,
+    pub op: Op,
+    /// The operation's whole timeout, for the error.
+    pub timeout: Duration,
+}
+
 /// A caller's buffer waiting for the message of its key.
 struct Post {
     ptr: *mut u8,
     len: usize,
+    /// Add the message to the buffer instead of overwriting it.
+    add: Option<DType>,
     /// A transport is copying into it.
     claimed: bool,
     /// The message is in the buffer.
@@ -45,6 +62,10 @@ unsafe impl Send for Post {}
 pub(crate) struct Claim {
     key: Key,
     pub ptr: *mut u8,
+    /// `Some`: add the message to the `len` bytes at `ptr` elementwise instead of copying it
+    /// there. After a cancel the buffer holds partial sums, so the message cannot be rebuilt
+    /// from it: the transport drops it (its receiver has failed and no one else takes it).
+    pub add: Option<DType>,
     pub cancel: Arc<AtomicBool>,
 }
 
@@ -157,8 +178,9 @@ impl Mailbox {
         }
     }
 
-    /// Takes the posted buffer of `key` if its length is `len` and nobody gave up on it.
-    pub fn claim(&self, key: Key, len: usize) -> Option<Claim> {
+    /// Takes the posted buffer of `key` if its length is `len` and nobody gave up on it;
+    /// one posted to accumulate only if the transport `can_add`.
+    pub fn claim(&self, key: Key, len: usize, can_add: bool) -> Option<Claim> {
         let mut g = self.lock();
         if g.aborted {
             return None;
@@ -167,12 +189,22 @@ impl Mailbox {
         if p.claimed || p.filled || p.len != len || p.cancel.load(SeqCst) {
             return None;
         }
+        if p.add.is_some() && !can_add {
+            return None;
+        }
         p.claimed = true;
         Some(Claim {
             key,
             ptr: p.ptr,
+            add: p.add,
             cancel: p.cancel.clone(),
         })
+    }
+
+    /// Whether a receiver has posted a buffer for `key` (tests wait for it before sending).
+    #[cfg(test)]
+    pub fn is_posted(&self, key: Key) -> bool {
+        self.lock().posts.contains_key(&key)
     }
 
     /// Gives a claimed buffer back: `filled` with the whole message, or not touched again.
@@ -186,16 +218,16 @@ impl Mailbox {
         self.cv.notify_all();
     }
 
-    /// Fills every buffer of `bufs` with the message of its key by `deadline`; a message of
+    /// Fills every buffer of `bufs` with the message of its key by `due` (`add`: adds
+    /// the message, read as elements of that type, to the buffer); a message of
     /// another length fails with `mismatch(key, its length)`. `filled(i, buffer)` is called as
     /// soon as buffer `i` holds its message, in the order of `bufs`; all of them stay posted
     /// until the last is filled, so a transport can copy later messages straight in meanwhile.
     pub fn take_into(
         &self,
         bufs: &mut [(Key, &mut [u8])],
-        deadline: Instant,
-        op: Op,
-        timeout: Duration,
+        add: Option<DType>,
+        due: Due,
         mismatch: impl Fn(Key, usize) -> CommError,
         mut filled: impl FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<()> {
@@ -206,6 +238,7 @@ impl Mailbox {
                 let post = Post {
                     ptr: b.as_mut_ptr(),
                     len: b.len(),
+                    add,
                     claimed: false,
                     filled: false,
                     cancel: Arc::new(AtomicBool::new(false)),
@@ -227,11 +260,14 @@ impl Mailbox {
         // From here on every return goes through `unpost`, which waits out any claim.
         let out = (|| {
             for (i, (k, b)) in bufs.iter_mut().enumerate() {
-                if let Some(data) = self.wait_post(*k, deadline, op, timeout)? {
+                if let Some(data) = self.wait_post(*k, due)? {
                     if data.len() != b.len() {
                         return Err(mismatch(*k, data.len()));
                     }
-                    b.copy_from_slice(&data);
+                    match add {
+                        None => b.copy_from_slice(&data),
+                        Some(dtype) => add_into(dtype, b, &data),
+                    }
                 }
                 filled(i, b)?;
             }
@@ -243,13 +279,12 @@ impl Mailbox {
 
     /// Waits until `key`'s posted buffer is filled (`None`) or its message arrived whole
     /// (`Some`, the post then unclaimable).
-    fn wait_post(
-        &self,
-        key: Key,
-        deadline: Instant,
-        op: Op,
-        timeout: Duration,
-    ) -> Result<Option<Vec<u8>>> {
+    fn wait_post(&self, key: Key, due: Due) -> Result<Option<Vec<u8>>> {
+        let Due {
+            deadline,
+            op,
+            timeout,
+        } = due;
         let mut g = self.lock();
         loop {
             if g.aborted {
@@ -313,8 +348,13 @@ impl Mailbox {
         }
     }
 
-    /// Waits for the message `key` until `deadline`.
-    pub fn take(&self, key: Key, deadline: Instant, op: Op, timeout: Duration) -> Result<Vec<u8>> {
+    /// Waits for the message `key` until `due`.
+    pub fn take(&self, key: Key, due: Due) -> Result<Vec<u8>> {
+        let Due {
+            deadline,
+            op,
+            timeout,
+        } = due;
         let mut g = self.lock();
         loop {
             if g.aborted {

@@ -492,7 +492,7 @@ impl Transport for TcpTransport {
                 seq,
                 part,
             };
-            self.mailbox.take(key, cx.deadline, cx.op, cx.timeout)
+            self.mailbox.take(key, cx.due())
         };
         let check = |p: Rank| {
             if self.mailbox.is_aborted() {

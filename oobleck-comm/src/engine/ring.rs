@@ -5,7 +5,7 @@ use super::{Ctx, Engine, Transport};
 use crate::comm::Rank;
 use crate::error::{CommError, Result};
 use crate::mailbox::Key;
-use crate::tensor::{add_into, DType};
+use crate::tensor::DType;
 
 impl<T: Transport> Engine<T> {
     /// Reduce-scatter then all-gather around the ring of `g`, each pipelined in chunks of
@@ -44,57 +44,95 @@ impl<T: Transport> Engine<T> {
         }
         // Reduce-scatter: at step k receive segment (i-k-1), add, forward. The forward after
         // the last step is already the first all-gather step (that segment is complete).
-        for k in 0..steps {
-            let s = (i + 2 * n - k - 1) % n;
-            for c in 0..nchunks {
-                let (a, b) = range(s, c);
-                let data = self.recv_part(cx, prev, part(k, c)?)?;
-                if data.len() != b - a {
-                    return Err(self.length_mismatch(prev, data.len(), b - a));
-                }
-                add_into(dtype, &mut buf[a..b], &data);
-                self.send_part(cx, next, part(k + 1, c)?, &[&buf[a..b]])?;
+        // Every chunk's place is posted at once to accumulate, so the transport's reader adds
+        // the data into the tensor as it arrives (what arrived before is added from the
+        // mailbox); each chunk is forwarded as soon as its sum is complete.
+        let places = (0..steps)
+            .flat_map(|k| (0..nchunks).map(move |c| (k, c)))
+            .map(|(k, c)| {
+                let (a, b) = range((i + 2 * n - k - 1) % n, c);
+                Ok(Place {
+                    k,
+                    c,
+                    part: part(k, c)?,
+                    a,
+                    b,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.take_places(cx, prev, buf, &places, Some(dtype), |p, data| {
+            self.send_part(cx, next, part(p.k + 1, p.c)?, &[data])
+        })?;
+        // All-gather: at step k receive the complete segment (i-k) and forward it, straight
+        // into the tensor in the same way.
+        let places = (0..steps)
+            .flat_map(|k| (0..nchunks).map(move |c| (k, c)))
+            .map(|(k, c)| {
+                let (a, b) = range((i + n - k) % n, c);
+                Ok(Place {
+                    k,
+                    c,
+                    part: part(steps + k, c)?,
+                    a,
+                    b,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.take_places(cx, prev, buf, &places, None, |p, data| {
+            if p.k + 1 < steps {
+                self.send_part(cx, next, part(steps + p.k + 1, p.c)?, &[data])?;
             }
-        }
-        // All-gather: at step k receive the complete segment (i-k) and forward it. Every
-        // chunk's place in the tensor is posted at once, so the transport's reader copies the
-        // data straight there instead of through a message buffer (what arrived before the
-        // post is copied from the mailbox as before).
-        // (step, chunk, bytes), in the order they arrive: part (steps + k) * nchunks + c.
-        let places: Vec<(usize, usize, (usize, usize))> = (0..steps)
-            .flat_map(|k| (0..nchunks).map(move |c| (k, c, range((i + n - k) % n, c))))
-            .collect();
+            Ok(())
+        })
+    }
+
+    /// Receives from `prev` the message of each place's part into its bytes of `buf` (`add`:
+    /// added to them), in order, calling `filled` on each as soon as it is complete.
+    fn take_places(
+        &self,
+        cx: &Ctx,
+        prev: Rank,
+        buf: &mut [u8],
+        places: &[Place],
+        add: Option<DType>,
+        mut filled: impl FnMut(&Place, &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let base = buf.as_mut_ptr();
         let mut bufs = Vec::with_capacity(places.len());
-        for &(k, c, (a, b)) in &places {
+        for p in places {
             let key = Key {
                 peer: prev,
                 channel: cx.channel,
                 seq: cx.seq,
-                part: part(steps + k, c)?,
+                part: p.part,
             };
-            // SAFETY: the ranges of distinct (segment, chunk) pairs are disjoint and inside
-            // `buf`, which is not touched otherwise until they are unposted.
-            let piece: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(base.add(a), b - a) };
+            // SAFETY: the places' byte ranges are disjoint and inside `buf`, which is not
+            // touched otherwise until they are unposted.
+            let piece: &mut [u8] =
+                unsafe { std::slice::from_raw_parts_mut(base.add(p.a), p.b - p.a) };
             bufs.push((key, piece));
         }
+        // Parts are consecutive in the order of `places`.
         let want = |key: Key| {
-            let (_, _, (a, b)) = places[key.part as usize - steps * nchunks];
-            b - a
+            let p = &places[(key.part - places[0].part) as usize];
+            p.b - p.a
         };
         self.mailbox.take_into(
             &mut bufs,
-            cx.deadline,
-            cx.op,
-            cx.timeout,
+            add,
+            cx.due(),
             |key, got| self.length_mismatch(prev, got, want(key)),
-            |j, data| {
-                let (k, c, _) = places[j];
-                if k + 1 < steps {
-                    self.send_part(cx, next, part(steps + k + 1, c)?, &[data])?;
-                }
-                Ok(())
-            },
+            |j, data| filled(&places[j], data),
         )
     }
+}
+
+/// One chunk of a ring phase: step `k`, chunk `c`, its message part and its bytes `a..b` of
+/// the tensor.
+struct Place {
+    k: usize,
+    c: usize,
+    part: u32,
+    a: usize,
+    b: usize,
 }

@@ -313,7 +313,7 @@ fn read_message(
 ) -> Result<Option<Vec<u8>>, Exit> {
     let mut buf: Vec<u8> = Vec::new();
     let mut got = 0;
-    if let Some(claim) = mailbox.claim(key, len) {
+    if let Some(claim) = mailbox.claim(key, len, false) {
         match read_body(r, tail, claim.ptr, 0, len, wait, Some(&claim.cancel)) {
             (_, None) => {
                 mailbox.release(claim, true);
