@@ -12,14 +12,15 @@
 # functions: the binary then needs the real driver (libcuda.so.1) only when it runs.
 #
 # Environment: CUDA_COMPUTE_CAP (default 90, the H100/H200) is the GPU generation nvcc compiles
-# candle's kernels for; CARGO_TARGET_DIR is respected; CUDA_VENV moves the environment.
+# candle's kernels for; CUDAFORGE_THREADS (default: every CPU) how many nvcc run at once;
+# CARGO_TARGET_DIR is respected; CUDA_VENV moves the environment.
 set -euo pipefail
 
 mode="${1:-build}"
 case "$mode" in
   build | check) ;;
   -h | --help)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
     ;;
   *)
@@ -53,10 +54,14 @@ link_wheels=(
 
 venv="${CUDA_VENV:-$root/.cuda-venv}"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+# candle-kernels' build script compiles its kernels with half the machine's threads unless
+# told otherwise: on a 2-core CI machine that is one nvcc at a time, most of a cold check.
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 
 echo "== scripts/build-cuda.sh $mode"
 echo "   CUDA ${cuda_release} toolkit from PyPI wheels into ${venv#"$root"/}/"
 echo "   CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP} (kernels for sm_${CUDA_COMPUTE_CAP}; set it to change)"
+echo "   CUDAFORGE_THREADS=${CUDAFORGE_THREADS} (nvcc processes at once for candle's kernels)"
 echo "   target dir: ${CARGO_TARGET_DIR:-$root/target}"
 
 die() {
