@@ -42,42 +42,29 @@ impl<T: Transport> Engine<T> {
             let (a, b) = range(i, c);
             self.send_part(cx, next, part(0, c)?, &[&buf[a..b]])?;
         }
+        // The chunks of a phase whose step k receives segment `seg(k)`, as parts from `first`.
+        let phase = |first: usize, seg: &dyn Fn(usize) -> usize| -> Result<Vec<Place>> {
+            (0..steps)
+                .flat_map(|k| (0..nchunks).map(move |c| (k, c)))
+                .map(|(k, c)| {
+                    let (a, b) = range(seg(k), c);
+                    let part = part(first + k, c)?;
+                    Ok(Place { k, c, part, a, b })
+                })
+                .collect()
+        };
         // Reduce-scatter: at step k receive segment (i-k-1), add, forward. The forward after
         // the last step is already the first all-gather step (that segment is complete).
         // Every chunk's place is posted at once to accumulate, so the transport's reader adds
         // the data into the tensor as it arrives (what arrived before is added from the
         // mailbox); each chunk is forwarded as soon as its sum is complete.
-        let places = (0..steps)
-            .flat_map(|k| (0..nchunks).map(move |c| (k, c)))
-            .map(|(k, c)| {
-                let (a, b) = range((i + 2 * n - k - 1) % n, c);
-                Ok(Place {
-                    k,
-                    c,
-                    part: part(k, c)?,
-                    a,
-                    b,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let places = phase(0, &|k| (i + 2 * n - k - 1) % n)?;
         self.take_places(cx, prev, buf, &places, Some(dtype), |p, data| {
             self.send_part(cx, next, part(p.k + 1, p.c)?, &[data])
         })?;
         // All-gather: at step k receive the complete segment (i-k) and forward it, straight
         // into the tensor in the same way.
-        let places = (0..steps)
-            .flat_map(|k| (0..nchunks).map(move |c| (k, c)))
-            .map(|(k, c)| {
-                let (a, b) = range((i + n - k) % n, c);
-                Ok(Place {
-                    k,
-                    c,
-                    part: part(steps + k, c)?,
-                    a,
-                    b,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let places = phase(steps, &|k| (i + n - k) % n)?;
         self.take_places(cx, prev, buf, &places, None, |p, data| {
             if p.k + 1 < steps {
                 self.send_part(cx, next, part(steps + p.k + 1, p.c)?, &[data])?;
