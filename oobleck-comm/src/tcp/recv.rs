@@ -25,6 +25,11 @@ const CANCEL_POLL: Duration = Duration::from_millis(5);
 /// element size; small enough to stay in the core's cache between the read and the add).
 const ADD_PIECE: usize = 64 << 10;
 
+thread_local! {
+    /// The reader thread's buffer for accumulated payloads, kept from one claim to the next.
+    static PIECE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 enum Fill {
     Done,
     /// The receiver gave up after this many bytes.
@@ -105,8 +110,8 @@ fn fill(s: &TcpStream, c: &Claim, len: usize) -> std::io::Result<Fill> {
     let out = match c.add {
         // SAFETY: the claim gives this thread `len` bytes at `c.ptr` until released.
         None => unsafe { recv_exact(s, c, c.ptr, len) },
-        Some(dtype) => (|| {
-            let mut piece = vec![0u8; ADD_PIECE.min(len)];
+        Some(dtype) => PIECE.with_borrow_mut(|piece| {
+            piece.resize(ADD_PIECE.min(len), 0);
             let mut done = 0;
             while done < len {
                 let n = piece.len().min(len - done);
@@ -123,7 +128,7 @@ fn fill(s: &TcpStream, c: &Claim, len: usize) -> std::io::Result<Fill> {
                 done += n;
             }
             Ok(Fill::Done)
-        })(),
+        }),
     };
     s.set_read_timeout(None)?;
     out
@@ -172,7 +177,7 @@ mod tests {
     const N: usize = 100_000;
 
     fn f32_bytes(v: f32) -> Vec<u8> {
-        (0..N).flat_map(|_| v.to_le_bytes()).collect()
+        bytemuck::cast_slice(&vec![v; N]).to_vec()
     }
 
     fn key() -> Key {
