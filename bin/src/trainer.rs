@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
-use oobleck_core::runtime::records::StartInfo;
+use oobleck_core::runtime::wire::records::StartInfo;
 use oobleck_core::runtime::{Event, Workload};
 use oobleck_models::workload::{to_tensors, GptWorkload};
 use serde::Serialize;
@@ -387,4 +387,4 @@ pub fn find_checkpoint(path: &Path) -> Result<(PathBuf, PathBuf)> {
     }
 }
 
-pub use oobleck_core::runtime::driver::truncate_metrics_after;
+pub use oobleck_core::runtime::master::truncate_metrics_after;

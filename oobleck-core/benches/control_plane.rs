@@ -10,12 +10,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use oobleck_core::elastic::protocol::{self, GenerationStart, Message, Rendezvous};
-use oobleck_core::elastic::{Agent, Master, Token};
 use oobleck_core::planning::{
     analytical_profile, generate_templates, gradient_sync_ns, instantiate_with_sizes, DeviceSpec,
     Dtype, JobSpec, TemplateMicrobatches, TransformerShape,
 };
+use oobleck_core::runtime::master::Master;
+use oobleck_core::runtime::node::Agent;
+use oobleck_core::runtime::wire::protocol::{self, GenerationStart, Message, Rendezvous};
+use oobleck_core::runtime::wire::Token;
 use oobleck_core::runtime::StateSource;
 
 const T: Duration = Duration::from_secs(5);

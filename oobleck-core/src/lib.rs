@@ -1,7 +1,7 @@
 //! The Oobleck-rs engine: everything between a model and a cluster.
 //!
 //! ```text
-//!   your main() ── take_over(factory) ── runtime::driver::run_job(workload, options)
+//!   your main() ── take_over(factory) ── runtime::master::run_job(workload, options)
 //!                                           │ master: job::JobMachine decides, the driver acts;
 //!                                           │ agents and workers: your binary, re-run
 //!                                           ▼
@@ -18,7 +18,7 @@
 //!
 //! - [`runtime`] trains any [`runtime::Workload`] (a [`model::LayeredModel`] with its data,
 //!   evaluation and planner profile) on a cluster that loses nodes, from the user's own
-//!   binary: [`runtime::take_over`] first in `main`, then [`runtime::driver::run_job`]. The
+//!   binary: [`runtime::take_over`] first in `main`, then [`runtime::master::run_job`]. The
 //!   job's decisions are a pure state machine ([`runtime::job`]); its workers run
 //!   [`execution`] (stages, gradient sync) and talk to the master over [`elastic`] (the
 //!   authenticated control plane). `examples/residual_mlp` trains a model of its own this way.
@@ -31,7 +31,6 @@
 //! - [`checkpoint`] writes and verifies checkpoints.
 
 pub mod checkpoint;
-pub mod elastic;
 pub mod error;
 pub mod execution;
 pub mod model;

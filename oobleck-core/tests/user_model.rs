@@ -15,8 +15,8 @@ mod run;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use oobleck_core::runtime::driver::Observer;
 use oobleck_core::runtime::job::Limits;
+use oobleck_core::runtime::master::Observer;
 use oobleck_core::runtime::{BoxError, Event};
 
 use model::MlpWorkload;

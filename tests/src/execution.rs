@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use oobleck_comm::{Communicator, LocalNetwork, TcpCommunicator, TcpConfig, Tuning};
-use oobleck_core::execution::{Layout, StageWorker, WorkerConfig};
+use oobleck_core::execution::{Layout, StageConfig, StageRunner};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, AdamWConfig};
 
@@ -24,7 +24,7 @@ pub struct RunSpec {
     pub max_grad_norm: f64,
     /// Bound of every data-plane operation.
     pub timeout: Duration,
-    /// `WorkerConfig::bucket_elems`: the most gradient elements one all-reduce carries.
+    /// `StageConfig::bucket_elems`: the most gradient elements one all-reduce carries.
     pub bucket_elems: usize,
 }
 
@@ -200,7 +200,7 @@ fn run_rank(
     rank: usize,
     comm: &dyn Communicator,
 ) -> Result<RunResult> {
-    let cfg = WorkerConfig {
+    let cfg = StageConfig {
         seed: spec.seed,
         microbatch_size: spec.microbatch_size,
         timeout: spec.timeout,
@@ -208,7 +208,7 @@ fn run_rank(
         dtype: candle_core::DType::F32,
         recompute: false,
     };
-    let w = StageWorker::new(
+    let w = StageRunner::new(
         model,
         layout,
         rank,

@@ -1,9 +1,11 @@
-//! The control-plane cost of committing a step with the real `elastic::{Master, Agent}`.
+//! The control-plane cost of committing a step with the real `runtime::master::Master` and `runtime::node::Agent`.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::elastic::{Agent, Master, MasterConfig, MasterEvent, Message, Token};
+use oobleck_core::runtime::master::{Master, MasterConfig, MasterEvent};
+use oobleck_core::runtime::node::Agent;
+use oobleck_core::runtime::wire::{Message, Token};
 use oobleck_core::runtime::WorkerReport;
 
 use super::table::{median, ms, percentile};

@@ -6,7 +6,7 @@
 //! - the stages the planner cuts from a measured per-layer profile (`oobleck_core::profiler`,
 //!   in the rank's own thread pool), the planner's predicted iteration time for them, and how
 //!   balanced they are, planned and in the running pipeline;
-//! - the measured iteration time (`StageWorker::run_iteration`, the pipeline makespan) against
+//! - the measured iteration time (`StageRunner::run_iteration`, the pipeline makespan) against
 //!   that prediction and against `schedule::simulate` fed with stage times profiled in
 //!   isolation and a measured p2p time;
 //! - the bubble fraction per stage, `1 - busy / makespan`, where busy is the rank's time inside
@@ -16,7 +16,7 @@
 //!   the part of it that ran while the rank's main thread was still busy with its iteration (the
 //!   measured overlap); the part of `sync_gradients` spent waiting for peers still in their
 //!   iteration is shown too;
-//! - the control-plane cost of committing a step with the real `elastic::{Master, Agent}`.
+//! - the control-plane cost of committing a step with the real `runtime::master::Master` and `runtime::node::Agent`.
 //!
 //! ```text
 //!  profile: every layer (profiler) ─► planner ─► stages + predicted iteration

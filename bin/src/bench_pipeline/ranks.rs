@@ -7,8 +7,8 @@ use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, TcpCommunicator};
 use oobleck_core::execution::{
-    buf_to_tensor, sync_gradients, tensor_to_buf, Layout, PipelineSpec, StageSpec, StageWorker,
-    WorkerConfig, BUCKET_ELEMS,
+    buf_to_tensor, sync_gradients, tensor_to_buf, Layout, PipelineSpec, StageConfig, StageRunner,
+    StageSpec, BUCKET_ELEMS,
 };
 use oobleck_core::model::{LayeredModel, ParamSource};
 use oobleck_core::optim::{AdamW, AdamWConfig};
@@ -148,7 +148,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
     let args = setup.args;
     let rank = comm.rank();
     let timeout = Duration::from_secs(args.timeout_s);
-    let cfg = WorkerConfig {
+    let cfg = StageConfig {
         seed: args.seed,
         microbatch_size: args.microbatch_size,
         timeout,
@@ -156,7 +156,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
         dtype: candle_core::DType::F32,
         recompute: false,
     };
-    let w = StageWorker::new(
+    let w = StageRunner::new(
         setup.model,
         setup.layout,
         rank,

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use oobleck_core::execution::{Doing, Progress};
-use oobleck_core::runtime::pipe::progress_line;
+use oobleck_core::runtime::wire::pipe::progress_line;
 use oobleck_core::runtime::worker::BEAT;
 
 use super::hang::MarkCosts;

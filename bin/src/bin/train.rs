@@ -16,8 +16,8 @@ use oobleck_cli::generate::{print_samples, whole_model};
 use oobleck_cli::progress::Progress;
 use oobleck_cli::trainer::Trainer;
 use oobleck_core::checkpoint::load_checkpoint;
-use oobleck_core::elastic::Token;
 use oobleck_core::model::ParamSource;
+use oobleck_core::runtime::wire::Token;
 use oobleck_core::runtime::Workload;
 use oobleck_models::workload::GptWorkload;
 

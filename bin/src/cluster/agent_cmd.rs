@@ -5,7 +5,7 @@ use std::io::BufRead;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::runtime::agent::{run_agent, AgentOptions};
+use oobleck_core::runtime::node::{run_agent, AgentOptions};
 
 /// How long `--token-stdin` waits for the token line.
 const TOKEN_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,7 +1,7 @@
 //! The cluster job of `train --nodes N` (and `--listen`, `--hostfile`): turns the resolved
 //! [`TrainConfig`] into the runtime's [`TrainingSpec`] and the GPT workload's settings, opens
 //! the run directory, starts the agents as asked and hands over to
-//! `oobleck_core::runtime::driver::run_job`, which owns the job from there.
+//! `oobleck_core::runtime::master::run_job`, which owns the job from there.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use oobleck_core::checkpoint;
-use oobleck_core::elastic::protocol::ClusterStatus;
-use oobleck_core::elastic::Token;
 use oobleck_core::optim::LrSchedule;
 use oobleck_core::runtime::device;
-use oobleck_core::runtime::driver::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::job::Limits;
+use oobleck_core::runtime::master::{self, JobOptions, Observer, Started};
+use oobleck_core::runtime::wire::protocol::ClusterStatus;
+use oobleck_core::runtime::wire::Token;
 use oobleck_core::runtime::{
     Context as _, DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
 };
@@ -178,9 +178,9 @@ pub fn run(
     let profile = workload
         .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let profile = driver::planned_profile(profile, &spec, workload.tokens_per_sample());
+    let profile = master::planned_profile(profile, &spec, workload.tokens_per_sample());
     let ids: Vec<u32> = (0..spec.nodes).collect();
-    let first_plan = driver::plan_for(
+    let first_plan = master::plan_for(
         &spec,
         &profile,
         &ids,
@@ -239,17 +239,17 @@ pub fn run(
         Launch::Local => (
             "127.0.0.1:0".parse().context("master address")?,
             Token::random(),
-            driver::Launch::Local {
+            master::Launch::Local {
                 exe: hostfile::agent_binary()?,
             },
         ),
-        Launch::Listen { addr, token } => (addr, token, driver::Launch::Listen),
+        Launch::Listen { addr, token } => (addr, token, master::Launch::Listen),
         Launch::Hostfile { addr, token, hosts } => {
             let secret = token.expose().to_string();
             (
                 addr,
                 token,
-                driver::Launch::Custom(ssh_launcher(hosts, secret)),
+                master::Launch::Custom(ssh_launcher(hosts, secret)),
             )
         }
     };
@@ -281,7 +281,7 @@ pub fn run(
         step_ms: Vec::new(),
         first_generation: None,
     };
-    let result = driver::run_job(workload, opts, &mut watch);
+    let result = master::run_job(workload, opts, &mut watch);
     watch.page = None;
     watch.progress.finish();
     super::status::unpublish(&out);
@@ -306,7 +306,7 @@ pub fn run(
 
 /// Starts one agent per host over ssh once the master listens, and passes on whatever each
 /// prints on stdout so its pipe never fills.
-fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> driver::LaunchFn {
+fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> master::LaunchFn {
     Box::new(move |addr: SocketAddr| {
         Box::pin(async move {
             let addr = addr.to_string();

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::elastic::agent::request_drain;
+use oobleck_core::runtime::wire::client::request_drain;
 
 use super::status::{ask, show, target, StatusArgs};
 

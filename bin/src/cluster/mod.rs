@@ -2,7 +2,7 @@
 //! locally or over ssh, and the tools that talk to a running job.
 //!
 //! ```text
-//!  train (master: oobleck_core::runtime::driver)
+//!  train (master: oobleck_core::runtime::master)
 //!    ├─ train, as an agent        (one per node: a child process in local mode, started by
 //!    │    │                        hand with `oobleck agent`/`train agent`, or over ssh)
 //!    │    └─ train, as a worker   (one per device, always a child of its agent)
@@ -23,4 +23,4 @@ pub mod job;
 pub mod membership_cmd;
 pub mod status;
 
-pub use oobleck_core::runtime::pipe::resolve;
+pub use oobleck_core::runtime::net::resolve;

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::elastic::agent::{request_kill, request_status};
-use oobleck_core::elastic::protocol::ClusterStatus;
-use oobleck_core::elastic::Token;
+use oobleck_core::runtime::wire::client::{request_kill, request_status};
+use oobleck_core::runtime::wire::protocol::ClusterStatus;
+use oobleck_core::runtime::wire::Token;
 
 /// File in the run directory naming the master's control address (written by `train`).
 pub const MASTER_FILE: &str = "master.json";
@@ -268,7 +268,7 @@ pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
 pub(super) fn ask<F, Fut>(a: &StatusArgs, what: &str, request: F) -> Result<ClusterStatus>
 where
     F: FnOnce(SocketAddr, Token, Duration) -> Fut,
-    Fut: std::future::Future<Output = oobleck_core::elastic::ElasticResult<ClusterStatus>>,
+    Fut: std::future::Future<Output = oobleck_core::runtime::wire::WireResult<ClusterStatus>>,
 {
     let (addr, token) = target(a)?;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -296,7 +296,7 @@ pub(super) fn show(a: &StatusArgs, status: &ClusterStatus, head: Option<&str>) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oobleck_core::elastic::protocol::NodeStatus;
+    use oobleck_core::runtime::wire::protocol::NodeStatus;
 
     #[test]
     fn status_names_joining_draining_and_spare_nodes() {
@@ -338,8 +338,8 @@ mod tests {
 
     #[test]
     fn status_shows_each_ranks_times_and_marks_stragglers() {
-        use oobleck_core::elastic::protocol::RankStatus;
         use oobleck_core::execution::StepTimes;
+        use oobleck_core::runtime::wire::protocol::RankStatus;
         let rank = |rank: u32, compute_ms: f64, straggler: bool| RankStatus {
             rank,
             node: rank,

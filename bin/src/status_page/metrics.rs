@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 
-use oobleck_core::elastic::protocol::ClusterStatus;
+use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -234,7 +234,9 @@ fn stage_times(reg: &mut Registry, latest: Option<&Value>, status: Option<&Clust
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oobleck_core::elastic::protocol::{NodeStatus, PipelineStatus, RankStatus, StageStatus};
+    use oobleck_core::runtime::wire::protocol::{
+        NodeStatus, PipelineStatus, RankStatus, StageStatus,
+    };
     use prometheus_parse::{Scrape, Value as P};
 
     fn scrape(text: &str) -> Scrape {

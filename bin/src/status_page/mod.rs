@@ -29,9 +29,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use oobleck_core::elastic::agent::request_status;
-use oobleck_core::elastic::protocol::ClusterStatus;
-use oobleck_core::elastic::Token;
+use oobleck_core::runtime::wire::client::request_status;
+use oobleck_core::runtime::wire::protocol::ClusterStatus;
+use oobleck_core::runtime::wire::Token;
 
 use self::auth::Gate;
 use self::feed::Feed;

@@ -8,7 +8,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use oobleck_core::elastic::agent::{request_drain, request_kill};
+use oobleck_core::runtime::wire::client::{request_drain, request_kill};
 use serde_json::json;
 
 use super::auth::{cookie, Need, Presented, Verdict, SESSION_COOKIE};
@@ -180,7 +180,7 @@ async fn action(State(s): State<Arc<Shared>>, Path((node, what)): Path<(u32, Str
             };
             Json(json!({ "message": message })).into_response()
         }
-        Err(oobleck_core::elastic::ElasticError::Refused { reason: why }) => {
+        Err(oobleck_core::runtime::wire::WireError::Refused { reason: why }) => {
             error(StatusCode::CONFLICT, &format!("the master refused: {why}"))
         }
         Err(e) => error(

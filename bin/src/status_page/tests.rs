@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use oobleck_core::elastic::Token;
+use oobleck_core::runtime::wire::Token;
 
 use super::StatusPage;
 

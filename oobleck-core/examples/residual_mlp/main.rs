@@ -17,9 +17,9 @@ mod run;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use oobleck_core::elastic::protocol::ClusterStatus;
-use oobleck_core::runtime::driver::Observer;
 use oobleck_core::runtime::job::Limits;
+use oobleck_core::runtime::master::Observer;
+use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::{BoxError, StepMetrics};
 
 use model::MlpWorkload;

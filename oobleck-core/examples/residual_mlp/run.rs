@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{load_checkpoint, Checkpoint};
-use oobleck_core::elastic::Token;
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamWConfig, LrSchedule};
-use oobleck_core::runtime::driver::{run_job, JobOptions, JobSummary, Launch, Observer};
 use oobleck_core::runtime::job::Limits;
+use oobleck_core::runtime::master::{run_job, JobOptions, JobSummary, Launch, Observer};
+use oobleck_core::runtime::wire::Token;
 use oobleck_core::runtime::{
     BoxError, DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
 };

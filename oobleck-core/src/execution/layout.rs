@@ -395,4 +395,28 @@ mod tests {
         assert!(two(0..0, 0..2, 2).is_err());
         assert!(two(0..1, 1..3, 3).is_ok());
     }
+
+    /// The ranks `planning::stage_leads` names are device 0 of their stage in the layout.
+    mod stage_leads {
+        use crate::execution::Layout;
+        use crate::planning::ranks::test_plans::plan_with_stages;
+        use crate::planning::{stage_leads, world_size};
+
+        #[test]
+        fn stage_leads_are_device_0_of_each_stage_even_with_two_stages_on_a_node() {
+            let plan = plan_with_stages();
+            assert_eq!(stage_leads(&plan, 0), vec![0, 1]);
+            assert_eq!(stage_leads(&plan, 1), vec![2, 4]);
+            assert!(stage_leads(&plan, 2).is_empty());
+            // The same ranks the execution layout puts at device 0 of a stage.
+            let layout = Layout::from_plan(&plan, 4).expect("layout");
+            for rank in 0..world_size(&plan) {
+                let pos = layout
+                    .position(rank as usize)
+                    .expect("every rank has a place");
+                let lead = stage_leads(&plan, pos.pipeline).contains(&rank);
+                assert_eq!(lead, pos.device == 0, "rank {rank} at {pos:?}");
+            }
+        }
+    }
 }

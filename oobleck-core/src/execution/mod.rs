@@ -4,7 +4,7 @@
 //! ```text
 //!  Layout (pipelines of StageSpec{layers, ranks}, microbatch runs)
 //!     │
-//!  StageWorker::run_iteration ── schedule::device_stream ─► Forward/Backward + p2p over a
+//!  StageRunner::run_iteration ── schedule::device_stream ─► Forward/Backward + p2p over a
 //!     │                                                     &dyn Communicator (TensorBuf f32)
 //!     ▼  local gradients (sum over this pipeline's microbatches, each loss scaled by 1/B)
 //!  sync::sync_gradients ── all-reduce per bucket of layers (holders across pipelines)
@@ -18,13 +18,13 @@
 
 mod layout;
 mod progress;
+mod stage;
 mod sync;
-mod worker;
 
 pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
 pub use progress::{Doing, Kind, Mark, OpHook, Progress, Snapshot, StepTimes, Watched};
+pub use stage::{IterationOutput, OverlapStats, StageConfig, StageRunner};
 pub use sync::{sync_gradients, SyncReport, BUCKET_ELEMS};
-pub use worker::{IterationOutput, OverlapStats, StageWorker, WorkerConfig};
 
 use candle_core::{Device, Tensor};
 use oobleck_comm::{DType, TensorBuf};

@@ -3,7 +3,7 @@
 //! that is slow from one that is stuck, and name where it is stuck.
 //!
 //! ```text
-//!  StageWorker::run_iteration ── Forward/Backward of microbatch m ──┐
+//!  StageRunner::run_iteration ── Forward/Backward of microbatch m ──┐
 //!  Watched (a Communicator)   ── send/recv (peer, microbatch),      ├─► Progress: a stack of
 //!                                all_reduce/broadcast/barrier (#k)  │   what is under way,
 //!  the worker's step loop     ── begin_step / end_step / Commit ────┘   a counter that moves

@@ -6,7 +6,7 @@
 //! layers, so all members see the same buckets above it and issue them first; by induction
 //! from the top layer down each call finds its peers.
 //!
-//! Overlap with the backward (`worker.rs`): the last backward of an iteration (the last
+//! Overlap with the backward (`stage.rs`): the last backward of an iteration (the last
 //! microbatch) runs layer by layer, and each bucket is handed, once its layers are done, to
 //! one background thread that all-reduces the buckets one at a time in that same descending
 //! order; `sync_gradients` joins nothing (`run_iteration` already did) and issues only the
@@ -16,7 +16,7 @@
 //! hold that up in a cycle:
 //! - the background thread starts after the rank's last receive of the iteration (the last
 //!   backward follows every `Recv*` in 1F1B), so no receive of this rank waits behind it;
-//! - p2p tags are below 2^63 and collectives use bit 63 (`tag()` in `worker.rs`), so their
+//! - p2p tags are below 2^63 and collectives use bit 63 (`tag()` in `stage.rs`), so their
 //!   messages never match each other, and `Communicator` is `Send + Sync` with operations on
 //!   different channels allowed concurrently from different threads. On the TCP and local
 //!   backends a send only queues a frame (a peer's reader thread always drains it), so it
@@ -34,7 +34,7 @@ use oobleck_comm::{Communicator, TensorBuf};
 use tracing::debug_span;
 
 use super::buf_f32;
-use super::worker::{IterationOutput, StageWorker};
+use super::stage::{IterationOutput, StageRunner};
 use crate::optim::AdamW;
 use crate::{Error, Result};
 
@@ -51,7 +51,7 @@ pub struct SyncReport {
 /// global norm and, with `max_grad_norm`, clips like `optim::clip_grad_norm` on the whole model.
 /// Returns the synchronised gradients of this rank's parameters.
 pub fn sync_gradients(
-    worker: &StageWorker,
+    worker: &StageRunner,
     comm: &dyn Communicator,
     out: IterationOutput,
     max_grad_norm: Option<f64>,
@@ -147,7 +147,7 @@ pub fn sync_gradients(
     Ok((grads, SyncReport { loss, grad_norm }))
 }
 
-impl StageWorker {
+impl StageRunner {
     /// One full training step of this rank: the 1F1B iteration, gradient sync and clipping,
     /// then AdamW at learning rate `lr` on this rank's parameters. Every replica of a
     /// parameter receives the same summed gradient, so all replicas stay identical.
@@ -199,15 +199,15 @@ impl SyncBucket {
     }
 }
 
-/// Default of `WorkerConfig::bucket_elems`: most gradient elements one all-reduce carries
+/// Default of `StageConfig::bucket_elems`: most gradient elements one all-reduce carries
 /// (4 MiB of f32), unless a single layer has more. A layout bucket (consecutive layers with the same holders, often a whole stage) is cut
 /// into runs of layers under this size, from the top layer down, so the all-reduce of the top
-/// layers can run while the backward of the lower ones still computes (`worker.rs`); the cut
+/// layers can run while the backward of the lower ones still computes (`stage.rs`); the cut
 /// depends only on layer indices and parameter shapes, so every holder cuts alike.
 pub const BUCKET_ELEMS: usize = 1 << 20;
 
 /// The buckets of `worker`'s rank in the global order: descending first layer.
-pub(super) fn sync_buckets(worker: &StageWorker) -> Vec<SyncBucket> {
+pub(super) fn sync_buckets(worker: &StageRunner) -> Vec<SyncBucket> {
     let tied_names: BTreeSet<&str> = worker.tied.iter().map(|p| p.name.as_str()).collect();
     let mut out: Vec<SyncBucket> = Vec::new();
     for bucket in worker.layout.buckets_of(worker.rank) {

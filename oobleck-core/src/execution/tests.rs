@@ -199,7 +199,7 @@ fn distributed(model: &Toy, layout: Layout, recompute: bool) -> Vec<(Vec<f64>, P
             .map(|(rank, comm)| {
                 let layout = layout.clone();
                 s.spawn(move || {
-                    let cfg = WorkerConfig {
+                    let cfg = StageConfig {
                         seed: 0,
                         microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(20),
@@ -207,7 +207,7 @@ fn distributed(model: &Toy, layout: Layout, recompute: bool) -> Vec<(Vec<f64>, P
                         dtype: candle_core::DType::F32,
                         recompute,
                     };
-                    let w = StageWorker::new(
+                    let w = StageRunner::new(
                         model,
                         &layout,
                         rank,
@@ -358,7 +358,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                 let layout = layout.clone();
                 let model = &model;
                 s.spawn(move || {
-                    let cfg = WorkerConfig {
+                    let cfg = StageConfig {
                         seed: 0,
                         microbatch_size: MICRO as u32,
                         timeout: Duration::from_secs(10),
@@ -366,7 +366,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                         dtype: candle_core::DType::F32,
                         recompute: false,
                     };
-                    let w = StageWorker::new(
+                    let w = StageRunner::new(
                         model,
                         &layout,
                         rank,
@@ -445,7 +445,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         }],
     )
     .unwrap();
-    let cfg = |b| WorkerConfig {
+    let cfg = |b| StageConfig {
         seed: 0,
         microbatch_size: b,
         timeout: Duration::from_secs(1),
@@ -454,7 +454,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         recompute: false,
     };
     let build = |b| {
-        StageWorker::new(
+        StageRunner::new(
             &model,
             &layout,
             1,
@@ -474,7 +474,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
             device: 1
         }
     );
-    assert!(StageWorker::new(
+    assert!(StageRunner::new(
         &model,
         &layout,
         2,

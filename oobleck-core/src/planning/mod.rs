@@ -22,6 +22,7 @@ pub mod analytical;
 pub(crate) mod compose;
 pub mod instantiate;
 pub mod profile;
+pub mod ranks;
 pub mod report;
 pub mod template;
 
@@ -34,6 +35,7 @@ pub use profile::{
     ClusterSpec, Fingerprint, JobSpec, LayerProfile, LinkModel, ModelProfile, Nanos,
     TemplateMicrobatches,
 };
+pub use ranks::{ranks_of_node, stage_leads, world_size};
 pub use template::{generate_templates, Stage, Template, TemplateSet};
 
 /// Why a plan cannot be made. Every variant carries the numbers a user needs to fix the input.

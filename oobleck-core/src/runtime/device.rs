@@ -35,7 +35,7 @@ pub fn detect_gpus() -> Result<Option<Gpus>> {
 fn probe_gpus() -> std::result::Result<Option<Gpus>, String> {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        use candle_core::cuda_backend::cudarc::master::CudaContext;
         let count = match CudaContext::device_count() {
             Ok(n) => n.max(0) as usize,
             // No device or no usable driver: the CPU it is.
@@ -96,7 +96,7 @@ pub fn check_precision(compute: Compute, ordinal: u32, precision: Dtype) -> Resu
 
 #[cfg(feature = "cuda")]
 fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
-    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    use candle_core::cuda_backend::cudarc::master::CudaContext;
     CudaContext::new(ordinal as usize)
         .and_then(|c| c.compute_capability())
         .map_err(|e| RuntimeError::Invalid(format!("CUDA device {ordinal} does not open: {e}")))

@@ -4,15 +4,7 @@
 //! ([`std::env::current_exe`]) with no arguments (the binary's flags are its own) and says
 //! what each is in the environment:
 //!
-//! | variable                   | role   | meaning                                          |
-//! |----------------------------|--------|--------------------------------------------------|
-//! | `OOBLECK_ROLE`             | both   | `agent` or `worker`; unset: the user's process    |
-//! | `OOBLECK_MASTER`           | agent  | the master's control address, `HOST:PORT`        |
-//! | `OOBLECK_TOKEN`            | agent  | the job's shared secret                           |
-//! | `OOBLECK_HOST`             | agent  | optional: the IP its workers bind their data plane on |
-//! | `OOBLECK_AGENT_WAIT`       | agent  | optional: seconds to wait for the master (120)    |
-//! | `OOBLECK_EXIT_WITH_PARENT` | agent  | `1`: exit when stdin closes                        |
-//! | `OOBLECK_RANK`             | worker | the worker's global rank                          |
+//! The variables are listed in [`super::wire::env`].
 //!
 //! This module ends the process for those roles, so it prints: the error on stderr, in the
 //! `Error: ...` form whose lines an agent sends the master when its worker fails.
@@ -22,33 +14,15 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::agent::{run_agent, AgentOptions};
 use super::error::{BoxError, Result, RuntimeError};
-use super::spec::Workload;
+use super::node::{run_agent, AgentOptions};
+use super::wire::env::{
+    AGENT, AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
+    TOKEN_ENV, WORKER,
+};
 use super::worker::run_worker;
-use crate::elastic::auth::TOKEN_ENV;
-use crate::elastic::Token;
-
-/// What this process was started as.
-pub const ROLE_ENV: &str = "OOBLECK_ROLE";
-/// The master's control address of an agent.
-pub const MASTER_ENV: &str = "OOBLECK_MASTER";
-/// The data-plane IP of an agent's workers.
-pub const HOST_ENV: &str = "OOBLECK_HOST";
-/// Seconds an agent waits for its master.
-pub const AGENT_WAIT_ENV: &str = "OOBLECK_AGENT_WAIT";
-/// `1`: the agent exits when its stdin closes.
-pub const EXIT_WITH_PARENT_ENV: &str = "OOBLECK_EXIT_WITH_PARENT";
-/// A worker's global rank.
-pub const RANK_ENV: &str = "OOBLECK_RANK";
-/// Agents of the job on this agent's machine (a local cluster's: all of them); default 1. Its
-/// workers share the machine's cores with theirs.
-pub const HOST_AGENTS_ENV: &str = "OOBLECK_HOST_AGENTS";
-
-/// `OOBLECK_ROLE` of a node agent.
-pub const AGENT: &str = "agent";
-/// `OOBLECK_ROLE` of a worker.
-pub const WORKER: &str = "worker";
+use super::workload::Workload;
+use crate::runtime::wire::Token;
 
 /// The first word of the error a role prints when it fails; an agent explains a failed
 /// worker to the master from the worker's last line that starts with it.

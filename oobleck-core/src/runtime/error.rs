@@ -109,7 +109,9 @@ pub enum RuntimeError {
         source: std::io::Error,
     },
     #[error(transparent)]
-    Elastic(#[from] crate::elastic::ElasticError),
+    Wire(#[from] crate::runtime::wire::WireError),
+    #[error(transparent)]
+    Spec(#[from] crate::runtime::spec::SpecError),
     #[error(transparent)]
     Core(#[from] crate::Error),
 }

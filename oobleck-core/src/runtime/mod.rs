@@ -5,7 +5,7 @@
 //!  your main()
 //!    ├─ take_over(factory)       first line: when this process was started as an agent or a
 //!    │                           worker of a job, it runs that role here and exits
-//!    └─ driver::run_job(..)      the master: plans, commits steps, recovers from failures
+//!    └─ master::run_job(..)      the master: plans, commits steps, recovers from failures
 //!         ├─ agent (1 per node)  re-runs your binary: registers, spawns one worker per device
 //!         │    └─ worker         re-runs your binary: builds its stage of the workload, trains
 //!         └─ ...
@@ -17,24 +17,26 @@
 //! - [`records`]: what workers report, and the typed lines of `events.jsonl` and
 //!   `metrics.jsonl`.
 
-pub mod agent;
 pub mod allocator;
 pub mod device;
-pub mod driver;
 mod entry;
 pub mod error;
 pub mod job;
-pub mod pipe;
-pub mod records;
+pub mod master;
+pub mod net;
+pub mod node;
 pub mod spec;
 pub mod timeouts;
+pub mod wire;
 pub mod worker;
+pub mod workload;
 
 pub use allocator::{tune_allocator, TrainingAlloc};
 pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
-pub use pipe::StateSource;
-pub use records::{Event, StepMetrics, WorkerReport};
+pub use master::run_job;
 pub use spec::{
-    Compute, DataPlane, Factory, InjectedFailure, JobConfig, TrainingSpec, WatchSpec, Workload,
+    Compute, DataPlane, InjectedFailure, JobConfig, SpecError, TrainingSpec, WatchSpec,
 };
+pub use wire::{Event, StateSource, StepMetrics, WorkerReport};
+pub use workload::{Factory, Workload};

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
-use crate::runtime::records::{Event, WorkerReport};
+use crate::runtime::wire::records::{Event, WorkerReport};
 
 /// Whether every rank of a generation of `world` ranks waits on its peers in step `step`,
 /// given the step each waiting rank said it waits in.

@@ -9,12 +9,12 @@ use super::stragglers::{StragglerRule, StragglerWatch};
 use super::{Action, Input, JobStart, Limits};
 use crate::execution::StepTimes;
 use crate::planning::Plan;
+use crate::planning::{stage_leads, world_size};
 use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::pipe::StateSource;
-use crate::runtime::pipe::{stage_leads, world_size};
-use crate::runtime::records::{Event, PipelineLayout};
 use crate::runtime::spec::TrainingSpec;
+use crate::runtime::wire::pipe::StateSource;
+use crate::runtime::wire::records::{Event, PipelineLayout};
 
 /// Where the job is.
 #[derive(Debug)]

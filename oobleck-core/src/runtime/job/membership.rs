@@ -16,7 +16,7 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use super::recovery::Failure;
 use super::Action;
-use crate::runtime::records::Event;
+use crate::runtime::wire::records::Event;
 
 /// What [`join_verdict`] looks at.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -41,12 +41,12 @@ pub use machine::JobMachine;
 pub use stragglers::StragglerRule;
 
 use super::error::RuntimeError;
-use super::pipe::StateSource;
-use super::records::{Event, WorkerReport};
-use crate::elastic::protocol::{RankStatus, Rendezvous};
+use super::wire::pipe::StateSource;
+use super::wire::records::{Event, WorkerReport};
 use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::reconfig::{Holdings, ReconfigPlan};
+use crate::runtime::wire::protocol::{RankStatus, Rendezvous};
 
 /// The bounds of every wait the job makes, so nothing hangs.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -11,8 +11,8 @@ use super::machine::{JobMachine, Phase};
 use super::{Action, Input};
 use crate::reconfig::{Donor, ReconfigPlan};
 use crate::runtime::error::RuntimeError;
-use crate::runtime::pipe::StateSource;
-use crate::runtime::records::{Event, WorkerReport};
+use crate::runtime::wire::pipe::StateSource;
+use crate::runtime::wire::records::{Event, WorkerReport};
 
 /// The failure being recovered from.
 #[derive(Debug, Clone)]

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::recovery::Failure;
-use crate::elastic::protocol::ExitStatus;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::records::Event;
-use crate::runtime::records::{CorruptCopy, WorkerReport};
+use crate::runtime::wire::protocol::ExitStatus;
+use crate::runtime::wire::records::Event;
+use crate::runtime::wire::records::{CorruptCopy, WorkerReport};
 
 impl JobMachine {
     pub(super) fn on_worker(

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::Action;
-use crate::elastic::protocol::Rendezvous;
 use crate::execution::StepTimes;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::records::Event;
+use crate::runtime::wire::protocol::Rendezvous;
+use crate::runtime::wire::records::Event;
 
 impl JobMachine {
     pub(super) fn on_listening(

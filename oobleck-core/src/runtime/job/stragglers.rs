@@ -27,11 +27,11 @@ use std::time::Duration;
 use super::machine::JobMachine;
 use super::membership::drain_verdict;
 use super::Action;
-use crate::elastic::protocol::RankStatus;
 use crate::execution::StepTimes;
 use crate::planning::Plan;
-use crate::runtime::records::Event;
 use crate::runtime::spec::WatchSpec;
+use crate::runtime::wire::protocol::RankStatus;
+use crate::runtime::wire::records::Event;
 
 /// When a rank is a straggler.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::execution::Progress;
-use crate::runtime::pipe::progress_line;
+use crate::runtime::wire::pipe::progress_line;
 
 /// How often the beat thread looks at the progress.
 pub const BEAT: Duration = Duration::from_millis(50);

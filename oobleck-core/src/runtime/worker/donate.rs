@@ -9,9 +9,10 @@ use super::inbox::{report, Inbox};
 use super::state::{exchange, CopyHooks, Held};
 use super::steps::BROKEN_WAIT;
 use super::{connect_tcp, protocol, Flow, Listening, DATA_TIMEOUT};
+use crate::planning::world_size;
 use crate::runtime::error::Result;
-use crate::runtime::pipe::{world_size, StateSource, ToWorker, WorkerAssignment};
-use crate::runtime::records::WorkerReport;
+use crate::runtime::wire::pipe::{StateSource, ToWorker, WorkerAssignment};
+use crate::runtime::wire::records::WorkerReport;
 
 /// How many donors the generation of `a` has.
 pub(super) fn donors(a: &WorkerAssignment) -> usize {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::inbox::AbortSwitch;
 use crate::execution::{Doing, OpHook, Progress};
-use crate::runtime::pipe::WorkerAssignment;
+use crate::runtime::wire::pipe::WorkerAssignment;
 
 /// `OOBLECK_TEST_HANG=GENERATION:NODE:STEP:WHERE[,...]`: the worker of `NODE` in generation
 /// `GENERATION` stops itself with SIGSTOP in step `STEP` (1-based), `WHERE` being `compute`

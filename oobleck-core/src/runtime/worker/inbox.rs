@@ -1,6 +1,6 @@
 //! The worker's ends of its pipe: the agent's lines on stdin, the reports on stdout.
 //!
-//! This module owns the process's stdin and stdout (the pipe protocol of [`crate::runtime::pipe`]),
+//! This module owns the process's stdin and stdout (the pipe protocol of [`crate::runtime::wire::pipe`]),
 //! so it prints: the worker's stderr is its log, which the agent passes on.
 
 use std::io::{BufRead, Write};
@@ -12,8 +12,8 @@ use oobleck_comm::Communicator;
 
 use super::protocol;
 use crate::runtime::error::{Context, Result};
-use crate::runtime::pipe::{ToWorker, WorkerAssignment};
-use crate::runtime::records::WorkerReport;
+use crate::runtime::wire::pipe::{ToWorker, WorkerAssignment};
+use crate::runtime::wire::records::WorkerReport;
 
 /// How long a worker waits for its assignment on stdin.
 const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);

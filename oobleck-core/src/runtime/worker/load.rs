@@ -13,7 +13,8 @@ use super::state::{exchange, CopyHooks, CopyStats, Held};
 use super::{not_formed, protocol, FormError, DATA_TIMEOUT};
 use crate::checkpoint::load_checkpoint;
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::pipe::{resolve, StateSource, WorkerAssignment};
+use crate::runtime::net::resolve;
+use crate::runtime::wire::pipe::{StateSource, WorkerAssignment};
 
 /// A test hook for failures at exact points: `OOBLECK_TEST_KILL=POINT:GENERATION:NODE:STEP`
 /// makes the worker of `NODE` SIGKILL itself at `POINT` (`sync`: before the gradient sync of

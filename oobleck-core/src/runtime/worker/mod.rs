@@ -44,13 +44,14 @@ pub use self::load::{TEST_CORRUPT_ENV, TEST_KILL_ENV};
 use self::state::Held;
 use super::device;
 use super::error::{Context, Result, RuntimeError};
-use super::pipe::{resolve, ToWorker, WorkerAssignment};
-use super::records::{CorruptCopy, WorkerReport};
-use super::spec::{Factory, Workload};
-use crate::elastic::protocol::Rendezvous;
-use crate::execution::{Layout, Progress, StageWorker, Watched, WorkerConfig, BUCKET_ELEMS};
+use super::net::resolve;
+use super::wire::pipe::{ToWorker, WorkerAssignment};
+use super::wire::records::{CorruptCopy, WorkerReport};
+use super::workload::{Factory, Workload};
+use crate::execution::{Layout, Progress, StageConfig, StageRunner, Watched, BUCKET_ELEMS};
 use crate::model::{LayeredModel, ParamSource};
 use crate::optim::AdamW;
+use crate::runtime::wire::protocol::Rendezvous;
 
 pub use super::timeouts::{COMMIT_TIMEOUT, DATA_TIMEOUT};
 
@@ -184,7 +185,7 @@ impl Listening {
 /// One generation of this worker: its stage of the plan, its communicators, its optimizer.
 struct Generation<'a> {
     a: &'a WorkerAssignment,
-    worker: StageWorker,
+    worker: StageRunner,
     /// The data plane, every operation marked in `progress`.
     comm: Arc<dyn Communicator>,
     /// What the rank is doing, for the agent's watchdog (`beat.rs`) and its step times.
@@ -285,13 +286,13 @@ impl<'a> Generation<'a> {
         device::check_precision(training.compute, ordinal, training.precision)?;
         let device = device::open(training.compute, ordinal)
             .with_ctx(|| format!("rank {}: its device", a.rank))?;
-        let mut worker = StageWorker::new(
+        let mut worker = StageRunner::new(
             workload.model(),
             layout,
             a.rank as usize,
             &device,
             source,
-            WorkerConfig {
+            StageConfig {
                 seed: training.seed,
                 microbatch_size: training.microbatch_size,
                 timeout: DATA_TIMEOUT,

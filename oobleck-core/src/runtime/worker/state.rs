@@ -24,7 +24,7 @@ use oobleck_comm::{Communicator, DType, TensorBuf};
 use serde::{Deserialize, Serialize};
 
 use super::protocol;
-use crate::execution::StageWorker;
+use crate::execution::StageRunner;
 use crate::optim::AdamW;
 use crate::reconfig::LayerCopy;
 use crate::runtime::error::{Context, Result, RuntimeError};
@@ -57,7 +57,7 @@ impl Held {
 
     /// A running stage's layers and their optimizer state at committed `step`. (A stage that
     /// never stepped has zero moments, which is what AdamW starts from.)
-    pub fn of_stage(worker: &StageWorker, opt: &mut AdamW, step: u64) -> Result<Held> {
+    pub fn of_stage(worker: &StageRunner, opt: &mut AdamW, step: u64) -> Result<Held> {
         opt.ensure_state(&worker.params())?;
         let mut layers = BTreeMap::new();
         for layer in worker.stage().layers() {

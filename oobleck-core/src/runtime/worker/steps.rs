@@ -13,11 +13,12 @@ use super::state::Held;
 use super::{protocol, state_path, state_path_at, Flow, Generation, COMMIT_TIMEOUT};
 use crate::execution::{sync_gradients, Doing};
 use crate::optim::AdamW;
+use crate::planning::stage_leads;
 use crate::runtime::entry::error_chain;
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::pipe::{stage_leads, ToWorker, WorkerAssignment};
-use crate::runtime::records::WorkerReport;
-use crate::runtime::spec::Workload;
+use crate::runtime::wire::pipe::{ToWorker, WorkerAssignment};
+use crate::runtime::wire::records::WorkerReport;
+use crate::runtime::workload::Workload;
 
 /// The longest a state upload to the master may take.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(600);

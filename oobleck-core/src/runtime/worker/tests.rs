@@ -151,7 +151,7 @@ fn assignment() -> WorkerAssignment {
         },
         nccl_id: None,
         key: oobleck_comm::SecretKey::random(),
-        source: crate::runtime::pipe::StateSource::Peers {
+        source: crate::runtime::wire::pipe::StateSource::Peers {
             step: 3,
             copies: vec![crate::reconfig::LayerCopy {
                 layer: 2,

@@ -5,7 +5,7 @@ use super::*;
 use crate::runtime::job::membership::{
     drain_verdict, join_verdict, DrainCase, JoinCase, JoinVerdict,
 };
-use crate::runtime::pipe::StateSource;
+use crate::runtime::wire::pipe::StateSource;
 
 fn join(now: usize, with: usize, f: u32, waited: f64) -> JoinVerdict {
     join_verdict(&JoinCase {

@@ -9,10 +9,10 @@ mod stragglers;
 use std::time::Duration;
 
 use super::*;
-use crate::elastic::protocol::ExitStatus;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::planning::{Pipeline, Plan, Stage, Template};
 use crate::runtime::spec::{DataPlane, InjectedFailure, TrainingSpec};
+use crate::runtime::wire::protocol::ExitStatus;
 
 pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
     TrainingSpec {
@@ -445,7 +445,7 @@ pub(super) fn plan_request(actions: &[Action]) -> (Vec<u32>, u32) {
 }
 
 /// The source of the generation a `Deploy` starts.
-pub(super) fn deployed(actions: &[Action]) -> crate::runtime::pipe::StateSource {
+pub(super) fn deployed(actions: &[Action]) -> crate::runtime::wire::pipe::StateSource {
     actions
         .iter()
         .find_map(|a| match a {

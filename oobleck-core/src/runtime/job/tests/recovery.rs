@@ -2,7 +2,7 @@
 //! up.
 
 use super::*;
-use crate::runtime::pipe::StateSource;
+use crate::runtime::wire::pipe::StateSource;
 
 #[test]
 fn a_loss_during_a_step_is_recovered_in_place_with_no_step_lost() {
@@ -342,7 +342,7 @@ fn a_corrupted_copy_makes_the_next_decision_skip_that_replica() {
             rank: 1,
             step: 1,
             error: "layer 0 from rank 0: arrived corrupted".into(),
-            corrupt: Some(crate::runtime::records::CorruptCopy { layer: 0, from: 0 }),
+            corrupt: Some(crate::runtime::wire::records::CorruptCopy { layer: 0, from: 0 }),
         },
     );
     assert!(

@@ -22,7 +22,7 @@ use crate::{Error, Result};
 
 /// Settings a worker needs beyond the layout.
 #[derive(Debug, Clone, Copy)]
-pub struct WorkerConfig {
+pub struct StageConfig {
     /// Keys dropout: `(seed, iteration, global microbatch, layer)`.
     pub seed: u64,
     /// `b`: samples per microbatch. A stage of `g` devices gives each `schedule::rows(b, g, d)`.
@@ -73,7 +73,7 @@ type BucketJob = (SyncBucket, HashMap<String, Tensor>);
 type BucketDone = (Range<usize>, HashMap<String, Tensor>, Instant, Instant);
 
 /// A rank's stage of one pipeline, with its place in the layout.
-pub struct StageWorker {
+pub struct StageRunner {
     pub(super) stage: Stage,
     pub(super) rank: Rank,
     pub(super) pos: Position,
@@ -87,7 +87,7 @@ pub struct StageWorker {
     num_mb: u32,
     total_mb: u32,
     device: Device,
-    pub(super) cfg: WorkerConfig,
+    pub(super) cfg: StageConfig,
     /// Where its microbatches' compute is marked for a watchdog (`progress`), if anywhere.
     progress: Option<Arc<Progress>>,
 }
@@ -97,7 +97,7 @@ fn tag(iteration: u64, mb: u32, gradient: bool) -> u64 {
     ((iteration & 0x3fff_ffff) << 32) | (u64::from(mb) << 1) | u64::from(gradient)
 }
 
-impl StageWorker {
+impl StageRunner {
     /// Builds the layers `rank` holds in `layout` on `device`.
     pub fn new(
         model: &dyn LayeredModel,
@@ -105,7 +105,7 @@ impl StageWorker {
         rank: Rank,
         device: &Device,
         source: ParamSource<'_>,
-        cfg: WorkerConfig,
+        cfg: StageConfig,
     ) -> Result<Self> {
         if layout.num_layers() != model.num_layers() {
             return Err(Error::LayoutDepth {
@@ -186,7 +186,7 @@ impl StageWorker {
         &self.device
     }
 
-    pub fn config(&self) -> &WorkerConfig {
+    pub fn config(&self) -> &StageConfig {
         &self.cfg
     }
 

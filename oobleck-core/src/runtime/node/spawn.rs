@@ -15,16 +15,17 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 
 use super::{Local, CONTROL_TIMEOUT, GRACE};
-use crate::elastic::auth::TOKEN_ENV;
-use crate::elastic::protocol::ExitStatus;
 use crate::profiler;
-use crate::runtime::entry::{
-    AGENT_WAIT_ENV, ERROR_TAG, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV,
-    RANK_ENV, ROLE_ENV, WORKER,
-};
+use crate::runtime::entry::ERROR_TAG;
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::pipe::{parse_progress, ToWorker, WorkerAssignment};
-use crate::runtime::records::WorkerReport;
+use crate::runtime::wire::auth::TOKEN_ENV;
+use crate::runtime::wire::env::{
+    AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV, RANK_ENV,
+    ROLE_ENV, WORKER,
+};
+use crate::runtime::wire::pipe::{parse_progress, ToWorker, WorkerAssignment};
+use crate::runtime::wire::protocol::ExitStatus;
+use crate::runtime::wire::records::WorkerReport;
 
 /// Lines of a worker's stderr kept to explain its failure to the master.
 const ERROR_LINES: usize = 40;

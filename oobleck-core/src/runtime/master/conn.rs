@@ -14,14 +14,15 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, info, warn};
 
-use super::auth;
-use super::error::{ElasticError, ElasticResult};
-use super::master::{LossReason, MasterConfig, MasterEvent, BINARY_VERSION};
-use super::protocol::{
+use super::server::{LossReason, MasterConfig, MasterEvent};
+use crate::runtime::wire::auth;
+use crate::runtime::wire::protocol::BINARY_VERSION;
+use crate::runtime::wire::protocol::{
     self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, RankStatus,
     PROTOCOL_VERSION,
 };
-use crate::runtime::records::WorkerReport;
+use crate::runtime::wire::records::WorkerReport;
+use crate::runtime::wire::{WireError, WireResult};
 
 /// Messages queued per connection before [`super::master::Master::send_to`] waits.
 const OUTBOX: usize = 64;
@@ -269,7 +270,7 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     let outcome = tokio::time::timeout(t, handshake(&mut r, &mut w, &shared))
         .await
         .unwrap_or_else(|_| {
-            Err(ElasticError::Timeout {
+            Err(WireError::Timeout {
                 op: "handshake",
                 ms: t.as_millis() as u64,
             }
@@ -352,9 +353,7 @@ async fn serve_agent(
         let msg = match msg {
             Ok(Some(m)) => m,
             Ok(None) => break LossReason::Closed,
-            Err(ElasticError::Timeout { ms, .. }) => {
-                break LossReason::LeaseExpired { lease_ms: ms }
-            }
+            Err(WireError::Timeout { ms, .. }) => break LossReason::LeaseExpired { lease_ms: ms },
             Err(e) => break LossReason::Protocol(e.to_string()),
         };
         shared.touch(node);
@@ -445,7 +444,7 @@ async fn serve_client(
                     }
                 } else {
                     Message::Refused {
-                        reason: ElasticError::UnknownNode { node }.to_string(),
+                        reason: WireError::UnknownNode { node }.to_string(),
                     }
                 }
             }
@@ -458,7 +457,7 @@ async fn serve_client(
                     }
                 } else {
                     Message::Refused {
-                        reason: ElasticError::UnknownNode { node }.to_string(),
+                        reason: WireError::UnknownNode { node }.to_string(),
                     }
                 }
             }
@@ -521,7 +520,7 @@ async fn write_loop(
     node: u32,
     interval: Duration,
     write_timeout: Duration,
-) -> ElasticResult<()> {
+) -> WireResult<()> {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;

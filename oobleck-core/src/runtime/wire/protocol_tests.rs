@@ -12,7 +12,7 @@ fn rt() -> tokio::runtime::Runtime {
         .expect("a current-thread runtime always builds")
 }
 
-fn decode_all(bytes: &[u8]) -> ElasticResult<Option<Message>> {
+fn decode_all(bytes: &[u8]) -> WireResult<Option<Message>> {
     rt().block_on(async {
         let mut r = bytes;
         read_frame(&mut r, T).await
@@ -125,7 +125,7 @@ fn a_close_inside_the_header_or_body_is_truncated() {
     assert!(
         matches!(
             err,
-            ElasticError::Truncated {
+            WireError::Truncated {
                 part: "header",
                 got: 5,
                 ..
@@ -135,7 +135,7 @@ fn a_close_inside_the_header_or_body_is_truncated() {
     );
     let err = decode_all(&frame[..frame.len() - 1]).unwrap_err();
     assert!(
-        matches!(err, ElasticError::Truncated { part: "body", .. }),
+        matches!(err, WireError::Truncated { part: "body", .. }),
         "{err}"
     );
 }
@@ -145,14 +145,11 @@ fn header_faults_have_their_own_errors() {
     let good = encode_frame(&Message::StatusRequest).unwrap();
     let mut bad = good.clone();
     bad[0] = b'X';
-    assert!(matches!(
-        decode_all(&bad),
-        Err(ElasticError::BadMagic { .. })
-    ));
+    assert!(matches!(decode_all(&bad), Err(WireError::BadMagic { .. })));
     let old = encode_frame_with_version(&Message::StatusRequest, 7).unwrap();
     assert!(matches!(
         decode_all(&old),
-        Err(ElasticError::UnsupportedVersion {
+        Err(WireError::UnsupportedVersion {
             found: 7,
             supported: PROTOCOL_VERSION
         })
@@ -161,27 +158,27 @@ fn header_faults_have_their_own_errors() {
     bad[7] = 1;
     assert!(matches!(
         decode_all(&bad),
-        Err(ElasticError::ReservedBits { found: 1 })
+        Err(WireError::ReservedBits { found: 1 })
     ));
     let mut bad = good.clone();
     bad[8..12].copy_from_slice(&(MAX_FRAME_BYTES + 1).to_be_bytes());
     assert!(matches!(
         decode_all(&bad),
-        Err(ElasticError::FrameTooLarge { .. })
+        Err(WireError::FrameTooLarge { .. })
     ));
     let mut bad = good[..HEADER_BYTES].to_vec();
     bad[8..12].copy_from_slice(&3u32.to_be_bytes());
     bad.extend_from_slice(b"{x}");
     assert!(matches!(
         decode_all(&bad),
-        Err(ElasticError::Malformed { len: 3, .. })
+        Err(WireError::Malformed { len: 3, .. })
     ));
 }
 
 #[test]
 fn an_unknown_message_type_is_malformed() {
     let err = decode_body(br#"{"type":"launch_missiles"}"#).unwrap_err();
-    assert!(matches!(err, ElasticError::Malformed { .. }), "{err}");
+    assert!(matches!(err, WireError::Malformed { .. }), "{err}");
 }
 
 #[test]
@@ -191,7 +188,7 @@ fn a_silent_peer_times_out() {
         let err = read_frame(&mut a, Duration::from_millis(20))
             .await
             .unwrap_err();
-        assert!(matches!(err, ElasticError::Timeout { ms: 20, .. }), "{err}");
+        assert!(matches!(err, WireError::Timeout { ms: 20, .. }), "{err}");
     });
 }
 
@@ -215,7 +212,7 @@ proptest! {
         frame.extend_from_slice(&body);
         let res = decode_all(&frame);
         if extra > 0 {
-            let is_truncated = matches!(res, Err(ElasticError::Truncated { part: "body", .. }));
+            let is_truncated = matches!(res, Err(WireError::Truncated { part: "body", .. }));
             prop_assert!(is_truncated);
         }
     }

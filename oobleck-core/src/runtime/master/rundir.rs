@@ -10,8 +10,8 @@ use crate::checkpoint::{list_checkpoints, load_checkpoint};
 use crate::planning::Plan;
 use crate::runtime::error::{Context, Result};
 use crate::runtime::job::Input;
-use crate::runtime::pipe::StateSource;
-use crate::runtime::records::{Event, StepMetrics};
+use crate::runtime::wire::pipe::StateSource;
+use crate::runtime::wire::records::{Event, StepMetrics};
 
 /// Reads the checkpoint `source` starts from, if any, before any worker is told to: a partial
 /// or corrupted one is refused, with the newest older checkpoint of `run_dir` that reads.

@@ -3,8 +3,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use oobleck_core::elastic::protocol::{self, Message, PeerRole, PROTOCOL_VERSION};
-use oobleck_core::elastic::{Agent, ElasticError, Master, MasterConfig, Token};
+use oobleck_core::runtime::master::{Master, MasterConfig};
+use oobleck_core::runtime::node::Agent;
+use oobleck_core::runtime::wire::protocol::{self, Message, PeerRole, PROTOCOL_VERSION};
+use oobleck_core::runtime::wire::{Token, WireError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -63,7 +65,7 @@ async fn a_wrong_token_is_refused_with_a_reason_and_the_next_agent_still_gets_in
         .err()
         .unwrap();
     match err {
-        ElasticError::Refused { reason } => assert!(reason.contains("wrong token"), "{reason}"),
+        WireError::Refused { reason } => assert!(reason.contains("wrong token"), "{reason}"),
         other => panic!("expected a refusal, got {other}"),
     }
     let ok = Agent::connect(master.local_addr(), &token, T)

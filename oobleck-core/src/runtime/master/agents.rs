@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use tokio::process::{Child, ChildStdin};
 
-use crate::elastic::Token;
 use crate::runtime::error::{Context, Result};
+use crate::runtime::wire::Token;
 
 /// How long agents get to exit after `Shutdown` before they are killed.
 pub(super) const EXIT_GRACE: Duration = Duration::from_secs(10);
@@ -55,7 +55,7 @@ impl AgentSet {
         let mut pids = Vec::with_capacity(n);
         for i in 0..n {
             let mut child = crate::runtime::agent_command(exe, master, token, 10)
-                .env(crate::runtime::entry::HOST_AGENTS_ENV, n.to_string())
+                .env(crate::runtime::wire::env::HOST_AGENTS_ENV, n.to_string())
                 .spawn()
                 .with_ctx(|| format!("starting agent {i} ({})", exe.display()))?;
             pids.push(child.id());

@@ -12,14 +12,15 @@ use super::rundir::{refuse_checkpoint, RunFiles};
 use super::{next_input, plan_for, JobSummary, Observer};
 use oobleck_comm::SecretKey;
 
-use crate::elastic::protocol::{GenerationStart, Rendezvous};
-use crate::elastic::{Master, Message};
+use super::server::Master;
 use crate::planning::{ModelProfile, Plan};
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::job::{Action, Input, JobMachine};
-use crate::runtime::pipe::StateSource;
-use crate::runtime::records::{Event, StepMetrics};
 use crate::runtime::spec::{DataPlane, JobConfig, TrainingSpec};
+use crate::runtime::wire::pipe::StateSource;
+use crate::runtime::wire::protocol::{GenerationStart, Rendezvous};
+use crate::runtime::wire::records::{Event, StepMetrics};
+use crate::runtime::wire::Message;
 
 pub(super) struct Parts<'a> {
     pub config: JobConfig,
@@ -202,7 +203,7 @@ impl<'a> Driver<'a> {
                 times,
             } => {
                 let mut m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
-                m.microbatches = crate::runtime::records::ranges(&microbatches);
+                m.microbatches = crate::runtime::wire::records::ranges(&microbatches);
                 m.times = times;
                 self.commit(m, eval_due).await?;
             }

@@ -10,10 +10,9 @@ use hmac::{Hmac, Mac};
 use rand::RngCore;
 use sha2::Sha256;
 
-use super::error::{ElasticError, ElasticResult};
+use super::error::{WireError, WireResult};
 
-/// The environment variable holding the job's token.
-pub const TOKEN_ENV: &str = "OOBLECK_TOKEN";
+pub use super::env::TOKEN_ENV;
 /// Bytes of a challenge nonce.
 pub const NONCE_BYTES: usize = 32;
 /// Bytes of a random token before hex encoding.
@@ -36,10 +35,10 @@ impl std::fmt::Debug for Token {
 impl Token {
     /// A token from a flag or file. Empty or whitespace-only tokens are refused: they would
     /// authenticate anyone who guesses "nothing".
-    pub fn new(secret: &str) -> ElasticResult<Token> {
+    pub fn new(secret: &str) -> WireResult<Token> {
         let secret = secret.trim();
         if secret.is_empty() {
-            return Err(ElasticError::InvalidToken {
+            return Err(WireError::InvalidToken {
                 reason: "the token is empty".into(),
             });
         }
@@ -55,11 +54,11 @@ impl Token {
     }
 
     /// The token in `OOBLECK_TOKEN`, `None` when unset. Set but empty or not UTF-8 is an error.
-    pub fn from_env() -> ElasticResult<Option<Token>> {
+    pub fn from_env() -> WireResult<Option<Token>> {
         match std::env::var(TOKEN_ENV) {
             Ok(s) => Token::new(&s).map(Some),
             Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(_)) => Err(ElasticError::InvalidToken {
+            Err(std::env::VarError::NotUnicode(_)) => Err(WireError::InvalidToken {
                 reason: format!("{TOKEN_ENV} is not valid UTF-8"),
             }),
         }

@@ -12,7 +12,7 @@
 //! - The **magic** rejects a stray client (an HTTP probe, a port scanner, a data-plane peer
 //!   dialled by mistake) at its first four bytes, before any length is trusted.
 //! - The **version** is checked before the body is parsed, so a peer built from another
-//!   protocol gets [`ElasticError::UnsupportedVersion`] with both numbers, not a JSON error.
+//!   protocol gets [`WireError::UnsupportedVersion`] with both numbers, not a JSON error.
 //! - The **length** is checked against [`MAX_FRAME_BYTES`] before anything is allocated.
 //!
 //! The body is `serde_json`. Control messages are few (a handshake, a heartbeat every few
@@ -21,28 +21,30 @@
 //! step on a path that is nowhere near the step's critical path, and would cost a dependency and
 //! readability. JSON keeps the traffic readable in a packet dump and in logs, and it is already
 //! how plans are written to disk (`plan.json`). Messages are internally tagged (`"type"`), so an
-//! unknown kind from a newer peer is a clean [`ElasticError::Malformed`].
+//! unknown kind from a newer peer is a clean [`WireError::Malformed`].
 //!
 //! Reads take a timeout. A clean close between frames is `Ok(None)`; a close inside a frame is
-//! [`ElasticError::Truncated`].
+//! [`WireError::Truncated`].
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::error::{ElasticError, ElasticResult};
+use super::error::{WireError, WireResult};
 use oobleck_comm::SecretKey;
 
 use crate::execution::StepTimes;
 use crate::planning::Plan;
-use crate::runtime::pipe::StateSource;
-use crate::runtime::records::WorkerReport;
+use crate::runtime::wire::pipe::StateSource;
+use crate::runtime::wire::records::WorkerReport;
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
 pub const PROTOCOL_VERSION: u16 = 6;
+/// The binary version peers must match.
+pub const BINARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 12;
 /// Largest body accepted: far above any plan, small enough that a corrupt length cannot make
@@ -279,29 +281,29 @@ impl Message {
 }
 
 /// Checks a header and returns the body length it announces.
-pub fn decode_header(header: &[u8; HEADER_BYTES]) -> ElasticResult<usize> {
+pub fn decode_header(header: &[u8; HEADER_BYTES]) -> WireResult<usize> {
     let mut magic = [0u8; 4];
     magic.copy_from_slice(&header[0..4]);
     if magic != MAGIC {
-        return Err(ElasticError::BadMagic {
+        return Err(WireError::BadMagic {
             found: magic,
             expected: MAGIC,
         });
     }
     let version = u16::from_be_bytes([header[4], header[5]]);
     if version != PROTOCOL_VERSION {
-        return Err(ElasticError::UnsupportedVersion {
+        return Err(WireError::UnsupportedVersion {
             found: version,
             supported: PROTOCOL_VERSION,
         });
     }
     let reserved = u16::from_be_bytes([header[6], header[7]]);
     if reserved != 0 {
-        return Err(ElasticError::ReservedBits { found: reserved });
+        return Err(WireError::ReservedBits { found: reserved });
     }
     let len = u32::from_be_bytes([header[8], header[9], header[10], header[11]]);
     if len > MAX_FRAME_BYTES {
-        return Err(ElasticError::FrameTooLarge {
+        return Err(WireError::FrameTooLarge {
             len: u64::from(len),
             max: MAX_FRAME_BYTES,
         });
@@ -311,29 +313,29 @@ pub fn decode_header(header: &[u8; HEADER_BYTES]) -> ElasticResult<usize> {
 }
 
 /// Parses a frame body.
-pub fn decode_body(body: &[u8]) -> ElasticResult<Message> {
-    serde_json::from_slice(body).map_err(|e| ElasticError::Malformed {
+pub fn decode_body(body: &[u8]) -> WireResult<Message> {
+    serde_json::from_slice(body).map_err(|e| WireError::Malformed {
         len: body.len(),
         reason: e.to_string(),
     })
 }
 
 /// Encodes `msg` as one complete frame (header + body).
-pub fn encode_frame(msg: &Message) -> ElasticResult<Vec<u8>> {
+pub fn encode_frame(msg: &Message) -> WireResult<Vec<u8>> {
     encode_frame_with_version(msg, PROTOCOL_VERSION)
 }
 
 /// Like [`encode_frame`] with another version in the header: for talking to (and testing)
 /// peers of other versions.
-pub fn encode_frame_with_version(msg: &Message, version: u16) -> ElasticResult<Vec<u8>> {
-    let body = serde_json::to_vec(msg).map_err(|e| ElasticError::Encode {
+pub fn encode_frame_with_version(msg: &Message, version: u16) -> WireResult<Vec<u8>> {
+    let body = serde_json::to_vec(msg).map_err(|e| WireError::Encode {
         kind: msg.kind(),
         reason: e.to_string(),
     })?;
     let len = u32::try_from(body.len())
         .ok()
         .filter(|&l| l <= MAX_FRAME_BYTES)
-        .ok_or(ElasticError::FrameTooLarge {
+        .ok_or(WireError::FrameTooLarge {
             len: body.len() as u64,
             max: MAX_FRAME_BYTES,
         })?;
@@ -347,13 +349,13 @@ pub fn encode_frame_with_version(msg: &Message, version: u16) -> ElasticResult<V
 }
 
 /// Reads exactly `buf.len()` bytes; returns how many arrived before EOF.
-async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> ElasticResult<usize> {
+async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> WireResult<usize> {
     let mut got = 0;
     while got < buf.len() {
         let n = r
             .read(&mut buf[got..])
             .await
-            .map_err(|source| ElasticError::Io {
+            .map_err(|source| WireError::Io {
                 op: "read frame",
                 source,
             })?;
@@ -365,14 +367,14 @@ async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> ElasticRe
     Ok(got)
 }
 
-async fn read_frame_inner<R: AsyncRead + Unpin>(r: &mut R) -> ElasticResult<Option<Message>> {
+async fn read_frame_inner<R: AsyncRead + Unpin>(r: &mut R) -> WireResult<Option<Message>> {
     let mut header = [0u8; HEADER_BYTES];
     let got = read_full(r, &mut header).await?;
     if got == 0 {
         return Ok(None);
     }
     if got < HEADER_BYTES {
-        return Err(ElasticError::Truncated {
+        return Err(WireError::Truncated {
             part: "header",
             expected: HEADER_BYTES,
             got,
@@ -382,7 +384,7 @@ async fn read_frame_inner<R: AsyncRead + Unpin>(r: &mut R) -> ElasticResult<Opti
     let mut body = vec![0u8; len];
     let got = read_full(r, &mut body).await?;
     if got < len {
-        return Err(ElasticError::Truncated {
+        return Err(WireError::Truncated {
             part: "body",
             expected: len,
             got,
@@ -398,10 +400,10 @@ async fn read_frame_inner<R: AsyncRead + Unpin>(r: &mut R) -> ElasticResult<Opti
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     timeout: Duration,
-) -> ElasticResult<Option<Message>> {
+) -> WireResult<Option<Message>> {
     match tokio::time::timeout(timeout, read_frame_inner(r)).await {
         Ok(res) => res,
-        Err(_) => Err(ElasticError::Timeout {
+        Err(_) => Err(WireError::Timeout {
             op: "read frame",
             ms: timeout.as_millis() as u64,
         }),
@@ -413,17 +415,17 @@ pub async fn write_raw<W: AsyncWrite + Unpin>(
     w: &mut W,
     bytes: &[u8],
     timeout: Duration,
-) -> ElasticResult<()> {
+) -> WireResult<()> {
     let io = async {
         w.write_all(bytes).await?;
         w.flush().await
     };
     match tokio::time::timeout(timeout, io).await {
-        Ok(res) => res.map_err(|source| ElasticError::Io {
+        Ok(res) => res.map_err(|source| WireError::Io {
             op: "write frame",
             source,
         }),
-        Err(_) => Err(ElasticError::Timeout {
+        Err(_) => Err(WireError::Timeout {
             op: "write frame",
             ms: timeout.as_millis() as u64,
         }),
@@ -435,7 +437,7 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     w: &mut W,
     msg: &Message,
     timeout: Duration,
-) -> ElasticResult<()> {
+) -> WireResult<()> {
     let frame = encode_frame(msg)?;
     write_raw(w, &frame, timeout).await
 }

@@ -10,8 +10,10 @@
 mod agents;
 mod assemble;
 mod carry;
+mod conn;
 mod plan;
 mod rundir;
+pub mod server;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -23,6 +25,7 @@ use std::time::{Duration, Instant};
 pub use agents::Started;
 pub use plan::{pinned_pipelines, plan_for, planned_profile};
 pub use rundir::truncate_metrics_after;
+pub use server::{LossReason, Master, MasterConfig, MasterEvent};
 
 use oobleck_comm::{BlobSink, SecretKey};
 
@@ -31,12 +34,12 @@ use self::assemble::Assembler;
 use self::rundir::RunFiles;
 use super::error::{Context, Result, RuntimeError};
 use super::job::{Input, JobMachine, JobStart, Limits, StragglerRule};
-use super::records::{Event, StartInfo, StepMetrics};
-use super::spec::{JobConfig, TrainingSpec, Workload};
-use crate::elastic::master::MasterEvent;
-use crate::elastic::protocol::ClusterStatus;
-use crate::elastic::{ElasticError, Master, MasterConfig, Token};
+use super::spec::{JobConfig, TrainingSpec};
+use super::wire::records::{Event, StartInfo, StepMetrics};
+use super::workload::Workload;
 use crate::planning::ModelProfile;
+use crate::runtime::wire::protocol::ClusterStatus;
+use crate::runtime::wire::{Token, WireError};
 
 /// The largest state file a worker may upload (one rank's parameters and optimizer state).
 const MAX_STATE_BYTES: u64 = 64 << 30;
@@ -279,7 +282,7 @@ fn input_of(ev: MasterEvent) -> Input {
 async fn next_input(master: &mut Master) -> Result<Input> {
     match master.next_event(POLL).await {
         Ok(ev) => Ok(input_of(ev)),
-        Err(ElasticError::Timeout { .. }) => Ok(Input::Tick),
+        Err(WireError::Timeout { .. }) => Ok(Input::Tick),
         Err(e) => Err(e).ctx("the master's event stream"),
     }
 }

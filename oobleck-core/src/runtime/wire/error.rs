@@ -5,7 +5,7 @@
 /// Variants carry the numbers a reader needs to tell a version skew from a corrupt stream from
 /// a dead peer. The lead crate error wraps it.
 #[derive(Debug, thiserror::Error)]
-pub enum ElasticError {
+pub enum WireError {
     /// An I/O call on a control connection failed.
     #[error("control plane: {op}: {source}")]
     Io {
@@ -59,4 +59,4 @@ pub enum ElasticError {
     Closed { peer: String },
 }
 
-pub type ElasticResult<T> = std::result::Result<T, ElasticError>;
+pub type WireResult<T> = std::result::Result<T, WireError>;

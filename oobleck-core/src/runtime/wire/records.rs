@@ -6,12 +6,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::elastic::protocol::ExitStatus;
 use crate::execution::StepTimes;
+use crate::runtime::wire::protocol::ExitStatus;
 
 /// What a worker tells the master about itself. The worker writes it on its stdout (after
 /// [`REPORT_PREFIX`] and its generation); its agent wraps it, as it is, in a
-/// [`crate::elastic::Message::Worker`] with the node and the generation.
+/// [`crate::runtime::wire::Message::Worker`] with the node and the generation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "report", rename_all = "snake_case", deny_unknown_fields)]
 pub enum WorkerReport {

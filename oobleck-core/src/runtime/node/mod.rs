@@ -14,6 +14,7 @@
 //! ```
 
 mod leave;
+pub mod link;
 mod notice;
 mod spawn;
 mod watchdog;
@@ -25,17 +26,21 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+pub use self::link::Agent;
+
 use self::leave::{watch_notice, watch_sigterm, Leaving, SIGTERM};
 use self::spawn::{spawn_worker, stop_workers, tell_all, Worker};
 use self::watchdog::Watch;
 use super::error::{Context, Result, RuntimeError};
-use super::pipe::{ranks_of_node, resolve, StateSource, ToWorker, WorkerAssignment};
-use super::records::WorkerReport;
+use super::net::resolve;
 use super::spec::JobConfig;
-use crate::elastic::protocol::{GenerationStart, Rendezvous};
-use crate::elastic::{Agent, ElasticError, Message, Token};
+use super::wire::pipe::{StateSource, ToWorker, WorkerAssignment};
+use super::wire::records::WorkerReport;
 use crate::execution::Snapshot;
+use crate::planning::ranks_of_node;
 use crate::planning::Plan;
+use crate::runtime::wire::protocol::{GenerationStart, Rendezvous};
+use crate::runtime::wire::{Message, Token, WireError};
 
 /// Bound of the registration and of every message to the master or a worker.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -192,7 +197,7 @@ async fn register(master: std::net::SocketAddr, token: &Token, wait: Duration) -
     loop {
         match Agent::connect(master, token, CONTROL_TIMEOUT).await {
             Ok(a) => return Ok(a),
-            Err(e @ (ElasticError::Io { .. } | ElasticError::Timeout { .. }))
+            Err(e @ (WireError::Io { .. } | WireError::Timeout { .. }))
                 if tokio::time::Instant::now() < deadline =>
             {
                 if !told {
@@ -302,7 +307,7 @@ impl NodeAgent {
                         return Ok(());
                     }
                 }
-                Err(ElasticError::Timeout { .. }) => {}
+                Err(WireError::Timeout { .. }) => {}
                 Err(e) => {
                     return Err(e).with_ctx(|| format!("node {}: the master connection", self.node))
                 }
@@ -342,7 +347,7 @@ impl NodeAgent {
             .with_ctx(|| format!("node {}: asking the master to drain it", self.node))
     }
 
-    async fn send_report(&self, report: WorkerReport) -> std::result::Result<(), ElasticError> {
+    async fn send_report(&self, report: WorkerReport) -> std::result::Result<(), WireError> {
         let msg = Message::Worker {
             node: self.node,
             generation: self.generation,

@@ -11,7 +11,7 @@ use candle_core::{Device, Tensor};
 use crate::checkpoint::{self, TrainerState};
 use crate::model::{ParamSource, Stage};
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::spec::Workload;
+use crate::runtime::workload::Workload;
 
 #[derive(Clone)]
 pub(super) struct Assembler {

@@ -4,11 +4,15 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use oobleck_core::elastic::agent::{request_kill, request_status};
-use oobleck_core::elastic::master::LossReason;
-use oobleck_core::elastic::protocol::{self, ExitStatus, GenerationStart, Message, Rendezvous};
-use oobleck_core::elastic::{Agent, ElasticError, Master, MasterConfig, MasterEvent, Token};
 use oobleck_core::planning::{Pipeline, Plan};
+use oobleck_core::runtime::master::server::LossReason;
+use oobleck_core::runtime::master::{Master, MasterConfig, MasterEvent};
+use oobleck_core::runtime::node::Agent;
+use oobleck_core::runtime::wire::client::{request_kill, request_status};
+use oobleck_core::runtime::wire::protocol::{
+    self, ExitStatus, GenerationStart, Message, Rendezvous,
+};
+use oobleck_core::runtime::wire::{Token, WireError};
 use oobleck_core::runtime::{StateSource, WorkerReport};
 use tokio::net::TcpStream;
 
@@ -60,7 +64,7 @@ async fn status_lists_the_registered_nodes_and_the_job_progress() {
     let err = request_status(master.local_addr(), &Token::new("nope").unwrap(), T)
         .await
         .unwrap_err();
-    assert!(matches!(err, ElasticError::Refused { .. }), "{err}");
+    assert!(matches!(err, WireError::Refused { .. }), "{err}");
 }
 
 #[tokio::test]
@@ -106,7 +110,7 @@ async fn a_stalled_agent_is_lost_after_its_lease_while_a_healthy_one_stays() {
     joined(&mut master).await;
     // A lease of normal traffic: heartbeats keep both alive.
     let err = master.next_event(LEASE).await.unwrap_err();
-    assert!(matches!(err, ElasticError::Timeout { .. }), "{err}");
+    assert!(matches!(err, WireError::Timeout { .. }), "{err}");
     let start = Instant::now();
     stalled.pause_heartbeats(true);
     match master.next_event(T).await.unwrap() {
@@ -170,12 +174,12 @@ async fn messages_flow_both_ways_and_an_agent_sees_its_master_go() {
     );
     assert!(matches!(
         master.send_to(node + 1, commit).await,
-        Err(ElasticError::UnknownNode { .. })
+        Err(WireError::UnknownNode { .. })
     ));
 
     drop(master);
     let err = agent.recv(T).await.unwrap_err();
-    assert!(matches!(err, ElasticError::Closed { .. }), "{err}");
+    assert!(matches!(err, WireError::Closed { .. }), "{err}");
 }
 
 #[tokio::test]
@@ -249,10 +253,7 @@ async fn the_master_distributes_the_plan_rendezvous_and_generation_then_commits(
         .assign_plan(&plan_over(1, [0, 9]), start(Vec::new(), None))
         .await
         .unwrap_err();
-    assert!(
-        matches!(err, ElasticError::UnknownNode { node: 9 }),
-        "{err}"
-    );
+    assert!(matches!(err, WireError::UnknownNode { node: 9 }), "{err}");
     assert_eq!(
         master.status().generation,
         0,
@@ -325,7 +326,7 @@ async fn kill_node_requests_reach_the_driver_and_unknown_nodes_are_refused() {
         .await
         .unwrap_err();
     match err {
-        ElasticError::Refused { reason } => assert!(reason.contains("77"), "{reason}"),
+        WireError::Refused { reason } => assert!(reason.contains("77"), "{reason}"),
         other => panic!("expected a refusal, got {other}"),
     }
 }
@@ -352,7 +353,7 @@ async fn shutdown_reaches_every_agent_before_the_connections_close() {
             }
         );
         let err = agent.recv(T).await.unwrap_err();
-        assert!(matches!(err, ElasticError::Closed { .. }), "{err}");
+        assert!(matches!(err, WireError::Closed { .. }), "{err}");
     }
 }
 

@@ -17,17 +17,14 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::info;
 
-use super::auth::Token;
 use super::conn::{accept_loop, Outgoing, Shared};
-use super::error::{ElasticError, ElasticResult};
-use super::protocol::{
+use crate::planning::Plan;
+use crate::runtime::wire::auth::Token;
+use crate::runtime::wire::protocol::{
     ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, RankStatus, StageStatus,
 };
-use crate::planning::Plan;
-use crate::runtime::records::WorkerReport;
-
-/// The binary version peers must match.
-pub const BINARY_VERSION: &str = env!("CARGO_PKG_VERSION");
+use crate::runtime::wire::records::WorkerReport;
+use crate::runtime::wire::{WireError, WireResult};
 
 /// Timing and identity of a master.
 #[derive(Debug, Clone)]
@@ -124,18 +121,14 @@ impl Drop for Master {
 
 impl Master {
     /// Listens on `addr` with the default timings.
-    pub async fn bind(
-        addr: SocketAddr,
-        token: Token,
-        expected_nodes: u32,
-    ) -> ElasticResult<Master> {
+    pub async fn bind(addr: SocketAddr, token: Token, expected_nodes: u32) -> WireResult<Master> {
         Master::bind_with(addr, MasterConfig::new(token, expected_nodes)).await
     }
 
     /// Listens on `addr` with explicit timings.
-    pub async fn bind_with(addr: SocketAddr, config: MasterConfig) -> ElasticResult<Master> {
+    pub async fn bind_with(addr: SocketAddr, config: MasterConfig) -> WireResult<Master> {
         if config.heartbeat_interval.is_zero() || config.lease <= config.heartbeat_interval {
-            return Err(ElasticError::Unexpected {
+            return Err(WireError::Unexpected {
                 expected: "0 < heartbeat interval < lease",
                 got: format!(
                     "heartbeat {:?}, lease {:?}",
@@ -144,18 +137,18 @@ impl Master {
             });
         }
         if !(1..=tokio::sync::Semaphore::MAX_PERMITS).contains(&config.max_pending_handshakes) {
-            return Err(ElasticError::Unexpected {
+            return Err(WireError::Unexpected {
                 expected: "1 <= max_pending_handshakes <= Semaphore::MAX_PERMITS",
                 got: config.max_pending_handshakes.to_string(),
             });
         }
         let listener = TcpListener::bind(addr)
             .await
-            .map_err(|source| ElasticError::Io {
+            .map_err(|source| WireError::Io {
                 op: "bind master",
                 source,
             })?;
-        let addr = listener.local_addr().map_err(|source| ElasticError::Io {
+        let addr = listener.local_addr().map_err(|source| WireError::Io {
             op: "master address",
             source,
         })?;
@@ -176,13 +169,13 @@ impl Master {
     }
 
     /// The next membership event, waiting at most `timeout`.
-    pub async fn next_event(&mut self, timeout: Duration) -> ElasticResult<MasterEvent> {
+    pub async fn next_event(&mut self, timeout: Duration) -> WireResult<MasterEvent> {
         match tokio::time::timeout(timeout, self.events.recv()).await {
             Ok(Some(e)) => Ok(e),
-            Ok(None) => Err(ElasticError::Closed {
+            Ok(None) => Err(WireError::Closed {
                 peer: "master event channel".into(),
             }),
-            Err(_) => Err(ElasticError::Timeout {
+            Err(_) => Err(WireError::Timeout {
                 op: "wait for a master event",
                 ms: timeout.as_millis() as u64,
             }),
@@ -190,7 +183,7 @@ impl Master {
     }
 
     /// Waits until `expected_nodes` nodes are registered; returns them. Does not consume events.
-    pub async fn wait_for_nodes(&self, timeout: Duration) -> ElasticResult<Vec<NodeStatus>> {
+    pub async fn wait_for_nodes(&self, timeout: Duration) -> WireResult<Vec<NodeStatus>> {
         let want = self.shared.config.expected_nodes as usize;
         let mut live = self.shared.live.subscribe();
         let reached = tokio::time::timeout(timeout, async {
@@ -199,10 +192,10 @@ impl Master {
         .await;
         match reached {
             Ok(Ok(())) => Ok(self.status().nodes),
-            Ok(Err(_)) => Err(ElasticError::Closed {
+            Ok(Err(_)) => Err(WireError::Closed {
                 peer: "master membership".into(),
             }),
-            Err(_) => Err(ElasticError::Timeout {
+            Err(_) => Err(WireError::Timeout {
                 op: "wait for the expected nodes",
                 ms: timeout.as_millis() as u64,
             }),
@@ -257,7 +250,7 @@ impl Master {
 
     /// Tells `node` to stop its workers and exit: it was drained or is not needed, so its
     /// closed connection is expected (still reported as [`MasterEvent::Lost`]).
-    pub async fn release(&self, node: u32, reason: String) -> ElasticResult<()> {
+    pub async fn release(&self, node: u32, reason: String) -> WireResult<()> {
         self.shared
             .released
             .lock()
@@ -287,19 +280,19 @@ impl Master {
     }
 
     /// Queues `msg` for `node`, waiting at most the write timeout for room.
-    pub async fn send_to(&self, node: u32, msg: Message) -> ElasticResult<()> {
+    pub async fn send_to(&self, node: u32, msg: Message) -> WireResult<()> {
         let outbox = self
             .shared
             .nodes()
             .get(&node)
             .map(|e| e.outbox.clone())
-            .ok_or(ElasticError::UnknownNode { node })?;
+            .ok_or(WireError::UnknownNode { node })?;
         let timeout = self.shared.config.write_timeout;
         let out = Outgoing { msg, written: None };
         match tokio::time::timeout(timeout, outbox.send(out)).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(ElasticError::UnknownNode { node }),
-            Err(_) => Err(ElasticError::Timeout {
+            Ok(Err(_)) => Err(WireError::UnknownNode { node }),
+            Err(_) => Err(WireError::Timeout {
                 op: "queue a message for a node",
                 ms: timeout.as_millis() as u64,
             }),
@@ -308,7 +301,7 @@ impl Master {
 
     /// Queues `msg` for every live node; returns the nodes it could not reach (they are being
     /// or will be reported lost).
-    pub async fn broadcast(&self, msg: &Message) -> Vec<(u32, ElasticError)> {
+    pub async fn broadcast(&self, msg: &Message) -> Vec<(u32, WireError)> {
         let nodes: Vec<u32> = self.shared.nodes().keys().copied().collect();
         let mut failed = Vec::new();
         for node in nodes {
@@ -327,7 +320,7 @@ impl Master {
         &self,
         plan: &Plan,
         start: GenerationStart,
-    ) -> ElasticResult<Vec<(u32, ElasticError)>> {
+    ) -> WireResult<Vec<(u32, WireError)>> {
         {
             let nodes = self.shared.nodes();
             if let Some(&node) = plan
@@ -336,7 +329,7 @@ impl Master {
                 .flat_map(|p| p.nodes.iter())
                 .find(|n| !nodes.contains_key(n))
             {
-                return Err(ElasticError::UnknownNode { node });
+                return Err(WireError::UnknownNode { node });
             }
         }
         self.set_plan(plan);
@@ -351,7 +344,7 @@ impl Master {
     /// Ends the job's control plane: sends every live node `Shutdown{reason}`, waits (at most
     /// `timeout` in all) until each has been written to its socket, then closes everything.
     /// Returns the nodes that may not have heard it.
-    pub async fn shutdown(self, reason: &str, timeout: Duration) -> Vec<(u32, ElasticError)> {
+    pub async fn shutdown(self, reason: &str, timeout: Duration) -> Vec<(u32, WireError)> {
         let deadline = tokio::time::Instant::now() + timeout;
         let ms = timeout.as_millis() as u64;
         let targets: Vec<(u32, mpsc::Sender<Outgoing>)> = self
@@ -374,10 +367,10 @@ impl Master {
             };
             match tokio::time::timeout_at(deadline, outbox.send(out)).await {
                 Ok(Ok(())) => pending.push((node, written)),
-                Ok(Err(_)) => failed.push((node, ElasticError::UnknownNode { node })),
+                Ok(Err(_)) => failed.push((node, WireError::UnknownNode { node })),
                 Err(_) => failed.push((
                     node,
-                    ElasticError::Timeout {
+                    WireError::Timeout {
                         op: "queue shutdown",
                         ms,
                     },
@@ -389,13 +382,13 @@ impl Master {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => failed.push((
                     node,
-                    ElasticError::Closed {
+                    WireError::Closed {
                         peer: format!("node {node}"),
                     },
                 )),
                 Err(_) => failed.push((
                     node,
-                    ElasticError::Timeout {
+                    WireError::Timeout {
                         op: "send shutdown",
                         ms,
                     },
@@ -408,7 +401,7 @@ impl Master {
 
     /// Declares `step` committed in the current generation: records it for status and tells
     /// every live node. Returns the nodes it could not reach.
-    pub async fn commit_step(&self, step: u64, samples_per_s: f64) -> Vec<(u32, ElasticError)> {
+    pub async fn commit_step(&self, step: u64, samples_per_s: f64) -> Vec<(u32, WireError)> {
         self.record_commit(step, samples_per_s);
         let generation = self.shared.job().generation;
         self.broadcast(&Message::StepCommitted { step, generation })
