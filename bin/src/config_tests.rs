@@ -2,6 +2,7 @@
 //! errors bad settings get.
 
 use super::*;
+use crate::args::TrainArgs;
 use clap::Parser;
 
 #[test]

@@ -5,10 +5,8 @@
 //!  oobleck: models | plan | generate | bench ...
 //! ```
 
-pub mod bench_pipeline;
-pub mod bench_recovery;
-pub mod bench_simulate;
-pub mod bench_train;
+pub mod args;
+pub mod bench;
 pub mod cluster;
 pub mod config;
 pub mod exit;
@@ -19,6 +17,7 @@ pub(crate) mod plotting;
 pub mod profile_cmd;
 pub mod progress;
 pub mod report;
+pub mod run_dir;
 pub mod simulate_cmd;
 pub mod status_page;
 pub mod trainer;

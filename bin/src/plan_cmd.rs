@@ -10,7 +10,7 @@ use oobleck_core::planning::{
     DeviceSpec, Dtype, JobSpec, ModelProfile, TemplateMicrobatches, TransformerShape,
 };
 use oobleck_core::reconfig::decide;
-use oobleck_core::simulate::policies::Workload;
+use oobleck_core::simulate::policies::SimWorkload;
 use oobleck_models::ModelConfig;
 
 /// The planner's shape of a preset of `oobleck-models` (the presets `train` runs), at the
@@ -90,7 +90,7 @@ pub struct PlanOutput {
 
 /// The planner's inputs the flags describe: the profile (analytical for a preset, or a
 /// profile file), the cluster and the job.
-pub fn workload(args: &WorkloadArgs) -> anyhow::Result<Workload> {
+pub fn workload(args: &WorkloadArgs) -> anyhow::Result<SimWorkload> {
     let Some(device) = DeviceSpec::named(&args.device) else {
         bail!(
             "unknown device `{}`; known: {}",
@@ -158,7 +158,7 @@ pub fn workload(args: &WorkloadArgs) -> anyhow::Result<Workload> {
         },
         template_microbatches: args.template_microbatches,
     };
-    Ok(Workload {
+    Ok(SimWorkload {
         profile,
         cluster,
         job,
@@ -205,7 +205,7 @@ fn check_file_fingerprint(
 
 /// Computes the plan (no printing).
 pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
-    let Workload {
+    let SimWorkload {
         profile,
         cluster,
         job,

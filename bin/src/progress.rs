@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::trainer::StepMetrics;
+use crate::run_dir::StepMetrics;
 
 /// Shows training progress on stderr (stdout stays free for `--json`).
 pub struct Progress {

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer};
 
-use crate::trainer::Summary;
+use crate::run_dir::Summary;
 #[allow(unused_imports)] // The status page draws these too.
 pub(crate) use charts::{
     loss_chart, recovery_chart, stage_chart, step_time_chart, throughput_chart, timeline_chart,

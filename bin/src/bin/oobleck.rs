@@ -61,7 +61,7 @@ enum Cmd {
     AddNode(oobleck_cli::cluster::membership_cmd::AddNodeArgs),
     /// Run one node of a multi-machine job: `oobleck agent --master HOST:PORT` with the job's
     /// OOBLECK_TOKEN (the master is `train --listen`; `train --nodes N` starts its own agents).
-    Agent(oobleck_cli::cluster::agent_cmd::AgentArgs),
+    Agent(oobleck_cli::cluster::node_cmd::AgentArgs),
     /// (Re)write a run directory's report.html (loss, throughput, plan timeline, events) and
     /// print its path.
     Report {
@@ -73,17 +73,17 @@ enum Cmd {
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Training tokens/s of Candle vs PyTorch eager on the same GPT (fwd + bwd + clip + AdamW).
-    Train(oobleck_cli::bench_train::BenchTrainArgs),
+    Train(oobleck_cli::bench::train::BenchTrainArgs),
     /// A real pipeline over TCP against the schedule simulator: iteration time, bubble,
     /// gradient sync and control-plane cost per step.
-    Pipeline(oobleck_cli::bench_pipeline::BenchPipelineArgs),
+    Pipeline(oobleck_cli::bench::pipeline::BenchPipelineArgs),
     /// The same job fault-free, recovering in place from injected failures, and restarting
     /// from checkpoints after each (Varuna-style), side by side: throughput, recovery phases;
     /// then a drain + join, and a worker stopped mid-step (SIGSTOP) against the watchdog.
-    Recovery(oobleck_cli::bench_recovery::BenchRecoveryArgs),
+    Recovery(oobleck_cli::bench::recovery::BenchRecoveryArgs),
     /// How long `oobleck simulate` takes at 100 to 10,000 nodes and 100 to 1,000 events over
     /// a week, re-planning at every event (target: 10,000 nodes, 1,000 events under 10 s).
-    Simulate(oobleck_cli::bench_simulate::BenchSimulateArgs),
+    Simulate(oobleck_cli::bench::simulate::BenchSimulateArgs),
 }
 
 #[derive(clap::Args)]
@@ -133,15 +133,15 @@ fn run() -> Result<()> {
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
         Cmd::Profile(a) => oobleck_cli::profile_cmd::run(&a),
         Cmd::Simulate(a) => oobleck_cli::simulate_cmd::run(&a),
-        Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench_train::run(&a),
-        Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench_pipeline::run(&a),
-        Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench_recovery::run(&a),
-        Cmd::Bench(BenchCmd::Simulate(a)) => oobleck_cli::bench_simulate::run(&a),
+        Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench::train::run(&a),
+        Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench::pipeline::run(&a),
+        Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench::recovery::run(&a),
+        Cmd::Bench(BenchCmd::Simulate(a)) => oobleck_cli::bench::simulate::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
         Cmd::Drain(a) => oobleck_cli::cluster::membership_cmd::drain(&a),
         Cmd::AddNode(a) => oobleck_cli::cluster::membership_cmd::add_node(&a),
-        Cmd::Agent(a) => oobleck_cli::cluster::agent_cmd::run(&a),
+        Cmd::Agent(a) => oobleck_cli::cluster::node_cmd::run(&a),
         Cmd::Report { dir } => {
             let (path, missing) = oobleck_cli::report::write_report_noting(&dir)?;
             println!("{}", path.display());
@@ -224,7 +224,7 @@ fn generate(a: &GenerateArgs) -> Result<()> {
         })?;
     // The model of the run without its starting weights (the checkpoint has the trained ones)
     // or its corpus (only the tokenizer is needed).
-    let workload = oobleck_cli::cluster::job::workload_config(&cfg);
+    let workload = oobleck_cli::config::workload_config(&cfg);
     let model_cfg = workload.model_config()?;
     let model = model_cfg.build()?;
     let params: HashMap<_, _> = ck.params.into_iter().collect();

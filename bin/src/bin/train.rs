@@ -2,10 +2,11 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use oobleck_cli::args::TrainArgs;
 use oobleck_cli::cluster::hostfile::parse_hostfile;
-use oobleck_cli::cluster::job::Launch;
+use oobleck_cli::cluster::job::LaunchMode;
 use oobleck_cli::cluster::resolve;
-use oobleck_cli::config::{TrainArgs, TrainConfig};
+use oobleck_cli::config::TrainConfig;
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -42,13 +43,13 @@ fn run() -> Result<()> {
         .init();
     // `train agent --master HOST:PORT`: one node of a multi-machine job, from this binary.
     if std::env::args_os().nth(1).is_some_and(|a| a == "agent") {
-        use oobleck_cli::cluster::agent_cmd::{run, TrainAgentCli};
+        use oobleck_cli::cluster::node_cmd::{run, TrainAgentCli};
         let cli = TrainAgentCli::parse_from(std::env::args_os().skip(1));
         return run(&cli.args);
     }
     let args = TrainArgs::parse();
     if let Some(p) = &args.profile {
-        oobleck_cli::cluster::job::choose_profile(p)?;
+        oobleck_cli::config::choose_profile(p)?;
     }
     let mut cfg = args.resolve()?;
     let launch = match (&args.listen, &args.hostfile) {
@@ -75,20 +76,20 @@ fn run() -> Result<()> {
                         .with_context(|| format!("reading --hostfile {}", path.display()))?;
                     let hosts = parse_hostfile(&text, path)?;
                     cfg.nodes = hosts.len();
-                    Some(Launch::Hostfile { addr, token, hosts })
+                    Some(LaunchMode::Hostfile { addr, token, hosts })
                 }
                 None => {
                     if args.expect_nodes.is_none() {
                         bail!("--listen needs --expect-nodes N (or --hostfile FILE)");
                     }
-                    Some(Launch::Listen { addr, token })
+                    Some(LaunchMode::Listen { addr, token })
                 }
             }
         }
         (None, _) if args.expect_nodes.is_some() => {
             bail!("--expect-nodes goes with --listen (agents started by hand); for a local cluster use --nodes")
         }
-        (None, _) if cfg.nodes > 1 => Some(Launch::Local),
+        (None, _) if cfg.nodes > 1 => Some(LaunchMode::Local),
         (None, _) => None,
     };
     match launch {
@@ -98,7 +99,7 @@ fn run() -> Result<()> {
 }
 
 /// The job on a cluster (the runtime's), then samples from its last checkpoint.
-fn train_cluster(cfg: TrainConfig, launch: Launch, args: &TrainArgs) -> Result<()> {
+fn train_cluster(cfg: TrainConfig, launch: LaunchMode, args: &TrainArgs) -> Result<()> {
     let workload = Arc::new(GptWorkload::new(cluster_workload_config(&cfg, &launch))?);
     let page = oobleck_cli::status_page::parse_addr(args.status_addr.as_deref())?;
     let summary = oobleck_cli::cluster::job::run(

@@ -10,29 +10,25 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use oobleck_core::checkpoint;
-use oobleck_core::optim::LrSchedule;
-use oobleck_core::runtime::device;
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::master::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::wire::Token;
-use oobleck_core::runtime::{
-    Context as _, DataPlane, InjectedFailure, JobConfig, StepMetrics, TrainingSpec, Workload,
-};
+use oobleck_core::runtime::{Context as _, JobConfig, StepMetrics, Workload};
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use super::hostfile::{self, HostEntry};
-use crate::config::{parse_failure, TrainConfig};
+use crate::config::{training_spec, workload_config, TrainConfig};
 use crate::progress::Progress;
+use crate::run_dir::{open_run, truncate_metrics_after, Summary};
 use crate::status_page::StatusPage;
-use crate::trainer::{open_run, truncate_metrics_after, Summary};
 
 /// Bound of starting each ssh and handing it the token.
 const SSH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How a job's agents come to be.
-pub enum Launch {
+pub enum LaunchMode {
     /// `--nodes N`: N agent processes on this machine, the master on 127.0.0.1.
     Local,
     /// `--listen ADDR --expect-nodes N`: the master listens on `addr` and waits for agents
@@ -47,112 +43,17 @@ pub enum Launch {
     },
 }
 
-/// The runtime's settings of the job: one name and one unit per quantity.
-pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
-    let u = |v: usize, what: &str| u32::try_from(v).with_context(|| format!("{what} {v}"));
-    let mut inject_failures = Vec::new();
-    for spec in &cfg.inject_failure {
-        let (node, after_step) = parse_failure(spec)?;
-        let node = u(node, "--inject-failure node")?;
-        inject_failures.push(InjectedFailure { node, after_step });
-    }
-    let pipeline_nodes = match &cfg.pipeline_nodes {
-        Some(sizes) => Some(
-            sizes
-                .iter()
-                .map(|&s| u(s, "--pipeline-nodes"))
-                .collect::<Result<Vec<u32>>>()?,
-        ),
-        None => None,
-    };
-    let placement = crate::placement::resolve(&cfg.device)?;
-    let precision = cfg.precision();
-    // On this machine's first GPU, if it has one, before any agent starts (each worker checks
-    // its own again: the GPUs of a multi-machine job are elsewhere).
-    let here = device::detect_gpus().map_err(|e| anyhow::anyhow!("{e}"))?;
-    if here.is_some() {
-        device::check_precision(placement.compute, 0, precision)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-    }
-    Ok(TrainingSpec {
-        steps: cfg.steps,
-        seed: cfg.seed,
-        microbatch_size: u(cfg.microbatch_size, "--microbatch-size")?,
-        global_microbatches: u(cfg.num_microbatches(), "microbatches")?,
-        nodes: u(cfg.nodes, "--nodes")?,
-        devices_per_node: u(cfg.devices_per_node, "--devices-per-node")?,
-        fault_threshold: u(cfg.fault_threshold, "--fault-threshold")?,
-        device: placement.kind,
-        pipeline_nodes,
-        optimizer: *cfg.optimizer()?.config(),
-        lr: LrSchedule::new(cfg.lr, cfg.final_lr(), cfg.warmup(), cfg.steps)?,
-        grad_clip: (cfg.grad_clip > 0.0).then_some(cfg.grad_clip),
-        checkpoint_every: cfg.checkpoint_every,
-        eval_every: cfg.eval_every,
-        data_plane: match cfg.data_plane.as_str() {
-            "nccl" => DataPlane::Nccl,
-            _ => DataPlane::Tcp,
-        },
-        inject_failures,
-        compute: placement.compute,
-        precision,
-        recompute: cfg.recompute,
-    })
-}
-
-/// The GPT workload's settings of the job.
-pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
-    GptWorkloadConfig {
-        model: cfg.model.clone(),
-        init_from: cfg.init_from.clone(),
-        seq_len: cfg.seq_len,
-        microbatch_size: cfg.microbatch_size,
-        num_microbatches: cfg.num_microbatches(),
-        eval_batches: cfg.eval_batches,
-        dataset: cfg.dataset.clone(),
-        tokenizer: cfg.tokenizer.clone(),
-        profile: profile_choice(),
-        host_ranks: 1,
-    }
-}
-
 /// [`workload_config`] for a cluster job started as `launch`: its measured profile is timed as
 /// the ranks sharing a machine run (every rank of a local cluster; a node's devices otherwise).
-pub fn cluster_workload_config(cfg: &TrainConfig, launch: &Launch) -> GptWorkloadConfig {
+pub fn cluster_workload_config(cfg: &TrainConfig, launch: &LaunchMode) -> GptWorkloadConfig {
     let host_ranks = match launch {
-        Launch::Local => cfg.nodes * cfg.devices_per_node,
-        Launch::Listen { .. } | Launch::Hostfile { .. } => cfg.devices_per_node,
+        LaunchMode::Local => cfg.nodes * cfg.devices_per_node,
+        LaunchMode::Listen { .. } | LaunchMode::Hostfile { .. } => cfg.devices_per_node,
     };
     GptWorkloadConfig {
         host_ranks: host_ranks.max(1),
         ..workload_config(cfg)
     }
-}
-
-/// `train --profile`: checks the choice (`measured`, `analytical` or a profile file that
-/// exists) and makes it the one [`workload_config`] takes. Call it before any thread starts.
-pub fn choose_profile(choice: &str) -> anyhow::Result<()> {
-    if !matches!(choice, "measured" | "analytical") && !Path::new(choice).is_file() {
-        anyhow::bail!(
-            "--profile {choice}: not `measured`, `analytical` or a profile file (write one with \
-             `oobleck profile --model M --out FILE`)"
-        );
-    }
-    std::env::set_var(PROFILE_ENV, choice);
-    Ok(())
-}
-
-/// Where `train --profile` leaves its choice for [`workload_config`].
-const PROFILE_ENV: &str = "OOBLECK_PROFILE";
-
-/// Where the planner's profile comes from: `$OOBLECK_PROFILE` (`analytical`, `measured` or
-/// a profile JSON; `train --profile` sets it), default `measured` (a CPU job measures its
-/// layers or reuses the cached measurement; other devices stay analytical).
-fn profile_choice() -> String {
-    std::env::var(PROFILE_ENV)
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "measured".into())
 }
 
 /// Runs the job of `cfg` on `workload` (built by the caller from [`workload_config`], which
@@ -162,7 +63,7 @@ fn profile_choice() -> String {
 pub fn run(
     cfg: TrainConfig,
     workload: Arc<GptWorkload>,
-    launch: Launch,
+    launch: LaunchMode,
     resume: Option<&Path>,
     page_addr: Option<SocketAddr>,
 ) -> Result<Summary> {
@@ -229,22 +130,22 @@ pub fn run(
         ..Limits::default()
     };
     let limits = match launch {
-        Launch::Listen { .. } => Limits {
+        LaunchMode::Listen { .. } => Limits {
             join: Duration::from_secs(600),
             ..ours
         },
         _ => ours,
     };
     let (bind, token, launch) = match launch {
-        Launch::Local => (
+        LaunchMode::Local => (
             "127.0.0.1:0".parse().context("master address")?,
             Token::random(),
             master::Launch::Local {
                 exe: hostfile::agent_binary()?,
             },
         ),
-        Launch::Listen { addr, token } => (addr, token, master::Launch::Listen),
-        Launch::Hostfile { addr, token, hosts } => {
+        LaunchMode::Listen { addr, token } => (addr, token, master::Launch::Listen),
+        LaunchMode::Hostfile { addr, token, hosts } => {
             let secret = token.expose().to_string();
             (
                 addr,

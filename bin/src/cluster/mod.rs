@@ -9,18 +9,23 @@
 //!    └─ ...
 //! ```
 //!
-//! The runtime itself (job driver, node supervisor, worker loop, the pure job state machine)
+//! The runtime itself (the master, the node agent, the worker, the pure job state machine)
 //! lives in `oobleck_core::runtime`; `train` and `oobleck` hand over to it with
 //! `oobleck_core::runtime::take_over` when started in a node role.
 //!
-//! Outputs: workers of pipeline 0 leave their state under the run directory and the master
-//! merges it into checkpoints, so across machines `--out` must be a directory every node sees
-//! at the same path (a shared file system).
+//! - [`job`]: `train`'s cluster job: flags to the runtime, the run directory, the launch.
+//! - [`node_cmd`]: `train agent` / `oobleck agent`, one node of a multi-machine job.
+//! - [`hostfile`]: agents started over ssh from a host file.
+//! - [`status`], [`membership_cmd`]: the tools that talk to a running job (`oobleck status`,
+//!   `kill-node`, `drain`, `add-node`).
+//!
+//! Outputs: workers upload their state to the master over the network, and the master writes
+//! the checkpoints under its own `--out`; no shared file system is needed.
 
-pub mod agent_cmd;
 pub mod hostfile;
 pub mod job;
 pub mod membership_cmd;
+pub mod node_cmd;
 pub mod status;
 
 pub use oobleck_core::runtime::net::resolve;

@@ -4,7 +4,7 @@ use anyhow::{bail, Context};
 
 use oobleck_core::simulate::generate::{generate, Failures};
 use oobleck_core::simulate::policies::{
-    fault_free_samples_per_s, CheckpointRestart, Costs, OobleckPolicy, Redundancy, Workload,
+    fault_free_samples_per_s, CheckpointRestart, Costs, OobleckPolicy, Redundancy, SimWorkload,
 };
 use oobleck_core::simulate::table::{Experiment, System, TableInputs, TablePolicy};
 use oobleck_core::simulate::{parse_duration_ms, Policy, Trace};
@@ -234,7 +234,7 @@ pub fn policies(args: &SimulateArgs, trace: &Trace) -> anyhow::Result<Vec<Conten
     Ok(out)
 }
 
-fn workload(args: &SimulateArgs) -> anyhow::Result<Workload> {
+fn workload(args: &SimulateArgs) -> anyhow::Result<SimWorkload> {
     let mut w = args.work.clone();
     if w.profile.is_none() {
         w.model = preset_of(&w.model)?.to_string();

@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 
 use super::planner::{node_state_bytes, Checkpoints, Planner};
-use super::{Costs, Workload};
+use super::{Costs, SimWorkload};
 use crate::planning::Plan;
 use crate::simulate::engine::{run_loop, Loss, Reaction, Reactor};
 use crate::simulate::outcome::{Outcome, TimeKind};
@@ -17,7 +17,7 @@ use crate::simulate::{Policy, SimError};
 /// See the module docs.
 #[derive(Debug, Clone)]
 pub struct CheckpointRestart {
-    pub work: Workload,
+    pub work: SimWorkload,
     pub costs: Costs,
     pub end_ms: Option<u64>,
 }

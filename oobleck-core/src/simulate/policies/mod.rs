@@ -21,15 +21,16 @@ use super::trace::Trace;
 use super::SimError;
 use crate::planning::{ClusterSpec, JobSpec, ModelProfile};
 
-/// What is trained on what: the planner's inputs.
+/// What the simulator trains on what: the planner's inputs (not the runtime's
+/// `Workload`, which is a model with its data).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Workload {
+pub struct SimWorkload {
     pub profile: ModelProfile,
     pub cluster: ClusterSpec,
     pub job: JobSpec,
 }
 
-impl Workload {
+impl SimWorkload {
     /// Samples of one iteration (`B * b`).
     pub fn samples_per_step(&self) -> f64 {
         f64::from(self.job.global_microbatches) * f64::from(self.job.microbatch_size)

@@ -7,7 +7,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::planner::{Checkpoints, Planner};
-use super::{Costs, Workload};
+use super::{Costs, SimWorkload};
 use crate::planning::{Plan, PlanError};
 use crate::reconfig::{decide_joins, decide_with, Holdings, ReconfigPlan};
 use crate::simulate::engine::{run_loop, Counted, Loss, Reaction, Reactor};
@@ -18,7 +18,7 @@ use crate::simulate::{Policy, SimError};
 /// See the module docs.
 #[derive(Debug, Clone)]
 pub struct OobleckPolicy {
-    pub work: Workload,
+    pub work: SimWorkload,
     pub costs: Costs,
     /// Where the simulation stops; `None` = the trace's last event.
     pub end_ms: Option<u64>,

@@ -1,7 +1,7 @@
 //! What every policy asks of the planner: templates for the trace, a fresh plan on the
 //! nodes there are, how a plan trains (its step time and checkpoints), and a restart.
 
-use super::{Costs, Workload};
+use super::{Costs, SimWorkload};
 use crate::planning::{
     generate_templates, gradient_sync_ns, instantiate_degraded, Plan, PlanError, TemplateSet,
 };
@@ -23,7 +23,7 @@ pub(crate) enum Checkpoints {
 /// A policy's planner: its templates and how its plans train and restart.
 pub(crate) struct Planner<'a> {
     pub set: TemplateSet,
-    pub work: &'a Workload,
+    pub work: &'a SimWorkload,
     pub costs: &'a Costs,
     /// The trace's mean time between failures (for the Young–Daly interval).
     pub gap_ms: Option<f64>,
@@ -33,7 +33,7 @@ pub(crate) struct Planner<'a> {
 impl<'a> Planner<'a> {
     /// Templates for the trace; see [`templates`].
     pub fn new(
-        work: &'a Workload,
+        work: &'a SimWorkload,
         costs: &'a Costs,
         trace: &Trace,
         checkpoints: Checkpoints,
@@ -50,7 +50,7 @@ impl<'a> Planner<'a> {
     /// A planner with templates of the policy's own.
     pub fn with_set(
         set: TemplateSet,
-        work: &'a Workload,
+        work: &'a SimWorkload,
         costs: &'a Costs,
         trace: &Trace,
         checkpoints: Checkpoints,
@@ -140,7 +140,7 @@ impl<'a> Planner<'a> {
 /// Templates for every node count from `n0` up to the most nodes the trace has at once,
 /// whatever `f` is: after losses past `f` the job may run with fewer replicas, and joins may
 /// bring it past its starting size.
-pub(crate) fn templates(work: &Workload, trace: &Trace) -> Result<TemplateSet, PlanError> {
+pub(crate) fn templates(work: &SimWorkload, trace: &Trace) -> Result<TemplateSet, PlanError> {
     let mut job = work.job;
     job.fault_threshold = 0;
     generate_templates(
@@ -179,7 +179,7 @@ fn failure_gap_ms(trace: &Trace) -> Option<f64> {
 /// A fresh plan on as many usable nodes as the templates can cover, keeping `f` when the
 /// nodes allow and lowering it when they do not, as a reconfiguration does
 /// (`planning::instantiate_degraded`); the plan's target stays `f`, so joins restore it.
-fn fresh_plan(set: &TemplateSet, work: &Workload, usable: &[u32]) -> Result<Plan, PlanError> {
+fn fresh_plan(set: &TemplateSet, work: &SimWorkload, usable: &[u32]) -> Result<Plan, PlanError> {
     let sync = gradient_sync_ns(&work.profile, &work.cluster);
     let g = work.cluster.devices_per_node;
     instantiate_degraded(set, &work.job, g, sync, usable, 0)
@@ -188,7 +188,7 @@ fn fresh_plan(set: &TemplateSet, work: &Workload, usable: &[u32]) -> Result<Plan
 /// What `work` trains at on `nodes` nodes with no failure and no fault-tolerance cost: the
 /// fastest plan (f = 0) and no checkpoints. The yardstick of "what fraction each policy
 /// keeps".
-pub fn fault_free_samples_per_s(work: &Workload, nodes: u32) -> Result<f64, SimError> {
+pub fn fault_free_samples_per_s(work: &SimWorkload, nodes: u32) -> Result<f64, SimError> {
     let mut free = work.clone();
     free.job.fault_threshold = 0;
     let set = generate_templates(&free.profile, &free.cluster, &free.job, nodes)?;

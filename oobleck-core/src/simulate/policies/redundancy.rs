@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::planner::{templates, Checkpoints, Planner};
-use super::{Costs, Workload};
+use super::{Costs, SimWorkload};
 use crate::planning::{Plan, TemplateSet};
 use crate::simulate::engine::{run_loop, Counted, LoopOptions, Loss, Reaction, Reactor, Running};
 use crate::simulate::outcome::{Outcome, TimeKind};
@@ -19,7 +19,7 @@ use crate::simulate::{Policy, SimError};
 /// See the module docs.
 #[derive(Debug, Clone)]
 pub struct Redundancy {
-    pub work: Workload,
+    pub work: SimWorkload,
     pub costs: Costs,
     pub end_ms: Option<u64>,
 }
@@ -53,7 +53,7 @@ impl Policy for Redundancy {
 
 /// Templates of at least two nodes (a node needs a successor to cover it) with the doubled
 /// state, or why there are none.
-fn redundant_templates(work: &Workload, trace: &Trace) -> Result<TemplateSet, String> {
+fn redundant_templates(work: &SimWorkload, trace: &Trace) -> Result<TemplateSet, String> {
     let mut set = templates(work, trace).map_err(|e| e.to_string())?;
     set.templates.retain(|t| t.nodes >= 2);
     let Some(first) = set.templates.first() else {

@@ -8,7 +8,7 @@ use crate::simulate::outcome::{Outcome, TimeKind};
 use crate::simulate::{Policy, Trace};
 
 /// GPT-3 350M (24 blocks, 1024 wide) on A100 80 GB nodes of one device.
-pub(crate) fn work(f: u32, global: u32) -> Workload {
+pub(crate) fn work(f: u32, global: u32) -> SimWorkload {
     work_of(
         TransformerShape::gpt(24, 1024, 16, 50257, 2048),
         "a100-80gb",
@@ -18,7 +18,7 @@ pub(crate) fn work(f: u32, global: u32) -> Workload {
 }
 
 /// GPT-3 6.7B on A100 40 GB nodes: a pipeline needs several nodes.
-fn big(f: u32, global: u32) -> Workload {
+fn big(f: u32, global: u32) -> SimWorkload {
     work_of(
         TransformerShape::gpt(32, 4096, 32, 50257, 2048),
         "a100-40gb",
@@ -27,9 +27,9 @@ fn big(f: u32, global: u32) -> Workload {
     )
 }
 
-fn work_of(shape: TransformerShape, device: &str, f: u32, global: u32) -> Workload {
+fn work_of(shape: TransformerShape, device: &str, f: u32, global: u32) -> SimWorkload {
     let device = DeviceSpec::named(device).unwrap();
-    Workload {
+    SimWorkload {
         profile: analytical_profile("gpt", &shape, device, 1, Dtype::Bf16),
         cluster: device.cluster(1),
         job: JobSpec {
@@ -50,7 +50,7 @@ fn shipped(name: &str) -> Trace {
     Trace::parse(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn all(w: &Workload, costs: Costs, end_ms: Option<u64>) -> Vec<Box<dyn Policy>> {
+fn all(w: &SimWorkload, costs: Costs, end_ms: Option<u64>) -> Vec<Box<dyn Policy>> {
     vec![
         Box::new(OobleckPolicy {
             work: w.clone(),

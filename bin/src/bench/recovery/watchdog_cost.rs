@@ -20,7 +20,7 @@ use oobleck_core::runtime::wire::pipe::progress_line;
 use oobleck_core::runtime::worker::BEAT;
 
 use super::hang::MarkCosts;
-use crate::bench_pipeline::median;
+use crate::bench::median;
 
 /// Marks (entries and their drops) per round.
 const MARK_PAIRS: u32 = 500_000;

@@ -125,7 +125,7 @@ pub(super) mod tests {
     }
 
     /// The bench's arguments from `extra` flags, as clap parses them.
-    pub(in crate::bench_recovery) fn args(extra: &[&str]) -> BenchRecoveryArgs {
+    pub(in crate::bench::recovery) fn args(extra: &[&str]) -> BenchRecoveryArgs {
         Cli::parse_from(std::iter::once("bench").chain(extra.iter().copied())).a
     }
 

@@ -1,5 +1,5 @@
 //! `oobleck agent` / `train agent`: run one node of a multi-machine job. The node supervisor
-//! itself is `oobleck_core::runtime::agent`; this is its command line.
+//! itself is `oobleck_core::runtime::node`; this is its command line.
 
 use std::io::BufRead;
 use std::time::Duration;

@@ -182,7 +182,7 @@ fn reset_peak_rss() -> bool {
 pub(super) mod tests {
     use super::*;
 
-    pub(in crate::bench_train) fn tiny() -> Shape {
+    pub(in crate::bench::train) fn tiny() -> Shape {
         Shape {
             layers: 2,
             hidden: 32,

@@ -26,7 +26,7 @@ mod torch;
 
 use std::path::PathBuf;
 
-use crate::bench_pipeline::median;
+use crate::bench::median;
 use anyhow::{bail, Context, Result};
 use oobleck_models::gpt2::GptConfig;
 use serde::{Deserialize, Serialize};
@@ -313,7 +313,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench_train::candle::tests::tiny;
+    use crate::bench::train::candle::tests::tiny;
 
     #[test]
     fn memory_estimate_counts_sixteen_bytes_per_parameter() {

@@ -5,13 +5,7 @@ use std::time::Duration;
 
 use super::Report;
 
-/// The median (the mean of the middle two for an even count); NaN for none.
-pub fn median(xs: &[f64]) -> f64 {
-    if xs.is_empty() {
-        return f64::NAN;
-    }
-    oobleck_core::profiler::median(&mut xs.to_vec())
-}
+pub use super::super::median;
 
 pub(super) fn percentile(xs: &[f64], q: f64) -> f64 {
     if xs.is_empty() {

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use super::records::{Event, Metric, Phases};
-use crate::bench_pipeline::median;
+use crate::bench::median;
 
 /// The three ways of running the same job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

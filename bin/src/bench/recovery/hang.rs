@@ -38,7 +38,7 @@ use serde::Serialize;
 use super::records::{Event, Metric};
 use super::summary::{check, step_time, Check, Recovery, RunInput, RunSummary};
 use super::BenchRecoveryArgs;
-use crate::bench_pipeline::median;
+use crate::bench::median;
 
 /// The floor of the detection target, s: the "or 2 s" (`--hang-timeout`'s default,
 /// 1.5 s, is under it).

@@ -1,0 +1,259 @@
+//! The flags of `train` and how they resolve: defaults (or, with `--resume`, the resumed run's
+//! own `config.json`), then a TOML job file, then the flags, into a [`TrainConfig`].
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+use crate::config::{load_resolved, read_job_file, TrainConfig};
+use crate::run_dir::find_checkpoint;
+
+/// Train a GPT/OPT model with Oobleck-rs.
+///
+/// With no flags: trains the small `gpt-mini` GPT on the shipped corpus and writes the run to
+/// `runs/`. Flags override a `--config job.toml`, which overrides the defaults.
+#[derive(Clone, Debug, Default, clap::Parser)]
+#[command(name = "train", version)]
+pub struct TrainArgs {
+    /// TOML job file with any of the fields below (snake_case); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model preset (see `oobleck models`) [default: gpt-mini].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Start from HF weights: a directory with config.json + model.safetensors, or `org/name`
+    /// found in the local Hugging Face cache.
+    #[arg(long)]
+    pub init_from: Option<String>,
+    /// Nodes of the cluster; 1 trains in this one process [default: 4].
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// Devices (worker processes) per node [default: 1].
+    #[arg(long)]
+    pub devices_per_node: Option<usize>,
+    /// Fault threshold f: survive f node failures without a checkpoint [default: 1].
+    #[arg(long)]
+    pub fault_threshold: Option<usize>,
+    /// Samples per microbatch [default: 4].
+    #[arg(long)]
+    pub microbatch_size: Option<usize>,
+    /// Samples per step, a multiple of the microbatch size [default: 16; a published preset
+    /// such as gpt3-2.7b: its paper's batch, 512 sequences].
+    #[arg(long)]
+    pub global_batch_size: Option<usize>,
+    /// Tokens per sample [default: 64; a published preset: its whole context, 2048 for GPT-3].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Total optimizer steps [default: 150].
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of initialisation, data order and dropout [default: 1234].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Peak learning rate [default: 2e-3; a published preset: its paper's, 1.6e-4 for gpt3-2.7b].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine decay [default: lr/10].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Linear warmup steps [default: 10% of steps].
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// AdamW weight decay on weight matrices [default: 0.1].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm (0 = off) [default: 1.0].
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    /// Run directory [default: runs/<model>-<unix seconds>].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Checkpoint every K steps, and at the end (0 = only at the end) [default: 50].
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Validation loss every K steps, and at the end [default: 25].
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Validation microbatches per evaluation [default: 4].
+    #[arg(long)]
+    pub eval_batches: Option<usize>,
+    /// Continue a run: its directory (newest checkpoint) or one checkpoint directory. The run's
+    /// saved config is the starting point; flags that would change the training are refused.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Text corpus [default: the shipped corpus in datasets/].
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    /// GPT-2 tokenizer: tokenizer.json, or a directory with encoder.json + vocab.bpe.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Pin pipeline sizes in nodes, e.g. `2,3`.
+    #[arg(long, value_delimiter = ',')]
+    pub pipeline_nodes: Option<Vec<usize>>,
+    /// Kill node NODE's processes with SIGKILL at step STEP (repeatable), e.g. `1@20`.
+    #[arg(long)]
+    pub inject_failure: Vec<String>,
+    /// Sampled continuations to print at the end [default: 2].
+    #[arg(long)]
+    pub sample: Option<usize>,
+    /// Print a machine-readable summary as JSON on stdout at the end.
+    #[arg(long)]
+    pub json: bool,
+    /// The cluster's data plane: tcp, or nccl (builds with --features nccl) [default: tcp].
+    #[arg(long)]
+    pub data_plane: Option<String>,
+    /// Where the workers compute: auto, cpu, cuda, or a device kind the planner knows
+    /// (`oobleck plan --help` lists them) [default: auto: the GPUs of a cuda build if any].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// fp32, or bf16 (fp32 master weights and optimizer state) [default: fp32].
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// Recompute each layer's activations in backward instead of keeping them.
+    #[arg(long)]
+    pub recompute: bool,
+    /// Silence (ms) after which a node is declared lost: catches a hung machine or agent;
+    /// heartbeats go every 500 ms [default: 3000].
+    #[arg(long)]
+    pub lease_ms: Option<u64>,
+    /// Seconds a joining node that adds no pipeline waits for more joins before it is
+    /// admitted; one that adds a pipeline is admitted at the next step [default: 30].
+    #[arg(long)]
+    pub join_after: Option<f64>,
+    /// Seconds a worker inside a step may make no progress before its agent kills it as
+    /// hung; raised to --hang-factor x its median step time when steps are slower (not for a
+    /// worker whose progress beats stop) [default: 1.5].
+    #[arg(long, value_name = "SECS")]
+    pub hang_timeout: Option<f64>,
+    /// See --hang-timeout [default: 3].
+    #[arg(long)]
+    pub hang_factor: Option<f64>,
+    /// A rank this many times slower in compute than its peers, step after step, is reported
+    /// as a straggler [default: 1.5].
+    #[arg(long)]
+    pub straggler_factor: Option<f64>,
+    /// Drain a persistent straggler's node, as `oobleck drain` would.
+    #[arg(long)]
+    pub evict_stragglers: bool,
+    /// The live status page of a cluster job: where to serve it (HOST:PORT), or `off`. Default:
+    /// 127.0.0.1 and a free port, printed at the start. Off loopback, every request needs the
+    /// job's token (a bearer header, or the one-time link `train` prints); kill and drain from
+    /// the page always do.
+    #[arg(long, value_name = "HOST:PORT|off")]
+    pub status_addr: Option<String>,
+    /// Where the planner's per-layer times come from: `measured` (the default on the CPU:
+    /// every layer is timed on this machine before planning, a few seconds, and the profile
+    /// is cached for the next run), `analytical` (estimated from the shape and device), or
+    /// a profile JSON written by `oobleck profile --out`.
+    #[arg(long, value_name = "measured|analytical|FILE", env = "OOBLECK_PROFILE")]
+    pub profile: Option<String>,
+    /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
+    /// started with `oobleck agent --master ADDR` instead of starting local ones.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// With --listen: the number of nodes (agents) of the job.
+    #[arg(long, conflicts_with_all = ["nodes", "hostfile"])]
+    pub expect_nodes: Option<usize>,
+    /// Multi-machine: start one agent per host of FILE over ssh (`$OOBLECK_SSH` replaces
+    /// `ssh`); the master listens on --listen, which must be an address the hosts can reach.
+    /// Format: one `[user@]host[:sshport] [data=IP] [oobleck=PATH]` per line.
+    #[arg(long, requires = "listen", conflicts_with = "nodes")]
+    pub hostfile: Option<PathBuf>,
+    /// The job's shared secret for --listen / --hostfile (agents must present the same one).
+    #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+impl TrainArgs {
+    /// Defaults (or, with `--resume`, the resumed run's own `config.json`), then the job
+    /// file, then the flags.
+    pub fn resolve(&self) -> Result<TrainConfig> {
+        let base = match &self.resume {
+            Some(path) => {
+                let (run, _) = find_checkpoint(path)?;
+                load_resolved(&run)?
+            }
+            None => TrainConfig::default(),
+        };
+        let (mut c, in_file) = match &self.config {
+            Some(path) => read_job_file(path)?,
+            None => (base, BTreeSet::new()),
+        };
+        if let Some(n) = self.expect_nodes {
+            c.nodes = n;
+        }
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone(); } )* };
+        }
+        set!(
+            model,
+            nodes,
+            devices_per_node,
+            fault_threshold,
+            microbatch_size,
+            global_batch_size,
+            seq_len,
+            steps,
+            seed,
+            lr,
+            weight_decay,
+            grad_clip,
+            checkpoint_every,
+            eval_every,
+            eval_batches,
+            sample,
+            data_plane,
+            device,
+            precision,
+            lease_ms
+        );
+        c.recompute |= self.recompute;
+        if let Some(s) = self.join_after {
+            c.join_after_s = s;
+        }
+        if let Some(s) = self.hang_timeout {
+            c.hang_timeout_s = s;
+        }
+        if let Some(f) = self.hang_factor {
+            c.hang_factor = f;
+        }
+        if let Some(f) = self.straggler_factor {
+            c.straggler_factor = f;
+        }
+        c.evict_stragglers |= self.evict_stragglers;
+        macro_rules! set_opt {
+            ($($f:ident),*) => { $( if self.$f.is_some() { c.$f = self.$f.clone(); } )* };
+        }
+        set_opt!(
+            init_from,
+            min_lr,
+            warmup_steps,
+            out,
+            dataset,
+            tokenizer,
+            pipeline_nodes
+        );
+        if !self.inject_failure.is_empty() {
+            c.inject_failure = self.inject_failure.clone();
+        }
+        if self.resume.is_none() {
+            c.apply_recipe(|key| in_file.contains(key) || self.sets(key));
+        }
+        let c = c.with_derived();
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+impl TrainArgs {
+    /// Whether a flag sets the recipe field `key` (see [`TrainConfig::apply_recipe`]).
+    fn sets(&self, key: &str) -> bool {
+        match key {
+            "seq_len" => self.seq_len.is_some(),
+            "global_batch_size" => self.global_batch_size.is_some(),
+            "lr" => self.lr.is_some(),
+            _ => false,
+        }
+    }
+}
