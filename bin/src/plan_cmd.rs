@@ -4,12 +4,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use oobleck_core::planning::report::{plan_table, reconfig_table, templates_table};
+use oobleck_core::planning::report::{plan_table, templates_table};
 use oobleck_core::planning::{
     analytical_profile, gradient_sync_ns, instantiate_with_sizes, template::generate_templates,
     DeviceSpec, Dtype, JobSpec, ModelProfile, TemplateMicrobatches, TransformerShape,
 };
 use oobleck_core::reconfig::decide;
+use oobleck_core::reconfig::report::reconfig_table;
 use oobleck_core::simulate::policies::SimWorkload;
 use oobleck_models::ModelConfig;
 

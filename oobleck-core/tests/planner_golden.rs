@@ -2,12 +2,13 @@
 //! reviewers see when plans change. Regenerate with `UPDATE_GOLDEN=1 cargo test -p oobleck-core
 //! --test planner_golden` and review the diff.
 
-use oobleck_core::planning::report::{plan_table, reconfig_table, templates_table};
+use oobleck_core::planning::report::{plan_table, templates_table};
 use oobleck_core::planning::{
     analytical_profile, generate_templates, gradient_sync_ns, instantiate_with_sizes, DeviceSpec,
     Dtype, JobSpec, TemplateMicrobatches, TransformerShape,
 };
 use oobleck_core::reconfig::decide;
+use oobleck_core::reconfig::report::reconfig_table;
 
 struct Case {
     file: &'static str,

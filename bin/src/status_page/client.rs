@@ -19,7 +19,7 @@ pub fn page_addr(url: &str) -> Result<SocketAddr> {
         .strip_prefix("http://")
         .ok_or_else(|| anyhow!("{url}: not an http:// address"))?;
     let hostport = rest.split('/').next().unwrap_or(rest);
-    crate::cluster::resolve(hostport).with_context(|| format!("{url}: no HOST:PORT"))
+    oobleck_core::runtime::net::resolve(hostport).with_context(|| format!("{url}: no HOST:PORT"))
 }
 
 /// `method path` at `addr` with an optional bearer token: the status code and the body.

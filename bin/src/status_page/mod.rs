@@ -50,7 +50,7 @@ pub fn parse_addr(flag: Option<&str>) -> Result<Option<SocketAddr>> {
     match flag.map(str::trim) {
         None => Ok(Some(SocketAddr::from(([127, 0, 0, 1], 0)))),
         Some("off" | "none") => Ok(None),
-        Some(a) => crate::cluster::resolve(a)
+        Some(a) => oobleck_core::runtime::net::resolve(a)
             .map(Some)
             .with_context(|| format!("--status-addr {a}: expected HOST:PORT or `off`")),
     }

@@ -1,13 +1,12 @@
-//! Human-readable tables of templates, plans and reconfigurations (pure: returns `String`s;
+//! Human-readable tables of templates and plans (a reconfiguration's is `reconfig::report`) (pure: returns `String`s;
 //! the `oobleck plan` command prints them, golden tests compare them).
 
 use std::fmt::Write;
 
 use super::profile::ns_to_ms;
 use super::{Plan, Template, TemplateSet};
-use crate::reconfig::ReconfigPlan;
 
-fn gib(bytes: u64) -> f64 {
+pub(crate) fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
@@ -87,38 +86,6 @@ pub fn plan_table(plan: &Plan) -> String {
         ns_to_ms(plan.compute_ns),
         ns_to_ms(plan.sync_ns)
     );
-    out
-}
-
-/// A reconfiguration decision.
-pub fn reconfig_table(r: &ReconfigPlan) -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "lost {:?}, joined {:?}", r.lost, r.joined);
-    for a in &r.actions {
-        let _ = writeln!(out, "  {}", serde_json::to_string(a).unwrap_or_default());
-    }
-    out.push_str(&plan_table(&r.plan));
-    let _ = writeln!(
-        out,
-        "layer copies: {} ({:.2} GiB); fault tolerance left: {}",
-        r.copies.len(),
-        gib(r.copy_bytes()),
-        r.fault_tolerance
-    );
-    if !r.spare_nodes.is_empty() {
-        let _ = writeln!(
-            out,
-            "spare nodes (no template combination covers them): {:?}",
-            r.spare_nodes
-        );
-    }
-    if !r.missing_layers.is_empty() {
-        let _ = writeln!(
-            out,
-            "layers without a surviving replica (restore from checkpoint): {:?}",
-            r.missing_layers
-        );
-    }
     out
 }
 

@@ -9,6 +9,7 @@ mod copies;
 mod fresh;
 mod holdings;
 mod leave;
+pub mod report;
 
 use std::collections::BTreeSet;
 

@@ -14,19 +14,16 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::error::{BoxError, Result, RuntimeError};
+use super::error::{error_chain, BoxError, Result, RuntimeError};
 use super::node::{run_agent, AgentOptions};
 use super::wire::env::{
     AGENT, AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
     TOKEN_ENV, WORKER,
 };
+use super::wire::pipe::ERROR_TAG;
 use super::worker::run_worker;
 use super::workload::Workload;
 use crate::runtime::wire::Token;
-
-/// The first word of the error a role prints when it fails; an agent explains a failed
-/// worker to the master from the worker's last line that starts with it.
-pub(crate) const ERROR_TAG: &str = "Error:";
 
 /// How long an agent waits for its master when `OOBLECK_AGENT_WAIT` is unset.
 const DEFAULT_AGENT_WAIT_S: u64 = 120;
@@ -166,21 +163,6 @@ fn rank_from_env() -> Result<u32> {
             format!("{RANK_ENV}={s:?} is not a rank (a whole number)"),
         )
     })
-}
-
-/// The messages of `e` and of its sources, skipping a source whose text an outer message
-/// already includes (most of this crate's errors print their source).
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
-    let mut lines = vec![e.to_string()];
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !lines.iter().any(|l| l.contains(&text)) {
-            lines.push(text);
-        }
-        source = s.source();
-    }
-    lines
 }
 
 /// `Error: {e}`, then its other causes (as `anyhow` prints the error of `main`).

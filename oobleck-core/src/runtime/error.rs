@@ -156,3 +156,18 @@ impl RuntimeError {
         RuntimeError::Workload(e.into())
     }
 }
+
+/// The messages of `e` and of its sources, skipping a source whose text an outer message
+/// already includes (most of this crate's errors print their source).
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    let mut lines = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !lines.iter().any(|l| l.contains(&text)) {
+            lines.push(text);
+        }
+        source = s.source();
+    }
+    lines
+}

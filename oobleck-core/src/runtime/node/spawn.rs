@@ -16,13 +16,13 @@ use tokio::sync::mpsc;
 
 use super::{Local, CONTROL_TIMEOUT, GRACE};
 use crate::profiler;
-use crate::runtime::entry::ERROR_TAG;
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::wire::auth::TOKEN_ENV;
 use crate::runtime::wire::env::{
     AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV, RANK_ENV,
     ROLE_ENV, WORKER,
 };
+use crate::runtime::wire::pipe::ERROR_TAG;
 use crate::runtime::wire::pipe::{parse_progress, ToWorker, WorkerAssignment};
 use crate::runtime::wire::protocol::ExitStatus;
 use crate::runtime::wire::records::WorkerReport;

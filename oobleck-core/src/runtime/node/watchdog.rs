@@ -32,8 +32,8 @@ use tokio::time::Instant;
 use crate::execution::Snapshot;
 use crate::runtime::error::{Context, Result};
 use crate::runtime::spec::WatchSpec;
+use crate::runtime::wire::pipe::IDLE_BEAT;
 use crate::runtime::wire::records::WorkerReport;
-use crate::runtime::worker::IDLE_BEAT;
 
 /// Step times kept for the median.
 const STEP_WINDOW: usize = 16;

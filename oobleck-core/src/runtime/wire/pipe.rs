@@ -19,6 +19,7 @@
 //! generation, and drops those of earlier generations.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +30,17 @@ use crate::planning::Plan;
 use crate::reconfig::{Donor, LayerCopy};
 use crate::runtime::spec::JobConfig;
 use crate::runtime::wire::protocol::Rendezvous;
+
+/// The first word of the error a role prints on stderr when it fails; an agent explains a
+/// failed worker to the master from the worker's last line that starts with it.
+pub const ERROR_TAG: &str = "Error:";
+
+/// How often a worker's beat thread looks at its progress: a beat goes out within this of any
+/// progress.
+pub const BEAT: Duration = Duration::from_millis(50);
+/// The longest a worker's beats stay silent while nothing moves, so an agent tells a worker
+/// that is stuck (beats, no progress) from one that does not run at all (no beats).
+pub const IDLE_BEAT: Duration = Duration::from_millis(500);
 
 /// What an agent gives each of its workers (the first JSON line on the worker's stdin).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

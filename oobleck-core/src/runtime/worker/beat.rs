@@ -6,15 +6,10 @@
 
 use std::io::Write;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::execution::Progress;
-use crate::runtime::wire::pipe::progress_line;
-
-/// How often the beat thread looks at the progress.
-pub const BEAT: Duration = Duration::from_millis(50);
-/// The longest it stays silent while nothing moves.
-pub const IDLE_BEAT: Duration = Duration::from_millis(500);
+use crate::runtime::wire::pipe::{progress_line, BEAT, IDLE_BEAT};
 
 /// Exit code of a worker whose beats cannot be written (its pipe to the agent broke).
 const PIPE_BROKEN: i32 = 4;

@@ -36,7 +36,6 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 
-pub use self::beat::{BEAT, IDLE_BEAT};
 pub use self::hooks::{TEST_HANG_ENV, TEST_SLOW_ENV};
 use self::inbox::{report, Inbox};
 use self::load::{load, Loaded};
@@ -51,6 +50,7 @@ use super::workload::{Factory, Workload};
 use crate::execution::{Layout, Progress, StageConfig, StageRunner, Watched, BUCKET_ELEMS};
 use crate::model::{LayeredModel, ParamSource};
 use crate::optim::AdamW;
+pub use crate::runtime::wire::pipe::{BEAT, IDLE_BEAT};
 use crate::runtime::wire::protocol::Rendezvous;
 
 pub use super::timeouts::{COMMIT_TIMEOUT, DATA_TIMEOUT};
@@ -346,7 +346,7 @@ fn broken(a: &WorkerAssignment, inbox: &Inbox, error: RuntimeError, held: Held) 
         &WorkerReport::Broken {
             rank: a.rank,
             step: held.step,
-            error: super::entry::error_chain(&error).join(": "),
+            error: super::error::error_chain(&error).join(": "),
             corrupt: corrupt_copy(&error),
         },
     );

@@ -14,7 +14,7 @@ use super::{protocol, state_path, state_path_at, Flow, Generation, COMMIT_TIMEOU
 use crate::execution::{sync_gradients, Doing};
 use crate::optim::AdamW;
 use crate::planning::stage_leads;
-use crate::runtime::entry::error_chain;
+use crate::runtime::error::error_chain;
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::wire::pipe::{ToWorker, WorkerAssignment};
 use crate::runtime::wire::records::WorkerReport;
