@@ -101,15 +101,15 @@ pub struct TrainArgs {
     #[arg(long)]
     pub json: bool,
     /// The cluster's data plane: tcp, or nccl (builds with --features nccl) [default: tcp].
-    #[arg(long)]
-    pub data_plane: Option<String>,
+    #[arg(long, value_parser = parse_data_plane)]
+    pub data_plane: Option<oobleck_core::runtime::DataPlane>,
     /// Where the workers compute: auto, cpu, cuda, or a device kind the planner knows
     /// (`oobleck plan --help` lists them) [default: auto: the GPUs of a cuda build if any].
     #[arg(long)]
     pub device: Option<String>,
     /// fp32, or bf16 (fp32 master weights and optimizer state) [default: fp32].
     #[arg(long)]
-    pub precision: Option<String>,
+    pub precision: Option<crate::config::Precision>,
     /// Recompute each layer's activations in backward instead of keeping them.
     #[arg(long)]
     pub recompute: bool,
@@ -256,4 +256,10 @@ impl TrainArgs {
             _ => false,
         }
     }
+}
+
+/// `--data-plane`: the runtime's own parse, so flag, job file and `config.json` agree.
+fn parse_data_plane(s: &str) -> std::result::Result<oobleck_core::runtime::DataPlane, String> {
+    s.parse()
+        .map_err(|e: oobleck_core::runtime::SpecError| e.to_string())
 }

@@ -76,7 +76,7 @@ pub struct TrainConfig {
     /// The cluster's data plane: `tcp` (CPU workers, always built) or `nccl` (a build with
     /// `--features nccl`: the master makes the NCCL unique id of each generation and hands it
     /// out with the plan; device `d` of a node uses CUDA device `d`).
-    pub data_plane: String,
+    pub data_plane: DataPlane,
     /// Where the workers compute and which device the planner models: `auto` (the GPUs of a
     /// `--features cuda` build when the machine has them, else the CPU), `cpu`, `cuda` (the
     /// GPUs, their kind detected), or a device kind the planner knows (`h100-80gb`: compute
@@ -84,7 +84,7 @@ pub struct TrainConfig {
     pub device: String,
     /// `fp32`, or `bf16`: parameters and activations in bf16 with fp32 master weights and
     /// optimizer state (halves activation memory and doubles GPU matrix throughput).
-    pub precision: String,
+    pub precision: Precision,
     /// Drop each layer's forward activations and recompute them in backward: activation memory
     /// falls to one tensor per layer boundary, for about one more forward pass of compute.
     pub recompute: bool,
@@ -155,9 +155,9 @@ impl Default for TrainConfig {
             pipeline_nodes: None,
             inject_failure: Vec::new(),
             sample: 2,
-            data_plane: "tcp".into(),
+            data_plane: DataPlane::Tcp,
             device: "auto".into(),
-            precision: "fp32".into(),
+            precision: Precision::Fp32,
             recompute: false,
             lease_ms: 3000,
             join_after_s: 30.0,
@@ -165,6 +165,39 @@ impl Default for TrainConfig {
             hang_factor: 3.0,
             straggler_factor: 1.5,
             evict_stragglers: false,
+        }
+    }
+}
+
+/// The training precision, one closed choice whatever flag or file names it: `fp32` (also
+/// spelled `f32`, as `oobleck plan` and `oobleck profile` once took it) or `bf16`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Precision {
+    #[default]
+    #[serde(rename = "fp32", alias = "f32")]
+    #[value(name = "fp32", alias = "f32")]
+    Fp32,
+    #[serde(rename = "bf16")]
+    #[value(name = "bf16")]
+    Bf16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = anyhow::Error;
+
+    /// As `--precision` takes it.
+    fn from_str(s: &str) -> Result<Precision> {
+        <Precision as clap::ValueEnum>::from_str(s, false)
+            .map_err(|_| anyhow::anyhow!("--precision must be fp32 or bf16, got {s:?}"))
+    }
+}
+
+impl Precision {
+    /// The planner's and the runtime's dtype.
+    pub fn dtype(self) -> Dtype {
+        match self {
+            Precision::Fp32 => Dtype::F32,
+            Precision::Bf16 => Dtype::Bf16,
         }
     }
 }
@@ -239,19 +272,12 @@ impl TrainConfig {
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
         }
-        match self.data_plane.as_str() {
-            "tcp" => {}
-            "nccl" if cfg!(feature = "nccl") => {}
-            "nccl" => bail!(
+        if self.data_plane == DataPlane::Nccl && !cfg!(feature = "nccl") {
+            bail!(
                 "--data-plane nccl needs a build with NCCL: cargo build --release --features nccl"
-            ),
-            other => bail!("--data-plane must be tcp or nccl, got {other:?}"),
+            );
         }
         crate::placement::resolve(&self.device)?;
-        match self.precision.as_str() {
-            "fp32" | "bf16" => {}
-            other => bail!("--precision must be fp32 or bf16, got {other:?}"),
-        }
         for spec in &self.inject_failure {
             parse_failure(spec)?;
         }
@@ -280,12 +306,9 @@ impl TrainConfig {
         }
     }
 
-    /// `--precision` as the planner's and the runtime's dtype (validated: fp32 or bf16).
+    /// `--precision` as the planner's and the runtime's dtype.
     pub fn precision(&self) -> Dtype {
-        match self.precision.as_str() {
-            "bf16" => Dtype::Bf16,
-            _ => Dtype::F32,
-        }
+        self.precision.dtype()
     }
 
     /// `B`: microbatches per step.
@@ -424,10 +447,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         grad_clip: (cfg.grad_clip > 0.0).then_some(cfg.grad_clip),
         checkpoint_every: cfg.checkpoint_every,
         eval_every: cfg.eval_every,
-        data_plane: match cfg.data_plane.as_str() {
-            "nccl" => DataPlane::Nccl,
-            _ => DataPlane::Tcp,
-        },
+        data_plane: cfg.data_plane,
         inject_failures,
         compute: placement.compute,
         precision,

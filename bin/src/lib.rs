@@ -1,9 +1,16 @@
 //! Shared code of the `train` and `oobleck` binaries.
 //!
 //! ```text
-//!  train:   TrainArgs ─► TrainConfig (defaults < job.toml < flags) ─► Trainer ─► run dir
-//!  oobleck: models | plan | generate | bench ...
+//!  train:   args::TrainArgs ─► config::TrainConfig (defaults < job.toml < flags)
+//!             ├─ one process: trainer::Trainer ─► run_dir
+//!             └─ a cluster:   cluster::job (TrainingSpec + workload settings from config)
+//!                              ─► oobleck_core::runtime::run_job ─► run_dir, status_page
+//!  oobleck: models | plan | profile | simulate | generate | status | kill-node | drain |
+//!           add-node | report | bench ...  (bench/: measurements only, not the product)
 //! ```
+//!
+//! Modules import downwards: `args` -> `run_dir` -> `config`; `cluster` -> `config`,
+//! `run_dir`, `status_page`; nothing imports `bench`.
 
 pub mod args;
 pub mod bench;

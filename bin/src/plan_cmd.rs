@@ -51,8 +51,8 @@ pub struct WorkloadArgs {
     #[arg(long, default_value_t = 512)]
     pub global_batch_size: u32,
     /// Training dtype of the analytical profile (f32 or bf16 with fp32 master state).
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: crate::config::Precision,
     /// Plan for activation recomputation (`train --recompute`): each layer keeps only its
     /// input per microbatch in flight, and its backward runs its forward again.
     #[arg(long)]
@@ -108,11 +108,7 @@ pub fn workload(args: &WorkloadArgs) -> anyhow::Result<SimWorkload> {
             args.microbatch_size
         );
     }
-    let dtype = match args.dtype.as_str() {
-        "f32" => Dtype::F32,
-        "bf16" => Dtype::Bf16,
-        other => bail!("unknown --dtype `{other}` (f32 or bf16)"),
-    };
+    let dtype = args.dtype.dtype();
     // The bytes of a microbatch's token ids (u32), what layer 0 keeps under recomputation;
     // unknown for a profile file, where layer 0 is then charged what it keeps without.
     let (profile, ids_bytes) = match &args.profile {

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use candle_core::Device;
-use oobleck_core::planning::{Dtype, ModelProfile};
+use oobleck_core::planning::ModelProfile;
 use oobleck_core::profiler::cache::{self, Source};
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 
@@ -28,8 +28,8 @@ pub struct ProfileArgs {
     #[arg(long, default_value_t = 64)]
     pub seq_len: usize,
     /// Compute dtype: f32 or bf16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: crate::config::Precision,
     /// Where to write the profile JSON (default: only the cache).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -61,22 +61,13 @@ pub fn parse_device(s: &str) -> anyhow::Result<Device> {
         .with_context(|| format!("opening {s} (this build needs the `cuda` feature and a GPU)"))
 }
 
-/// Parses `f32` or `bf16`.
-pub fn parse_dtype(s: &str) -> anyhow::Result<Dtype> {
-    match s {
-        "f32" => Ok(Dtype::F32),
-        "bf16" => Ok(Dtype::Bf16),
-        other => bail!("unknown dtype `{other}` (f32 or bf16)"),
-    }
-}
-
 /// The profile (cached or measured) and where it came from.
 pub fn profile(args: &ProfileArgs) -> anyhow::Result<(ModelProfile, Source)> {
     if args.repeats == 0 || args.microbatch_size == 0 || args.seq_len == 0 {
         bail!("--repeats, --microbatch-size and --seq-len must be at least 1");
     }
     let device = parse_device(&args.device)?;
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = args.dtype.dtype();
     let workload = GptWorkload::new(GptWorkloadConfig {
         model: args.model.clone(),
         seq_len: args.seq_len,

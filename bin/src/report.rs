@@ -31,6 +31,7 @@ use crate::run_dir::Summary;
 pub(crate) use charts::{
     loss_chart, recovery_chart, stage_chart, step_time_chart, throughput_chart, timeline_chart,
 };
+use oobleck_core::runtime::wire::EventLine;
 use page::render;
 
 /// The report's file name inside the run directory.
@@ -122,9 +123,10 @@ impl Metric {
     }
 }
 
-/// One line of `events.jsonl`.
+/// One line of `events.jsonl` as the report shows it: its kind, step and time, and the other
+/// fields (read through `EventLine`, the runtime's own reader).
 #[derive(Clone, Debug)]
-pub(crate) struct Event {
+pub(crate) struct EventRow {
     kind: String,
     step: Option<f64>,
     wall_s: Option<f64>,
@@ -133,7 +135,7 @@ pub(crate) struct Event {
 }
 
 #[allow(dead_code)] // Accessors for the status page.
-impl Event {
+impl EventRow {
     fn routine(&self) -> bool {
         ROUTINE.contains(&self.kind.as_str())
     }
@@ -198,7 +200,7 @@ pub(crate) struct Run {
     dir: String,
     config: serde_json::Map<String, serde_json::Value>,
     metrics: Vec<Metric>,
-    events: Vec<Event>,
+    events: Vec<EventRow>,
     /// By generation.
     plans: BTreeMap<u64, PlanInfo>,
     /// The run's files that are not there.
@@ -216,7 +218,7 @@ impl Run {
     pub(crate) fn metrics(&self) -> &[Metric] {
         &self.metrics
     }
-    pub(crate) fn events(&self) -> &[Event] {
+    pub(crate) fn events(&self) -> &[EventRow] {
         &self.events
     }
     pub(crate) fn missing(&self) -> &[&'static str] {
@@ -338,19 +340,16 @@ fn read_metrics(path: &Path) -> Result<Vec<Metric>> {
     Ok(metrics)
 }
 
-fn read_events(path: &Path) -> Result<Vec<Event>> {
+fn read_events(path: &Path) -> Result<Vec<EventRow>> {
     let text = read_optional(path)?.unwrap_or_default();
     let mut events = Vec::new();
     for (line, text) in numbered_lines(&text) {
         let bad = || format!("{} line {line}: not an event", path.display());
-        let mut details: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(text).with_context(bad)?;
-        let kind = match details.remove("event") {
-            Some(serde_json::Value::String(k)) => k,
-            _ => bail!("{}: it has no \"event\" kind", bad()),
-        };
+        let read = EventLine::parse(text).with_context(bad)?;
+        let kind = read.kind();
+        let mut details = read.fields();
         let number = |v: Option<serde_json::Value>| v.as_ref().and_then(serde_json::Value::as_f64);
-        events.push(Event {
+        events.push(EventRow {
             kind,
             step: number(details.remove("step")),
             wall_s: number(details.remove("wall_s")),
@@ -362,7 +361,7 @@ fn read_events(path: &Path) -> Result<Vec<Event>> {
 
 fn read_plans(
     path: &Path,
-    events: &[Event],
+    events: &[EventRow],
     metrics: &[Metric],
 ) -> Result<BTreeMap<u64, PlanInfo>> {
     let mut plans = BTreeMap::new();

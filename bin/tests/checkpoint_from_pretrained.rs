@@ -109,7 +109,7 @@ fn check_round_trip(ckpt: &Path, cfg: &ModelConfig) {
 fn check_trainer_checkpoint(precision: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = TrainConfig {
-        precision: precision.into(),
+        precision: precision.parse().expect("a precision"),
         model: "gpt-tiny".into(),
         nodes: 1,
         microbatch_size: 2,

@@ -22,7 +22,7 @@
 //!   job's decisions are a pure state machine ([`runtime::job`]); its workers run
 //!   [`execution`] (stages, gradient sync) and talk to the master over [`elastic`] (the
 //!   authenticated control plane). `examples/residual_mlp` trains a model of its own this way.
-//! - [`planning`], [`reconfig`] and [`schedule`] are pure: no Candle, no I/O, no clock, no
+//! - [`planning`], [`reconfig`], [`schedule`] and [`simulate`] are pure: no Candle, no I/O, no clock, no
 //!   global RNG. The same input gives the same output, byte for byte.
 //! - [`model`] is the contract a model implements (an ordered list of layers with named
 //!   parameters) and the [`model::Stage`] that runs a range of layers forward and backward.

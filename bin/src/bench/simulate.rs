@@ -59,7 +59,7 @@ fn time_one(nodes: u32, events: u32, seed: u64) -> anyhow::Result<Row> {
         fault_threshold: 1,
         microbatch_size: 1,
         global_batch_size: 4 * nodes,
-        dtype: "bf16".into(),
+        dtype: crate::config::Precision::Bf16,
         recompute: false,
     };
     let policy = OobleckPolicy {

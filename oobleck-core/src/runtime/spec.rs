@@ -30,6 +30,21 @@ pub enum DataPlane {
     Nccl,
 }
 
+impl std::str::FromStr for DataPlane {
+    type Err = SpecError;
+
+    /// `tcp` or `nccl`, as `--data-plane` and the job file name them.
+    fn from_str(s: &str) -> Result<DataPlane> {
+        match s {
+            "tcp" => Ok(DataPlane::Tcp),
+            "nccl" => Ok(DataPlane::Nccl),
+            other => Err(SpecError::Invalid(format!(
+                "--data-plane must be tcp or nccl, got {other:?}"
+            ))),
+        }
+    }
+}
+
 /// Where a job's workers compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]

@@ -113,7 +113,7 @@ pub(in crate::report) fn stage_bars(run: &Run) -> (Option<u64>, Vec<Bar>) {
 /// One bar per `resumed` event: its phases in [`PHASE_ORDER`], and the phase names used.
 pub(in crate::report) fn recovery_bars(run: &Run) -> (Vec<String>, Vec<Bar>, Vec<f64>) {
     let resumed: Vec<_> = run.events.iter().filter(|e| e.kind == "resumed").collect();
-    let phases_of = |e: &&crate::report::Event| -> BTreeMap<String, f64> {
+    let phases_of = |e: &&crate::report::EventRow| -> BTreeMap<String, f64> {
         let Some(serde_json::Value::Object(map)) = e.details.get("phases") else {
             return BTreeMap::new();
         };

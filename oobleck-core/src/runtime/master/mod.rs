@@ -1,6 +1,9 @@
-//! The job driver (master side): binds the control plane, starts or waits for the agents, and
-//! carries out what the pure [`super::job::JobMachine`] decides: plans, commits, checkpoints,
-//! recoveries. It owns every clock read, socket, file and process of the master.
+//! The master: binds the control plane ([`Master`], `server.rs`, with its connection tasks in
+//! `conn.rs`), starts or waits for the node agents (`agents.rs`), and carries out what the
+//! pure [`super::job::JobMachine`] decides (`carry.rs`): plans (`plan.rs`), commits,
+//! checkpoints assembled from the workers' uploads (`assemble.rs`), recoveries, and the run
+//! directory's files (`rundir.rs`). It owns every clock read, socket, file and process of
+//! the master; it decides nothing the machine can.
 //!
 //! ```text
 //!   Master events, agent exits, finished background work ──► Input ──► JobMachine

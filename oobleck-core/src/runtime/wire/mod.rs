@@ -38,4 +38,4 @@ pub use client::{request_drain, request_kill, request_status};
 pub use error::{WireError, WireResult};
 pub use pipe::{StateSource, ToWorker, WorkerAssignment};
 pub use protocol::Message;
-pub use records::{Event, StepMetrics, WorkerReport};
+pub use records::{Event, EventLine, StepMetrics, WorkerReport};

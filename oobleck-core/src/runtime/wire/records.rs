@@ -438,9 +438,111 @@ impl Event {
     }
 }
 
+/// One line of `events.jsonl` as read back: an [`Event`] this binary writes, or a line it
+/// cannot type (a kind from a newer binary, or a shape from an older one), kept whole so a
+/// report or a status page still shows it. Every reader of `events.jsonl` goes through here.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventLine {
+    Known(Event),
+    Unknown {
+        kind: String,
+        /// The line's fields other than `event`.
+        fields: serde_json::Map<String, serde_json::Value>,
+    },
+}
+
+/// A line of `events.jsonl` that is not an event at all.
+#[derive(Debug, thiserror::Error)]
+pub enum EventLineError {
+    #[error("not a JSON object: {0}")]
+    NotJson(#[from] serde_json::Error),
+    #[error("it has no \"event\" kind")]
+    NoKind,
+}
+
+impl EventLine {
+    /// Reads one line: a JSON object with a string `event` is always an event, typed when
+    /// this binary knows its shape.
+    pub fn parse(text: &str) -> Result<EventLine, EventLineError> {
+        let value: serde_json::Value = serde_json::from_str(text)?;
+        Self::from_value(value)
+    }
+
+    /// [`EventLine::parse`] of a line already read as JSON.
+    pub fn from_value(value: serde_json::Value) -> Result<EventLine, EventLineError> {
+        let serde_json::Value::Object(mut fields) = value else {
+            return Err(EventLineError::NoKind);
+        };
+        let Some(serde_json::Value::String(kind)) = fields.get("event").cloned() else {
+            return Err(EventLineError::NoKind);
+        };
+        match serde_json::from_value::<Event>(serde_json::Value::Object(fields.clone())) {
+            Ok(e) => Ok(EventLine::Known(e)),
+            Err(_) => {
+                fields.remove("event");
+                Ok(EventLine::Unknown { kind, fields })
+            }
+        }
+    }
+
+    /// The `event` tag, as written.
+    pub fn kind(&self) -> String {
+        match self {
+            EventLine::Known(e) => e.kind(),
+            EventLine::Unknown { kind, .. } => kind.clone(),
+        }
+    }
+
+    /// The line's fields other than `event`, as written.
+    pub fn fields(&self) -> serde_json::Map<String, serde_json::Value> {
+        match self {
+            EventLine::Known(e) => match serde_json::to_value(e) {
+                Ok(serde_json::Value::Object(mut m)) => {
+                    m.remove("event");
+                    m
+                }
+                _ => serde_json::Map::new(),
+            },
+            EventLine::Unknown { fields, .. } => fields.clone(),
+        }
+    }
+
+    /// The typed event, when this binary knows it.
+    pub fn known(&self) -> Option<&Event> {
+        match self {
+            EventLine::Known(e) => Some(e),
+            EventLine::Unknown { .. } => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn event_lines_read_back_typed_and_newer_kinds_keep_their_fields() {
+        let e = Event::Finish {
+            step: 3,
+            wall_s: 1.5,
+        };
+        let line = EventLine::parse(&serde_json::to_string(&e).expect("json")).expect("event");
+        assert_eq!(line, EventLine::Known(e));
+        assert_eq!(line.kind(), "finish");
+        assert_eq!(line.fields()["step"], 3);
+        let newer = EventLine::parse(r#"{"event":"teleported","node":4}"#).expect("event");
+        assert_eq!(newer.kind(), "teleported");
+        assert!(newer.known().is_none());
+        assert_eq!(newer.fields()["node"], 4);
+        assert!(matches!(
+            EventLine::parse(r#"{"step":1}"#),
+            Err(EventLineError::NoKind)
+        ));
+        assert!(matches!(
+            EventLine::parse("not json"),
+            Err(EventLineError::NotJson(_))
+        ));
+    }
 
     #[test]
     fn reports_round_trip_and_other_lines_are_ignored() {
