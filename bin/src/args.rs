@@ -209,6 +209,9 @@ impl TrainArgs {
             lease_ms
         );
         c.recompute |= self.recompute;
+        if let Some(p) = &self.profile {
+            c.profile = Some(p.clone());
+        }
         if let Some(s) = self.join_after {
             c.join_after_s = s;
         }

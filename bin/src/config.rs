@@ -88,6 +88,12 @@ pub struct TrainConfig {
     /// Drop each layer's forward activations and recompute them in backward: activation memory
     /// falls to one tensor per layer boundary, for about one more forward pass of compute.
     pub recompute: bool,
+    /// `--profile`: where the planner's layer times come from: `measured` (a CPU job times its
+    /// layers on this machine, or reuses the cached measurement; other devices stay
+    /// analytical), `analytical`, or a profile JSON. None: `measured`. Not saved in
+    /// `config.json`: it changes the plan, never the training.
+    #[serde(skip)]
+    pub profile: Option<String>,
     /// How long (ms) a node may be silent before it is declared lost: a hung machine or agent
     /// (SIGSTOP) is caught after this. Agents send a heartbeat every 500 ms, so the default of
     /// 3000 lets 5 heartbeats in a row go missing (an agent on a saturated 2-core machine is
@@ -159,6 +165,7 @@ impl Default for TrainConfig {
             device: "auto".into(),
             precision: Precision::Fp32,
             recompute: false,
+            profile: None,
             lease_ms: 3000,
             join_after_s: 30.0,
             hang_timeout_s: 1.5,
@@ -278,6 +285,15 @@ impl TrainConfig {
             );
         }
         crate::placement::resolve(&self.device)?;
+        if let Some(choice) = &self.profile {
+            if !matches!(choice.as_str(), "measured" | "analytical") && !Path::new(choice).is_file()
+            {
+                bail!(
+                    "--profile {choice}: not `measured`, `analytical` or a profile file (write \
+                     one with `oobleck profile --model M --out FILE`)"
+                );
+            }
+        }
         for spec in &self.inject_failure {
             parse_failure(spec)?;
         }
@@ -466,35 +482,9 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
         eval_batches: cfg.eval_batches,
         dataset: cfg.dataset.clone(),
         tokenizer: cfg.tokenizer.clone(),
-        profile: profile_choice(),
+        profile: cfg.profile.clone().unwrap_or_else(|| "measured".into()),
         host_ranks: 1,
     }
-}
-
-/// `train --profile`: checks the choice (`measured`, `analytical` or a profile file that
-/// exists) and makes it the one [`workload_config`] takes. Call it before any thread starts.
-pub fn choose_profile(choice: &str) -> anyhow::Result<()> {
-    if !matches!(choice, "measured" | "analytical") && !Path::new(choice).is_file() {
-        anyhow::bail!(
-            "--profile {choice}: not `measured`, `analytical` or a profile file (write one with \
-             `oobleck profile --model M --out FILE`)"
-        );
-    }
-    std::env::set_var(PROFILE_ENV, choice);
-    Ok(())
-}
-
-/// Where `train --profile` leaves its choice for [`workload_config`].
-const PROFILE_ENV: &str = "OOBLECK_PROFILE";
-
-/// Where the planner's profile comes from: `$OOBLECK_PROFILE` (`analytical`, `measured` or
-/// a profile JSON; `train --profile` sets it), default `measured` (a CPU job measures its
-/// layers or reuses the cached measurement; other devices stay analytical).
-fn profile_choice() -> String {
-    std::env::var(PROFILE_ENV)
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "measured".into())
 }
 
 #[cfg(test)]

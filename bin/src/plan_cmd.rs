@@ -142,18 +142,21 @@ pub fn workload(args: &WorkloadArgs) -> anyhow::Result<SimWorkload> {
         );
     }
     let cluster = device.cluster(args.devices_per_node);
+    // As `train` plans (TrainingSpec::job_spec): fp32 weights, grads, Adam m and v; bf16
+    // adds the working copy the layers cast to.
+    let precision = if profile.fingerprint.dtype == "bf16" {
+        Dtype::Bf16
+    } else {
+        Dtype::F32
+    };
     let job = JobSpec {
-        fault_threshold: args.fault_threshold,
-        microbatch_size: args.microbatch_size,
-        global_microbatches: args.global_batch_size / args.microbatch_size,
-        // As `train` plans (TrainingSpec::job_spec): fp32 weights, grads, Adam m and v; bf16
-        // adds the working copy the layers cast to.
-        state_bytes_per_param_byte: if profile.fingerprint.dtype == "bf16" {
-            Dtype::Bf16.state_bytes_per_param_byte()
-        } else {
-            Dtype::F32.state_bytes_per_param_byte()
-        },
         template_microbatches: args.template_microbatches,
+        ..JobSpec::training(
+            args.fault_threshold,
+            args.microbatch_size,
+            args.global_batch_size / args.microbatch_size,
+            precision,
+        )
     };
     Ok(SimWorkload {
         profile,

@@ -48,9 +48,6 @@ fn run() -> Result<()> {
         return run(&cli.args);
     }
     let args = TrainArgs::parse();
-    if let Some(p) = &args.profile {
-        oobleck_cli::config::choose_profile(p)?;
-    }
     let mut cfg = args.resolve()?;
     let launch = match (&args.listen, &args.hostfile) {
         (Some(addr), hostfile) => {

@@ -7,7 +7,6 @@ use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use oobleck_core::runtime::wire::{Event, EventLine};
 use serde_json::Value;
 
 /// Events kept for the page.
@@ -134,11 +133,8 @@ impl Feed {
         }
         for l in lines {
             match serde_json::from_str::<Value>(&l) {
-                Ok(v) => match EventLine::from_value(v.clone()) {
-                    Ok(line) => self.take_event(&line, v),
-                    Err(_) => self.bad_lines += 1,
-                },
-                Err(_) => self.bad_lines += 1,
+                Ok(v) if v.get("event").and_then(Value::as_str).is_some() => self.take_event(v),
+                _ => self.bad_lines += 1,
             }
         }
         Ok(())
@@ -153,20 +149,27 @@ impl Feed {
         self.recoveries.clear();
     }
 
-    /// Counts what the page shows of `line`, and keeps it (as written, `v`) among the recent.
-    fn take_event(&mut self, line: &EventLine, v: Value) {
+    /// Lenient by design: the page counts what it can read of any line with a kind, even one
+    /// whose other fields are missing or of another binary's shape, so it reads by key rather
+    /// than through `wire::EventLine` (which would set such a line aside as unknown).
+    fn take_event(&mut self, v: Value) {
         self.event_lines += 1;
-        match line.known() {
-            Some(Event::Finish { .. } | Event::Abort { .. }) => self.finished = true,
-            Some(Event::Reconfig {
-                fault_tolerance, ..
-            }) => {
+        match v["event"].as_str().unwrap_or("") {
+            "finish" | "abort" => self.finished = true,
+            "reconfig" => {
                 self.reconfigs += 1;
-                self.fault_tolerance = Some(u64::from(*fault_tolerance));
+                self.fault_tolerance = v["fault_tolerance"].as_u64().or(self.fault_tolerance);
             }
-            Some(Event::Resumed { phases, .. }) => {
-                self.recoveries
-                    .push(phases.iter().map(|(k, x)| (k.clone(), *x)).collect());
+            "resumed" => {
+                let phases = v["phases"]
+                    .as_object()
+                    .map(|m| {
+                        m.iter()
+                            .filter_map(|(k, x)| Some((k.clone(), x.as_f64()?)))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                self.recoveries.push(phases);
             }
             _ => {}
         }

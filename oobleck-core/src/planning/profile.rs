@@ -248,6 +248,26 @@ pub struct JobSpec {
     pub template_microbatches: TemplateMicrobatches,
 }
 
+impl JobSpec {
+    /// The job spec of training `global_microbatches` microbatches of `microbatch_size`
+    /// samples at `precision` with AdamW, fault threshold `fault_threshold`: the one derivation
+    /// `train` plans with (`runtime::TrainingSpec::job_spec`) and `oobleck plan` prints.
+    pub fn training(
+        fault_threshold: u32,
+        microbatch_size: u32,
+        global_microbatches: u32,
+        precision: super::Dtype,
+    ) -> JobSpec {
+        JobSpec {
+            fault_threshold,
+            microbatch_size,
+            global_microbatches,
+            state_bytes_per_param_byte: precision.state_bytes_per_param_byte(),
+            template_microbatches: TemplateMicrobatches::Auto,
+        }
+    }
+}
+
 /// Which `m` a template is optimised for (its `T(m)` can be re-evaluated for any `m` later).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

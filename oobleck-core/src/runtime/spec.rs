@@ -6,7 +6,7 @@ use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
-use crate::planning::{DeviceSpec, Dtype, JobSpec, TemplateMicrobatches};
+use crate::planning::{DeviceSpec, Dtype, JobSpec};
 
 /// A job setting that cannot work, or an optimizer that cannot be built from the settings.
 #[derive(Debug, thiserror::Error)]
@@ -120,13 +120,12 @@ impl TrainingSpec {
 
     /// The planner's job spec, with fault threshold `f`.
     pub fn job_spec(&self, f: u32) -> JobSpec {
-        JobSpec {
-            fault_threshold: f,
-            microbatch_size: self.microbatch_size,
-            global_microbatches: self.global_microbatches,
-            state_bytes_per_param_byte: self.precision.state_bytes_per_param_byte(),
-            template_microbatches: TemplateMicrobatches::Auto,
-        }
+        JobSpec::training(
+            f,
+            self.microbatch_size,
+            self.global_microbatches,
+            self.precision,
+        )
     }
 
     /// The Candle dtype the workers compute in ([`crate::model::ForwardCtx::dtype`]).
