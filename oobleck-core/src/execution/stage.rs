@@ -5,22 +5,25 @@ use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use oobleck_comm::{Communicator, Rank};
 use tracing::debug_span;
 
 use super::layout::{Layout, Position};
 use super::progress::{Doing, Mark, Progress};
-use super::sync::{all_reduce_named, sync_buckets, SyncBucket};
+use super::sync::{
+    all_reduce_named, sync_buckets, sync_gradients, SyncBucket, SyncCtx, SyncReport,
+};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
     accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, RowSlice, Stage, StageForward,
     TiedParam,
 };
+use crate::optim::AdamW;
 use crate::schedule::{device_stream, rows, Instruction, PeerRows};
 use crate::{Error, Result};
 
-/// Settings a worker needs beyond the layout.
+/// Settings a stage runner needs beyond the layout.
 #[derive(Debug, Clone, Copy)]
 pub struct StageConfig {
     /// Keys dropout: `(seed, iteration, global microbatch, layer)`.
@@ -74,11 +77,11 @@ type BucketDone = (Range<usize>, HashMap<String, Tensor>, Instant, Instant);
 
 /// A rank's stage of one pipeline, with its place in the layout.
 pub struct StageRunner {
-    pub(super) stage: Stage,
-    pub(super) rank: Rank,
-    pub(super) pos: Position,
-    pub(super) layout: Layout,
-    pub(super) tied: Vec<TiedParam>,
+    stage: Stage,
+    rank: Rank,
+    pos: Position,
+    layout: Layout,
+    tied: Vec<TiedParam>,
     /// Devices per stage of this pipeline, for `schedule::device_stream`.
     devices: Vec<u32>,
     prev: Vec<Rank>,
@@ -87,7 +90,7 @@ pub struct StageRunner {
     num_mb: u32,
     total_mb: u32,
     device: Device,
-    pub(super) cfg: StageConfig,
+    cfg: StageConfig,
     /// Where its microbatches' compute is marked for a watchdog (`progress`), if anywhere.
     progress: Option<Arc<Progress>>,
 }
@@ -181,7 +184,7 @@ impl StageRunner {
         &self.layout
     }
 
-    /// Where this worker computes (its stage's parameters live there).
+    /// Where this stage computes (its parameters live there).
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -249,7 +252,7 @@ impl StageRunner {
         // of a layer is final as soon as that layer's backward is, so it runs layer by layer
         // and each bucket's all-reduce starts on a background thread once its layers are done.
         // Buckets go in descending first layer, one at a time (see `sync`'s header).
-        let buckets: Vec<SyncBucket> = sync_buckets(self)
+        let buckets: Vec<SyncBucket> = sync_buckets(&self.sync_ctx())
             .into_iter()
             .filter(|b| b.needs_collective())
             .collect();
@@ -435,6 +438,38 @@ impl StageRunner {
                 overlap,
             })
         })
+    }
+
+    /// One full training step of this rank: the 1F1B iteration, gradient sync and clipping,
+    /// then AdamW at learning rate `lr` on this rank's parameters. Every replica of a
+    /// parameter receives the same summed gradient, so all replicas stay identical.
+    pub fn train_step(
+        &self,
+        comm: &dyn Communicator,
+        iteration: u64,
+        data: &mut dyn FnMut(u64, u64) -> Result<(Tensor, Tensor)>,
+        opt: &mut AdamW,
+        lr: f64,
+        max_grad_norm: Option<f64>,
+    ) -> Result<SyncReport> {
+        let out = self.run_iteration(comm, iteration, data)?;
+        let (grads, report) = sync_gradients(self, comm, out, max_grad_norm)?;
+        let params: Vec<(String, Var)> = self.stage.params();
+        opt.step(&params, &grads, lr)?;
+        Ok(report)
+    }
+
+    /// What the gradient sync (`sync.rs`) needs of this stage.
+    pub(super) fn sync_ctx(&self) -> SyncCtx<'_> {
+        SyncCtx {
+            rank: self.rank,
+            layout: &self.layout,
+            range: self.stage.range(),
+            layers: self.stage.layers(),
+            tied: &self.tied,
+            timeout: self.cfg.timeout,
+            bucket_elems: self.cfg.bucket_elems,
+        }
     }
 
     /// The layer-by-layer backward of the iteration's last microbatch: accumulates each
