@@ -223,7 +223,7 @@ impl StageRunner {
     /// 1F1B order, on this device's rows of each microbatch. `data(iteration,
     /// global_microbatch)` gives the whole microbatch `(token ids, targets)`, both `[b, t]`
     /// u32; it is called only on the first stage (for the inputs) and the last stage (for the
-    /// targets). Each instruction goes to its handler on [`Iteration`].
+    /// targets). Each instruction goes to its handler on `Iteration`.
     pub fn run_iteration(
         &self,
         comm: &dyn Communicator,
