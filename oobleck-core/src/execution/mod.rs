@@ -2,19 +2,25 @@
 //! gradient sync, global-norm clipping and the AdamW step.
 //!
 //! ```text
-//!  Layout (pipelines of StageSpec{layers, ranks}, microbatch runs)
+//!  Layout (layout.rs: pipelines of StageSpec{layers, ranks}, microbatch runs)
 //!     │
-//!  StageRunner::run_iteration ── schedule::device_stream ─► Forward/Backward + p2p over a
-//!     │                                                     &dyn Communicator (TensorBuf f32)
+//!  StageRunner::run_iteration (stage.rs) ── schedule::device_stream ─► one handler per
+//!     │   instruction on Iteration, the call's state: recv_activation, forward,
+//!     │   send_activation, recv_gradient, backward, send_gradient (p2p over a
+//!     │   &dyn Communicator, TensorBuf f32 or bf16); the last backward hands each finished
+//!     │   bucket of layers to a background thread that all-reduces it
 //!     ▼  local gradients (sum over this pipeline's microbatches, each loss scaled by 1/B)
-//!  sync::sync_gradients ── all-reduce per bucket of layers (holders across pipelines)
+//!  sync::sync_gradients (sync.rs, on StageRunner::sync_ctx)
+//!     │                  ── all-reduce per bucket of layers not reduced in the background
 //!     │                  ── all-reduce of tied parameters (holders of any of their layers)
 //!     │                  ── all-reduce of per-rank (sum of squares, loss) slots
 //!     ▼
 //!  clip by the global norm ──► AdamW::step on the rank's own parameters
+//!                              (StageRunner::train_step does all three)
 //! ```
 //!
-//! See `README.md` beside this file for why the result equals a single-process run.
+//! `progress.rs` marks what a rank is doing for the watchdog. See `README.md` beside this file
+//! for why the result equals a single-process run.
 
 mod layout;
 mod progress;

@@ -1,26 +1,42 @@
 //! One rank's stage: runs the 1F1B instruction stream of one iteration.
+//!
+//! [`StageRunner`] holds the stage's layers and its place in the layout. `run_iteration`
+//! builds an `Iteration` (the call's state: received activations and gradients, the stashed
+//! forwards, the gradient sums, this device's rows and loss share, the buckets and the
+//! background thread) and hands each instruction of `schedule::device_stream` to its handler:
+//! `recv_activation`, `forward`, `send_activation`, `recv_gradient`, `backward`,
+//! `send_gradient`. The last backward goes through `backward_last` when this rank has buckets
+//! to all-reduce: it starts a scoped thread (`reduce_buckets`) and runs the backward layer by
+//! layer (`StageRunner::backward_overlapped`), handing over each bucket once its layers are
+//! done (why that cannot deadlock: `sync.rs`'s header). `finish` joins the thread and builds
+//! the [`IterationOutput`]. `train_step` is a whole step: the iteration, `sync_gradients`,
+//! AdamW.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
+use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use oobleck_comm::{Communicator, Rank};
 use tracing::debug_span;
 
 use super::layout::{Layout, Position};
 use super::progress::{Doing, Mark, Progress};
-use super::sync::{all_reduce_named, sync_buckets, SyncBucket};
+use super::sync::{
+    all_reduce_named, sync_buckets, sync_gradients, SyncBucket, SyncCtx, SyncReport,
+};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
     accumulate, DropoutKey, ForwardCtx, LayeredModel, ParamSource, RowSlice, Stage, StageForward,
     TiedParam,
 };
-use crate::schedule::{device_stream, rows, Instruction, PeerRows};
+use crate::optim::AdamW;
+use crate::schedule::{device_stream, rows, DeviceInstruction, Instruction, PeerRows};
 use crate::{Error, Result};
 
-/// Settings a worker needs beyond the layout.
+/// Settings a stage runner needs beyond the layout.
 #[derive(Debug, Clone, Copy)]
 pub struct StageConfig {
     /// Keys dropout: `(seed, iteration, global microbatch, layer)`.
@@ -74,11 +90,11 @@ type BucketDone = (Range<usize>, HashMap<String, Tensor>, Instant, Instant);
 
 /// A rank's stage of one pipeline, with its place in the layout.
 pub struct StageRunner {
-    pub(super) stage: Stage,
-    pub(super) rank: Rank,
-    pub(super) pos: Position,
-    pub(super) layout: Layout,
-    pub(super) tied: Vec<TiedParam>,
+    stage: Stage,
+    rank: Rank,
+    pos: Position,
+    layout: Layout,
+    tied: Vec<TiedParam>,
     /// Devices per stage of this pipeline, for `schedule::device_stream`.
     devices: Vec<u32>,
     prev: Vec<Rank>,
@@ -87,7 +103,7 @@ pub struct StageRunner {
     num_mb: u32,
     total_mb: u32,
     device: Device,
-    pub(super) cfg: StageConfig,
+    cfg: StageConfig,
     /// Where its microbatches' compute is marked for a watchdog (`progress`), if anywhere.
     progress: Option<Arc<Progress>>,
 }
@@ -181,7 +197,7 @@ impl StageRunner {
         &self.layout
     }
 
-    /// Where this worker computes (its stage's parameters live there).
+    /// Where this stage computes (its parameters live there).
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -207,7 +223,7 @@ impl StageRunner {
     /// 1F1B order, on this device's rows of each microbatch. `data(iteration,
     /// global_microbatch)` gives the whole microbatch `(token ids, targets)`, both `[b, t]`
     /// u32; it is called only on the first stage (for the inputs) and the last stage (for the
-    /// targets).
+    /// targets). Each instruction goes to its handler on `Iteration`.
     pub fn run_iteration(
         &self,
         comm: &dyn Communicator,
@@ -223,218 +239,60 @@ impl StageRunner {
             device = self.pos.device
         )
         .entered();
-        let b = self.cfg.microbatch_size;
-        let (lo, hi) = rows(b, self.devices[self.pos.stage], self.pos.device as u32);
-        // This device's share of the global-batch mean: its rows of each microbatch, of B.
-        let loss_scale = f64::from(hi - lo) / (f64::from(b) * f64::from(self.total_mb));
-        let mut inputs: HashMap<u32, Tensor> = HashMap::new();
-        let mut stash: HashMap<u32, StageForward> = HashMap::new();
-        let mut upstream: HashMap<u32, Tensor> = HashMap::new();
-        let mut to_send: HashMap<u32, Tensor> = HashMap::new();
-        let mut grads = HashMap::new();
-        let mut loss = 0.0;
-        let missing = |what: &str, mb: u32| {
-            self.broken(format!(
-                "1F1B stream: {what} of microbatch {mb} missing (a broken schedule)"
-            ))
-        };
         let stream = device_stream(
             self.pos.stage,
             &self.devices,
             self.pos.device as u32,
-            b,
+            self.cfg.microbatch_size,
             self.num_mb,
         );
-        // The last backward of the stream (of the last microbatch): after it every gradient
-        // of a layer is final as soon as that layer's backward is, so it runs layer by layer
-        // and each bucket's all-reduce starts on a background thread once its layers are done.
-        // Buckets go in descending first layer, one at a time (see `sync`'s header).
-        let buckets: Vec<SyncBucket> = sync_buckets(self)
-            .into_iter()
-            .filter(|b| b.needs_collective())
-            .collect();
-        let last_bwd = stream
-            .iter()
-            .rposition(|di| matches!(di.instruction, Instruction::Backward { .. }));
-        let layered_mb = match last_bwd.map(|i| &stream[i].instruction) {
-            Some(Instruction::Backward { mb }) if !buckets.is_empty() => Some(*mb),
-            _ => None,
-        };
-        let timeout = self.cfg.timeout;
         std::thread::scope(|scope| -> Result<IterationOutput> {
-            let mut background = None;
-            for (at, di) in stream.into_iter().enumerate() {
+            let mut it = Iteration::new(self, comm, iteration, &stream);
+            for (at, di) in stream.iter().enumerate() {
+                let peers = di.peers.as_slice();
                 match di.instruction {
-                    Instruction::RecvActivation { mb } => {
-                        let x =
-                            self.recv_rows(comm, &self.prev, &di.peers, tag(iteration, mb, false))?;
-                        inputs.insert(mb, x);
-                    }
-                    Instruction::Forward { mb } => {
-                        let global = u64::from(self.first_mb + mb);
-                        let _mark = self.mark(Doing::Forward {
-                            mb: self.first_mb + mb,
-                        });
-                        let (ids, targets) = if self.is_first() || self.is_last() {
-                            let (i, tg) = data(iteration, global)?;
-                            (
-                                Some(own_rows(&i, b, lo, hi)?),
-                                Some(own_rows(&tg, b, lo, hi)?),
-                            )
-                        } else {
-                            (None, None)
-                        };
-                        let x = if self.is_first() {
-                            ids.ok_or_else(|| missing("token ids", mb))?
-                        } else {
-                            inputs
-                                .remove(&mb)
-                                .ok_or_else(|| missing("activation", mb))?
-                        };
-                        let ctx = ForwardCtx {
-                            targets: if self.is_last() {
-                                targets.as_ref()
-                            } else {
-                                None
-                            },
-                            loss_scale,
-                            train: true,
-                            dropout_key: DropoutKey {
-                                seed: self.cfg.seed,
-                                iteration,
-                                microbatch: global,
-                            },
-                            // Dropout masks are keyed by the microbatch's rows, not this slice's.
-                            rows: Some(RowSlice {
-                                offset: lo as usize,
-                                total: b as usize,
-                            }),
-                            dtype: self.cfg.dtype,
-                        };
-                        // Both backward paths below take any of the three passes.
-                        let fwd = if self.cfg.recompute {
-                            self.stage.forward_recompute(&x, &ctx)?
-                        } else if layered_mb == Some(mb) {
-                            self.stage.forward_layered(&x, &ctx)?
-                        } else {
-                            self.stage.forward(&x, &ctx)?
-                        };
-                        if self.is_last() {
-                            loss += f64::from(fwd.output.to_scalar::<f32>()?);
-                        }
-                        stash.insert(mb, fwd);
-                    }
-                    Instruction::SendActivation { mb } => {
-                        let out = &stash.get(&mb).ok_or_else(|| missing("forward", mb))?.output;
-                        self.send_rows(
-                            comm,
-                            &self.next,
-                            &di.peers,
-                            lo,
-                            out,
-                            tag(iteration, mb, false),
-                        )?;
-                    }
-                    Instruction::RecvGradient { mb } => {
-                        let g =
-                            self.recv_rows(comm, &self.next, &di.peers, tag(iteration, mb, true))?;
-                        upstream.insert(mb, g);
-                    }
-                    Instruction::Backward { mb } => {
-                        let _mark = self.mark(Doing::Backward {
-                            mb: self.first_mb + mb,
-                        });
-                        let fwd = stash.remove(&mb).ok_or_else(|| missing("forward", mb))?;
-                        let up = if self.is_last() {
-                            None
-                        } else {
-                            Some(
-                                upstream
-                                    .remove(&mb)
-                                    .ok_or_else(|| missing("gradient", mb))?,
-                            )
-                        };
-                        let gi = if layered_mb == Some(mb) && Some(at) == last_bwd {
-                            let (tx, rx) = mpsc::channel::<BucketJob>();
-                            background = Some(scope.spawn(move || -> Result<Vec<BucketDone>> {
-                                let mut done = Vec::new();
-                                for (bucket, mut g) in rx {
-                                    let t0 = Instant::now();
-                                    all_reduce_named(
-                                        comm,
-                                        &bucket.holders,
-                                        &bucket.names,
-                                        &mut g,
-                                        timeout,
-                                    )?;
-                                    done.push((bucket.layers, g, t0, Instant::now()));
-                                }
-                                Ok(done)
-                            }));
-                            match self.backward_overlapped(
-                                fwd,
-                                up.as_ref(),
-                                &buckets,
-                                &mut grads,
-                                &tx,
-                            ) {
-                                Ok(gi) => gi,
-                                Err(e) => {
-                                    // A failed all-reduce stops the thread, then the hand-over
-                                    // fails: report the all-reduce's error, the cause.
-                                    drop(tx);
-                                    return Err(match background.take().map(|h| h.join()) {
-                                        Some(Ok(Err(cause))) => cause,
-                                        _ => e,
-                                    });
-                                }
-                            }
-                        } else {
-                            let g = self.stage.backward(fwd, up.as_ref())?;
-                            accumulate(&mut grads, g.params)?;
-                            g.input
-                        };
-                        if let Some(gi) = gi {
-                            to_send.insert(mb, gi);
-                        }
-                    }
-                    Instruction::SendGradient { mb } => {
-                        let g = to_send
-                            .remove(&mb)
-                            .ok_or_else(|| missing("input gradient", mb))?;
-                        self.send_rows(
-                            comm,
-                            &self.prev,
-                            &di.peers,
-                            lo,
-                            &g,
-                            tag(iteration, mb, true),
-                        )?;
-                    }
+                    Instruction::RecvActivation { mb } => it.recv_activation(mb, peers)?,
+                    Instruction::Forward { mb } => it.forward(mb, data)?,
+                    Instruction::SendActivation { mb } => it.send_activation(mb, peers)?,
+                    Instruction::RecvGradient { mb } => it.recv_gradient(mb, peers)?,
+                    Instruction::Backward { mb } => it.backward(scope, at, mb)?,
+                    Instruction::SendGradient { mb } => it.send_gradient(mb, peers)?,
                 }
             }
-            let main_done = Instant::now();
-            let mut reduced = Vec::new();
-            let mut overlap = OverlapStats::default();
-            if let Some(h) = background {
-                let done = h
-                    .join()
-                    .map_err(|_| self.broken("the gradient all-reduce thread panicked".into()))??;
-                for (layers, g, t0, t1) in done {
-                    overlap.collective += t1 - t0;
-                    overlap.hidden += main_done.min(t1).saturating_duration_since(t0);
-                    overlap.buckets += 1;
-                    grads.extend(g);
-                    reduced.push(layers);
-                }
-            }
-            Ok(IterationOutput {
-                grads,
-                loss,
-                reduced,
-                overlap,
-            })
+            it.finish()
         })
+    }
+
+    /// One full training step of this rank: the 1F1B iteration, gradient sync and clipping,
+    /// then AdamW at learning rate `lr` on this rank's parameters. Every replica of a
+    /// parameter receives the same summed gradient, so all replicas stay identical.
+    pub fn train_step(
+        &self,
+        comm: &dyn Communicator,
+        iteration: u64,
+        data: &mut dyn FnMut(u64, u64) -> Result<(Tensor, Tensor)>,
+        opt: &mut AdamW,
+        lr: f64,
+        max_grad_norm: Option<f64>,
+    ) -> Result<SyncReport> {
+        let out = self.run_iteration(comm, iteration, data)?;
+        let (grads, report) = sync_gradients(self, comm, out, max_grad_norm)?;
+        let params: Vec<(String, Var)> = self.stage.params();
+        opt.step(&params, &grads, lr)?;
+        Ok(report)
+    }
+
+    /// What the gradient sync (`sync.rs`) needs of this stage.
+    pub(super) fn sync_ctx(&self) -> SyncCtx<'_> {
+        SyncCtx {
+            rank: self.rank,
+            layout: &self.layout,
+            range: self.stage.range(),
+            layers: self.stage.layers(),
+            tied: &self.tied,
+            timeout: self.cfg.timeout,
+            bucket_elems: self.cfg.bucket_elems,
+        }
     }
 
     /// The layer-by-layer backward of the iteration's last microbatch: accumulates each
@@ -533,6 +391,13 @@ impl StageRunner {
         }
     }
 
+    /// What the 1F1B stream needed for microbatch `mb` and did not have.
+    fn missing(&self, what: &str, mb: u32) -> Error {
+        self.broken(format!(
+            "1F1B stream: {what} of microbatch {mb} missing (a broken schedule)"
+        ))
+    }
+
     fn no_neighbour(&self, device: u32) -> Error {
         self.broken(format!(
             "neighbour device {device} is not in the layout (a broken schedule)"
@@ -558,6 +423,304 @@ impl StageRunner {
         }
         Ok(())
     }
+}
+
+/// The state of one [`StageRunner::run_iteration`] call, which its instruction handlers share.
+/// `'scope` is the call's thread scope (the background all-reduce thread runs in it), `'env`
+/// what the call borrows.
+struct Iteration<'scope, 'env> {
+    runner: &'env StageRunner,
+    comm: &'env dyn Communicator,
+    iteration: u64,
+    /// `b`: rows of a microbatch, of which this device computes `lo..hi`.
+    b: u32,
+    lo: u32,
+    hi: u32,
+    /// This device's share of the global-batch mean: its rows of each microbatch, of B.
+    loss_scale: f64,
+    /// Received activations, until their forward.
+    inputs: HashMap<u32, Tensor>,
+    /// Forward passes, until their backward.
+    stash: HashMap<u32, StageForward>,
+    /// Received output gradients, until their backward.
+    upstream: HashMap<u32, Tensor>,
+    /// Input gradients, until they are sent.
+    to_send: HashMap<u32, Tensor>,
+    /// Parameter gradients summed over the microbatches so far.
+    grads: HashMap<String, Tensor>,
+    /// Sum of this device's scaled losses (last stage).
+    loss: f64,
+    /// This rank's buckets that have an all-reduce, in the global order.
+    buckets: Vec<SyncBucket>,
+    /// Where in the stream the last backward is.
+    last_bwd: Option<usize>,
+    /// The microbatch of that backward when it runs layer by layer (there are buckets).
+    layered_mb: Option<u32>,
+    /// The bucket all-reduce thread, once the last backward started it.
+    background: Option<ScopedJoinHandle<'scope, Result<Vec<BucketDone>>>>,
+}
+
+impl<'scope, 'env> Iteration<'scope, 'env> {
+    /// The state before the first instruction of `stream`.
+    fn new(
+        runner: &'env StageRunner,
+        comm: &'env dyn Communicator,
+        iteration: u64,
+        stream: &[DeviceInstruction],
+    ) -> Self {
+        let b = runner.cfg.microbatch_size;
+        let (lo, hi) = rows(
+            b,
+            runner.devices[runner.pos.stage],
+            runner.pos.device as u32,
+        );
+        let loss_scale = f64::from(hi - lo) / (f64::from(b) * f64::from(runner.total_mb));
+        // The last backward of the stream (of the last microbatch): after it every gradient
+        // of a layer is final as soon as that layer's backward is, so it runs layer by layer
+        // and each bucket's all-reduce starts on a background thread once its layers are done.
+        // Buckets go in descending first layer, one at a time (see `sync`'s header).
+        let buckets: Vec<SyncBucket> = sync_buckets(&runner.sync_ctx())
+            .into_iter()
+            .filter(|b| b.needs_collective())
+            .collect();
+        let last_bwd = stream
+            .iter()
+            .rposition(|di| matches!(di.instruction, Instruction::Backward { .. }));
+        let layered_mb = match last_bwd.map(|i| &stream[i].instruction) {
+            Some(Instruction::Backward { mb }) if !buckets.is_empty() => Some(*mb),
+            _ => None,
+        };
+        Self {
+            runner,
+            comm,
+            iteration,
+            b,
+            lo,
+            hi,
+            loss_scale,
+            inputs: HashMap::new(),
+            stash: HashMap::new(),
+            upstream: HashMap::new(),
+            to_send: HashMap::new(),
+            grads: HashMap::new(),
+            loss: 0.0,
+            buckets,
+            last_bwd,
+            layered_mb,
+            background: None,
+        }
+    }
+
+    /// Receives microbatch `mb`'s activation rows from the previous stage's `peers`.
+    fn recv_activation(&mut self, mb: u32, peers: &[PeerRows]) -> Result<()> {
+        let r = self.runner;
+        let x = r.recv_rows(self.comm, &r.prev, peers, tag(self.iteration, mb, false))?;
+        self.inputs.insert(mb, x);
+        Ok(())
+    }
+
+    /// The forward of microbatch `mb` on this device's rows: of the token ids from `data` on
+    /// the first stage, of the received activation elsewhere; the last stage adds the loss.
+    fn forward(
+        &mut self,
+        mb: u32,
+        data: &mut dyn FnMut(u64, u64) -> Result<(Tensor, Tensor)>,
+    ) -> Result<()> {
+        let r = self.runner;
+        let global = u64::from(r.first_mb + mb);
+        let _mark = r.mark(Doing::Forward {
+            mb: r.first_mb + mb,
+        });
+        let (b, lo, hi) = (self.b, self.lo, self.hi);
+        let (ids, targets) = if r.is_first() || r.is_last() {
+            let (i, tg) = data(self.iteration, global)?;
+            (
+                Some(own_rows(&i, b, lo, hi)?),
+                Some(own_rows(&tg, b, lo, hi)?),
+            )
+        } else {
+            (None, None)
+        };
+        let x = if r.is_first() {
+            ids.ok_or_else(|| r.missing("token ids", mb))?
+        } else {
+            self.inputs
+                .remove(&mb)
+                .ok_or_else(|| r.missing("activation", mb))?
+        };
+        let targets = if r.is_last() { targets.as_ref() } else { None };
+        let ctx = self.forward_ctx(global, targets);
+        // Both backward paths take any of the three passes.
+        let fwd = if r.cfg.recompute {
+            r.stage.forward_recompute(&x, &ctx)?
+        } else if self.layered_mb == Some(mb) {
+            r.stage.forward_layered(&x, &ctx)?
+        } else {
+            r.stage.forward(&x, &ctx)?
+        };
+        if r.is_last() {
+            self.loss += f64::from(fwd.output.to_scalar::<f32>()?);
+        }
+        self.stash.insert(mb, fwd);
+        Ok(())
+    }
+
+    /// The training context of the forward of global microbatch `global`.
+    fn forward_ctx<'t>(&self, global: u64, targets: Option<&'t Tensor>) -> ForwardCtx<'t> {
+        let cfg = &self.runner.cfg;
+        ForwardCtx {
+            targets,
+            loss_scale: self.loss_scale,
+            train: true,
+            dropout_key: DropoutKey {
+                seed: cfg.seed,
+                iteration: self.iteration,
+                microbatch: global,
+            },
+            // Dropout masks are keyed by the microbatch's rows, not this slice's.
+            rows: Some(RowSlice {
+                offset: self.lo as usize,
+                total: self.b as usize,
+            }),
+            dtype: cfg.dtype,
+        }
+    }
+
+    /// Sends the output of microbatch `mb`'s forward to the next stage's `peers`.
+    fn send_activation(&self, mb: u32, peers: &[PeerRows]) -> Result<()> {
+        let r = self.runner;
+        let out = &self
+            .stash
+            .get(&mb)
+            .ok_or_else(|| r.missing("forward", mb))?
+            .output;
+        let tag = tag(self.iteration, mb, false);
+        r.send_rows(self.comm, &r.next, peers, self.lo, out, tag)
+    }
+
+    /// Receives the gradient of microbatch `mb`'s output from the next stage's `peers`.
+    fn recv_gradient(&mut self, mb: u32, peers: &[PeerRows]) -> Result<()> {
+        let r = self.runner;
+        let g = r.recv_rows(self.comm, &r.next, peers, tag(self.iteration, mb, true))?;
+        self.upstream.insert(mb, g);
+        Ok(())
+    }
+
+    /// The backward of microbatch `mb`, instruction `at` of the stream: adds its parameter
+    /// gradients to `grads` and keeps its input gradient for `send_gradient`. The stream's
+    /// last backward, when there are buckets, goes through [`Self::backward_last`].
+    fn backward(&mut self, scope: &'scope Scope<'scope, 'env>, at: usize, mb: u32) -> Result<()> {
+        let r = self.runner;
+        let _mark = r.mark(Doing::Backward {
+            mb: r.first_mb + mb,
+        });
+        let fwd = self
+            .stash
+            .remove(&mb)
+            .ok_or_else(|| r.missing("forward", mb))?;
+        let up = if r.is_last() {
+            None
+        } else {
+            Some(
+                self.upstream
+                    .remove(&mb)
+                    .ok_or_else(|| r.missing("gradient", mb))?,
+            )
+        };
+        let gi = if self.layered_mb == Some(mb) && Some(at) == self.last_bwd {
+            self.backward_last(scope, fwd, up.as_ref())?
+        } else {
+            let g = r.stage.backward(fwd, up.as_ref())?;
+            accumulate(&mut self.grads, g.params)?;
+            g.input
+        };
+        if let Some(gi) = gi {
+            self.to_send.insert(mb, gi);
+        }
+        Ok(())
+    }
+
+    /// The last backward, layer by layer: starts the background thread, which all-reduces the
+    /// buckets one at a time as [`StageRunner::backward_overlapped`] hands them over. Returns
+    /// the stage input's gradient.
+    fn backward_last(
+        &mut self,
+        scope: &'scope Scope<'scope, 'env>,
+        fwd: StageForward,
+        upstream: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let (tx, rx) = mpsc::channel::<BucketJob>();
+        let (comm, timeout) = (self.comm, self.runner.cfg.timeout);
+        self.background = Some(scope.spawn(move || reduce_buckets(comm, rx, timeout)));
+        let r = self.runner;
+        match r.backward_overlapped(fwd, upstream, &self.buckets, &mut self.grads, &tx) {
+            Ok(gi) => Ok(gi),
+            Err(e) => {
+                // A failed all-reduce stops the thread, then the hand-over fails: report the
+                // all-reduce's error, the cause.
+                drop(tx);
+                Err(match self.background.take().map(|h| h.join()) {
+                    Some(Ok(Err(cause))) => cause,
+                    _ => e,
+                })
+            }
+        }
+    }
+
+    /// Sends the gradient of microbatch `mb`'s input to the previous stage's `peers`.
+    fn send_gradient(&mut self, mb: u32, peers: &[PeerRows]) -> Result<()> {
+        let r = self.runner;
+        let g = self
+            .to_send
+            .remove(&mb)
+            .ok_or_else(|| r.missing("input gradient", mb))?;
+        let tag = tag(self.iteration, mb, true);
+        r.send_rows(self.comm, &r.prev, peers, self.lo, &g, tag)
+    }
+
+    /// After the last instruction: joins the background thread, whose summed buckets replace
+    /// their local sums in `grads`, and times how much of it the main thread's work hid.
+    fn finish(self) -> Result<IterationOutput> {
+        let main_done = Instant::now();
+        let mut grads = self.grads;
+        let mut reduced = Vec::new();
+        let mut overlap = OverlapStats::default();
+        if let Some(h) = self.background {
+            let done = h.join().map_err(|_| {
+                self.runner
+                    .broken("the gradient all-reduce thread panicked".into())
+            })??;
+            for (layers, g, t0, t1) in done {
+                overlap.collective += t1 - t0;
+                overlap.hidden += main_done.min(t1).saturating_duration_since(t0);
+                overlap.buckets += 1;
+                grads.extend(g);
+                reduced.push(layers);
+            }
+        }
+        Ok(IterationOutput {
+            grads,
+            loss: self.loss,
+            reduced,
+            overlap,
+        })
+    }
+}
+
+/// The background thread of the last backward: all-reduces each bucket `rx` hands over, in
+/// that order, until the sender is dropped or an all-reduce fails (which ends the thread).
+fn reduce_buckets(
+    comm: &dyn Communicator,
+    rx: mpsc::Receiver<BucketJob>,
+    timeout: Duration,
+) -> Result<Vec<BucketDone>> {
+    let mut done = Vec::new();
+    for (bucket, mut g) in rx {
+        let t0 = Instant::now();
+        all_reduce_named(comm, &bucket.holders, &bucket.names, &mut g, timeout)?;
+        done.push((bucket.layers, g, t0, Instant::now()));
+    }
+    Ok(done)
 }
 
 /// Rows `[lo, hi)` of a whole microbatch, after checking it has `b` rows.

@@ -28,14 +28,17 @@
 //!   done). Nothing it waits for depends on the stage below, so the send follows.
 
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+use std::time::Duration;
 
 use candle_core::{Tensor, Var};
-use oobleck_comm::{Communicator, TensorBuf};
+use oobleck_comm::{Communicator, Rank, TensorBuf};
 use tracing::debug_span;
 
 use super::buf_f32;
+use super::layout::Layout;
 use super::stage::{IterationOutput, StageRunner};
-use crate::optim::AdamW;
+use crate::model::{Layer, TiedParam};
 use crate::{Error, Result};
 
 /// The global results of one step, identical on every rank.
@@ -51,12 +54,13 @@ pub struct SyncReport {
 /// global norm and, with `max_grad_norm`, clips like `optim::clip_grad_norm` on the whole model.
 /// Returns the synchronised gradients of this rank's parameters.
 pub fn sync_gradients(
-    worker: &StageRunner,
+    runner: &StageRunner,
     comm: &dyn Communicator,
     out: IterationOutput,
     max_grad_norm: Option<f64>,
 ) -> Result<(HashMap<String, Tensor>, SyncReport)> {
-    let _span = debug_span!("grad_sync", rank = worker.rank).entered();
+    let ctx = runner.sync_ctx();
+    let _span = debug_span!("grad_sync", rank = ctx.rank).entered();
     if let Some(m) = max_grad_norm {
         if !(m.is_finite() && m > 0.0) {
             return Err(Error::InvalidArgument {
@@ -67,42 +71,83 @@ pub fn sync_gradients(
             });
         }
     }
-    let t = worker.cfg.timeout;
-    let layout = &worker.layout;
-    let rank = worker.rank;
     let mut grads = out.grads;
-    let range = worker.stage.range();
-    // Names whose square sum this rank contributes to the global norm.
+    let owned = reduce_held(&ctx, comm, &out.reduced, &mut grads)?;
+    let (total_sq, loss) = global_sums(&ctx, comm, &grads, &owned, out.loss)?;
+    let grad_norm = total_sq.sqrt();
+    if let Some(max_norm) = max_grad_norm {
+        clip(&mut grads, grad_norm, max_norm)?;
+    }
+    Ok((grads, SyncReport { loss, grad_norm }))
+}
+
+/// What the gradient sync needs of a rank's stage (built by `StageRunner::sync_ctx`).
+pub(super) struct SyncCtx<'a> {
+    pub rank: Rank,
+    pub layout: &'a Layout,
+    /// Indices of the stage's layers.
+    pub range: Range<usize>,
+    /// The stage's layers, for their parameters.
+    pub layers: &'a [Box<dyn Layer>],
+    /// The model's tied parameters (all of them, held here or not).
+    pub tied: &'a [TiedParam],
+    /// Bound of every collective.
+    pub timeout: Duration,
+    /// `StageConfig::bucket_elems`.
+    pub bucket_elems: usize,
+}
+
+/// Sums this rank's buckets (except those in `reduced`, already summed during the last
+/// backward) and tied parameters with their other holders, in the global order. Returns the
+/// names whose square sum this rank contributes to the global norm.
+fn reduce_held(
+    ctx: &SyncCtx<'_>,
+    comm: &dyn Communicator,
+    reduced: &[Range<usize>],
+    grads: &mut HashMap<String, Tensor>,
+) -> Result<BTreeSet<String>> {
+    let (rank, t) = (ctx.rank, ctx.timeout);
     let mut owned: BTreeSet<String> = BTreeSet::new();
 
-    for bucket in sync_buckets(worker) {
+    for bucket in sync_buckets(ctx) {
         if bucket.holders[0] == rank {
             owned.extend(bucket.names.iter().cloned());
         }
         // Buckets reduced during the last backward are not reduced twice.
-        if bucket.needs_collective() && !out.reduced.contains(&bucket.layers) {
-            all_reduce_named(comm, &bucket.holders, &bucket.names, &mut grads, t)?;
+        if bucket.needs_collective() && !reduced.contains(&bucket.layers) {
+            all_reduce_named(comm, &bucket.holders, &bucket.names, grads, t)?;
         }
     }
 
-    for tp in &worker.tied {
-        if !tp.layers.iter().any(|l| range.contains(l)) {
+    for tp in ctx.tied {
+        if !tp.layers.iter().any(|l| ctx.range.contains(l)) {
             continue;
         }
-        let (group, owner) = layout.tied_group(&tp.layers)?;
+        let (group, owner) = ctx.layout.tied_group(&tp.layers)?;
         if owner == rank {
             owned.insert(tp.name.clone());
         }
         if group.len() > 1 {
-            all_reduce_named(comm, &group, std::slice::from_ref(&tp.name), &mut grads, t)?;
+            all_reduce_named(comm, &group, std::slice::from_ref(&tp.name), grads, t)?;
         }
     }
+    Ok(owned)
+}
 
+/// The global sum of squares of the gradients (each rank counting its `owned` names) and
+/// the global loss (each rank's `loss`), identical on every rank.
+fn global_sums(
+    ctx: &SyncCtx<'_>,
+    comm: &dyn Communicator,
+    grads: &HashMap<String, Tensor>,
+    owned: &BTreeSet<String>,
+    loss: f64,
+) -> Result<(f64, f64)> {
     // One slot of [sum_sq hi, lo, loss hi, lo] per rank: the all-reduce only adds zeros to
     // each value, so the f64 numbers survive the f32 data plane exactly (to ~48 bits), and
     // every rank then sums them in the same order.
     let mut sum_sq = 0.0f64;
-    for name in &owned {
+    for name in owned {
         let g = grads.get(name).ok_or_else(|| missing(name))?;
         sum_sq += g
             .to_dtype(candle_core::DType::F64)?
@@ -110,62 +155,37 @@ pub fn sync_gradients(
             .sum_all()?
             .to_scalar::<f64>()?;
     }
-    let ranks = layout.ranks();
+    let ranks = ctx.layout.ranks();
     let slot = ranks
         .iter()
-        .position(|&r| r == rank)
+        .position(|&r| r == ctx.rank)
         .expect("a worker's rank is in its layout (checked when it was built)");
     let mut slots = vec![0f32; 4 * ranks.len()];
-    slots[4 * slot..4 * slot + 4].copy_from_slice(&[
-        hi(sum_sq),
-        lo(sum_sq),
-        hi(out.loss),
-        lo(out.loss),
-    ]);
+    slots[4 * slot..4 * slot + 4].copy_from_slice(&[hi(sum_sq), lo(sum_sq), hi(loss), lo(loss)]);
     let mut buf = TensorBuf::from_f32(vec![slots.len()], &slots)?;
     if ranks.len() > 1 {
-        comm.all_reduce(&ranks, &mut buf, t)?;
+        comm.all_reduce(&ranks, &mut buf, ctx.timeout)?;
     }
     let v = buf_f32(&buf)?;
-    let (mut total_sq, mut loss) = (0.0f64, 0.0f64);
+    let (mut total_sq, mut total_loss) = (0.0f64, 0.0f64);
     for s in v.chunks_exact(4) {
         total_sq += f64::from(s[0]) + f64::from(s[1]);
-        loss += f64::from(s[2]) + f64::from(s[3]);
+        total_loss += f64::from(s[2]) + f64::from(s[3]);
     }
-    let grad_norm = total_sq.sqrt();
-    if let Some(max_norm) = max_grad_norm {
-        // Exactly `optim::clip_grad_norm`'s rule, applied with the global norm.
-        if grad_norm.is_finite() {
-            let coef = max_norm / (grad_norm + 1e-6);
-            if coef < 1.0 {
-                for g in grads.values_mut() {
-                    *g = g.affine(coef, 0.0)?;
-                }
+    Ok((total_sq, total_loss))
+}
+
+/// Exactly `optim::clip_grad_norm`'s rule, applied with the global norm.
+fn clip(grads: &mut HashMap<String, Tensor>, grad_norm: f64, max_norm: f64) -> Result<()> {
+    if grad_norm.is_finite() {
+        let coef = max_norm / (grad_norm + 1e-6);
+        if coef < 1.0 {
+            for g in grads.values_mut() {
+                *g = g.affine(coef, 0.0)?;
             }
         }
     }
-    Ok((grads, SyncReport { loss, grad_norm }))
-}
-
-impl StageRunner {
-    /// One full training step of this rank: the 1F1B iteration, gradient sync and clipping,
-    /// then AdamW at learning rate `lr` on this rank's parameters. Every replica of a
-    /// parameter receives the same summed gradient, so all replicas stay identical.
-    pub fn train_step(
-        &self,
-        comm: &dyn Communicator,
-        iteration: u64,
-        data: &mut dyn FnMut(u64, u64) -> Result<(Tensor, Tensor)>,
-        opt: &mut AdamW,
-        lr: f64,
-        max_grad_norm: Option<f64>,
-    ) -> Result<SyncReport> {
-        let out = self.run_iteration(comm, iteration, data)?;
-        let (grads, report) = sync_gradients(self, comm, out, max_grad_norm)?;
-        let params: Vec<(String, Var)> = self.stage.params();
-        opt.step(&params, &grads, lr)?;
-        Ok(report)
-    }
+    Ok(())
 }
 
 fn hi(x: f64) -> f32 {
@@ -187,8 +207,8 @@ fn missing(name: &str) -> Error {
 /// and the names of their parameters that are not tied (tied ones are summed separately).
 #[derive(Debug, Clone)]
 pub(super) struct SyncBucket {
-    pub layers: std::ops::Range<usize>,
-    pub holders: Vec<oobleck_comm::Rank>,
+    pub layers: Range<usize>,
+    pub holders: Vec<Rank>,
     pub names: Vec<String>,
 }
 
@@ -200,21 +220,21 @@ impl SyncBucket {
 }
 
 /// Default of `StageConfig::bucket_elems`: most gradient elements one all-reduce carries
-/// (4 MiB of f32), unless a single layer has more. A layout bucket (consecutive layers with the same holders, often a whole stage) is cut
-/// into runs of layers under this size, from the top layer down, so the all-reduce of the top
-/// layers can run while the backward of the lower ones still computes (`stage.rs`); the cut
-/// depends only on layer indices and parameter shapes, so every holder cuts alike.
+/// (4 MiB of f32), unless a single layer has more. A layout bucket (consecutive layers with the
+/// same holders, often a whole stage) is cut into runs of layers under this size, from the top
+/// layer down, so the all-reduce of the top layers can run while the backward of the lower
+/// ones still computes (`stage.rs`); the cut depends only on layer indices and parameter
+/// shapes, so every holder cuts alike.
 pub const BUCKET_ELEMS: usize = 1 << 20;
 
-/// The buckets of `worker`'s rank in the global order: descending first layer.
-pub(super) fn sync_buckets(worker: &StageRunner) -> Vec<SyncBucket> {
-    let tied_names: BTreeSet<&str> = worker.tied.iter().map(|p| p.name.as_str()).collect();
+/// The buckets of `ctx`'s rank in the global order: descending first layer.
+pub(super) fn sync_buckets(ctx: &SyncCtx<'_>) -> Vec<SyncBucket> {
+    let tied_names: BTreeSet<&str> = ctx.tied.iter().map(|p| p.name.as_str()).collect();
     let mut out: Vec<SyncBucket> = Vec::new();
-    for bucket in worker.layout.buckets_of(worker.rank) {
+    for bucket in ctx.layout.buckets_of(ctx.rank) {
         // (layer, its untied parameter names, their elements), top layer first.
-        let mut layers: Vec<(usize, Vec<String>, usize)> = worker
-            .stage
-            .layers()
+        let mut layers: Vec<(usize, Vec<String>, usize)> = ctx
+            .layers
             .iter()
             .filter(|l| bucket.layers.contains(&l.index()))
             .map(|l| {
@@ -248,7 +268,7 @@ pub(super) fn sync_buckets(worker: &StageRunner) -> Vec<SyncBucket> {
             });
         };
         for layer in layers {
-            if !run.is_empty() && run_elems + layer.2 > worker.cfg.bucket_elems {
+            if !run.is_empty() && run_elems + layer.2 > ctx.bucket_elems {
                 flush(&mut run, &mut out);
                 run_elems = 0;
             }
@@ -266,10 +286,10 @@ pub(super) fn sync_buckets(worker: &StageRunner) -> Vec<SyncBucket> {
 /// goes back to it when dropped, for the next step's bucket of the same size.
 pub(super) fn all_reduce_named(
     comm: &dyn Communicator,
-    group: &[oobleck_comm::Rank],
+    group: &[Rank],
     names: &[String],
     grads: &mut HashMap<String, Tensor>,
-    timeout: std::time::Duration,
+    timeout: Duration,
 ) -> Result<()> {
     let mut parts = Vec::with_capacity(names.len());
     for name in names {
