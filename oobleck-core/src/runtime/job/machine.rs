@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use super::recovery::Recovery;
-use super::stragglers::{StragglerRule, StragglerWatch};
+use super::stragglers::{StragglerRule, Stragglers};
 use super::{Action, Input, JobStart, Limits};
 use crate::execution::StepTimes;
 use crate::planning::Plan;
@@ -168,8 +168,7 @@ pub struct JobMachine {
     /// Joins, drains or spare nodes were shown to `oobleck status`.
     pub(super) membership_shown: bool,
     /// When a rank is a straggler, and the recent steps' computes (`stragglers.rs`).
-    pub(super) straggler_rule: StragglerRule,
-    pub(super) stragglers: StragglerWatch,
+    pub(super) stragglers: Stragglers,
 }
 
 impl JobMachine {
@@ -216,14 +215,13 @@ impl JobMachine {
             drain_asked: BTreeMap::new(),
             departed: BTreeSet::new(),
             membership_shown: false,
-            straggler_rule: StragglerRule::default(),
-            stragglers: StragglerWatch::default(),
+            stragglers: Stragglers::default(),
         }
     }
 
     /// Names stragglers (and drains their nodes, if asked) by `rule`, not the default.
     pub fn with_stragglers(mut self, rule: StragglerRule) -> JobMachine {
-        self.straggler_rule = rule;
+        self.stragglers.set_rule(rule);
         self
     }
 
@@ -462,7 +460,7 @@ impl JobMachine {
             self.holdings = Holdings::empty(plan.devices_per_node);
         }
         // Its ranks are numbered afresh.
-        self.stragglers.reset();
+        self.stragglers.new_generation();
         let nodes: Vec<u32> = plan
             .nodes()
             .into_iter()
