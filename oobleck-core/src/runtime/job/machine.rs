@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use super::recovery::Recovery;
+use super::steps::Steps;
 use super::stragglers::{StragglerRule, Stragglers};
 use super::{Action, Input, JobStart, Limits};
 use crate::execution::StepTimes;
@@ -117,23 +118,10 @@ pub struct JobMachine {
     /// Agent processes of the driver that died.
     pub(super) dead_agents: usize,
     pub(super) gen: Option<Generation>,
-    /// The newest committed step.
-    pub(super) committed: u64,
-    /// Steps committed by this job (replays included).
-    pub(super) steps_run: u64,
+    /// The committed step, checkpoints and their assembly (`steps.rs`).
+    pub(super) steps: Steps,
     /// Failures since the last generation that committed a step.
     pub(super) fruitless: u32,
-    /// The checkpoint the next generation starts from.
-    pub(super) resume: Option<String>,
-    /// The newest checkpoint known: `(path, step)`.
-    pub(super) newest: Option<(String, u64)>,
-    /// Checkpoint and evaluation assemblies under way.
-    pub(super) assembling: usize,
-    /// The longest a saver's training waited for its state of each step (ms), until the
-    /// step's checkpoint is recorded.
-    pub(super) stalls: BTreeMap<u64, f64>,
-    /// `--inject-failure`s still to fire.
-    pub(super) injections: Vec<(u32, u64)>,
     /// When the job last heard from any process.
     pub(super) last_progress: Duration,
     pub(super) join_deadline: Duration,
@@ -144,8 +132,6 @@ pub struct JobMachine {
     /// What each `(node, device)` holds of the committed step, as its workers said
     /// (`Formed`) and lost since: what a recovery in place copies from.
     pub(super) holdings: Holdings,
-    /// Worker processes seen (by pid).
-    pub(super) worker_pids: BTreeSet<u32>,
     /// `(node, device, layer)` replicas whose copies arrived corrupted: not offered as
     /// sources again until a step commits.
     pub(super) distrusted: BTreeSet<(u32, u32, usize)>,
@@ -175,16 +161,9 @@ impl JobMachine {
     /// A job that waits for `spec.nodes` agents, starting at `start`. `now`: the time now.
     pub fn new(spec: TrainingSpec, start: JobStart, limits: Limits, now: Duration) -> JobMachine {
         let spec_g = spec.devices_per_node;
-        let injections = spec
-            .inject_failures
-            .iter()
-            .map(|i| (i.node, i.after_step))
-            .collect();
+        let steps = Steps::new(&spec, &start);
         JobMachine {
             generation: start.generation,
-            committed: start.step,
-            resume: start.checkpoint.clone(),
-            newest: start.checkpoint.clone().map(|c| (c, start.step)),
             spec,
             limits,
             start,
@@ -194,17 +173,13 @@ impl JobMachine {
             lost: BTreeSet::new(),
             dead_agents: 0,
             gen: None,
-            steps_run: 0,
+            steps,
             fruitless: 0,
-            assembling: 0,
-            stalls: BTreeMap::new(),
-            injections,
             last_progress: now,
             join_deadline: now + limits.join,
             timer: None,
             planning_error: None,
             holdings: Holdings::empty(spec_g),
-            worker_pids: BTreeSet::new(),
             distrusted: BTreeSet::new(),
             joining: BTreeMap::new(),
             join_candidate: None,
@@ -237,12 +212,12 @@ impl JobMachine {
 
     /// The newest committed step.
     pub fn committed(&self) -> u64 {
-        self.committed
+        self.steps.committed()
     }
 
     /// Steps committed by this job, replays included.
     pub fn steps_run(&self) -> u64 {
-        self.steps_run
+        self.steps.steps_run()
     }
 
     /// The generation running (or being planned).
@@ -440,13 +415,13 @@ impl JobMachine {
         }
         plan.generation = self.generation;
         self.phase_done(now, "plan");
-        let source = match self.resume.take() {
+        let source = match self.steps.take_resume() {
             Some(path) => StateSource::Checkpoint { path: path.into() },
-            None if self.committed == 0 => StateSource::Init,
+            None if self.committed() == 0 => StateSource::Init,
             None => {
                 return self.fail(RuntimeError::Invalid(format!(
                     "step {} is committed, but no checkpoint or replica holds it",
-                    self.committed
+                    self.committed()
                 )))
             }
         };
@@ -508,7 +483,7 @@ impl JobMachine {
             copy_s: 0.0,
             copy_bytes: 0,
             lost_before: self.lost.len(),
-            steps_before: self.steps_run,
+            steps_before: self.steps_run(),
             agents_dead_before: self.dead_agents,
             donors: match &source {
                 StateSource::Peers { donors, .. } => donors.clone(),
@@ -549,8 +524,7 @@ impl JobMachine {
             step,
         });
         self.push(Action::TruncateMetrics { after: step });
-        self.committed = step;
-        self.newest = instead.clone();
+        self.steps.fall_back_to(instead.clone());
         let source = match instead {
             Some((p, _)) => StateSource::Checkpoint { path: p.into() },
             None => StateSource::Init,

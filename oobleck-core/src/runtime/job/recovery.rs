@@ -169,7 +169,7 @@ impl JobMachine {
                 duration_s,
             } => self.on_assembled(step, checkpoint, val_loss, duration_s),
             Input::AssemblyFailed { step, error } => {
-                self.assembling = self.assembling.saturating_sub(1);
+                self.steps.assembly_ended();
                 self.note(format!(
                     "the checkpoint or evaluation of step {step} failed: {error}"
                 ));
@@ -208,7 +208,7 @@ impl JobMachine {
                 loss,
                 grad_norm,
                 ..
-            } if step == self.committed + 1 => {
+            } if step == self.committed() + 1 => {
                 if let Some(g) = self.gen.as_mut() {
                     g.ready.insert(rank, (loss, grad_norm));
                 }
@@ -249,7 +249,7 @@ impl JobMachine {
                         && !g.exited.contains(&r)
                 })
         });
-        let assembled = self.assembling == 0 || now >= t0 + l.stall;
+        let assembled = !self.steps.assembling() || now >= t0 + l.stall;
         now >= t0 + l.settle
             && losses_known
             && (!undecided || now >= t0 + l.ranks_wait)
@@ -351,11 +351,11 @@ impl JobMachine {
             Ok(r) => r,
             Err(e) => {
                 self.note(format!("no reconfiguration fits the nodes left: {e}"));
-                let newest = self.newest.clone();
+                let newest = self.steps.newest();
                 return self.go_on_planned(&failure, detect_s, newest, change);
             }
         };
-        let in_place = r.missing_layers.is_empty() && self.committed > 0;
+        let in_place = r.missing_layers.is_empty() && self.committed() > 0;
         let from = if in_place {
             None
         } else {
@@ -365,7 +365,7 @@ impl JobMachine {
                     r.missing_layers
                 ));
             }
-            self.newest.clone()
+            self.steps.newest()
         };
         self.start_next(&failure, detect_s, r, from, in_place, change);
     }
@@ -423,7 +423,7 @@ impl JobMachine {
             .flat_map(|p| p.pipelines.iter().map(|q| q.nodes.clone()))
             .collect();
         let from_step = if in_place {
-            self.committed
+            self.committed()
         } else {
             from.as_ref().map_or(0, |f| f.1)
         };
@@ -445,7 +445,7 @@ impl JobMachine {
         let left = self.settle_membership(&change, &donors);
         let new: Vec<Vec<u32>> = r.plan.pipelines.iter().map(|p| p.nodes.clone()).collect();
         self.push(Action::TruncateMetrics { after: from_step });
-        self.committed = from_step;
+        self.steps.rewind(from_step);
         self.record(Event::Reconfig {
             generation: self.generation + 1,
             lost_nodes: lost.clone(),
@@ -500,7 +500,7 @@ impl JobMachine {
         }
         let from_step = from.as_ref().map_or(0, |f| f.1);
         self.push(Action::TruncateMetrics { after: from_step });
-        self.committed = from_step;
+        self.steps.rewind(from_step);
         let lost: Vec<u32> = gen_nodes
             .into_iter()
             .filter(|n| self.lost.contains(n))
@@ -525,7 +525,7 @@ impl JobMachine {
             drained_nodes: change.drained,
         });
         self.generation += 1;
-        self.resume = from.map(|f| f.0);
+        self.steps.resume_from(from.map(|f| f.0));
         self.nodes = left.into_iter().collect();
         self.plan_next(self.spec.fault_threshold);
     }

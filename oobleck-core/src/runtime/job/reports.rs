@@ -237,7 +237,7 @@ impl JobMachine {
         if !recoverable {
             return self.fail(RuntimeError::NodeFailure { what });
         }
-        if self.steps_run > g.steps_before {
+        if self.steps_run() > g.steps_before {
             self.fruitless = 0;
         }
         self.fruitless += 1;
@@ -247,7 +247,7 @@ impl JobMachine {
                 failure: what,
             });
         }
-        self.begin_recovery(now, Failure::new(what, now, self.committed));
+        self.begin_recovery(now, Failure::new(what, now, self.committed()));
     }
 }
 
