@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use super::recovery::Recovery;
+use super::recovery::{Recoveries, Recovery};
 use super::steps::Steps;
 use super::stragglers::{StragglerRule, Stragglers};
 use super::{Action, Input, JobStart, Limits};
@@ -118,15 +118,13 @@ pub struct JobMachine {
     /// Agent processes of the driver that died.
     pub(super) dead_agents: usize,
     pub(super) gen: Option<Generation>,
+    /// The recovery being timed and the failures in a row (`recovery.rs`).
+    pub(super) recoveries: Recoveries,
     /// The committed step, checkpoints and their assembly (`steps.rs`).
     pub(super) steps: Steps,
-    /// Failures since the last generation that committed a step.
-    pub(super) fruitless: u32,
     /// When the job last heard from any process.
     pub(super) last_progress: Duration,
     pub(super) join_deadline: Duration,
-    /// The recovery under way, timed from the failure to the first commit after it.
-    pub(super) timer: Option<super::recovery::Timer>,
     /// The failure that made planning lower `f`, while it does.
     pub(super) planning_error: Option<String>,
     /// What each `(node, device)` holds of the committed step, as its workers said
@@ -173,11 +171,10 @@ impl JobMachine {
             lost: BTreeSet::new(),
             dead_agents: 0,
             gen: None,
+            recoveries: Recoveries::default(),
             steps,
-            fruitless: 0,
             last_progress: now,
             join_deadline: now + limits.join,
-            timer: None,
             planning_error: None,
             holdings: Holdings::empty(spec_g),
             distrusted: BTreeSet::new(),

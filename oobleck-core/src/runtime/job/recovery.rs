@@ -48,9 +48,31 @@ impl Failure {
     }
 }
 
+/// The machine's recovery group: the recovery being timed and the failures in a row that
+/// committed nothing. Only this file changes it.
+#[derive(Debug, Default)]
+pub(super) struct Recoveries {
+    /// The recovery under way, timed from the failure to the first commit after it.
+    timer: Option<Timer>,
+    /// Failures since the last generation that committed a step.
+    fruitless: u32,
+}
+
+impl Recoveries {
+    /// One more failure; `progressed`: the failed generation committed a step. Returns the
+    /// failures in a row with no committed step in between, this one included.
+    pub(super) fn count_failure(&mut self, progressed: bool) -> u32 {
+        if progressed {
+            self.fruitless = 0;
+        }
+        self.fruitless += 1;
+        self.fruitless
+    }
+}
+
 /// Times a recovery's phases, from the failure to the first commit after it.
 #[derive(Debug)]
-pub(super) struct Timer {
+struct Timer {
     pub failed: Duration,
     pub mark: Duration,
     /// `"<phase>_s"` -> seconds.
@@ -105,7 +127,7 @@ impl JobMachine {
         self.push(Action::Abort {
             generation: self.generation,
         });
-        self.timer = Some(Timer {
+        self.recoveries.timer = Some(Timer {
             failed: now,
             mark: now,
             phases: BTreeMap::new(),
@@ -113,7 +135,7 @@ impl JobMachine {
             summary: String::new(),
             planned: failure.planned,
         });
-        if let (true, Some(t)) = (failure.planned, self.timer.as_mut()) {
+        if let (true, Some(t)) = (failure.planned, self.recoveries.timer.as_mut()) {
             // From the first request taken to the boundary that takes it.
             let waited = now.saturating_sub(failure.asked);
             t.phases
@@ -125,10 +147,54 @@ impl JobMachine {
 
     /// Ends the current phase of a recovery under way (nothing otherwise).
     pub(super) fn phase_done(&mut self, now: Duration, name: &str) {
-        if let Some(t) = self.timer.as_mut() {
+        if let Some(t) = self.recoveries.timer.as_mut() {
             let s = now.saturating_sub(t.mark).as_secs_f64();
             t.phases.insert(format!("{name}_s"), s);
             t.mark = now;
+        }
+    }
+
+    /// Every rank of the generation built its stage: the slowest connect and copy among them,
+    /// and the bytes the copies moved, for the recovery under way (nothing otherwise).
+    pub(super) fn copies_done(&mut self, now: Duration, connect_s: f64, copy_s: f64, bytes: u64) {
+        self.phase_done(now, "connect_copy");
+        if let Some(t) = self.recoveries.timer.as_mut() {
+            t.phases.insert("connect_max_s".into(), connect_s);
+            t.phases.insert("copy_max_s".into(), copy_s);
+            t.copy_bytes = bytes;
+            if bytes > 0 {
+                t.summary = format!(
+                    "{} (copied {:.1} MB in {copy_s:.2} s, {:.2} GB/s)",
+                    t.summary,
+                    bytes as f64 / 1e6,
+                    bytes as f64 / 1e9 / copy_s.max(1e-9)
+                );
+            }
+        }
+    }
+
+    /// `step` committed: a recovery under way ends with it, said and recorded with its
+    /// phases (nothing otherwise).
+    pub(super) fn recovery_committed(&mut self, now: Duration, step: u64) {
+        self.phase_done(now, "first_step");
+        if let Some(t) = self.recoveries.timer.take() {
+            let since = now.saturating_sub(t.failed).as_secs_f64();
+            let (done, event) = if t.planned {
+                ("reconfigured", "it began")
+            } else {
+                ("recovered", "the failure")
+            };
+            self.note(format!(
+                "{done}: {} step {step} committed {since:.2} s after {event}",
+                t.summary
+            ));
+            self.record(Event::Resumed {
+                generation: self.generation,
+                step,
+                since_failure_s: since,
+                phases: t.phases,
+                copy_bytes: t.copy_bytes,
+            });
         }
     }
 
@@ -467,7 +533,7 @@ impl JobMachine {
         });
         let summary = summary(&r, &old, &lost, failure, in_place, from_step, replayed);
         self.note(format!("generation {}: {summary}", self.generation + 1));
-        if let Some(t) = self.timer.as_mut() {
+        if let Some(t) = self.recoveries.timer.as_mut() {
             t.summary = summary;
         }
         self.generation += 1;

@@ -237,11 +237,9 @@ impl JobMachine {
         if !recoverable {
             return self.fail(RuntimeError::NodeFailure { what });
         }
-        if self.steps_run() > g.steps_before {
-            self.fruitless = 0;
-        }
-        self.fruitless += 1;
-        if self.fruitless > self.limits.max_fruitless_recoveries {
+        let progressed = self.steps_run() > g.steps_before;
+        let fruitless = self.recoveries.count_failure(progressed);
+        if fruitless > self.limits.max_fruitless_recoveries {
             return self.fail(RuntimeError::GaveUp {
                 recoveries: self.limits.max_fruitless_recoveries,
                 failure: what,

@@ -186,20 +186,7 @@ impl JobMachine {
             return;
         }
         let (connect_s, copy_s, bytes) = (g.connect_s, g.copy_s, g.copy_bytes);
-        self.phase_done(now, "connect_copy");
-        if let Some(t) = self.timer.as_mut() {
-            t.phases.insert("connect_max_s".into(), connect_s);
-            t.phases.insert("copy_max_s".into(), copy_s);
-            t.copy_bytes = bytes;
-            if bytes > 0 {
-                t.summary = format!(
-                    "{} (copied {:.1} MB in {copy_s:.2} s, {:.2} GB/s)",
-                    t.summary,
-                    bytes as f64 / 1e6,
-                    bytes as f64 / 1e9 / copy_s.max(1e-9)
-                );
-            }
-        }
+        self.copies_done(now, connect_s, copy_s, bytes);
     }
 
     /// Donor `rank` sent what it had to: once every donor of its node has, the node goes.
@@ -282,26 +269,7 @@ impl JobMachine {
         self.steps.committed = step;
         self.steps.steps_run += 1;
         self.distrusted.clear();
-        self.phase_done(now, "first_step");
-        if let Some(t) = self.timer.take() {
-            let since = now.saturating_sub(t.failed).as_secs_f64();
-            let (done, event) = if t.planned {
-                ("reconfigured", "it began")
-            } else {
-                ("recovered", "the failure")
-            };
-            self.note(format!(
-                "{done}: {} step {step} committed {since:.2} s after {event}",
-                t.summary
-            ));
-            self.record(Event::Resumed {
-                generation: self.generation,
-                step,
-                since_failure_s: since,
-                phases: t.phases,
-                copy_bytes: t.copy_bytes,
-            });
-        }
+        self.recovery_committed(now, step);
         while let Some(i) = self.steps.injections.iter().position(|&(_, at)| at == step) {
             let (node, _) = self.steps.injections.remove(i);
             self.record(Event::InjectFailure { node, step });
