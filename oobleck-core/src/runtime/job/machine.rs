@@ -5,13 +5,13 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use super::recovery::{Recoveries, Recovery};
+use super::reports::Replicas;
 use super::steps::Steps;
 use super::stragglers::{StragglerRule, Stragglers};
 use super::{Action, Input, JobStart, Limits};
 use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::planning::{stage_leads, world_size};
-use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::spec::TrainingSpec;
 use crate::runtime::wire::pipe::StateSource;
@@ -118,6 +118,9 @@ pub struct JobMachine {
     /// Agent processes of the driver that died.
     pub(super) dead_agents: usize,
     pub(super) gen: Option<Generation>,
+    /// What each device holds of the committed step, and the replicas not trusted
+    /// (`reports.rs`).
+    pub(super) replicas: Replicas,
     /// The recovery being timed and the failures in a row (`recovery.rs`).
     pub(super) recoveries: Recoveries,
     /// The committed step, checkpoints and their assembly (`steps.rs`).
@@ -127,12 +130,6 @@ pub struct JobMachine {
     pub(super) join_deadline: Duration,
     /// The failure that made planning lower `f`, while it does.
     pub(super) planning_error: Option<String>,
-    /// What each `(node, device)` holds of the committed step, as its workers said
-    /// (`Formed`) and lost since: what a recovery in place copies from.
-    pub(super) holdings: Holdings,
-    /// `(node, device, layer)` replicas whose copies arrived corrupted: not offered as
-    /// sources again until a step commits.
-    pub(super) distrusted: BTreeSet<(u32, u32, usize)>,
     /// Nodes that registered while the job ran and wait to be admitted: since when.
     pub(super) joining: BTreeMap<u32, Duration>,
     /// The pipelines the plan would have with these joiners admitted, and the joiners
@@ -176,8 +173,7 @@ impl JobMachine {
             last_progress: now,
             join_deadline: now + limits.join,
             planning_error: None,
-            holdings: Holdings::empty(spec_g),
-            distrusted: BTreeSet::new(),
+            replicas: Replicas::new(spec_g),
             joining: BTreeMap::new(),
             join_candidate: None,
             join_asked: None,
@@ -366,7 +362,7 @@ impl JobMachine {
             }
             return self.publish_membership();
         }
-        self.holdings.drop_node(node);
+        self.replicas.drop_node(node);
         let first = self.lost.insert(node);
         if first {
             self.record(Event::Lost {
@@ -429,7 +425,7 @@ impl JobMachine {
     /// hold nothing until they say `Formed`.
     pub(super) fn deploy(&mut self, plan: Plan, source: StateSource) {
         if !matches!(source, StateSource::Peers { .. }) {
-            self.holdings = Holdings::empty(plan.devices_per_node);
+            self.replicas.restarted(plan.devices_per_node);
         }
         // Its ranks are numbered afresh.
         self.stragglers.new_generation();

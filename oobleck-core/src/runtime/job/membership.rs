@@ -172,7 +172,7 @@ impl JobMachine {
                     plan.fault_threshold = self.spec.fault_threshold;
                     self.push(Action::WeighJoins {
                         plan: Box::new(plan),
-                        holdings: self.holdings.clone(),
+                        holdings: self.replicas.holdings().clone(),
                         joined: joined.clone(),
                     });
                     self.join_asked = Some(joined);
@@ -303,8 +303,13 @@ impl JobMachine {
             .map(|s| s.layer_end)
             .max()
             .unwrap_or(0);
-        let before: BTreeSet<usize> = self.holdings.missing(layers).into_iter().collect();
-        let mut after = self.holdings.clone();
+        let before: BTreeSet<usize> = self
+            .replicas
+            .holdings()
+            .missing(layers)
+            .into_iter()
+            .collect();
+        let mut after = self.replicas.holdings().clone();
         for &n in &leaving {
             after.drop_node(n);
         }
@@ -363,7 +368,7 @@ impl JobMachine {
     pub(super) fn release(&mut self, node: u32, reason: String) {
         self.departed.insert(node);
         self.nodes.remove(&node);
-        self.holdings.drop_node(node);
+        self.replicas.drop_node(node);
         self.record(Event::Released {
             node,
             reason: reason.clone(),

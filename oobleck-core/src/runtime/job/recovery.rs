@@ -214,7 +214,7 @@ impl JobMachine {
                 if self.lost.insert(node) {
                     self.record(Event::Lost { node, reason });
                 }
-                self.holdings.drop_node(node);
+                self.replicas.drop_node(node);
             }
             Input::AgentExited { .. } => self.dead_agents += 1,
             Input::Worker {
@@ -351,7 +351,7 @@ impl JobMachine {
             self.push(Action::Fence { node });
         }
         for (node, device) in silent {
-            self.holdings.set(node, device, BTreeSet::new());
+            self.replicas.drop_device(node, device);
         }
         self.push(Action::ReleaseHeld);
         let detect_s = now.saturating_sub(failure.detected).as_secs_f64();
@@ -364,7 +364,7 @@ impl JobMachine {
         }
         self.push(Action::Reconfigure {
             plan: Box::new(plan),
-            holdings: self.holdings.clone(),
+            holdings: self.replicas.holdings().clone(),
             lost,
             drained: change.drained.clone(),
             joined: change.joined.clone(),

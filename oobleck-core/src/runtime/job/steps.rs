@@ -268,7 +268,7 @@ impl JobMachine {
     fn commit(&mut self, now: Duration, step: u64, times: BTreeMap<u32, StepTimes>) {
         self.steps.committed = step;
         self.steps.steps_run += 1;
-        self.distrusted.clear();
+        self.replicas.trust_all_again();
         self.recovery_committed(now, step);
         while let Some(i) = self.steps.injections.iter().position(|&(_, at)| at == step) {
             let (node, _) = self.steps.injections.remove(i);
