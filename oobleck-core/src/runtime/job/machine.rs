@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
+use super::membership::Membership;
 use super::recovery::{Recoveries, Recovery};
 use super::reports::Replicas;
 use super::steps::Steps;
@@ -111,13 +112,9 @@ pub struct JobMachine {
     pub(super) actions: VecDeque<Action>,
     /// Generation of the plan running or being made.
     pub(super) generation: u64,
-    /// Nodes the next plan is for (sorted); registered nodes while forming.
-    pub(super) nodes: BTreeSet<u32>,
-    /// Nodes lost during the job, for good.
-    pub(super) lost: BTreeSet<u32>,
-    /// Agent processes of the driver that died.
-    pub(super) dead_agents: usize,
     pub(super) gen: Option<Generation>,
+    /// The job's nodes: registered, lost, joining, draining, gone (`membership.rs`).
+    pub(super) membership: Membership,
     /// What each device holds of the committed step, and the replicas not trusted
     /// (`reports.rs`).
     pub(super) replicas: Replicas,
@@ -130,24 +127,6 @@ pub struct JobMachine {
     pub(super) join_deadline: Duration,
     /// The failure that made planning lower `f`, while it does.
     pub(super) planning_error: Option<String>,
-    /// Nodes that registered while the job ran and wait to be admitted: since when.
-    pub(super) joining: BTreeMap<u32, Duration>,
-    /// The pipelines the plan would have with these joiners admitted, and the joiners
-    /// asked about last ([`Action::WeighJoins`]).
-    pub(super) join_candidate: Option<(Vec<u32>, usize)>,
-    pub(super) join_asked: Option<Vec<u32>>,
-    /// Why the waiting nodes are admitted at the next boundary, once the policy says so.
-    pub(super) admit: Option<String>,
-    /// The wait for more joins was said.
-    pub(super) join_waiting_told: bool,
-    /// Nodes of the plan that leave at the next step boundary, and why.
-    pub(super) draining: BTreeMap<u32, String>,
-    /// When each drain was asked for.
-    pub(super) drain_asked: BTreeMap<u32, Duration>,
-    /// Nodes told to go: their exits and closed connections are expected.
-    pub(super) departed: BTreeSet<u32>,
-    /// Joins, drains or spare nodes were shown to `oobleck status`.
-    pub(super) membership_shown: bool,
     /// When a rank is a straggler, and the recent steps' computes (`stragglers.rs`).
     pub(super) stragglers: Stragglers,
 }
@@ -164,25 +143,14 @@ impl JobMachine {
             start,
             phase: Phase::Forming,
             actions: VecDeque::new(),
-            nodes: BTreeSet::new(),
-            lost: BTreeSet::new(),
-            dead_agents: 0,
             gen: None,
+            membership: Membership::default(),
             recoveries: Recoveries::default(),
             steps,
             last_progress: now,
             join_deadline: now + limits.join,
             planning_error: None,
             replicas: Replicas::new(spec_g),
-            joining: BTreeMap::new(),
-            join_candidate: None,
-            join_asked: None,
-            admit: None,
-            join_waiting_told: false,
-            draining: BTreeMap::new(),
-            drain_asked: BTreeMap::new(),
-            departed: BTreeSet::new(),
-            membership_shown: false,
             stragglers: Stragglers::default(),
         }
     }
@@ -296,7 +264,7 @@ impl JobMachine {
     fn on_tick(&mut self, now: Duration) {
         match self.phase {
             Phase::Forming if now >= self.join_deadline => self.fail(RuntimeError::NodesMissing {
-                joined: self.nodes.len(),
+                joined: self.membership.nodes().len(),
                 expected: self.spec.nodes as usize,
                 secs: self.limits.join.as_secs(),
             }),
@@ -316,7 +284,7 @@ impl JobMachine {
         if !matches!(self.phase, Phase::Forming) {
             return self.on_join_running(now, node, addr);
         }
-        self.nodes.insert(node);
+        self.membership.registered(node);
         self.record(Event::Join {
             node,
             addr: addr.clone(),
@@ -325,15 +293,15 @@ impl JobMachine {
             let n = self.spec.nodes;
             self.note(format!(
                 "node {node} joined from {addr} ({}/{n})",
-                self.nodes.len()
+                self.membership.nodes().len()
             ));
         }
-        if self.nodes.len() >= self.spec.nodes as usize {
+        if self.membership.nodes().len() >= self.spec.nodes as usize {
             self.plan_next(self.spec.fault_threshold);
         }
     }
 
-    /// Asks for the plan of the current generation on `self.nodes`.
+    /// Asks for the plan of the current generation on the job's nodes.
     pub(super) fn plan_next(&mut self, f: u32) {
         let pinned = if self.generation == self.start.generation {
             self.spec.pipeline_nodes.clone()
@@ -342,28 +310,26 @@ impl JobMachine {
         };
         self.phase = Phase::Planning { f };
         self.push(Action::Plan {
-            nodes: self.nodes.iter().copied().collect(),
+            nodes: self.membership.nodes().iter().copied().collect(),
             fault_threshold: f,
             pinned,
         });
     }
 
     fn on_node_lost(&mut self, now: Duration, node: u32, reason: String) {
-        if self.departed.contains(&node) {
+        if self.membership.has_departed(node) {
             return;
         }
         let in_plan = self.gen.as_ref().is_some_and(|g| g.nodes.contains(&node));
         if self.gen.is_some() && !in_plan && !matches!(self.phase, Phase::Forming) {
             // Waiting to join, or idle: the job loses nothing.
-            self.joining.remove(&node);
-            self.nodes.remove(&node);
-            if self.lost.insert(node) {
+            if self.membership.lost_idle(node) {
                 self.record(Event::Lost { node, reason });
             }
             return self.publish_membership();
         }
         self.replicas.drop_node(node);
-        let first = self.lost.insert(node);
+        let first = self.membership.lost_for_good(node);
         if first {
             self.record(Event::Lost {
                 node,
@@ -377,7 +343,7 @@ impl JobMachine {
     }
 
     fn on_agent_exited(&mut self, now: Duration, which: usize, status: String) {
-        self.dead_agents += 1;
+        self.membership.agent_died();
         let what = format!("agent {which} exited early ({status}); its error is above");
         match self.phase {
             Phase::Forming => self.fail(RuntimeError::NodeFailure { what }),
@@ -402,7 +368,7 @@ impl JobMachine {
         if let Some(_original) = self.planning_error.take() {
             self.note(format!(
                 "{} nodes are left: planning for f = {f} (was {})",
-                self.nodes.len(),
+                self.membership.nodes().len(),
                 self.spec.fault_threshold
             ));
         }
@@ -475,9 +441,9 @@ impl JobMachine {
             connect_s: 0.0,
             copy_s: 0.0,
             copy_bytes: 0,
-            lost_before: self.lost.len(),
+            lost_before: self.membership.lost_count(),
             steps_before: self.steps_run(),
-            agents_dead_before: self.dead_agents,
+            agents_dead_before: self.membership.dead_agents(),
             donors: match &source {
                 StateSource::Peers { donors, .. } => donors.clone(),
                 _ => Vec::new(),
@@ -485,7 +451,7 @@ impl JobMachine {
             donated: BTreeSet::new(),
         });
         self.phase = Phase::Rendezvous;
-        if self.membership_shown {
+        if self.membership.shown() {
             // What status showed of joins and drains is about the plan before this one.
             self.publish_membership();
         }
@@ -532,7 +498,7 @@ impl JobMachine {
         if first || f == 0 || self.spec.fault_threshold == 0 {
             let reason = self.planning_error.take().unwrap_or(error);
             return self.fail(RuntimeError::Plan {
-                nodes: self.nodes.len(),
+                nodes: self.membership.nodes().len(),
                 reason,
             });
         }

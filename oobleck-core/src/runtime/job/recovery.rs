@@ -8,8 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
+use super::membership::Change;
 use super::{Action, Input};
-use crate::reconfig::{Donor, ReconfigPlan};
+use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::wire::pipe::StateSource;
 use crate::runtime::wire::records::{Event, WorkerReport};
@@ -97,13 +98,6 @@ pub(super) enum Recovery {
         detect_s: f64,
         change: Change,
     },
-}
-
-/// The membership change a decision makes besides the losses.
-#[derive(Debug, Clone, Default)]
-pub(super) struct Change {
-    pub drained: Vec<u32>,
-    pub joined: Vec<u32>,
 }
 
 impl JobMachine {
@@ -208,15 +202,14 @@ impl JobMachine {
                 reason,
                 force,
             } => self.on_drain_requested(now, node, reason, force),
-            Input::Lost { node, .. } if self.departed.contains(&node) => {}
+            Input::Lost { node, .. } if self.membership.has_departed(node) => {}
             Input::Lost { node, reason } => {
-                self.joining.remove(&node);
-                if self.lost.insert(node) {
+                if self.membership.lost_while_recovering(node) {
                     self.record(Event::Lost { node, reason });
                 }
                 self.replicas.drop_node(node);
             }
-            Input::AgentExited { .. } => self.dead_agents += 1,
+            Input::AgentExited { .. } => self.membership.agent_died(),
             Input::Worker {
                 node,
                 generation,
@@ -303,12 +296,12 @@ impl JobMachine {
         let l = &self.limits;
         let t0 = failure.detected;
         let losses_known = !self.start.starts_agents
-            || self.dead_agents <= self.lost.len()
+            || self.membership.dead_agents() <= self.membership.lost_count()
             || now >= t0 + l.loss_wait;
         let undecided = self.gen.as_ref().is_some_and(|g| {
             g.formed
                 && (0..g.world as u32).any(|r| {
-                    g.node_of(r).is_some_and(|n| !self.lost.contains(&n))
+                    g.node_of(r).is_some_and(|n| !self.membership.is_lost(n))
                         && !g.computing(r)
                         && !g.broken.contains_key(&r)
                         && !g.ready.contains_key(&r)
@@ -334,7 +327,7 @@ impl JobMachine {
             .nodes
             .iter()
             .copied()
-            .filter(|n| self.lost.contains(n))
+            .filter(|n| self.membership.is_lost(*n))
             .collect();
         // A rank of a surviving node that never said it stopped, nor did its agent (it hangs),
         // holds nothing anyone can count on. Before the rendezvous nobody can have said so:
@@ -376,28 +369,6 @@ impl JobMachine {
         });
     }
 
-    /// The drains and joins a decision now takes: every node draining from `plan`, and, when
-    /// any node waits to join, those and the idle ones (a join re-instantiates anyway).
-    fn change_of(&self, plan: &crate::planning::Plan, lost: &[u32]) -> Change {
-        let in_plan: BTreeSet<u32> = plan.nodes().into_iter().collect();
-        let drained = self
-            .draining
-            .keys()
-            .copied()
-            .filter(|n| in_plan.contains(n) && !lost.contains(n))
-            .collect();
-        let joined = if self.joining.is_empty() {
-            Vec::new()
-        } else {
-            self.nodes
-                .iter()
-                .copied()
-                .filter(|n| !in_plan.contains(n) && !self.lost.contains(n))
-                .collect()
-        };
-        Change { drained, joined }
-    }
-
     /// The decision is in: go on in place when every layer still has a holder, else from the
     /// newest checkpoint (or from step 0, which initialisation makes deterministic).
     fn on_reconfigured(&mut self, now: Duration, result: Result<ReconfigPlan, String>) {
@@ -436,35 +407,6 @@ impl JobMachine {
         self.start_next(&failure, detect_s, r, from, in_place, change);
     }
 
-    /// The nodes of the next generation: the job's live nodes, less those lost and those
-    /// drained; the drained ones are told to go.
-    fn settle_membership(&mut self, change: &Change, donors: &[Donor]) -> Vec<u32> {
-        for &n in &change.drained {
-            self.draining.remove(&n);
-            self.drain_asked.remove(&n);
-            if donors.iter().any(|d| d.node == n) {
-                // Still needed: it sends what only it holds, then goes (`on_donated`).
-                self.nodes.remove(&n);
-            } else {
-                self.release(n, "drained".into());
-            }
-        }
-        for n in &change.joined {
-            self.joining.remove(n);
-        }
-        if !change.joined.is_empty() {
-            self.admit = None;
-            self.join_candidate = None;
-            self.join_asked = None;
-            self.join_waiting_told = false;
-        }
-        self.nodes
-            .iter()
-            .copied()
-            .filter(|n| !self.lost.contains(n))
-            .collect()
-    }
-
     /// Starts the next generation on `r.plan`: in place from the survivors, or from `from` (a
     /// checkpoint and its step; `None` and not in place: step 0).
     fn start_next(
@@ -480,7 +422,7 @@ impl JobMachine {
         let lost: Vec<u32> = old_plan
             .iter()
             .flat_map(|p| p.nodes())
-            .filter(|n| self.lost.contains(n))
+            .filter(|n| self.membership.is_lost(*n))
             .collect::<BTreeSet<u32>>()
             .into_iter()
             .collect();
@@ -515,7 +457,7 @@ impl JobMachine {
         self.record(Event::Reconfig {
             generation: self.generation + 1,
             lost_nodes: lost.clone(),
-            nodes: left.clone(),
+            nodes: left,
             failed_in_step: failure.failed_at + 1,
             from_step,
             replayed_steps: replayed,
@@ -537,7 +479,6 @@ impl JobMachine {
             t.summary = summary;
         }
         self.generation += 1;
-        self.nodes = left.into_iter().collect();
         let mut plan = r.plan;
         plan.generation = self.generation;
         self.deploy(plan, source);
@@ -569,12 +510,12 @@ impl JobMachine {
         self.steps.rewind(from_step);
         let lost: Vec<u32> = gen_nodes
             .into_iter()
-            .filter(|n| self.lost.contains(n))
+            .filter(|n| self.membership.is_lost(*n))
             .collect();
         self.record(Event::Reconfig {
             generation: self.generation + 1,
             lost_nodes: lost,
-            nodes: left.clone(),
+            nodes: left,
             failed_in_step: failure.failed_at + 1,
             from_step,
             replayed_steps: failure.failed_at.saturating_sub(from_step),
@@ -592,7 +533,6 @@ impl JobMachine {
         });
         self.generation += 1;
         self.steps.resume_from(from.map(|f| f.0));
-        self.nodes = left.into_iter().collect();
         self.plan_next(self.spec.fault_threshold);
     }
 }

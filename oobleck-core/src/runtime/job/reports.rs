@@ -68,7 +68,7 @@ impl JobMachine {
         generation: u64,
         report: WorkerReport,
     ) {
-        if self.departed.contains(&node) {
+        if self.membership.has_departed(node) {
             // Told to go: what it still says is not the job's business.
             return;
         }
@@ -284,8 +284,8 @@ impl JobMachine {
         let recoverable = self.spec.fault_threshold > 0
             && !matches!(self.phase, Phase::Planning { .. })
             && (g.formed
-                || self.lost.len() > g.lost_before
-                || self.dead_agents > g.agents_dead_before);
+                || self.membership.lost_count() > g.lost_before
+                || self.membership.dead_agents() > g.agents_dead_before);
         if !recoverable {
             return self.fail(RuntimeError::NodeFailure { what });
         }

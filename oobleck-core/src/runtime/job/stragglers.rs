@@ -319,7 +319,7 @@ impl JobMachine {
         let evict = self.stragglers.rule.evict && s.step < self.spec.steps;
         let verdict = match evict {
             false => None,
-            true if self.draining.contains_key(&node) => Some(Ok(())),
+            true if self.membership.is_draining(node) => Some(Ok(())),
             true => Some(drain_verdict(&self.drain_case(node, false)).map(|_| ())),
         };
         let mut note = format!(
@@ -342,7 +342,7 @@ impl JobMachine {
         }
         self.note(note);
         let evicted = matches!(verdict, Some(Ok(())));
-        let drain_now = evicted && !self.draining.contains_key(&node);
+        let drain_now = evicted && !self.membership.is_draining(node);
         self.record(Event::Straggler {
             generation: self.generation,
             step: s.step,
