@@ -103,55 +103,61 @@ impl Generation {
 }
 
 /// The job's decisions. See the module docs of [`super`].
+///
+/// Its core (the settings, the phase, the generation and what its ranks reported) is driven by
+/// the handlers of every file; the rest is one group per concern, declared in the file that owns
+/// it, and only that file changes it: the others go through its methods.
 #[derive(Debug)]
 pub struct JobMachine {
+    /// The job's settings: never changed after [`JobMachine::new`].
     pub(super) spec: TrainingSpec,
     pub(super) limits: Limits,
     pub(super) start: JobStart,
     pub(super) phase: Phase,
-    pub(super) actions: VecDeque<Action>,
     /// Generation of the plan running or being made.
     pub(super) generation: u64,
     pub(super) gen: Option<Generation>,
     /// The job's nodes: registered, lost, joining, draining, gone (`membership.rs`).
     pub(super) membership: Membership,
+    /// The committed step, checkpoints and their assembly (`steps.rs`).
+    pub(super) steps: Steps,
     /// What each device holds of the committed step, and the replicas not trusted
     /// (`reports.rs`).
     pub(super) replicas: Replicas,
     /// The recovery being timed and the failures in a row (`recovery.rs`).
     pub(super) recoveries: Recoveries,
-    /// The committed step, checkpoints and their assembly (`steps.rs`).
-    pub(super) steps: Steps,
-    /// When the job last heard from any process.
-    pub(super) last_progress: Duration,
-    pub(super) join_deadline: Duration,
-    /// The failure that made planning lower `f`, while it does.
-    pub(super) planning_error: Option<String>,
     /// When a rank is a straggler, and the recent steps' computes (`stragglers.rs`).
     pub(super) stragglers: Stragglers,
+    actions: VecDeque<Action>,
+    /// When the job last heard from any process.
+    last_progress: Duration,
+    /// When the agents must have registered by.
+    join_deadline: Duration,
+    /// The failure that made planning lower `f`, while it does.
+    planning_error: Option<String>,
 }
 
 impl JobMachine {
     /// A job that waits for `spec.nodes` agents, starting at `start`. `now`: the time now.
     pub fn new(spec: TrainingSpec, start: JobStart, limits: Limits, now: Duration) -> JobMachine {
-        let spec_g = spec.devices_per_node;
         let steps = Steps::new(&spec, &start);
+        let replicas = Replicas::new(spec.devices_per_node);
         JobMachine {
             generation: start.generation,
             spec,
             limits,
             start,
             phase: Phase::Forming,
-            actions: VecDeque::new(),
             gen: None,
             membership: Membership::default(),
-            recoveries: Recoveries::default(),
             steps,
+            replicas,
+            recoveries: Recoveries::default(),
+            stragglers: Stragglers::default(),
+            actions: VecDeque::new(),
             last_progress: now,
             join_deadline: now + limits.join,
             planning_error: None,
-            replicas: Replicas::new(spec_g),
-            stragglers: Stragglers::default(),
         }
     }
 
