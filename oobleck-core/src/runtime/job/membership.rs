@@ -16,7 +16,7 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use super::recovery::Failure;
 use super::Action;
-use crate::reconfig::Donor;
+use crate::reconfig::{Donor, Holdings};
 use crate::runtime::wire::records::Event;
 
 /// What [`join_verdict`] looks at.
@@ -128,6 +128,19 @@ pub fn drain_verdict(c: &DrainCase) -> Result<Option<String>, String> {
              newest checkpoint)"
         ))
     }
+}
+
+/// What a decision that lets `drained` go may copy layers from: what every device holds, a
+/// drained node's only where its layers can be copied off it (`copy_off`: its devices then
+/// join the data plane as extra ranks, donors, which only the TCP data plane has).
+pub(super) fn copy_sources(holdings: &Holdings, drained: &[u32], copy_off: bool) -> Holdings {
+    let mut sources = holdings.clone();
+    if !copy_off {
+        for &n in drained {
+            sources.drop_node(n);
+        }
+    }
+    sources
 }
 
 /// The membership change a decision makes besides the losses.
@@ -390,6 +403,12 @@ impl JobMachine {
         });
     }
 
+    /// A drained node's layers can be copied off it before it goes: its devices join the data
+    /// plane as extra ranks (donors), which only TCP has.
+    pub(super) fn drains_copy_off(&self) -> bool {
+        self.spec.data_plane == crate::runtime::spec::DataPlane::Tcp
+    }
+
     /// The drain of `node` next to the ones already asked for.
     pub(super) fn drain_case(&self, node: u32, force: bool) -> DrainCase {
         let g = self.gen.as_ref().expect("checked by the caller");
@@ -434,7 +453,7 @@ impl JobMachine {
             leaving: leaving.len(),
             min_nodes: g.plan.templates.iter().map(|t| t.nodes).min().unwrap_or(1) as usize,
             unique_layers,
-            copy_off: self.spec.data_plane == crate::runtime::spec::DataPlane::Tcp,
+            copy_off: self.drains_copy_off(),
             force,
         }
     }

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
-use super::membership::Change;
+use super::membership::{copy_sources, Change};
 use super::{Action, Input};
 use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
@@ -357,7 +357,11 @@ impl JobMachine {
         }
         self.push(Action::Reconfigure {
             plan: Box::new(plan),
-            holdings: self.replicas.holdings().clone(),
+            holdings: copy_sources(
+                self.replicas.holdings(),
+                &change.drained,
+                self.drains_copy_off(),
+            ),
             lost,
             drained: change.drained.clone(),
             joined: change.joined.clone(),
