@@ -59,7 +59,7 @@ impl JobMachine {
     }
 
     fn on_waiting(&mut self, now: Duration, rank: u32, step: u64, what: String, for_s: f64) {
-        let open = self.committed + 1;
+        let open = self.committed() + 1;
         let Some(g) = self.gen.as_mut() else {
             return;
         };
@@ -85,7 +85,7 @@ impl JobMachine {
                 "every rank waits on its peers in step {open} and none moves (the data plane \
                  hangs: {}); ending the generation, whose ranks all hold step {}",
                 each.join("; "),
-                self.committed
+                self.committed()
             ),
         );
     }

@@ -4,13 +4,15 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use super::recovery::Recovery;
-use super::stragglers::{StragglerRule, StragglerWatch};
+use super::membership::Membership;
+use super::recovery::{Recoveries, Recovery};
+use super::reports::Replicas;
+use super::steps::Steps;
+use super::stragglers::{StragglerRule, Stragglers};
 use super::{Action, Input, JobStart, Limits};
 use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::planning::{stage_leads, world_size};
-use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::spec::TrainingSpec;
 use crate::runtime::wire::pipe::StateSource;
@@ -101,129 +103,67 @@ impl Generation {
 }
 
 /// The job's decisions. See the module docs of [`super`].
+///
+/// Its core (the settings, the phase, the generation and what its ranks reported) is driven by
+/// the handlers of every file; the rest is one group per concern, declared in the file that owns
+/// it, and only that file changes it: the others go through its methods.
 #[derive(Debug)]
 pub struct JobMachine {
+    /// The job's settings: never changed after [`JobMachine::new`].
     pub(super) spec: TrainingSpec,
     pub(super) limits: Limits,
     pub(super) start: JobStart,
     pub(super) phase: Phase,
-    pub(super) actions: VecDeque<Action>,
     /// Generation of the plan running or being made.
     pub(super) generation: u64,
-    /// Nodes the next plan is for (sorted); registered nodes while forming.
-    pub(super) nodes: BTreeSet<u32>,
-    /// Nodes lost during the job, for good.
-    pub(super) lost: BTreeSet<u32>,
-    /// Agent processes of the driver that died.
-    pub(super) dead_agents: usize,
     pub(super) gen: Option<Generation>,
-    /// The newest committed step.
-    pub(super) committed: u64,
-    /// Steps committed by this job (replays included).
-    pub(super) steps_run: u64,
-    /// Failures since the last generation that committed a step.
-    pub(super) fruitless: u32,
-    /// The checkpoint the next generation starts from.
-    pub(super) resume: Option<String>,
-    /// The newest checkpoint known: `(path, step)`.
-    pub(super) newest: Option<(String, u64)>,
-    /// Checkpoint and evaluation assemblies under way.
-    pub(super) assembling: usize,
-    /// The longest a saver's training waited for its state of each step (ms), until the
-    /// step's checkpoint is recorded.
-    pub(super) stalls: BTreeMap<u64, f64>,
-    /// `--inject-failure`s still to fire.
-    pub(super) injections: Vec<(u32, u64)>,
-    /// When the job last heard from any process.
-    pub(super) last_progress: Duration,
-    pub(super) join_deadline: Duration,
-    /// The recovery under way, timed from the failure to the first commit after it.
-    pub(super) timer: Option<super::recovery::Timer>,
-    /// The failure that made planning lower `f`, while it does.
-    pub(super) planning_error: Option<String>,
-    /// What each `(node, device)` holds of the committed step, as its workers said
-    /// (`Formed`) and lost since: what a recovery in place copies from.
-    pub(super) holdings: Holdings,
-    /// Worker processes seen (by pid).
-    pub(super) worker_pids: BTreeSet<u32>,
-    /// `(node, device, layer)` replicas whose copies arrived corrupted: not offered as
-    /// sources again until a step commits.
-    pub(super) distrusted: BTreeSet<(u32, u32, usize)>,
-    /// Nodes that registered while the job ran and wait to be admitted: since when.
-    pub(super) joining: BTreeMap<u32, Duration>,
-    /// The pipelines the plan would have with these joiners admitted, and the joiners
-    /// asked about last ([`Action::WeighJoins`]).
-    pub(super) join_candidate: Option<(Vec<u32>, usize)>,
-    pub(super) join_asked: Option<Vec<u32>>,
-    /// Why the waiting nodes are admitted at the next boundary, once the policy says so.
-    pub(super) admit: Option<String>,
-    /// The wait for more joins was said.
-    pub(super) join_waiting_told: bool,
-    /// Nodes of the plan that leave at the next step boundary, and why.
-    pub(super) draining: BTreeMap<u32, String>,
-    /// When each drain was asked for.
-    pub(super) drain_asked: BTreeMap<u32, Duration>,
-    /// Nodes told to go: their exits and closed connections are expected.
-    pub(super) departed: BTreeSet<u32>,
-    /// Joins, drains or spare nodes were shown to `oobleck status`.
-    pub(super) membership_shown: bool,
+    /// The job's nodes: registered, lost, joining, draining, gone (`membership.rs`).
+    pub(super) membership: Membership,
+    /// The committed step, checkpoints and their assembly (`steps.rs`).
+    pub(super) steps: Steps,
+    /// What each device holds of the committed step, and the replicas not trusted
+    /// (`reports.rs`).
+    pub(super) replicas: Replicas,
+    /// The recovery being timed and the failures in a row (`recovery.rs`).
+    pub(super) recoveries: Recoveries,
     /// When a rank is a straggler, and the recent steps' computes (`stragglers.rs`).
-    pub(super) straggler_rule: StragglerRule,
-    pub(super) stragglers: StragglerWatch,
+    pub(super) stragglers: Stragglers,
+    actions: VecDeque<Action>,
+    /// When the job last heard from any process.
+    last_progress: Duration,
+    /// When the agents must have registered by.
+    join_deadline: Duration,
+    /// The failure that made planning lower `f`, while it does.
+    planning_error: Option<String>,
 }
 
 impl JobMachine {
     /// A job that waits for `spec.nodes` agents, starting at `start`. `now`: the time now.
     pub fn new(spec: TrainingSpec, start: JobStart, limits: Limits, now: Duration) -> JobMachine {
-        let spec_g = spec.devices_per_node;
-        let injections = spec
-            .inject_failures
-            .iter()
-            .map(|i| (i.node, i.after_step))
-            .collect();
+        let steps = Steps::new(&spec, &start);
+        let replicas = Replicas::new(spec.devices_per_node);
         JobMachine {
             generation: start.generation,
-            committed: start.step,
-            resume: start.checkpoint.clone(),
-            newest: start.checkpoint.clone().map(|c| (c, start.step)),
             spec,
             limits,
             start,
             phase: Phase::Forming,
-            actions: VecDeque::new(),
-            nodes: BTreeSet::new(),
-            lost: BTreeSet::new(),
-            dead_agents: 0,
             gen: None,
-            steps_run: 0,
-            fruitless: 0,
-            assembling: 0,
-            stalls: BTreeMap::new(),
-            injections,
+            membership: Membership::default(),
+            steps,
+            replicas,
+            recoveries: Recoveries::default(),
+            stragglers: Stragglers::default(),
+            actions: VecDeque::new(),
             last_progress: now,
             join_deadline: now + limits.join,
-            timer: None,
             planning_error: None,
-            holdings: Holdings::empty(spec_g),
-            worker_pids: BTreeSet::new(),
-            distrusted: BTreeSet::new(),
-            joining: BTreeMap::new(),
-            join_candidate: None,
-            join_asked: None,
-            admit: None,
-            join_waiting_told: false,
-            draining: BTreeMap::new(),
-            drain_asked: BTreeMap::new(),
-            departed: BTreeSet::new(),
-            membership_shown: false,
-            straggler_rule: StragglerRule::default(),
-            stragglers: StragglerWatch::default(),
         }
     }
 
     /// Names stragglers (and drains their nodes, if asked) by `rule`, not the default.
     pub fn with_stragglers(mut self, rule: StragglerRule) -> JobMachine {
-        self.straggler_rule = rule;
+        self.stragglers.set_rule(rule);
         self
     }
 
@@ -239,12 +179,12 @@ impl JobMachine {
 
     /// The newest committed step.
     pub fn committed(&self) -> u64 {
-        self.committed
+        self.steps.committed()
     }
 
     /// Steps committed by this job, replays included.
     pub fn steps_run(&self) -> u64 {
-        self.steps_run
+        self.steps.steps_run()
     }
 
     /// The generation running (or being planned).
@@ -330,7 +270,7 @@ impl JobMachine {
     fn on_tick(&mut self, now: Duration) {
         match self.phase {
             Phase::Forming if now >= self.join_deadline => self.fail(RuntimeError::NodesMissing {
-                joined: self.nodes.len(),
+                joined: self.membership.nodes().len(),
                 expected: self.spec.nodes as usize,
                 secs: self.limits.join.as_secs(),
             }),
@@ -350,7 +290,7 @@ impl JobMachine {
         if !matches!(self.phase, Phase::Forming) {
             return self.on_join_running(now, node, addr);
         }
-        self.nodes.insert(node);
+        self.membership.registered(node);
         self.record(Event::Join {
             node,
             addr: addr.clone(),
@@ -359,15 +299,15 @@ impl JobMachine {
             let n = self.spec.nodes;
             self.note(format!(
                 "node {node} joined from {addr} ({}/{n})",
-                self.nodes.len()
+                self.membership.nodes().len()
             ));
         }
-        if self.nodes.len() >= self.spec.nodes as usize {
+        if self.membership.nodes().len() >= self.spec.nodes as usize {
             self.plan_next(self.spec.fault_threshold);
         }
     }
 
-    /// Asks for the plan of the current generation on `self.nodes`.
+    /// Asks for the plan of the current generation on the job's nodes.
     pub(super) fn plan_next(&mut self, f: u32) {
         let pinned = if self.generation == self.start.generation {
             self.spec.pipeline_nodes.clone()
@@ -376,28 +316,26 @@ impl JobMachine {
         };
         self.phase = Phase::Planning { f };
         self.push(Action::Plan {
-            nodes: self.nodes.iter().copied().collect(),
+            nodes: self.membership.nodes().iter().copied().collect(),
             fault_threshold: f,
             pinned,
         });
     }
 
     fn on_node_lost(&mut self, now: Duration, node: u32, reason: String) {
-        if self.departed.contains(&node) {
+        if self.membership.has_departed(node) {
             return;
         }
         let in_plan = self.gen.as_ref().is_some_and(|g| g.nodes.contains(&node));
         if self.gen.is_some() && !in_plan && !matches!(self.phase, Phase::Forming) {
             // Waiting to join, or idle: the job loses nothing.
-            self.joining.remove(&node);
-            self.nodes.remove(&node);
-            if self.lost.insert(node) {
+            if self.membership.lost_idle(node) {
                 self.record(Event::Lost { node, reason });
             }
             return self.publish_membership();
         }
-        self.holdings.drop_node(node);
-        let first = self.lost.insert(node);
+        self.replicas.drop_node(node);
+        let first = self.membership.lost_for_good(node);
         if first {
             self.record(Event::Lost {
                 node,
@@ -411,7 +349,7 @@ impl JobMachine {
     }
 
     fn on_agent_exited(&mut self, now: Duration, which: usize, status: String) {
-        self.dead_agents += 1;
+        self.membership.agent_died();
         let what = format!("agent {which} exited early ({status}); its error is above");
         match self.phase {
             Phase::Forming => self.fail(RuntimeError::NodeFailure { what }),
@@ -436,19 +374,19 @@ impl JobMachine {
         if let Some(_original) = self.planning_error.take() {
             self.note(format!(
                 "{} nodes are left: planning for f = {f} (was {})",
-                self.nodes.len(),
+                self.membership.nodes().len(),
                 self.spec.fault_threshold
             ));
         }
         plan.generation = self.generation;
         self.phase_done(now, "plan");
-        let source = match self.resume.take() {
+        let source = match self.steps.take_resume() {
             Some(path) => StateSource::Checkpoint { path: path.into() },
-            None if self.committed == 0 => StateSource::Init,
+            None if self.committed() == 0 => StateSource::Init,
             None => {
                 return self.fail(RuntimeError::Invalid(format!(
                     "step {} is committed, but no checkpoint or replica holds it",
-                    self.committed
+                    self.committed()
                 )))
             }
         };
@@ -459,10 +397,10 @@ impl JobMachine {
     /// hold nothing until they say `Formed`.
     pub(super) fn deploy(&mut self, plan: Plan, source: StateSource) {
         if !matches!(source, StateSource::Peers { .. }) {
-            self.holdings = Holdings::empty(plan.devices_per_node);
+            self.replicas.restarted(plan.devices_per_node);
         }
         // Its ranks are numbered afresh.
-        self.stragglers.reset();
+        self.stragglers.new_generation();
         let nodes: Vec<u32> = plan
             .nodes()
             .into_iter()
@@ -509,9 +447,9 @@ impl JobMachine {
             connect_s: 0.0,
             copy_s: 0.0,
             copy_bytes: 0,
-            lost_before: self.lost.len(),
-            steps_before: self.steps_run,
-            agents_dead_before: self.dead_agents,
+            lost_before: self.membership.lost_count(),
+            steps_before: self.steps_run(),
+            agents_dead_before: self.membership.dead_agents(),
             donors: match &source {
                 StateSource::Peers { donors, .. } => donors.clone(),
                 _ => Vec::new(),
@@ -519,7 +457,7 @@ impl JobMachine {
             donated: BTreeSet::new(),
         });
         self.phase = Phase::Rendezvous;
-        if self.membership_shown {
+        if self.membership.shown() {
             // What status showed of joins and drains is about the plan before this one.
             self.publish_membership();
         }
@@ -551,8 +489,7 @@ impl JobMachine {
             step,
         });
         self.push(Action::TruncateMetrics { after: step });
-        self.committed = step;
-        self.newest = instead.clone();
+        self.steps.fall_back_to(instead.clone());
         let source = match instead {
             Some((p, _)) => StateSource::Checkpoint { path: p.into() },
             None => StateSource::Init,
@@ -567,7 +504,7 @@ impl JobMachine {
         if first || f == 0 || self.spec.fault_threshold == 0 {
             let reason = self.planning_error.take().unwrap_or(error);
             return self.fail(RuntimeError::Plan {
-                nodes: self.nodes.len(),
+                nodes: self.membership.nodes().len(),
                 reason,
             });
         }

@@ -192,8 +192,10 @@ pub enum Action {
         pinned: Option<Vec<u32>>,
     },
     /// Decide the next generation after losing `lost` from `plan`'s nodes, letting `drained`
-    /// go (their layers can be copied off them) and gaining `joined`, the devices holding
-    /// `holdings` ([`crate::reconfig::decide_leaving`]); answer with [`Input::Reconfigured`].
+    /// go and gaining `joined`, the devices holding `holdings`
+    /// ([`crate::reconfig::decide_leaving`]); answer with [`Input::Reconfigured`]. A drained
+    /// node is in `holdings` only where its layers can be copied off it (the TCP data plane:
+    /// `membership::copy_sources`).
     Reconfigure {
         plan: Box<Plan>,
         holdings: Holdings,

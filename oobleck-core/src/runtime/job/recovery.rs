@@ -8,8 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
+use super::membership::{copy_sources, Change};
 use super::{Action, Input};
-use crate::reconfig::{Donor, ReconfigPlan};
+use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::wire::pipe::StateSource;
 use crate::runtime::wire::records::{Event, WorkerReport};
@@ -48,9 +49,31 @@ impl Failure {
     }
 }
 
+/// The machine's recovery group: the recovery being timed and the failures in a row that
+/// committed nothing. Only this file changes it.
+#[derive(Debug, Default)]
+pub(super) struct Recoveries {
+    /// The recovery under way, timed from the failure to the first commit after it.
+    timer: Option<Timer>,
+    /// Failures since the last generation that committed a step.
+    fruitless: u32,
+}
+
+impl Recoveries {
+    /// One more failure; `progressed`: the failed generation committed a step. Returns the
+    /// failures in a row with no committed step in between, this one included.
+    pub(super) fn count_failure(&mut self, progressed: bool) -> u32 {
+        if progressed {
+            self.fruitless = 0;
+        }
+        self.fruitless += 1;
+        self.fruitless
+    }
+}
+
 /// Times a recovery's phases, from the failure to the first commit after it.
 #[derive(Debug)]
-pub(super) struct Timer {
+struct Timer {
     pub failed: Duration,
     pub mark: Duration,
     /// `"<phase>_s"` -> seconds.
@@ -77,13 +100,6 @@ pub(super) enum Recovery {
     },
 }
 
-/// The membership change a decision makes besides the losses.
-#[derive(Debug, Clone, Default)]
-pub(super) struct Change {
-    pub drained: Vec<u32>,
-    pub joined: Vec<u32>,
-}
-
 impl JobMachine {
     /// Ends the running generation after `failure`.
     pub(super) fn begin_recovery(&mut self, now: Duration, failure: Failure) {
@@ -105,7 +121,7 @@ impl JobMachine {
         self.push(Action::Abort {
             generation: self.generation,
         });
-        self.timer = Some(Timer {
+        self.recoveries.timer = Some(Timer {
             failed: now,
             mark: now,
             phases: BTreeMap::new(),
@@ -113,7 +129,7 @@ impl JobMachine {
             summary: String::new(),
             planned: failure.planned,
         });
-        if let (true, Some(t)) = (failure.planned, self.timer.as_mut()) {
+        if let (true, Some(t)) = (failure.planned, self.recoveries.timer.as_mut()) {
             // From the first request taken to the boundary that takes it.
             let waited = now.saturating_sub(failure.asked);
             t.phases
@@ -125,10 +141,54 @@ impl JobMachine {
 
     /// Ends the current phase of a recovery under way (nothing otherwise).
     pub(super) fn phase_done(&mut self, now: Duration, name: &str) {
-        if let Some(t) = self.timer.as_mut() {
+        if let Some(t) = self.recoveries.timer.as_mut() {
             let s = now.saturating_sub(t.mark).as_secs_f64();
             t.phases.insert(format!("{name}_s"), s);
             t.mark = now;
+        }
+    }
+
+    /// Every rank of the generation built its stage: the slowest connect and copy among them,
+    /// and the bytes the copies moved, for the recovery under way (nothing otherwise).
+    pub(super) fn copies_done(&mut self, now: Duration, connect_s: f64, copy_s: f64, bytes: u64) {
+        self.phase_done(now, "connect_copy");
+        if let Some(t) = self.recoveries.timer.as_mut() {
+            t.phases.insert("connect_max_s".into(), connect_s);
+            t.phases.insert("copy_max_s".into(), copy_s);
+            t.copy_bytes = bytes;
+            if bytes > 0 {
+                t.summary = format!(
+                    "{} (copied {:.1} MB in {copy_s:.2} s, {:.2} GB/s)",
+                    t.summary,
+                    bytes as f64 / 1e6,
+                    bytes as f64 / 1e9 / copy_s.max(1e-9)
+                );
+            }
+        }
+    }
+
+    /// `step` committed: a recovery under way ends with it, said and recorded with its
+    /// phases (nothing otherwise).
+    pub(super) fn recovery_committed(&mut self, now: Duration, step: u64) {
+        self.phase_done(now, "first_step");
+        if let Some(t) = self.recoveries.timer.take() {
+            let since = now.saturating_sub(t.failed).as_secs_f64();
+            let (done, event) = if t.planned {
+                ("reconfigured", "it began")
+            } else {
+                ("recovered", "the failure")
+            };
+            self.note(format!(
+                "{done}: {} step {step} committed {since:.2} s after {event}",
+                t.summary
+            ));
+            self.record(Event::Resumed {
+                generation: self.generation,
+                step,
+                since_failure_s: since,
+                phases: t.phases,
+                copy_bytes: t.copy_bytes,
+            });
         }
     }
 
@@ -142,15 +202,14 @@ impl JobMachine {
                 reason,
                 force,
             } => self.on_drain_requested(now, node, reason, force),
-            Input::Lost { node, .. } if self.departed.contains(&node) => {}
+            Input::Lost { node, .. } if self.membership.has_departed(node) => {}
             Input::Lost { node, reason } => {
-                self.joining.remove(&node);
-                if self.lost.insert(node) {
+                if self.membership.lost_while_recovering(node) {
                     self.record(Event::Lost { node, reason });
                 }
-                self.holdings.drop_node(node);
+                self.replicas.drop_node(node);
             }
-            Input::AgentExited { .. } => self.dead_agents += 1,
+            Input::AgentExited { .. } => self.membership.agent_died(),
             Input::Worker {
                 node,
                 generation,
@@ -169,7 +228,7 @@ impl JobMachine {
                 duration_s,
             } => self.on_assembled(step, checkpoint, val_loss, duration_s),
             Input::AssemblyFailed { step, error } => {
-                self.assembling = self.assembling.saturating_sub(1);
+                self.steps.assembly_ended();
                 self.note(format!(
                     "the checkpoint or evaluation of step {step} failed: {error}"
                 ));
@@ -208,7 +267,7 @@ impl JobMachine {
                 loss,
                 grad_norm,
                 ..
-            } if step == self.committed + 1 => {
+            } if step == self.committed() + 1 => {
                 if let Some(g) = self.gen.as_mut() {
                     g.ready.insert(rank, (loss, grad_norm));
                 }
@@ -237,19 +296,19 @@ impl JobMachine {
         let l = &self.limits;
         let t0 = failure.detected;
         let losses_known = !self.start.starts_agents
-            || self.dead_agents <= self.lost.len()
+            || self.membership.dead_agents() <= self.membership.lost_count()
             || now >= t0 + l.loss_wait;
         let undecided = self.gen.as_ref().is_some_and(|g| {
             g.formed
                 && (0..g.world as u32).any(|r| {
-                    g.node_of(r).is_some_and(|n| !self.lost.contains(&n))
+                    g.node_of(r).is_some_and(|n| !self.membership.is_lost(n))
                         && !g.computing(r)
                         && !g.broken.contains_key(&r)
                         && !g.ready.contains_key(&r)
                         && !g.exited.contains(&r)
                 })
         });
-        let assembled = self.assembling == 0 || now >= t0 + l.stall;
+        let assembled = !self.steps.assembling() || now >= t0 + l.stall;
         now >= t0 + l.settle
             && losses_known
             && (!undecided || now >= t0 + l.ranks_wait)
@@ -268,7 +327,7 @@ impl JobMachine {
             .nodes
             .iter()
             .copied()
-            .filter(|n| self.lost.contains(n))
+            .filter(|n| self.membership.is_lost(*n))
             .collect();
         // A rank of a surviving node that never said it stopped, nor did its agent (it hangs),
         // holds nothing anyone can count on. Before the rendezvous nobody can have said so:
@@ -285,7 +344,7 @@ impl JobMachine {
             self.push(Action::Fence { node });
         }
         for (node, device) in silent {
-            self.holdings.set(node, device, BTreeSet::new());
+            self.replicas.drop_device(node, device);
         }
         self.push(Action::ReleaseHeld);
         let detect_s = now.saturating_sub(failure.detected).as_secs_f64();
@@ -298,7 +357,11 @@ impl JobMachine {
         }
         self.push(Action::Reconfigure {
             plan: Box::new(plan),
-            holdings: self.holdings.clone(),
+            holdings: copy_sources(
+                self.replicas.holdings(),
+                &change.drained,
+                self.drains_copy_off(),
+            ),
             lost,
             drained: change.drained.clone(),
             joined: change.joined.clone(),
@@ -308,28 +371,6 @@ impl JobMachine {
             detect_s,
             change,
         });
-    }
-
-    /// The drains and joins a decision now takes: every node draining from `plan`, and, when
-    /// any node waits to join, those and the idle ones (a join re-instantiates anyway).
-    fn change_of(&self, plan: &crate::planning::Plan, lost: &[u32]) -> Change {
-        let in_plan: BTreeSet<u32> = plan.nodes().into_iter().collect();
-        let drained = self
-            .draining
-            .keys()
-            .copied()
-            .filter(|n| in_plan.contains(n) && !lost.contains(n))
-            .collect();
-        let joined = if self.joining.is_empty() {
-            Vec::new()
-        } else {
-            self.nodes
-                .iter()
-                .copied()
-                .filter(|n| !in_plan.contains(n) && !self.lost.contains(n))
-                .collect()
-        };
-        Change { drained, joined }
     }
 
     /// The decision is in: go on in place when every layer still has a holder, else from the
@@ -351,11 +392,11 @@ impl JobMachine {
             Ok(r) => r,
             Err(e) => {
                 self.note(format!("no reconfiguration fits the nodes left: {e}"));
-                let newest = self.newest.clone();
+                let newest = self.steps.newest();
                 return self.go_on_planned(&failure, detect_s, newest, change);
             }
         };
-        let in_place = r.missing_layers.is_empty() && self.committed > 0;
+        let in_place = r.missing_layers.is_empty() && self.committed() > 0;
         let from = if in_place {
             None
         } else {
@@ -365,38 +406,9 @@ impl JobMachine {
                     r.missing_layers
                 ));
             }
-            self.newest.clone()
+            self.steps.newest()
         };
         self.start_next(&failure, detect_s, r, from, in_place, change);
-    }
-
-    /// The nodes of the next generation: the job's live nodes, less those lost and those
-    /// drained; the drained ones are told to go.
-    fn settle_membership(&mut self, change: &Change, donors: &[Donor]) -> Vec<u32> {
-        for &n in &change.drained {
-            self.draining.remove(&n);
-            self.drain_asked.remove(&n);
-            if donors.iter().any(|d| d.node == n) {
-                // Still needed: it sends what only it holds, then goes (`on_donated`).
-                self.nodes.remove(&n);
-            } else {
-                self.release(n, "drained".into());
-            }
-        }
-        for n in &change.joined {
-            self.joining.remove(n);
-        }
-        if !change.joined.is_empty() {
-            self.admit = None;
-            self.join_candidate = None;
-            self.join_asked = None;
-            self.join_waiting_told = false;
-        }
-        self.nodes
-            .iter()
-            .copied()
-            .filter(|n| !self.lost.contains(n))
-            .collect()
     }
 
     /// Starts the next generation on `r.plan`: in place from the survivors, or from `from` (a
@@ -414,7 +426,7 @@ impl JobMachine {
         let lost: Vec<u32> = old_plan
             .iter()
             .flat_map(|p| p.nodes())
-            .filter(|n| self.lost.contains(n))
+            .filter(|n| self.membership.is_lost(*n))
             .collect::<BTreeSet<u32>>()
             .into_iter()
             .collect();
@@ -423,7 +435,7 @@ impl JobMachine {
             .flat_map(|p| p.pipelines.iter().map(|q| q.nodes.clone()))
             .collect();
         let from_step = if in_place {
-            self.committed
+            self.committed()
         } else {
             from.as_ref().map_or(0, |f| f.1)
         };
@@ -445,11 +457,11 @@ impl JobMachine {
         let left = self.settle_membership(&change, &donors);
         let new: Vec<Vec<u32>> = r.plan.pipelines.iter().map(|p| p.nodes.clone()).collect();
         self.push(Action::TruncateMetrics { after: from_step });
-        self.committed = from_step;
+        self.steps.rewind(from_step);
         self.record(Event::Reconfig {
             generation: self.generation + 1,
             lost_nodes: lost.clone(),
-            nodes: left.clone(),
+            nodes: left,
             failed_in_step: failure.failed_at + 1,
             from_step,
             replayed_steps: replayed,
@@ -467,11 +479,10 @@ impl JobMachine {
         });
         let summary = summary(&r, &old, &lost, failure, in_place, from_step, replayed);
         self.note(format!("generation {}: {summary}", self.generation + 1));
-        if let Some(t) = self.timer.as_mut() {
+        if let Some(t) = self.recoveries.timer.as_mut() {
             t.summary = summary;
         }
         self.generation += 1;
-        self.nodes = left.into_iter().collect();
         let mut plan = r.plan;
         plan.generation = self.generation;
         self.deploy(plan, source);
@@ -500,15 +511,15 @@ impl JobMachine {
         }
         let from_step = from.as_ref().map_or(0, |f| f.1);
         self.push(Action::TruncateMetrics { after: from_step });
-        self.committed = from_step;
+        self.steps.rewind(from_step);
         let lost: Vec<u32> = gen_nodes
             .into_iter()
-            .filter(|n| self.lost.contains(n))
+            .filter(|n| self.membership.is_lost(*n))
             .collect();
         self.record(Event::Reconfig {
             generation: self.generation + 1,
             lost_nodes: lost,
-            nodes: left.clone(),
+            nodes: left,
             failed_in_step: failure.failed_at + 1,
             from_step,
             replayed_steps: failure.failed_at.saturating_sub(from_step),
@@ -525,8 +536,7 @@ impl JobMachine {
             drained_nodes: change.drained,
         });
         self.generation += 1;
-        self.resume = from.map(|f| f.0);
-        self.nodes = left.into_iter().collect();
+        self.steps.resume_from(from.map(|f| f.0));
         self.plan_next(self.spec.fault_threshold);
     }
 }

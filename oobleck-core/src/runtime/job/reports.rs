@@ -7,10 +7,58 @@ use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::recovery::Failure;
+use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::wire::protocol::ExitStatus;
 use crate::runtime::wire::records::Event;
 use crate::runtime::wire::records::{CorruptCopy, WorkerReport};
+
+/// The machine's replica group: what each `(node, device)` holds of the committed step, as its
+/// workers said (`Formed`) and lost since (what a recovery in place copies from), and the
+/// replicas not to trust. Only this file changes it; the others go through its methods.
+#[derive(Debug)]
+pub(super) struct Replicas {
+    holdings: Holdings,
+    /// `(node, device, layer)` replicas whose copies arrived corrupted: not offered as
+    /// sources again until a step commits.
+    distrusted: BTreeSet<(u32, u32, usize)>,
+}
+
+impl Replicas {
+    /// Nothing held yet, on nodes of `devices_per_node` devices.
+    pub(super) fn new(devices_per_node: u32) -> Replicas {
+        Replicas {
+            holdings: Holdings::empty(devices_per_node),
+            distrusted: BTreeSet::new(),
+        }
+    }
+
+    /// What each `(node, device)` holds of the committed step.
+    pub(super) fn holdings(&self) -> &Holdings {
+        &self.holdings
+    }
+
+    /// Every worker was started afresh (not from its peers): none holds anything until it
+    /// says `Formed`.
+    pub(super) fn restarted(&mut self, devices_per_node: u32) {
+        self.holdings = Holdings::empty(devices_per_node);
+    }
+
+    /// `node` is lost or leaves: nothing on it can be copied from.
+    pub(super) fn drop_node(&mut self, node: u32) {
+        self.holdings.drop_node(node);
+    }
+
+    /// The worker on `(node, device)` is gone, or cannot be counted on: it holds nothing.
+    pub(super) fn drop_device(&mut self, node: u32, device: u32) {
+        self.holdings.set(node, device, BTreeSet::new());
+    }
+
+    /// A step committed: every replica is offered as a source again.
+    pub(super) fn trust_all_again(&mut self) {
+        self.distrusted.clear();
+    }
+}
 
 impl JobMachine {
     pub(super) fn on_worker(
@@ -20,7 +68,7 @@ impl JobMachine {
         generation: u64,
         report: WorkerReport,
     ) {
-        if self.departed.contains(&node) {
+        if self.membership.has_departed(node) {
             // Told to go: what it still says is not the job's business.
             return;
         }
@@ -37,7 +85,7 @@ impl JobMachine {
             // holds nothing any more (its device is the same in every generation).
             if let WorkerReport::Exited { rank, .. } = report {
                 let device = rank % self.spec.devices_per_node;
-                self.holdings.set(node, device, BTreeSet::new());
+                self.replicas.drop_device(node, device);
             }
             return;
         }
@@ -176,9 +224,13 @@ impl JobMachine {
             return;
         };
         let device = c.from % g.plan.devices_per_node;
-        let mut layers = self.holdings.layers(node, device).unwrap_or_default();
+        let mut layers = self
+            .replicas
+            .holdings
+            .layers(node, device)
+            .unwrap_or_default();
         layers.remove(&c.layer);
-        self.holdings.set(node, device, layers);
+        self.replicas.holdings.set(node, device, layers);
         self.note(format!(
             "layer {} from rank {} (node {node}) arrived corrupted at rank {rank}: that replica \
              is not used again",
@@ -192,9 +244,9 @@ impl JobMachine {
         let device = rank % self.spec.devices_per_node;
         let trusted = layers
             .into_iter()
-            .filter(|&l| !self.distrusted.contains(&(node, device, l)))
+            .filter(|&l| !self.replicas.distrusted.contains(&(node, device, l)))
             .collect();
-        self.holdings.set(node, device, trusted);
+        self.replicas.holdings.set(node, device, trusted);
     }
 
     /// Book-keeping of an exited worker, in any phase.
@@ -210,7 +262,7 @@ impl JobMachine {
             g.exited.insert(rank);
             // Its state went with it.
             let device = rank % g.plan.devices_per_node;
-            self.holdings.set(node, device, BTreeSet::new());
+            self.replicas.drop_device(node, device);
         }
         self.record(Event::WorkerExit {
             node,
@@ -232,22 +284,20 @@ impl JobMachine {
         let recoverable = self.spec.fault_threshold > 0
             && !matches!(self.phase, Phase::Planning { .. })
             && (g.formed
-                || self.lost.len() > g.lost_before
-                || self.dead_agents > g.agents_dead_before);
+                || self.membership.lost_count() > g.lost_before
+                || self.membership.dead_agents() > g.agents_dead_before);
         if !recoverable {
             return self.fail(RuntimeError::NodeFailure { what });
         }
-        if self.steps_run > g.steps_before {
-            self.fruitless = 0;
-        }
-        self.fruitless += 1;
-        if self.fruitless > self.limits.max_fruitless_recoveries {
+        let progressed = self.steps_run() > g.steps_before;
+        let fruitless = self.recoveries.count_failure(progressed);
+        if fruitless > self.limits.max_fruitless_recoveries {
             return self.fail(RuntimeError::GaveUp {
                 recoveries: self.limits.max_fruitless_recoveries,
                 failure: what,
             });
         }
-        self.begin_recovery(now, Failure::new(what, now, self.committed));
+        self.begin_recovery(now, Failure::new(what, now, self.committed()));
     }
 }
 

@@ -1,15 +1,107 @@
 //! The commit protocol of a generation (DESIGN.md section 4): the rendezvous, every rank's
 //! `Ready`, the commit, periodic states and the end of the run.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
-use super::Action;
+use super::{Action, JobStart};
 use crate::execution::StepTimes;
 use crate::runtime::error::RuntimeError;
+use crate::runtime::spec::TrainingSpec;
 use crate::runtime::wire::protocol::Rendezvous;
 use crate::runtime::wire::records::Event;
+
+/// The machine's step group: the committed step and what hangs on it (checkpoints, their
+/// assembly, injected failures). Only this file changes it; the others go through its methods.
+#[derive(Debug)]
+pub(super) struct Steps {
+    /// The newest committed step.
+    committed: u64,
+    /// Steps committed by this job (replays included).
+    steps_run: u64,
+    /// The checkpoint the next generation starts from.
+    resume: Option<String>,
+    /// The newest checkpoint known: `(path, step)`.
+    newest: Option<(String, u64)>,
+    /// Checkpoint and evaluation assemblies under way.
+    assembling: usize,
+    /// The longest a saver's training waited for its state of each step (ms), until the
+    /// step's checkpoint is recorded.
+    stalls: BTreeMap<u64, f64>,
+    /// `--inject-failure`s still to fire.
+    injections: Vec<(u32, u64)>,
+    /// Worker processes seen (by pid).
+    worker_pids: BTreeSet<u32>,
+}
+
+impl Steps {
+    /// A job of `spec` that starts at `start`.
+    pub(super) fn new(spec: &TrainingSpec, start: &JobStart) -> Steps {
+        Steps {
+            committed: start.step,
+            steps_run: 0,
+            resume: start.checkpoint.clone(),
+            newest: start.checkpoint.clone().map(|c| (c, start.step)),
+            assembling: 0,
+            stalls: BTreeMap::new(),
+            injections: spec
+                .inject_failures
+                .iter()
+                .map(|i| (i.node, i.after_step))
+                .collect(),
+            worker_pids: BTreeSet::new(),
+        }
+    }
+
+    /// The newest committed step.
+    pub(super) fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// Steps committed by this job, replays included.
+    pub(super) fn steps_run(&self) -> u64 {
+        self.steps_run
+    }
+
+    /// The newest checkpoint known: `(path, step)`.
+    pub(super) fn newest(&self) -> Option<(String, u64)> {
+        self.newest.clone()
+    }
+
+    /// A checkpoint or evaluation is being assembled.
+    pub(super) fn assembling(&self) -> bool {
+        self.assembling > 0
+    }
+
+    /// The checkpoint the generation being planned starts from (once).
+    pub(super) fn take_resume(&mut self) -> Option<String> {
+        self.resume.take()
+    }
+
+    /// The next generation starts from committed `step`: the steps after it are computed
+    /// again.
+    pub(super) fn rewind(&mut self, step: u64) {
+        self.committed = step;
+    }
+
+    /// The next generation, planned afresh, starts from `checkpoint` (`None`: no checkpoint).
+    pub(super) fn resume_from(&mut self, checkpoint: Option<String>) {
+        self.resume = checkpoint;
+    }
+
+    /// The checkpoint a generation was to start from cannot be used: it starts from `instead`
+    /// (path, step), the newest checkpoint from now on, or from step 0.
+    pub(super) fn fall_back_to(&mut self, instead: Option<(String, u64)>) {
+        self.committed = instead.as_ref().map_or(0, |i| i.1);
+        self.newest = instead;
+    }
+
+    /// A checkpoint or evaluation ended without an answer to wait for (it failed).
+    pub(super) fn assembly_ended(&mut self) {
+        self.assembling = self.assembling.saturating_sub(1);
+    }
+}
 
 impl JobMachine {
     pub(super) fn on_listening(
@@ -21,7 +113,7 @@ impl JobMachine {
         pid: u32,
     ) {
         // A worker kept across generations is one process: recorded once.
-        if self.worker_pids.insert(pid) {
+        if self.steps.worker_pids.insert(pid) {
             self.record(Event::Process {
                 role: "worker".into(),
                 pid: Some(pid),
@@ -58,7 +150,7 @@ impl JobMachine {
         // Workers started or reassigned, and listening; next they connect and load or copy
         // their state.
         self.phase_done(now, "restart");
-        self.phase = if self.committed >= self.spec.steps {
+        self.phase = if self.steps.committed >= self.spec.steps {
             Phase::Finishing
         } else {
             Phase::Stepping
@@ -75,8 +167,8 @@ impl JobMachine {
         copy_s: f64,
         copy_bytes: u64,
     ) {
-        if step != self.committed {
-            let committed = self.committed;
+        if step != self.steps.committed {
+            let committed = self.steps.committed;
             return self.fail(RuntimeError::OutOfStep {
                 rank,
                 what: format!("built its stage at step {step}, the job is at step {committed}"),
@@ -94,20 +186,7 @@ impl JobMachine {
             return;
         }
         let (connect_s, copy_s, bytes) = (g.connect_s, g.copy_s, g.copy_bytes);
-        self.phase_done(now, "connect_copy");
-        if let Some(t) = self.timer.as_mut() {
-            t.phases.insert("connect_max_s".into(), connect_s);
-            t.phases.insert("copy_max_s".into(), copy_s);
-            t.copy_bytes = bytes;
-            if bytes > 0 {
-                t.summary = format!(
-                    "{} (copied {:.1} MB in {copy_s:.2} s, {:.2} GB/s)",
-                    t.summary,
-                    bytes as f64 / 1e6,
-                    bytes as f64 / 1e9 / copy_s.max(1e-9)
-                );
-            }
-        }
+        self.copies_done(now, connect_s, copy_s, bytes);
     }
 
     /// Donor `rank` sent what it had to: once every donor of its node has, the node goes.
@@ -135,7 +214,7 @@ impl JobMachine {
         loss: f64,
         norm: f64,
     ) {
-        let open = self.committed + 1;
+        let open = self.steps.committed + 1;
         if !matches!(self.phase, Phase::Stepping) || step != open {
             return self.fail(RuntimeError::OutOfStep {
                 rank,
@@ -187,31 +266,12 @@ impl JobMachine {
 
     /// `step` is committed (its [`Action::Commit`] is out).
     fn commit(&mut self, now: Duration, step: u64, times: BTreeMap<u32, StepTimes>) {
-        self.committed = step;
-        self.steps_run += 1;
-        self.distrusted.clear();
-        self.phase_done(now, "first_step");
-        if let Some(t) = self.timer.take() {
-            let since = now.saturating_sub(t.failed).as_secs_f64();
-            let (done, event) = if t.planned {
-                ("reconfigured", "it began")
-            } else {
-                ("recovered", "the failure")
-            };
-            self.note(format!(
-                "{done}: {} step {step} committed {since:.2} s after {event}",
-                t.summary
-            ));
-            self.record(Event::Resumed {
-                generation: self.generation,
-                step,
-                since_failure_s: since,
-                phases: t.phases,
-                copy_bytes: t.copy_bytes,
-            });
-        }
-        while let Some(i) = self.injections.iter().position(|&(_, at)| at == step) {
-            let (node, _) = self.injections.remove(i);
+        self.steps.committed = step;
+        self.steps.steps_run += 1;
+        self.replicas.trust_all_again();
+        self.recovery_committed(now, step);
+        while let Some(i) = self.steps.injections.iter().position(|&(_, at)| at == step) {
+            let (node, _) = self.steps.injections.remove(i);
             self.record(Event::InjectFailure { node, step });
             self.note(format!(
                 "injecting a failure: killing node {node} after step {step}"
@@ -226,7 +286,7 @@ impl JobMachine {
     }
 
     pub(super) fn on_state_saved(&mut self, rank: u32, step: u64, state: String, stall_ms: f64) {
-        let stall = self.stalls.entry(step).or_insert(0.0);
+        let stall = self.steps.stalls.entry(step).or_insert(0.0);
         *stall = stall.max(stall_ms);
         let Some(g) = self.gen.as_mut() else { return };
         if !g.savers.contains(&rank) {
@@ -242,7 +302,7 @@ impl JobMachine {
             return;
         }
         let states = g.states.remove(&step).unwrap_or_default();
-        self.assembling += 1;
+        self.steps.assembling += 1;
         self.push(Action::Assemble {
             step,
             states,
@@ -259,12 +319,12 @@ impl JobMachine {
         val_loss: Option<f64>,
         duration_s: f64,
     ) {
-        self.assembling = self.assembling.saturating_sub(1);
+        self.steps.assembling = self.steps.assembling.saturating_sub(1);
         if let Some(path) = checkpoint {
-            if self.newest.as_ref().is_none_or(|n| n.1 <= step) {
-                self.newest = Some((path.clone(), step));
+            if self.steps.newest.as_ref().is_none_or(|n| n.1 <= step) {
+                self.steps.newest = Some((path.clone(), step));
             }
-            let stall_ms = self.stalls.remove(&step).unwrap_or(0.0);
+            let stall_ms = self.steps.stalls.remove(&step).unwrap_or(0.0);
             self.record(Event::Checkpoint {
                 step,
                 path,
@@ -285,8 +345,8 @@ impl JobMachine {
         state: Option<String>,
         waited: f64,
     ) {
-        if step != self.committed {
-            let committed = self.committed;
+        if step != self.steps.committed {
+            let committed = self.steps.committed;
             return self.fail(RuntimeError::OutOfStep {
                 rank,
                 what: format!("finished at step {step}, the job committed {committed}"),
@@ -300,7 +360,9 @@ impl JobMachine {
 
     pub(super) fn maybe_finish(&mut self) {
         let Some(g) = self.gen.as_ref() else { return };
-        if !matches!(self.phase, Phase::Finishing) || g.done.len() < g.world || self.assembling > 0
+        if !matches!(self.phase, Phase::Finishing)
+            || g.done.len() < g.world
+            || self.steps.assembling > 0
         {
             return;
         }
@@ -312,7 +374,7 @@ impl JobMachine {
         let commit_wait_ms = g.done.iter().map(|(r, d)| (*r, d.1)).collect();
         self.phase = Phase::Finished;
         self.push(Action::Finish {
-            step: self.committed,
+            step: self.steps.committed,
             states,
             commit_wait_ms,
         });

@@ -183,6 +183,32 @@ impl StragglerWatch {
     }
 }
 
+/// The machine's straggler group: the rule and what it saw of the running generation. Only
+/// this file changes it.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Stragglers {
+    rule: StragglerRule,
+    watch: StragglerWatch,
+}
+
+impl Stragglers {
+    /// Names stragglers by `rule` from now on.
+    pub(super) fn set_rule(&mut self, rule: StragglerRule) {
+        self.rule = rule;
+    }
+
+    /// A new generation renumbers the ranks: what was seen is about other ranks.
+    pub(super) fn new_generation(&mut self) {
+        self.watch.reset();
+    }
+
+    /// The rule, for tests that change it on a running machine.
+    #[cfg(test)]
+    pub(super) fn rule_mut(&mut self) -> &mut StragglerRule {
+        &mut self.rule
+    }
+}
+
 /// Each rank's compute next to its peers' median rate times its own work.
 fn against_peers(ranks: &[RankCompute]) -> BTreeMap<u32, Seen> {
     let usable: Vec<&RankCompute> = ranks
@@ -265,12 +291,12 @@ impl JobMachine {
                 work: work[&rank],
             })
             .collect();
-        let rule = self.straggler_rule;
-        for s in self.stragglers.observe(&rule, step, &ranks) {
+        let Stragglers { rule, watch } = &mut self.stragglers;
+        for s in watch.observe(rule, step, &ranks) {
             self.on_straggler(now, s);
         }
         let Some(g) = self.gen.as_ref() else { return };
-        let named = self.stragglers.named();
+        let named = self.stragglers.watch.named();
         let ranks = times
             .iter()
             .filter_map(|(&rank, &times)| {
@@ -290,10 +316,10 @@ impl JobMachine {
         let Some(node) = self.gen.as_ref().and_then(|g| g.node_of(s.rank)) else {
             return;
         };
-        let evict = self.straggler_rule.evict && s.step < self.spec.steps;
+        let evict = self.stragglers.rule.evict && s.step < self.spec.steps;
         let verdict = match evict {
             false => None,
-            true if self.draining.contains_key(&node) => Some(Ok(())),
+            true if self.membership.is_draining(node) => Some(Ok(())),
             true => Some(drain_verdict(&self.drain_case(node, false)).map(|_| ())),
         };
         let mut note = format!(
@@ -302,7 +328,7 @@ impl JobMachine {
             s.rank, s.compute_ms, s.peers_median_ms, s.factor, s.steps
         );
         match &verdict {
-            None if !self.straggler_rule.evict => note.push_str(&format!(
+            None if !self.stragglers.rule.evict => note.push_str(&format!(
                 " (`oobleck drain {node}`, or --evict-stragglers, takes its node out)"
             )),
             // The last step: nothing left to drain it for.
@@ -316,7 +342,7 @@ impl JobMachine {
         }
         self.note(note);
         let evicted = matches!(verdict, Some(Ok(())));
-        let drain_now = evicted && !self.draining.contains_key(&node);
+        let drain_now = evicted && !self.membership.is_draining(node);
         self.record(Event::Straggler {
             generation: self.generation,
             step: s.step,

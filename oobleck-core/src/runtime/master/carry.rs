@@ -160,13 +160,7 @@ impl<'a> Driver<'a> {
                 drained,
                 joined,
             } => {
-                let mut holdings = holdings;
-                if self.spec().data_plane != DataPlane::Tcp {
-                    // Donors join the data plane as extra ranks, which only TCP has.
-                    for &n in &drained {
-                        holdings.drop_node(n);
-                    }
-                }
+                // The machine left out of `holdings` what drained nodes cannot send.
                 let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
                 self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
             }

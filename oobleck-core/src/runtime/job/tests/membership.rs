@@ -277,6 +277,29 @@ fn a_drained_node_leaves_at_the_boundary_and_its_exit_is_expected() {
 }
 
 #[test]
+fn a_drained_node_sends_nothing_where_the_data_plane_cannot_take_donors() {
+    // (data plane) -> the drained node's layers offered to the decision
+    for (plane, offered) in [(DataPlane::Tcp, true), (DataPlane::Nccl, false)] {
+        let mut s = spec(3, 1, 10);
+        s.data_plane = plane;
+        let mut h = H::running(s, plan(&[&[0], &[1], &[2]]));
+        h.step(1.0, 1);
+        let drain = Input::DrainRequested {
+            node: 1,
+            reason: "SIGTERM".into(),
+            force: false,
+        };
+        h.at(1.5, drain);
+        h.step(2.0, 2);
+        let a = all_broken(&mut h, 2.1, 2);
+        assert!(has(&a, "reconfigure:[]-[1]"), "{plane:?}: {:?}", kinds(&a));
+        let (held, _) = reconfigure_request(&a);
+        assert_eq!(held.layers(1, 0).is_some(), offered, "{plane:?}");
+        assert!(held.layers(0, 0).is_some(), "{plane:?}: node 0 stays");
+    }
+}
+
+#[test]
 fn drains_that_would_cost_steps_are_refused_and_unknown_nodes_too() {
     let mut h = H::running(spec(2, 0, 10), plan(&[&[0, 1]]));
     h.step(1.0, 1);

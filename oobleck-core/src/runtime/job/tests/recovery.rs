@@ -438,5 +438,9 @@ fn a_worker_exit_reported_after_its_generation_ended_still_empties_its_device() 
             report: exited,
         },
     );
-    assert_eq!(h.m.holdings.layers(1, 0), None, "node 1's worker is gone");
+    assert_eq!(
+        h.m.replicas.holdings().layers(1, 0),
+        None,
+        "node 1's worker is gone"
+    );
 }

@@ -157,7 +157,7 @@ fn periodic_states_are_assembled_and_checkpoints_remembered() {
         },
     );
     assert_eq!(kinds(&a), ["record:checkpoint"]);
-    assert_eq!(h.m.newest, Some(("ckpt-2".into(), 2)));
+    assert_eq!(h.m.steps.newest(), Some(("ckpt-2".into(), 2)));
 }
 
 #[test]

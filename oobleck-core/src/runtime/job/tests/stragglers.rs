@@ -171,7 +171,7 @@ fn ranks_of_different_pipelines_computing_their_planned_work_are_not_stragglers(
 #[test]
 fn evict_stragglers_drains_the_node_through_the_drain_path() {
     let mut h = H::running(spec(3, 1, 20), plan(&[&[0], &[1], &[2]]));
-    h.m.straggler_rule.evict = true;
+    h.m.stragglers.rule_mut().evict = true;
     let slow = [100.0, 100.0, 400.0];
     timed_steps(&mut h, 1, 4, &slow);
     let a = timed_step(&mut h, 5.0, 5, &slow);
@@ -217,7 +217,7 @@ fn evict_stragglers_drains_the_node_through_the_drain_path() {
 fn a_straggler_whose_drain_is_refused_is_said_and_training_goes_on() {
     // One pipeline over both nodes: draining either leaves too few for it.
     let mut h = H::running(spec(2, 0, 20), plan(&[&[0, 1]]));
-    h.m.straggler_rule.evict = true;
+    h.m.stragglers.rule_mut().evict = true;
     let a = timed_steps(&mut h, 1, 5, &[100.0, 300.0]);
     let named = stragglers(&a);
     let [Event::Straggler {
@@ -255,7 +255,7 @@ fn a_straggler_whose_drain_is_refused_is_said_and_training_goes_on() {
 #[test]
 fn a_straggler_named_at_the_last_step_is_not_drained() {
     let mut h = H::running(spec(3, 1, 5), plan(&[&[0], &[1], &[2]]));
-    h.m.straggler_rule.evict = true;
+    h.m.stragglers.rule_mut().evict = true;
     let a = timed_steps(&mut h, 1, 5, &[100.0, 100.0, 400.0]);
     assert!(
         matches!(
