@@ -13,8 +13,15 @@ use crate::planning::{DeviceSpec, Dtype, JobSpec};
 pub enum SpecError {
     #[error("invalid job: {0}")]
     Invalid(String),
+    /// Boxed: the engine's error is large, and this one travels inside the runtime's.
     #[error(transparent)]
-    Core(#[from] crate::Error),
+    Core(Box<crate::Error>),
+}
+
+impl From<crate::Error> for SpecError {
+    fn from(e: crate::Error) -> SpecError {
+        SpecError::Core(Box::new(e))
+    }
 }
 
 pub type Result<T> = std::result::Result<T, SpecError>;

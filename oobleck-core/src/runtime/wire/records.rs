@@ -443,7 +443,7 @@ impl Event {
 /// report or a status page still shows it. Every reader of `events.jsonl` goes through here.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EventLine {
-    Known(Event),
+    Known(Box<Event>),
     Unknown {
         kind: String,
         /// The line's fields other than `event`.
@@ -477,7 +477,7 @@ impl EventLine {
             return Err(EventLineError::NoKind);
         };
         match serde_json::from_value::<Event>(serde_json::Value::Object(fields.clone())) {
-            Ok(e) => Ok(EventLine::Known(e)),
+            Ok(e) => Ok(EventLine::Known(Box::new(e))),
             Err(_) => {
                 fields.remove("event");
                 Ok(EventLine::Unknown { kind, fields })
@@ -527,7 +527,7 @@ mod tests {
             wall_s: 1.5,
         };
         let line = EventLine::parse(&serde_json::to_string(&e).expect("json")).expect("event");
-        assert_eq!(line, EventLine::Known(e));
+        assert_eq!(line, EventLine::Known(Box::new(e)));
         assert_eq!(line.kind(), "finish");
         assert_eq!(line.fields()["step"], 3);
         let newer = EventLine::parse(r#"{"event":"teleported","node":4}"#).expect("event");
