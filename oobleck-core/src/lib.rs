@@ -1,9 +1,9 @@
 //! The Oobleck-rs engine: everything between a model and a cluster.
 //!
 //! ```text
-//!   your main() ── take_over(factory) ── runtime::master::run_job(workload, options)
-//!                                           │ master: job::JobMachine decides, the driver acts;
-//!                                           │ agents and workers: your binary, re-run
+//!   your main() ── take_over(factory) ── runtime::run_job(workload, options)
+//!                                           │ master: job::JobMachine decides, master acts;
+//!                                           │ node agents and workers: your binary, re-run
 //!                                           ▼
 //!   profiles ──► planning ──► Plan (templates, pipelines, batch split)
 //!                   │                      │
@@ -18,12 +18,14 @@
 //!
 //! - [`runtime`] trains any [`runtime::Workload`] (a [`model::LayeredModel`] with its data,
 //!   evaluation and planner profile) on a cluster that loses nodes, from the user's own
-//!   binary: [`runtime::take_over`] first in `main`, then [`runtime::master::run_job`]. The
-//!   job's decisions are a pure state machine ([`runtime::job`]); its workers run
-//!   [`execution`] (stages, gradient sync) and talk to the master over [`elastic`] (the
-//!   authenticated control plane). `examples/residual_mlp` trains a model of its own this way.
-//! - [`planning`], [`reconfig`], [`schedule`] and [`simulate`] are pure: no Candle, no I/O, no clock, no
-//!   global RNG. The same input gives the same output, byte for byte.
+//!   binary: [`runtime::take_over`] first in `main`, then [`runtime::run_job`]. It is laid out
+//!   by process: [`runtime::master`], [`runtime::node`] (the agent of one machine) and
+//!   [`runtime::worker`] act; the job's decisions are a pure state machine
+//!   ([`runtime::job`]); all they say to each other is in [`runtime::wire`]. Workers run
+//!   [`execution`] (one rank's stage, gradient sync). `examples/residual_mlp` trains a model
+//!   of its own this way.
+//! - [`planning`], [`reconfig`], [`schedule`] and [`simulate`] are pure: no Candle, no I/O,
+//!   no clock, no global RNG. The same input gives the same output, byte for byte.
 //! - [`model`] is the contract a model implements (an ordered list of layers with named
 //!   parameters) and the [`model::Stage`] that runs a range of layers forward and backward.
 //! - [`optim`] is AdamW whose state is exportable by parameter name (so it can be checkpointed

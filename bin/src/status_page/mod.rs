@@ -10,7 +10,7 @@
 //! ```
 //!
 //! The page is a client of the master like `oobleck status`: it asks over the authenticated
-//! control plane and reads the run directory, so the job driver knows nothing of HTTP. It runs
+//! control plane and reads the run directory, so the master knows nothing of HTTP. It runs
 //! on its own thread and tokio runtime and stops when dropped.
 
 pub mod auth;

@@ -16,12 +16,12 @@ use crate::planning::Dtype;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpus {
     pub count: usize,
-    /// The first device's name as the driver reports it (`NVIDIA H200`).
+    /// The first device's name as the master reports it (`NVIDIA H200`).
     pub name: String,
 }
 
 /// The GPUs of this machine: `Ok(None)` for a build without CUDA or a machine without GPUs,
-/// an error when the driver is there but fails. Asked once per process (`--device` is
+/// an error when the master is there but fails. Asked once per process (`--device` is
 /// resolved at validation, for the job spec and for a worker's ordinal check; opening a CUDA
 /// context each time would cost every one of them).
 pub fn detect_gpus() -> Result<Option<Gpus>> {
@@ -53,7 +53,7 @@ fn probe_gpus() -> std::result::Result<Option<Gpus>, String> {
     Ok(None)
 }
 
-/// The planner's device kind for a GPU the driver names `name` (`NVIDIA H100 80GB HBM3` ->
+/// The planner's device kind for a GPU the master names `name` (`NVIDIA H100 80GB HBM3` ->
 /// `h100-80gb`), if it knows that part.
 pub fn planner_kind(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_lowercase();

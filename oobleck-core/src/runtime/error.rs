@@ -6,7 +6,7 @@ use std::path::PathBuf;
 /// factory that builds it on a worker. `anyhow::Error` and every `std::error::Error` convert.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Errors of the job runtime: the job driver, the node supervisor and the worker loop.
+/// Errors of the job runtime: the master, the node supervisor and the worker loop.
 ///
 /// The job's own decisions ([`super::job::JobMachine`]) end a job with one of the first
 /// variants, each carrying the ids and numbers a reader needs; I/O on the way gets

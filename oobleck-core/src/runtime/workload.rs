@@ -11,7 +11,7 @@ use crate::planning::{DeviceSpec, Dtype, ModelProfile};
 /// A model and its data, as the runtime trains it on any plan.
 ///
 /// The runtime builds one in every worker process (through the factory given to
-/// [`super::take_over`]) and one in the job driver; each must describe the same model and
+/// [`super::take_over`]) and one in the master; each must describe the same model and
 /// data. Implementations are used from one thread at a time but must be `Send + Sync`.
 ///
 /// The training contract (DESIGN.md section 4) rests on [`Workload::microbatch`]: the data
@@ -62,7 +62,7 @@ pub trait Workload: Send + Sync {
         serde_json::json!({ "step": step })
     }
     /// Refuses a job whose runtime settings disagree with the workload's own (its data order
-    /// depends on the batch shape, for instance). The driver and every worker call it before
+    /// depends on the batch shape, for instance). The master and every worker call it before
     /// training.
     fn check(&self, spec: &TrainingSpec) -> std::result::Result<(), BoxError> {
         let _ = spec;

@@ -77,7 +77,7 @@ pub(super) struct Generation {
     /// Nodes lost and steps run when the generation started.
     pub lost_before: usize,
     pub steps_before: u64,
-    /// Agent processes of the driver dead when the generation started.
+    /// Agent processes of the master dead when the generation started.
     pub agents_dead_before: usize,
     /// Devices of drained nodes that send their layers into this generation (ranks from
     /// `world` on), and those that have.

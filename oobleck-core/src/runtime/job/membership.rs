@@ -158,7 +158,7 @@ pub(super) struct Membership {
     nodes: BTreeSet<u32>,
     /// Nodes lost during the job, for good.
     lost: BTreeSet<u32>,
-    /// Agent processes of the driver that died.
+    /// Agent processes of the master that died.
     dead_agents: usize,
     /// Nodes that registered while the job ran and wait to be admitted: since when.
     joining: BTreeMap<u32, Duration>,
@@ -196,7 +196,7 @@ impl Membership {
         self.lost.len()
     }
 
-    /// Agent processes of the driver that died.
+    /// Agent processes of the master that died.
     pub(super) fn dead_agents(&self) -> usize {
         self.dead_agents
     }
@@ -241,7 +241,7 @@ impl Membership {
         self.lost.insert(node)
     }
 
-    /// An agent process the driver started died.
+    /// An agent process the master started died.
     pub(super) fn agent_died(&mut self) {
         self.dead_agents += 1;
     }

@@ -1,7 +1,7 @@
 //! The job's decisions, as a pure state machine.
 //!
 //! ```text
-//!   driver ──(now, Input)──► JobMachine::handle ──► queue of Actions ──► driver carries out
+//!   master ──(now, Input)──► JobMachine::handle ──► queue of Actions ──► master carries out
 //!      ▲        (a Tick at least every poll, so deadlines are seen)               │
 //!      └──────── results of actions (Planned, Assembled, RescueWritten) ◄────────┘
 //! ```
@@ -9,9 +9,9 @@
 //! [`JobMachine`] holds membership, the generation, the committed step and the state of a
 //! recovery. It is told the time (`now`, as a `Duration` since any fixed origin) with every
 //! [`Input`] and never reads a clock, touches a socket or a file, or starts a process: the
-//! driver does that for each [`Action`] it takes from [`JobMachine::poll_action`], the way
+//! master does that for each [`Action`] it takes from [`JobMachine::poll_action`], the way
 //! raft-rs' `Ready` or quinn-proto's `poll_transmit` work. Its tests are plain tables
-//! (`tests.rs`).
+//! (`tests/`, one file per concern: steps, recovery, membership, stragglers).
 //!
 //! A job runs through these phases:
 //!
@@ -54,7 +54,7 @@ pub struct Limits {
     /// After a failure, the least time further losses it caused are collected before the
     /// decision (0: decide as soon as every rank's state is known).
     pub settle: Duration,
-    /// ...and, where the driver started the agents, the most it waits for each dead agent's
+    /// ...and, where the master started the agents, the most it waits for each dead agent's
     /// node to be reported lost.
     pub loss_wait: Duration,
     /// ...and the most it waits for every rank on a surviving node to stop its step.
@@ -98,14 +98,14 @@ pub struct JobStart {
     pub checkpoint: Option<String>,
     /// The generation of the first plan (after the plans of earlier runs in the directory).
     pub generation: u64,
-    /// The driver started the agents itself (local processes or ssh): each agent process
+    /// The master started the agents itself (local processes or ssh): each agent process
     /// that dies is a node loss to wait for.
     pub starts_agents: bool,
     /// Say each join in a progress note (agents started by hand).
     pub announce_joins: bool,
 }
 
-/// What the driver tells the machine.
+/// What the master tells the machine.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
     /// Nothing happened; time passed.
@@ -120,7 +120,7 @@ pub enum Input {
         node: u32,
         reason: String,
     },
-    /// An agent process the driver started exited (`which` is the driver's own index).
+    /// An agent process the master started exited (`which` is the master's own index).
     AgentExited {
         which: usize,
         status: String,
@@ -177,7 +177,7 @@ pub enum Input {
     },
 }
 
-/// What the machine asks the driver to do, in order.
+/// What the machine asks the master to do, in order.
 #[derive(Debug)]
 pub enum Action {
     /// Append to `events.jsonl`.

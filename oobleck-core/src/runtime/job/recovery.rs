@@ -286,7 +286,7 @@ impl JobMachine {
         }
     }
 
-    /// Every loss the failure caused is known: every agent the driver saw die is a lost node
+    /// Every loss the failure caused is known: every agent the master saw die is a lost node
     /// (or the wait for that ran out), and every rank on a node still up stopped its step, or
     /// is computing one and confirmed it is stopping it (or that wait ran out); no
     /// checkpoint is still being written. No fixed sleep: a crash is acted on as soon as the

@@ -1,4 +1,4 @@
-//! The agent processes a driver started (local children, or ssh sessions running them): it
+//! The agent processes the master started (local children, or ssh sessions running them): it
 //! watches them, fences one whose node was declared lost, and takes them down at the end.
 
 use std::collections::BTreeMap;
@@ -13,7 +13,7 @@ use crate::runtime::wire::Token;
 /// How long agents get to exit after `Shutdown` before they are killed.
 pub(super) const EXIT_GRACE: Duration = Duration::from_secs(10);
 
-/// An agent process the driver started, or an ssh running one.
+/// An agent process the master started, or an ssh running one.
 pub struct Started {
     pub child: Child,
     /// Held open: the agent exits when it closes.

@@ -1,4 +1,4 @@
-//! The driver's loop: feed the machine its inputs, carry out its actions.
+//! The master's loop: feed the machine its inputs, carry out its actions.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

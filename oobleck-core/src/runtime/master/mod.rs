@@ -47,7 +47,7 @@ use crate::runtime::wire::{Token, WireError};
 /// The largest state file a worker may upload (one rank's parameters and optimizer state).
 const MAX_STATE_BYTES: u64 = 64 << 30;
 
-/// How often the driver looks at its agents and background work between events.
+/// How often the master looks at its agents and background work between events.
 const POLL: Duration = Duration::from_millis(50);
 
 /// Starts agents over ssh (or any other way) once the master listens at the address given.
@@ -65,7 +65,7 @@ pub enum Launch {
     Custom(LaunchFn),
 }
 
-/// What the driver needs besides the workload.
+/// What the master needs besides the workload.
 pub struct JobOptions {
     pub config: JobConfig,
     /// The run directory (absolute: agents and workers get it as it is).

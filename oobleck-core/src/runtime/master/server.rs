@@ -4,7 +4,7 @@
 //! reads the peer's messages with the lease as the read timeout (silence for a lease = lost), and
 //! a writer task that sends queued messages and the master's own heartbeats (so agents can tell a
 //! dead master from a quiet one). Joins and losses come out of [`Master::next_event`]; the caller
-//! (the job driver) decides what to do about them. Node ids are never reused within a job, so a
+//! (the master) decides what to do about them. Node ids are never reused within a job, so a
 //! stale message from a lost node cannot be mistaken for its replacement.
 
 use std::net::SocketAddr;
@@ -72,7 +72,7 @@ pub enum LossReason {
     Protocol(String),
 }
 
-/// What the job driver hears from the membership layer.
+/// What the master hears from the membership layer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MasterEvent {
     Joined {

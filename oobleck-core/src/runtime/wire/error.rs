@@ -1,6 +1,6 @@
 //! The one error type of the control plane.
 
-/// Errors of the elastic control plane: framing, authentication and membership.
+/// Errors of the control plane: framing, authentication and membership.
 ///
 /// Variants carry the numbers a reader needs to tell a version skew from a corrupt stream from
 /// a dead peer. The lead crate error wraps it.

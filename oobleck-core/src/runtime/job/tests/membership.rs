@@ -271,7 +271,7 @@ fn a_drained_node_leaves_at_the_boundary_and_its_exit_is_expected() {
     assert_eq!((drained_nodes, nodes), (vec![1], vec![0, 2]));
     assert_eq!((replayed_steps, in_place), (0, true));
     // Its connection closes as its agent goes: no failure. (Its agent's exit, where the
-    // driver started it, is not reported: `AgentSet::release`.)
+    // master started it, is not reported: `AgentSet::release`.)
     let a = h.at(2.3, lost(1));
     assert!(a.is_empty(), "{:?}", kinds(&a));
 }
@@ -364,7 +364,7 @@ fn a_loss_while_the_next_generation_forms_keeps_what_its_ranks_hold() {
     assert_eq!(held.layers(2, 0), None, "the lost node holds nothing");
 }
 
-/// Two agents killed back to back: the second one's exit reaches the driver before its node
+/// Two agents killed back to back: the second one's exit reaches the master before its node
 /// is reported lost, while the generation recovering from the first still forms. That is a
 /// node failure like any other (its loss follows), not a worker that cannot start.
 #[test]
