@@ -14,7 +14,7 @@ use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::master::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::wire::Token;
-use oobleck_core::runtime::{Context as _, JobConfig, StepMetrics, Workload};
+use oobleck_core::runtime::{Context as _, JobConfig, StepMetrics, TrainingSpec, Workload};
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -74,86 +74,11 @@ pub fn run(
         );
     }
     let spec = training_spec(&cfg)?;
-    spec.validate()?;
-    // Validate the plan (pinned sizes included) before anything is spawned or written.
-    let profile = workload
-        .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let profile = master::planned_profile(profile, &spec, workload.tokens_per_sample());
-    let ids: Vec<u32> = (0..spec.nodes).collect();
-    let first_plan = master::plan_for(
-        &spec,
-        &profile,
-        &ids,
-        spec.fault_threshold,
-        spec.pipeline_nodes.as_deref(),
-    )?;
-    let predicted_ms =
-        oobleck_core::planning::profile::ns_to_ms(first_plan.compute_ns + first_plan.sync_ns);
+    let predicted_ms = first_plan_ms(&spec, &workload)?;
     let samples_per_step = spec.global_batch_samples() as f64;
-    let (out, ckpt) = open_run(&cfg, resume)?;
-    let abs = |p: &Path| {
-        p.canonicalize()
-            .with_context(|| format!("resolving {}", p.display()))
-    };
-    let out = abs(&out)?;
-    let resume = match ckpt {
-        Some(ckpt) => {
-            let step = checkpoint::verify_checkpoint(&ckpt)?.step;
-            if step >= cfg.steps {
-                bail!(
-                    "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \
-                     pass a larger --steps to train further",
-                    ckpt.display(),
-                    cfg.steps
-                );
-            }
-            truncate_metrics_after(&out, step)?;
-            Some((abs(&ckpt)?, step))
-        }
-        None => None,
-    };
-    let plans = match std::fs::read_to_string(out.join("plan.json")) {
-        Ok(text) if resume.is_some() => serde_json::from_str(&text).with_context(|| {
-            format!(
-                "{}: expected an array of plans, one per generation",
-                out.join("plan.json").display()
-            )
-        })?,
-        _ => Vec::new(),
-    };
+    let (out, resume, plans) = open_job_dir(&cfg, resume)?;
     let params = workload.num_params();
-    // Agents started by hand may take a while to come up.
-    let ours = Limits {
-        lease: Duration::from_millis(cfg.lease_ms),
-        join_after: Duration::from_secs_f64(cfg.join_after_s),
-        ..Limits::default()
-    };
-    let limits = match launch {
-        LaunchMode::Listen { .. } => Limits {
-            join: Duration::from_secs(600),
-            ..ours
-        },
-        _ => ours,
-    };
-    let (bind, token, launch) = match launch {
-        LaunchMode::Local => (
-            "127.0.0.1:0".parse().context("master address")?,
-            Token::random(),
-            master::Launch::Local {
-                exe: hostfile::agent_binary()?,
-            },
-        ),
-        LaunchMode::Listen { addr, token } => (addr, token, master::Launch::Listen),
-        LaunchMode::Hostfile { addr, token, hosts } => {
-            let secret = token.expose().to_string();
-            (
-                addr,
-                token,
-                master::Launch::Custom(ssh_launcher(hosts, secret)),
-            )
-        }
-    };
+    let (bind, token, launch, limits) = launch_settings(&cfg, launch)?;
     let opts = JobOptions {
         config: JobConfig {
             training: spec.clone(),
@@ -203,6 +128,109 @@ pub fn run(
         })
         .map_err(anyhow::Error::from);
     crate::report::finish_run(&out, result)
+}
+
+/// Validates the job and its first plan (pinned sizes included) before anything is spawned
+/// or written; returns the plan's predicted step time in ms.
+fn first_plan_ms(spec: &TrainingSpec, workload: &GptWorkload) -> Result<f64> {
+    spec.validate()?;
+    let profile = workload
+        .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let profile = master::planned_profile(profile, spec, workload.tokens_per_sample());
+    let ids: Vec<u32> = (0..spec.nodes).collect();
+    let first_plan = master::plan_for(
+        spec,
+        &profile,
+        &ids,
+        spec.fault_threshold,
+        spec.pipeline_nodes.as_deref(),
+    )?;
+    Ok(oobleck_core::planning::profile::ns_to_ms(
+        first_plan.compute_ns + first_plan.sync_ns,
+    ))
+}
+
+/// A resumed job's checkpoint (absolute) and its step.
+type Resumed = Option<(PathBuf, u64)>;
+
+/// The run directory (absolute), the checkpoint a resumed job goes on from, and the plans of
+/// its earlier runs (`plan.json`); metrics past the checkpoint are dropped.
+fn open_job_dir(
+    cfg: &TrainConfig,
+    resume: Option<&Path>,
+) -> Result<(PathBuf, Resumed, Vec<serde_json::Value>)> {
+    let (out, ckpt) = open_run(cfg, resume)?;
+    let abs = |p: &Path| {
+        p.canonicalize()
+            .with_context(|| format!("resolving {}", p.display()))
+    };
+    let out = abs(&out)?;
+    let resume = match ckpt {
+        Some(ckpt) => {
+            let step = checkpoint::verify_checkpoint(&ckpt)?.step;
+            if step >= cfg.steps {
+                bail!(
+                    "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \
+                     pass a larger --steps to train further",
+                    ckpt.display(),
+                    cfg.steps
+                );
+            }
+            truncate_metrics_after(&out, step)?;
+            Some((abs(&ckpt)?, step))
+        }
+        None => None,
+    };
+    let plans = match std::fs::read_to_string(out.join("plan.json")) {
+        Ok(text) if resume.is_some() => serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{}: expected an array of plans, one per generation",
+                out.join("plan.json").display()
+            )
+        })?,
+        _ => Vec::new(),
+    };
+    Ok((out, resume, plans))
+}
+
+/// Where the master listens, its token, how its agents start, and its limits.
+fn launch_settings(
+    cfg: &TrainConfig,
+    launch: LaunchMode,
+) -> Result<(SocketAddr, Token, master::Launch, Limits)> {
+    // Agents started by hand may take a while to come up.
+    let ours = Limits {
+        lease: Duration::from_millis(cfg.lease_ms),
+        join_after: Duration::from_secs_f64(cfg.join_after_s),
+        ..Limits::default()
+    };
+    let limits = match launch {
+        LaunchMode::Listen { .. } => Limits {
+            join: Duration::from_secs(600),
+            ..ours
+        },
+        _ => ours,
+    };
+    let (bind, token, launch) = match launch {
+        LaunchMode::Local => (
+            "127.0.0.1:0".parse().context("master address")?,
+            Token::random(),
+            master::Launch::Local {
+                exe: hostfile::agent_binary()?,
+            },
+        ),
+        LaunchMode::Listen { addr, token } => (addr, token, master::Launch::Listen),
+        LaunchMode::Hostfile { addr, token, hosts } => {
+            let secret = token.expose().to_string();
+            (
+                addr,
+                token,
+                master::Launch::Custom(ssh_launcher(hosts, secret)),
+            )
+        }
+    };
+    Ok((bind, token, launch, limits))
 }
 
 /// Starts one agent per host over ssh once the master listens, and passes on whatever each

@@ -139,39 +139,8 @@ impl<'a> Driver<'a> {
         match a {
             Action::Record(e) => self.p.files.event(&e)?,
             Action::Note(s) => self.p.observer.note(&s),
-            Action::Plan {
-                nodes,
-                fault_threshold,
-                pinned,
-            } => {
-                let plan = plan_for(
-                    self.spec(),
-                    &self.p.profile,
-                    &nodes,
-                    fault_threshold,
-                    pinned.as_deref(),
-                );
-                self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
-            }
-            Action::Reconfigure {
-                plan,
-                holdings,
-                lost,
-                drained,
-                joined,
-            } => {
-                // The machine left out of `holdings` what drained nodes cannot send.
-                let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
-                self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
-            }
-            Action::WeighJoins {
-                plan,
-                holdings,
-                joined,
-            } => {
-                let r = crate::reconfig::decide_with(&plan, &holdings, &[], &joined);
-                let pipelines = r.map(|r| r.plan.pipelines.len()).map_err(|e| e.to_string());
-                self.feed(Input::JoinsWeighed { joined, pipelines });
+            a @ (Action::Plan { .. } | Action::Reconfigure { .. } | Action::WeighJoins { .. }) => {
+                self.compute(a)
             }
             Action::Release { node, reason } => self.release(node, reason).await,
             Action::Membership {
@@ -242,6 +211,49 @@ impl<'a> Driver<'a> {
             Action::Fail(e) => return Err(e),
         }
         Ok(())
+    }
+
+    /// Runs the planner or the reconfiguration decision the machine asked for and feeds the
+    /// answer back. They are pure too, but run here, not in the machine: the profile lives in
+    /// the master, and the machine's table tests answer with whatever plan a case needs.
+    fn compute(&mut self, a: Action) {
+        match a {
+            Action::Plan {
+                nodes,
+                fault_threshold,
+                pinned,
+            } => {
+                let plan = plan_for(
+                    self.spec(),
+                    &self.p.profile,
+                    &nodes,
+                    fault_threshold,
+                    pinned.as_deref(),
+                );
+                self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
+            }
+            Action::Reconfigure {
+                plan,
+                holdings,
+                lost,
+                drained,
+                joined,
+            } => {
+                // The machine left out of `holdings` what drained nodes cannot send.
+                let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
+                self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
+            }
+            Action::WeighJoins {
+                plan,
+                holdings,
+                joined,
+            } => {
+                let r = crate::reconfig::decide_with(&plan, &holdings, &[], &joined);
+                let pipelines = r.map(|r| r.plan.pipelines.len()).map_err(|e| e.to_string());
+                self.feed(Input::JoinsWeighed { joined, pipelines });
+            }
+            _ => unreachable!("compute is called with Plan, Reconfigure or WeighJoins only"),
+        }
     }
 
     /// Tells `node` to stop its workers and exit; its agent's exit is expected from now on.
