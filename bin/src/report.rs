@@ -165,6 +165,23 @@ pub(crate) struct PipelineInfo {
     microbatches: Option<u64>,
 }
 
+impl PipelineInfo {
+    /// A pipeline as the table and the timeline name it: `p1: nodes 2,3 · 2 mb`.
+    pub(crate) fn text(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(u64::to_string).collect();
+        let mb = self
+            .microbatches
+            .map(|m| format!(" · {m} mb"))
+            .unwrap_or_default();
+        format!(
+            "p{}: node{} {}{mb}",
+            self.id,
+            if self.nodes.len() == 1 { "" } else { "s" },
+            nodes.join(",")
+        )
+    }
+}
+
 /// One generation's plan, from `plan.json`, a `plan` event, or (without either) the counts in
 /// the metrics.
 #[derive(Clone, Debug, Deserialize)]

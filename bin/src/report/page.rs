@@ -123,21 +123,6 @@ fn header(run: &Run, model: &str) -> String {
     s
 }
 
-/// A pipeline as the table and the timeline name it: `p1: nodes 2,3 · 2 mb`.
-pub(super) fn pipeline_text(p: &PipelineInfo) -> String {
-    let nodes: Vec<String> = p.nodes.iter().map(u64::to_string).collect();
-    let mb = p
-        .microbatches
-        .map(|m| format!(" · {m} mb"))
-        .unwrap_or_default();
-    format!(
-        "p{}: node{} {}{mb}",
-        p.id,
-        if p.nodes.len() == 1 { "" } else { "s" },
-        nodes.join(",")
-    )
-}
-
 fn plans_table(run: &Run) -> String {
     if run.plans.is_empty() {
         return "<p class=\"note\">No plan was recorded.</p>\n".into();
@@ -161,7 +146,7 @@ fn plans_table(run: &Run) -> String {
             None => p
                 .pipelines
                 .iter()
-                .map(pipeline_text)
+                .map(PipelineInfo::text)
                 .collect::<Vec<_>>()
                 .join("; "),
         };

@@ -10,7 +10,7 @@
 //!     │   &dyn Communicator, TensorBuf f32 or bf16); the last backward hands each finished
 //!     │   bucket of layers to a background thread that all-reduces it
 //!     ▼  local gradients (sum over this pipeline's microbatches, each loss scaled by 1/B)
-//!  sync::sync_gradients (sync.rs, on StageRunner::sync_ctx)
+//!  sync_gradients ── sync.rs, on StageRunner::sync_ctx (what the sync needs of the stage)
 //!     │                  ── all-reduce per bucket of layers not reduced in the background
 //!     │                  ── all-reduce of tied parameters (holders of any of their layers)
 //!     │                  ── all-reduce of per-rank (sum of squares, loss) slots
@@ -29,8 +29,8 @@ mod sync;
 
 pub use layout::{Bucket, Layout, PipelineSpec, Position, StageSpec};
 pub use progress::{Doing, Kind, Mark, OpHook, Progress, Snapshot, StepTimes, Watched};
-pub use stage::{IterationOutput, OverlapStats, StageConfig, StageRunner};
-pub use sync::{sync_gradients, SyncReport, BUCKET_ELEMS};
+pub use stage::{sync_gradients, StageConfig, StageRunner};
+pub use sync::{IterationOutput, OverlapStats, SyncReport, BUCKET_ELEMS};
 
 use candle_core::{Device, Tensor};
 use oobleck_comm::{DType, TensorBuf};

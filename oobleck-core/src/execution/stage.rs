@@ -25,7 +25,8 @@ use tracing::debug_span;
 use super::layout::{Layout, Position};
 use super::progress::{Doing, Mark, Progress};
 use super::sync::{
-    all_reduce_named, sync_buckets, sync_gradients, SyncBucket, SyncCtx, SyncReport,
+    all_reduce_named, sync_buckets, sync_with, IterationOutput, OverlapStats, SyncBucket, SyncCtx,
+    SyncReport,
 };
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{
@@ -58,29 +59,17 @@ pub struct StageConfig {
     pub recompute: bool,
 }
 
-/// What one iteration of a stage produced.
-pub struct IterationOutput {
-    /// Parameter gradients summed over this pipeline's microbatches (not yet synchronised).
-    pub grads: HashMap<String, Tensor>,
-    /// Sum of this device's scaled losses (last stage only; 0 elsewhere).
-    pub loss: f64,
-    /// The gradient buckets already all-reduced during the last backward (their entries of
-    /// `grads` are summed over the holders); `sync_gradients` does the rest.
-    pub(super) reduced: Vec<Range<usize>>,
-    /// Timing of those overlapped all-reduces.
-    pub overlap: OverlapStats,
-}
-
-/// How the bucket all-reduces of one iteration overlapped this rank's own work.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct OverlapStats {
-    /// Wall time of the all-reduces run on the background thread.
-    pub collective: Duration,
-    /// The part of `collective` that ran while the main thread was still busy with the
-    /// iteration (the rest of the backward, sending the input gradient).
-    pub hidden: Duration,
-    /// How many buckets were reduced in the background.
-    pub buckets: usize,
+/// Sums every gradient of `out` with the other holders of the same parameters, computes the
+/// global norm and, with `max_grad_norm`, clips like `optim::clip_grad_norm` on the whole model
+/// (`sync.rs`, on what [`StageRunner::sync_ctx`] gives it). Returns the synchronised gradients
+/// of this rank's parameters.
+pub fn sync_gradients(
+    runner: &StageRunner,
+    comm: &dyn Communicator,
+    out: IterationOutput,
+    max_grad_norm: Option<f64>,
+) -> Result<(HashMap<String, Tensor>, SyncReport)> {
+    sync_with(&runner.sync_ctx(), comm, out, max_grad_norm)
 }
 
 /// A bucket handed to the background thread, with its gradients by name.

@@ -37,7 +37,6 @@ use tracing::debug_span;
 
 use super::buf_f32;
 use super::layout::Layout;
-use super::stage::{IterationOutput, StageRunner};
 use crate::model::{Layer, TiedParam};
 use crate::{Error, Result};
 
@@ -50,16 +49,40 @@ pub struct SyncReport {
     pub grad_norm: f64,
 }
 
+/// What one iteration of a stage produced.
+pub struct IterationOutput {
+    /// Parameter gradients summed over this pipeline's microbatches (not yet synchronised).
+    pub grads: HashMap<String, Tensor>,
+    /// Sum of this device's scaled losses (last stage only; 0 elsewhere).
+    pub loss: f64,
+    /// The gradient buckets already all-reduced during the last backward (their entries of
+    /// `grads` are summed over the holders); `sync_gradients` does the rest.
+    pub(super) reduced: Vec<Range<usize>>,
+    /// Timing of those overlapped all-reduces.
+    pub overlap: OverlapStats,
+}
+
+/// How the bucket all-reduces of one iteration overlapped this rank's own work.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OverlapStats {
+    /// Wall time of the all-reduces run on the background thread.
+    pub collective: Duration,
+    /// The part of `collective` that ran while the main thread was still busy with the
+    /// iteration (the rest of the backward, sending the input gradient).
+    pub hidden: Duration,
+    /// How many buckets were reduced in the background.
+    pub buckets: usize,
+}
+
 /// Sums every gradient of `out` with the other holders of the same parameters, computes the
 /// global norm and, with `max_grad_norm`, clips like `optim::clip_grad_norm` on the whole model.
 /// Returns the synchronised gradients of this rank's parameters.
-pub fn sync_gradients(
-    runner: &StageRunner,
+pub(super) fn sync_with(
+    ctx: &SyncCtx<'_>,
     comm: &dyn Communicator,
     out: IterationOutput,
     max_grad_norm: Option<f64>,
 ) -> Result<(HashMap<String, Tensor>, SyncReport)> {
-    let ctx = runner.sync_ctx();
     let _span = debug_span!("grad_sync", rank = ctx.rank).entered();
     if let Some(m) = max_grad_norm {
         if !(m.is_finite() && m > 0.0) {
@@ -72,8 +95,8 @@ pub fn sync_gradients(
         }
     }
     let mut grads = out.grads;
-    let owned = reduce_held(&ctx, comm, &out.reduced, &mut grads)?;
-    let (total_sq, loss) = global_sums(&ctx, comm, &grads, &owned, out.loss)?;
+    let owned = reduce_held(ctx, comm, &out.reduced, &mut grads)?;
+    let (total_sq, loss) = global_sums(ctx, comm, &grads, &owned, out.loss)?;
     let grad_norm = total_sq.sqrt();
     if let Some(max_norm) = max_grad_norm {
         clip(&mut grads, grad_norm, max_norm)?;

@@ -8,7 +8,6 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use super::lines::{build, draw_markers, step_range, LABEL_ROWS_PX};
 use super::{markers, plot_err, svg, Kind};
 use crate::plotting::FONT;
-use crate::report::page::pipeline_text;
 use crate::report::{PlanInfo, Run};
 
 /// Pipeline fills, in turn; the band's title row is [`BAND`].
@@ -101,7 +100,7 @@ fn band(
         None => p
             .pipelines
             .iter()
-            .map(|q| (pipeline_text(q), q.nodes.len().max(1)))
+            .map(|q| (q.text(), q.nodes.len().max(1)))
             .collect(),
     };
     let total: usize = rows.iter().map(|r| r.1).sum::<usize>().max(1);
