@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cudarc::master::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::sys;
 use tracing::warn;
 
@@ -595,10 +595,10 @@ impl Owner {
     ) -> Result<()> {
         loop {
             // SAFETY: the stream belongs to this thread's context and outlives the call.
-            let q = unsafe { cudarc::master::sys::cuStreamQuery(self.stream.cu_stream()) };
+            let q = unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) };
             match q {
-                cudarc::master::sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                cudarc::master::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 e => return Err(unavailable("CUDA stream", format!("{e:?}"))),
             }
             let mut state = sys::ncclResult_t::ncclSuccess;
@@ -650,7 +650,7 @@ impl Owner {
         r
     }
 
-    fn staged(&self, bytes: &[u8]) -> Result<cudarc::master::CudaSlice<u8>> {
+    fn staged(&self, bytes: &[u8]) -> Result<cudarc::driver::CudaSlice<u8>> {
         // A zero-length allocation is invalid in CUDA: stage at least one byte.
         let src: &[u8] = if bytes.is_empty() { &[0] } else { bytes };
         self.stream
@@ -658,7 +658,7 @@ impl Owner {
             .map_err(|e| unavailable("CUDA memcpy", e.to_string()))
     }
 
-    fn back(&self, dev: &cudarc::master::CudaSlice<u8>, len: usize) -> Result<Vec<u8>> {
+    fn back(&self, dev: &cudarc::driver::CudaSlice<u8>, len: usize) -> Result<Vec<u8>> {
         let mut host = vec![0u8; len.max(1)];
         self.stream
             .memcpy_dtoh(dev, &mut host)

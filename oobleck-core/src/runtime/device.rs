@@ -16,12 +16,12 @@ use crate::planning::Dtype;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpus {
     pub count: usize,
-    /// The first device's name as the master reports it (`NVIDIA H200`).
+    /// The first device's name as the driver reports it (`NVIDIA H200`).
     pub name: String,
 }
 
 /// The GPUs of this machine: `Ok(None)` for a build without CUDA or a machine without GPUs,
-/// an error when the master is there but fails. Asked once per process (`--device` is
+/// an error when the driver is there but fails. Asked once per process (`--device` is
 /// resolved at validation, for the job spec and for a worker's ordinal check; opening a CUDA
 /// context each time would cost every one of them).
 pub fn detect_gpus() -> Result<Option<Gpus>> {
@@ -35,7 +35,7 @@ pub fn detect_gpus() -> Result<Option<Gpus>> {
 fn probe_gpus() -> std::result::Result<Option<Gpus>, String> {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::cuda_backend::cudarc::master::CudaContext;
+        use candle_core::cuda_backend::cudarc::driver::CudaContext;
         let count = match CudaContext::device_count() {
             Ok(n) => n.max(0) as usize,
             // No device or no usable driver: the CPU it is.
@@ -53,7 +53,7 @@ fn probe_gpus() -> std::result::Result<Option<Gpus>, String> {
     Ok(None)
 }
 
-/// The planner's device kind for a GPU the master names `name` (`NVIDIA H100 80GB HBM3` ->
+/// The planner's device kind for a GPU the driver names `name` (`NVIDIA H100 80GB HBM3` ->
 /// `h100-80gb`), if it knows that part.
 pub fn planner_kind(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_lowercase();
@@ -96,7 +96,7 @@ pub fn check_precision(compute: Compute, ordinal: u32, precision: Dtype) -> Resu
 
 #[cfg(feature = "cuda")]
 fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
-    use candle_core::cuda_backend::cudarc::master::CudaContext;
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
     CudaContext::new(ordinal as usize)
         .and_then(|c| c.compute_capability())
         .map_err(|e| RuntimeError::Invalid(format!("CUDA device {ordinal} does not open: {e}")))

@@ -16,6 +16,7 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use super::recovery::Failure;
 use super::Action;
+use crate::planning::PlanError;
 use crate::reconfig::{Donor, Holdings};
 use crate::runtime::wire::records::Event;
 
@@ -331,7 +332,7 @@ impl JobMachine {
         &mut self,
         now: Duration,
         joined: Vec<u32>,
-        pipelines: Result<usize, String>,
+        pipelines: Result<usize, PlanError>,
     ) {
         let now_p = self.gen.as_ref().map_or(0, |g| g.plan.pipelines.len());
         let with = pipelines.unwrap_or_else(|e| {

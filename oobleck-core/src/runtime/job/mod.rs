@@ -44,7 +44,7 @@ use super::error::RuntimeError;
 use super::wire::pipe::StateSource;
 use super::wire::records::{Event, WorkerReport};
 use crate::execution::StepTimes;
-use crate::planning::Plan;
+use crate::planning::{Plan, PlanError};
 use crate::reconfig::{Holdings, ReconfigPlan};
 use crate::runtime::wire::protocol::{RankStatus, Rendezvous};
 
@@ -161,12 +161,12 @@ pub enum Input {
         error: String,
     },
     /// The answer to [`Action::Reconfigure`].
-    Reconfigured(Result<ReconfigPlan, String>),
+    Reconfigured(Result<ReconfigPlan, PlanError>),
     /// The answer to [`Action::WeighJoins`]: how many pipelines the plan with `joined`
     /// admitted would have.
     JoinsWeighed {
         joined: Vec<u32>,
-        pipelines: Result<usize, String>,
+        pipelines: Result<usize, PlanError>,
     },
     /// The checkpoint a `Deploy` was to start from cannot be read (`reason`); `instead` is the
     /// newest older one that can (path, step), if any. Nothing was deployed.

@@ -10,6 +10,7 @@ use std::time::Duration;
 use super::machine::{JobMachine, Phase};
 use super::membership::{copy_sources, Change};
 use super::{Action, Input};
+use crate::planning::PlanError;
 use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::wire::pipe::StateSource;
@@ -375,7 +376,7 @@ impl JobMachine {
 
     /// The decision is in: go on in place when every layer still has a holder, else from the
     /// newest checkpoint (or from step 0, which initialisation makes deterministic).
-    fn on_reconfigured(&mut self, now: Duration, result: Result<ReconfigPlan, String>) {
+    fn on_reconfigured(&mut self, now: Duration, result: Result<ReconfigPlan, PlanError>) {
         let Phase::Recovering(Recovery::Deciding {
             failure,
             detect_s,

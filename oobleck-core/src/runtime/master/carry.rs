@@ -241,7 +241,7 @@ impl<'a> Driver<'a> {
             } => {
                 // The machine left out of `holdings` what drained nodes cannot send.
                 let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
-                self.feed(Input::Reconfigured(r.map_err(|e| e.to_string())));
+                self.feed(Input::Reconfigured(r));
             }
             Action::WeighJoins {
                 plan,
@@ -249,7 +249,7 @@ impl<'a> Driver<'a> {
                 joined,
             } => {
                 let r = crate::reconfig::decide_with(&plan, &holdings, &[], &joined);
-                let pipelines = r.map(|r| r.plan.pipelines.len()).map_err(|e| e.to_string());
+                let pipelines = r.map(|r| r.plan.pipelines.len());
                 self.feed(Input::JoinsWeighed { joined, pipelines });
             }
             _ => unreachable!("compute is called with Plan, Reconfigure or WeighJoins only"),

@@ -1,5 +1,5 @@
 //! The master's connections: the shared membership state, the accept loop, the handshake and
-//! the per-peer reader/writer tasks. [`super::master::Master`] is the handle over all of this.
+//! the per-peer reader/writer tasks. [`super::Master`] is the handle over all of this.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -24,7 +24,7 @@ use crate::runtime::wire::protocol::{
 use crate::runtime::wire::records::WorkerReport;
 use crate::runtime::wire::{WireError, WireResult};
 
-/// Messages queued per connection before [`super::master::Master::send_to`] waits.
+/// Messages queued per connection before [`super::Master::send_to`] waits.
 const OUTBOX: usize = 64;
 
 /// A message queued for one peer, with an optional notice once it is on the wire (so shutdown

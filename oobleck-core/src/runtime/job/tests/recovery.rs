@@ -2,6 +2,7 @@
 //! up.
 
 use super::*;
+use crate::planning::PlanError;
 use crate::runtime::wire::pipe::StateSource;
 
 #[test]
@@ -95,7 +96,12 @@ fn losing_every_node_ends_the_job_and_names_the_newest_checkpoint() {
     h.at(3.5, lost(0));
     let a = h.at(3.5, lost(1));
     assert!(has(&a, "reconfigure:[0, 1]"), "{:?}", kinds(&a));
-    let a = h.at(3.6, Input::Reconfigured(Err("no nodes left".into())));
+    let no_nodes = PlanError::NoComposition {
+        nodes: 0,
+        min_pipelines: 1,
+        sizes: Vec::new(),
+    };
+    let a = h.at(3.6, Input::Reconfigured(Err(no_nodes)));
     let e = failure(&a);
     assert!(
         e.contains("every node is lost") && e.contains("ckpt-2"),
@@ -258,7 +264,12 @@ fn no_decision_after_a_loss_plans_afresh_and_lowers_f() {
     h.at(1.5, lost(1));
     let a = h.broken(1.6, 0, 1);
     assert!(has(&a, "reconfigure:[1]"), "{:?}", kinds(&a));
-    let a = h.at(1.7, Input::Reconfigured(Err("no template fits".into())));
+    let no_template = PlanError::NoComposition {
+        nodes: 1,
+        min_pipelines: 2,
+        sizes: vec![1],
+    };
+    let a = h.at(1.7, Input::Reconfigured(Err(no_template)));
     assert_eq!(plan_request(&a), (vec![0], 1));
     // One node left cannot hold f + 1 = 2 pipelines: plan for f = 0 instead.
     let a = h.at(3.1, Input::Planned(Err("needs 2 pipelines".into())));
