@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use oobleck_core::checkpoint::{latest_checkpoint, load_checkpoint};
+use oobleck_core::runtime::wire::EventLine;
 
 pub const TRAIN: &str = env!("CARGO_BIN_EXE_train");
 pub const OOBLECK: &str = env!("CARGO_BIN_EXE_oobleck");
@@ -152,7 +153,16 @@ pub fn events(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("events.jsonl"))
         .expect("events.jsonl")
         .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            // Every line the job wrote reads back through the enum that wrote it.
+            match EventLine::from_value(v.clone()) {
+                Ok(EventLine::Known(_)) => v,
+                other => {
+                    panic!("events.jsonl line {l:?} does not read back as an Event: {other:?}")
+                }
+            }
+        })
         .collect()
 }
 

@@ -44,6 +44,18 @@ pub enum RuntimeError {
         loss_b: f64,
         norm_b: f64,
     },
+    /// A committed step that nothing holds any more: no checkpoint of it and no replica that
+    /// survived. A bug of the job's bookkeeping, never a failure (a failure beyond `f` restarts
+    /// from a checkpoint instead).
+    #[error("invalid job: step {step} is committed, but no checkpoint or replica holds it")]
+    StepHeldNowhere { step: u64 },
+    /// The machine was answered something it did not ask for (`what` arrived): a bug of the
+    /// master that feeds it, never a failure.
+    #[error("invalid job: {what} arrived while none was asked for")]
+    Unasked { what: &'static str },
+    /// A step's reports were weighed with none in them: a bug, never a failure.
+    #[error("invalid job: no rank reported step {step}")]
+    NoReports { step: u64 },
     /// A rank reported something that does not fit the step the job is at.
     #[error("rank {rank}: {what}")]
     OutOfStep { rank: u32, what: String },

@@ -384,10 +384,9 @@ impl JobMachine {
             Some(path) => StateSource::Checkpoint { path: path.into() },
             None if self.committed() == 0 => StateSource::Init,
             None => {
-                return self.fail(RuntimeError::Invalid(format!(
-                    "step {} is committed, but no checkpoint or replica holds it",
-                    self.committed()
-                )))
+                return self.fail(RuntimeError::StepHeldNowhere {
+                    step: self.committed(),
+                })
             }
         };
         self.deploy(plan, source);

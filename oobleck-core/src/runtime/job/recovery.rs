@@ -384,9 +384,9 @@ impl JobMachine {
         }) = std::mem::replace(&mut self.phase, Phase::Failed)
         else {
             self.phase = Phase::Failed;
-            return self.fail(RuntimeError::Invalid(
-                "a reconfiguration decision arrived while none was asked for".into(),
-            ));
+            return self.fail(RuntimeError::Unasked {
+                what: "a reconfiguration decision",
+            });
         };
         self.phase_done(now, "decide");
         let r = match result {

@@ -389,9 +389,7 @@ pub(super) fn agreed(
 ) -> Result<(f64, f64), RuntimeError> {
     let mut it = ready.iter();
     let Some((&r0, &(loss, norm))) = it.next() else {
-        return Err(RuntimeError::Invalid(format!(
-            "no rank reported step {step}"
-        )));
+        return Err(RuntimeError::NoReports { step });
     };
     for (&r, &(l, g)) in it {
         let same = |a: f64, b: f64| a == b || (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
