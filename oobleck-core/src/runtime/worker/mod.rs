@@ -185,7 +185,7 @@ impl Listening {
 /// One generation of this worker: its stage of the plan, its communicators, its optimizer.
 struct Generation<'a> {
     a: &'a WorkerAssignment,
-    worker: StageRunner,
+    runner: StageRunner,
     /// The data plane, every operation marked in `progress`.
     comm: Arc<dyn Communicator>,
     /// What the rank is doing, for the agent's watchdog (`beat.rs`) and its step times.
@@ -286,7 +286,7 @@ impl<'a> Generation<'a> {
         device::check_precision(training.compute, ordinal, training.precision)?;
         let device = device::open(training.compute, ordinal)
             .with_ctx(|| format!("rank {}: its device", a.rank))?;
-        let mut worker = StageRunner::new(
+        let mut runner = StageRunner::new(
             workload.model(),
             layout,
             a.rank as usize,
@@ -301,11 +301,11 @@ impl<'a> Generation<'a> {
                 recompute: training.recompute,
             },
         )?;
-        worker.watch(progress.clone());
+        runner.watch(progress.clone());
         let mut opt = training.optimizer()?;
         if !loaded.optimizer.is_empty() {
             // Only this stage's entries: the state this rank saves must hold its own layers.
-            let own: BTreeSet<String> = worker.params().into_iter().map(|p| p.0).collect();
+            let own: BTreeSet<String> = runner.params().into_iter().map(|p| p.0).collect();
             // The state was read to the host; it lives beside the parameters.
             let state = on_device(&loaded.optimizer, &device)?;
             opt.import_state_of(&state, &own)
@@ -313,7 +313,7 @@ impl<'a> Generation<'a> {
         }
         Ok(Generation {
             a,
-            worker,
+            runner,
             comm,
             progress: progress.clone(),
             opt,

@@ -57,10 +57,10 @@ impl Held {
 
     /// A running stage's layers and their optimizer state at committed `step`. (A stage that
     /// never stepped has zero moments, which is what AdamW starts from.)
-    pub fn of_stage(worker: &StageRunner, opt: &mut AdamW, step: u64) -> Result<Held> {
-        opt.ensure_state(&worker.params())?;
+    pub fn of_stage(runner: &StageRunner, opt: &mut AdamW, step: u64) -> Result<Held> {
+        opt.ensure_state(&runner.params())?;
         let mut layers = BTreeMap::new();
-        for layer in worker.stage().layers() {
+        for layer in runner.stage().layers() {
             let params: Vec<(String, Tensor)> = layer
                 .params()
                 .into_iter()

@@ -51,7 +51,7 @@ impl Generation<'_> {
         // Waiting for the master from now on: nothing for the watchdog to hold to a step.
         self.progress.end_step();
         self.comm.abort();
-        let held = Held::of_stage(&self.worker, &mut self.opt, self.committed)?;
+        let held = Held::of_stage(&self.runner, &mut self.opt, self.committed)?;
         match stop {
             Stop::Reassigned(next) => Ok(Flow::Next(next, held)),
             Stop::Failed(e) => super::broken(self.a, inbox, e, held),
@@ -60,7 +60,7 @@ impl Generation<'_> {
 
     fn train(&mut self, workload: &dyn Workload, inbox: &Inbox) -> std::result::Result<(), Stop> {
         let (rank, training, g) = (self.a.rank, &self.a.job.training, self.a.generation);
-        let params: Vec<(String, Var)> = self.worker.params();
+        let params: Vec<(String, Var)> = self.runner.params();
         // The leads of pipeline 0's stages leave the state the master assembles into
         // checkpoints and evaluates; the master expects it from the same ranks.
         let saves_state = stage_leads(&self.a.plan, 0).contains(&rank);
@@ -103,12 +103,12 @@ impl Generation<'_> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
         let (seed, node, g) = (training.seed, self.a.node, self.a.generation);
         let abort = &inbox.abort;
-        let pos = self.worker.position();
+        let pos = self.runner.position();
         let lead_of_first_stage = pos.stage == 0 && pos.device == 0;
         let mut read = std::collections::BTreeSet::new();
         let slow = hooks::slowness(node);
         // Microbatches are made where the stage computes (a CUDA worker's on its GPU).
-        let device = self.worker.device().clone();
+        let device = self.runner.device().clone();
         self.progress.begin_step(step + 1);
         let mut batch = |_iteration: u64, mb: u64| -> crate::Result<(Tensor, Tensor)> {
             if abort.is_set() {
@@ -131,12 +131,12 @@ impl Generation<'_> {
             })
         };
         let out = self
-            .worker
+            .runner
             .run_iteration(self.comm.as_ref(), step, &mut batch)
             .with_ctx(|| format!("rank {rank}: step {}", step + 1))?;
         super::load::test_kill_point("sync", self.a, step + 1);
         let (grads, sync) =
-            sync_gradients(&self.worker, self.comm.as_ref(), out, training.grad_clip)
+            sync_gradients(&self.runner, self.comm.as_ref(), out, training.grad_clip)
                 .with_ctx(|| format!("rank {rank}: gradient sync of step {}", step + 1))?;
         report(
             self.a.generation,
