@@ -48,7 +48,7 @@ pub const DETECT_STEPS: f64 = 3.0;
 /// The watchdog may cost this share of a step, %.
 pub const COST_PCT: f64 = 0.5;
 /// Steps of the recent median the table also shows: the watchdog's own window
-/// (`STEP_WINDOW` in `oobleck-core/src/runtime/agent/watchdog.rs`).
+/// (`STEP_WINDOW` in `oobleck-core/src/runtime/node/watchdog.rs`).
 pub const RECENT_STEPS: usize = 16;
 /// How often the bench looks at the run's files once the worker is stopped, ms.
 pub const POLL_MS: u64 = 5;

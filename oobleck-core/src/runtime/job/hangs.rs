@@ -1,4 +1,4 @@
-//! What the job does with its agents' watchdogs (`runtime/agent/watchdog.rs`): a worker found
+//! What the job does with its agents' watchdogs (`runtime/node/watchdog.rs`): a worker found
 //! hung is a worker failure at once (its agent fences it; its exit follows), and a step in
 //! which every rank only waits on its peers is a data plane that hangs (a collective that
 //! never returns on any member), ended by aborting the generation: every rank holds the
