@@ -4,7 +4,7 @@
 //! ```text
 //!  Layout (layout.rs: pipelines of StageSpec{layers, ranks}, microbatch runs)
 //!     │
-//!  StageRunner::run_iteration (stage.rs) ── schedule::device_stream ─► one handler per
+//!  StageRunner::run_iteration (stage.rs, stage/iteration.rs) ── schedule::device_stream ─► one handler per
 //!     │   instruction on Iteration, the call's state: recv_activation, forward,
 //!     │   send_activation, recv_gradient, backward, send_gradient (p2p over a
 //!     │   &dyn Communicator, TensorBuf f32 or bf16); the last backward hands each finished
