@@ -101,7 +101,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub json: bool,
     /// The cluster's data plane: tcp, or nccl (builds with --features nccl) [default: tcp].
-    #[arg(long, value_parser = parse_data_plane)]
+    #[arg(long)]
     pub data_plane: Option<oobleck_core::runtime::DataPlane>,
     /// Where the workers compute: auto, cpu, cuda, or a device kind the planner knows
     /// (`oobleck plan --help` lists them) [default: auto: the GPUs of a cuda build if any].
@@ -259,10 +259,4 @@ impl TrainArgs {
             _ => false,
         }
     }
-}
-
-/// `--data-plane`: the runtime's own parse, so flag, job file and `config.json` agree.
-fn parse_data_plane(s: &str) -> std::result::Result<oobleck_core::runtime::DataPlane, String> {
-    s.parse()
-        .map_err(|e: oobleck_core::runtime::SpecError| e.to_string())
 }

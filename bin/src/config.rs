@@ -322,11 +322,6 @@ impl TrainConfig {
         }
     }
 
-    /// `--precision` as the planner's and the runtime's dtype.
-    pub fn precision(&self) -> Dtype {
-        self.precision.dtype()
-    }
-
     /// `B`: microbatches per step.
     pub fn num_microbatches(&self) -> usize {
         self.global_batch_size / self.microbatch_size
@@ -440,7 +435,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         None => None,
     };
     let placement = crate::placement::resolve(&cfg.device)?;
-    let precision = cfg.precision();
+    let precision = cfg.precision.dtype();
     // On this machine's first GPU, if it has one, before any agent starts (each worker checks
     // its own again: the GPUs of a multi-machine job are elsewhere).
     let here = device::detect_gpus().map_err(|e| anyhow::anyhow!("{e}"))?;

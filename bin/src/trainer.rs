@@ -152,7 +152,7 @@ impl Trainer {
     /// compute, the f32 parameters as master weights, f32 optimizer state); else f32. The
     /// config was validated to one of the two.
     pub fn compute_dtype(&self) -> DType {
-        self.cfg.precision().candle()
+        self.cfg.precision.dtype().candle()
     }
 
     /// Mean loss over the first `eval_batches` validation microbatches (corpus order).

@@ -8,8 +8,9 @@ use oobleck_core::runtime::node::Agent;
 use oobleck_core::runtime::wire::{Message, Token};
 use oobleck_core::runtime::WorkerReport;
 
-use super::table::{median, ms, percentile};
+use super::table::{ms, percentile};
 use super::ControlPlane;
+use crate::bench::median;
 
 /// The commit round trip with the real control plane: `agents` agents register with a master on
 /// 127.0.0.1; per step every agent sends a `Ready` report, the driver waits for all of their

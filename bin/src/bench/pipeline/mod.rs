@@ -51,7 +51,6 @@ mod table;
 
 pub use control::control_plane;
 pub use summary::theoretical_bubble;
-pub use table::median;
 
 use profile::{build_model, Data};
 use ranks::run_config;

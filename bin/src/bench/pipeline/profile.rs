@@ -19,8 +19,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::ranks::in_pool;
-use super::table::median;
 use super::BenchPipelineArgs;
+use crate::bench::median;
 
 /// The model of the benchmark and its vocabulary.
 pub(super) fn build_model(args: &BenchPipelineArgs) -> Result<(Arc<dyn LayeredModel>, usize)> {

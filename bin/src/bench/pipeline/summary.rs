@@ -8,8 +8,9 @@ use oobleck_core::schedule::{simulate, StageTimes};
 
 use super::profile::{imbalance, ProfiledStages};
 use super::ranks::{IterRecord, RankResult};
-use super::table::{median, ms};
+use super::table::ms;
 use super::{cores, BenchPipelineArgs, Config, Row, StageProfile};
+use crate::bench::median;
 
 /// `(S-1)/(m+S-1)`: the idle fraction of a balanced 1F1B (or GPipe) pipeline.
 pub fn theoretical_bubble(stages: usize, m: u32) -> f64 {

@@ -5,8 +5,6 @@ use std::time::Duration;
 
 use super::Report;
 
-pub use super::super::median;
-
 pub(super) fn percentile(xs: &[f64], q: f64) -> f64 {
     if xs.is_empty() {
         return f64::NAN;

@@ -17,7 +17,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use oobleck_core::execution::{Doing, Progress};
 use oobleck_core::runtime::wire::pipe::progress_line;
-use oobleck_core::runtime::worker::BEAT;
+use oobleck_core::runtime::wire::pipe::BEAT;
 
 use super::hang::MarkCosts;
 use crate::bench::median;

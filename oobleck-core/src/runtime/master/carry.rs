@@ -139,8 +139,30 @@ impl<'a> Driver<'a> {
         match a {
             Action::Record(e) => self.p.files.event(&e)?,
             Action::Note(s) => self.p.observer.note(&s),
-            a @ (Action::Plan { .. } | Action::Reconfigure { .. } | Action::WeighJoins { .. }) => {
-                self.compute(a)
+            Action::Plan {
+                nodes,
+                fault_threshold,
+                pinned,
+            } => self.plan(&nodes, fault_threshold, pinned.as_deref()),
+            Action::Reconfigure {
+                plan,
+                holdings,
+                lost,
+                drained,
+                joined,
+            } => {
+                // The machine left out of `holdings` what drained nodes cannot send.
+                let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
+                self.feed(Input::Reconfigured(r));
+            }
+            Action::WeighJoins {
+                plan,
+                holdings,
+                joined,
+            } => {
+                let r = crate::reconfig::decide_with(&plan, &holdings, &[], &joined);
+                let pipelines = r.map(|r| r.plan.pipelines.len());
+                self.feed(Input::JoinsWeighed { joined, pipelines });
             }
             Action::Release { node, reason } => self.release(node, reason).await,
             Action::Membership {
@@ -213,47 +235,12 @@ impl<'a> Driver<'a> {
         Ok(())
     }
 
-    /// Runs the planner or the reconfiguration decision the machine asked for and feeds the
-    /// answer back. They are pure too, but run here, not in the machine: the profile lives in
-    /// the master, and the machine's table tests answer with whatever plan a case needs.
-    fn compute(&mut self, a: Action) {
-        match a {
-            Action::Plan {
-                nodes,
-                fault_threshold,
-                pinned,
-            } => {
-                let plan = plan_for(
-                    self.spec(),
-                    &self.p.profile,
-                    &nodes,
-                    fault_threshold,
-                    pinned.as_deref(),
-                );
-                self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
-            }
-            Action::Reconfigure {
-                plan,
-                holdings,
-                lost,
-                drained,
-                joined,
-            } => {
-                // The machine left out of `holdings` what drained nodes cannot send.
-                let r = crate::reconfig::decide_leaving(&plan, &holdings, &lost, &drained, &joined);
-                self.feed(Input::Reconfigured(r));
-            }
-            Action::WeighJoins {
-                plan,
-                holdings,
-                joined,
-            } => {
-                let r = crate::reconfig::decide_with(&plan, &holdings, &[], &joined);
-                let pipelines = r.map(|r| r.plan.pipelines.len());
-                self.feed(Input::JoinsWeighed { joined, pipelines });
-            }
-            _ => unreachable!("compute is called with Plan, Reconfigure or WeighJoins only"),
-        }
+    /// Plans for `nodes` as the machine asked and feeds the answer back. The planner is pure
+    /// too, but runs here, not in the machine: the profile lives in the master, and the
+    /// machine's table tests answer with whatever plan a case needs.
+    fn plan(&mut self, nodes: &[u32], fault_threshold: u32, pinned: Option<&[u32]>) {
+        let plan = plan_for(self.spec(), &self.p.profile, nodes, fault_threshold, pinned);
+        self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
     }
 
     /// Tells `node` to stop its workers and exit; its agent's exit is expected from now on.

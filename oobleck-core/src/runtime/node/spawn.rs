@@ -17,10 +17,9 @@ use tokio::sync::mpsc;
 use super::{Local, CONTROL_TIMEOUT, GRACE};
 use crate::profiler;
 use crate::runtime::error::{Context, Result, RuntimeError};
-use crate::runtime::wire::auth::TOKEN_ENV;
 use crate::runtime::wire::env::{
     AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV, RANK_ENV,
-    ROLE_ENV, WORKER,
+    ROLE_ENV, TOKEN_ENV, WORKER,
 };
 use crate::runtime::wire::pipe::ERROR_TAG;
 use crate::runtime::wire::pipe::{parse_progress, ToWorker, WorkerAssignment};

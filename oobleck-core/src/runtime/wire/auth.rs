@@ -12,7 +12,7 @@ use sha2::Sha256;
 
 use super::error::{WireError, WireResult};
 
-pub use super::env::TOKEN_ENV;
+use super::env::TOKEN_ENV;
 /// Bytes of a challenge nonce.
 pub const NONCE_BYTES: usize = 32;
 /// Bytes of a random token before hex encoding.

@@ -470,19 +470,21 @@ impl EventLine {
 
     /// [`EventLine::parse`] of a line already read as JSON.
     pub fn from_value(value: serde_json::Value) -> Result<EventLine, EventLineError> {
+        let Some(kind) = value
+            .get("event")
+            .and_then(|k| k.as_str())
+            .map(str::to_string)
+        else {
+            return Err(EventLineError::NoKind);
+        };
+        if let Ok(e) = Event::deserialize(&value) {
+            return Ok(EventLine::Known(Box::new(e)));
+        }
         let serde_json::Value::Object(mut fields) = value else {
             return Err(EventLineError::NoKind);
         };
-        let Some(serde_json::Value::String(kind)) = fields.get("event").cloned() else {
-            return Err(EventLineError::NoKind);
-        };
-        match serde_json::from_value::<Event>(serde_json::Value::Object(fields.clone())) {
-            Ok(e) => Ok(EventLine::Known(Box::new(e))),
-            Err(_) => {
-                fields.remove("event");
-                Ok(EventLine::Unknown { kind, fields })
-            }
-        }
+        fields.remove("event");
+        Ok(EventLine::Unknown { kind, fields })
     }
 
     /// The `event` tag, as written.

@@ -50,7 +50,6 @@ use super::workload::{Factory, Workload};
 use crate::execution::{Layout, Progress, StageConfig, StageRunner, Watched, BUCKET_ELEMS};
 use crate::model::{LayeredModel, ParamSource};
 use crate::optim::AdamW;
-pub use crate::runtime::wire::pipe::{BEAT, IDLE_BEAT};
 use crate::runtime::wire::protocol::Rendezvous;
 
 pub use super::timeouts::{COMMIT_TIMEOUT, DATA_TIMEOUT};
