@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use oobleck_core::planning::{Pipeline, Plan};
-use oobleck_core::runtime::master::server::LossReason;
+use oobleck_core::runtime::job::LossReason;
 use oobleck_core::runtime::master::{Master, MasterConfig, MasterEvent};
 use oobleck_core::runtime::node::Agent;
 use oobleck_core::runtime::wire::client::{request_kill, request_status};

@@ -9,7 +9,7 @@ use super::recovery::{Recoveries, Recovery};
 use super::reports::Replicas;
 use super::steps::Steps;
 use super::stragglers::{StragglerRule, Stragglers};
-use super::{Action, Input, JobStart, Limits};
+use super::{Action, Input, JobStart, Limits, LossReason};
 use crate::execution::StepTimes;
 use crate::planning::Plan;
 use crate::planning::{stage_leads, world_size};
@@ -134,7 +134,7 @@ pub struct JobMachine {
     /// When the agents must have registered by.
     join_deadline: Duration,
     /// The failure that made planning lower `f`, while it does.
-    planning_error: Option<String>,
+    planning_error: Option<RuntimeError>,
 }
 
 impl JobMachine {
@@ -223,7 +223,7 @@ impl JobMachine {
             Input::Planned(result) => self.on_planned(now, result),
             // Gone (node ids are never reused) or stuck: lost either way.
             Input::Unreachable { node, what } => {
-                self.on_node_lost(now, node, format!("it did not get {what}"))
+                self.on_node_lost(now, node, LossReason::Unreachable { what })
             }
             Input::Assembled {
                 step,
@@ -322,7 +322,8 @@ impl JobMachine {
         });
     }
 
-    fn on_node_lost(&mut self, now: Duration, node: u32, reason: String) {
+    fn on_node_lost(&mut self, now: Duration, node: u32, reason: LossReason) {
+        let reason = reason.to_string();
         if self.membership.has_departed(node) {
             return;
         }
@@ -363,7 +364,7 @@ impl JobMachine {
         self.push(Action::KillNode { node });
     }
 
-    fn on_planned(&mut self, now: Duration, result: Result<Plan, String>) {
+    fn on_planned(&mut self, now: Duration, result: Result<Plan, RuntimeError>) {
         let Phase::Planning { f } = self.phase else {
             return;
         };
@@ -498,14 +499,11 @@ impl JobMachine {
 
     /// No plan for fault threshold `f`: after a failure, keep as much fault tolerance as the
     /// nodes allow; at the start, or with f = 0, the job cannot run.
-    fn on_plan_failed(&mut self, f: u32, error: String) {
+    fn on_plan_failed(&mut self, f: u32, error: RuntimeError) {
         let first = self.generation == self.start.generation;
         if first || f == 0 || self.spec.fault_threshold == 0 {
-            let reason = self.planning_error.take().unwrap_or(error);
-            return self.fail(RuntimeError::Plan {
-                nodes: self.membership.nodes().len(),
-                reason,
-            });
+            let error = self.planning_error.take().unwrap_or(error);
+            return self.fail(error);
         }
         self.planning_error.get_or_insert(error);
         self.plan_next(f - 1);

@@ -105,8 +105,25 @@ pub struct JobStart {
     pub announce_joins: bool,
 }
 
+/// Why a node was declared lost.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LossReason {
+    /// The connection closed (process died, host rebooted, network reset).
+    #[error("its connection closed")]
+    Closed,
+    /// Nothing arrived for a whole lease.
+    #[error("nothing heard from it for its lease of {lease_ms} ms")]
+    LeaseExpired { lease_ms: u64 },
+    /// The peer broke the protocol or the connection failed; the text says how.
+    #[error("{0}")]
+    Protocol(String),
+    /// A message to it could not be delivered (`what`: which one).
+    #[error("it did not get {what}")]
+    Unreachable { what: String },
+}
+
 /// What the master tells the machine.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub enum Input {
     /// Nothing happened; time passed.
     Tick,
@@ -118,7 +135,7 @@ pub enum Input {
     /// A node's connection closed or its lease ran out.
     Lost {
         node: u32,
-        reason: String,
+        reason: LossReason,
     },
     /// An agent process the master started exited (`which` is the master's own index).
     AgentExited {
@@ -143,7 +160,7 @@ pub enum Input {
         force: bool,
     },
     /// The answer to [`Action::Plan`].
-    Planned(Result<Plan, String>),
+    Planned(Result<Plan, RuntimeError>),
     /// A message to `node` could not be delivered; `what` says which and why.
     Unreachable {
         node: u32,

@@ -206,7 +206,10 @@ impl JobMachine {
             Input::Lost { node, .. } if self.membership.has_departed(node) => {}
             Input::Lost { node, reason } => {
                 if self.membership.lost_while_recovering(node) {
-                    self.record(Event::Lost { node, reason });
+                    self.record(Event::Lost {
+                        node,
+                        reason: reason.to_string(),
+                    });
                 }
                 self.replicas.drop_node(node);
             }

@@ -240,7 +240,7 @@ impl<'a> Driver<'a> {
     /// machine's table tests answer with whatever plan a case needs.
     fn plan(&mut self, nodes: &[u32], fault_threshold: u32, pinned: Option<&[u32]>) {
         let plan = plan_for(self.spec(), &self.p.profile, nodes, fault_threshold, pinned);
-        self.feed(Input::Planned(plan.map_err(|e| e.to_string())));
+        self.feed(Input::Planned(plan));
     }
 
     /// Tells `node` to stop its workers and exit; its agent's exit is expected from now on.

@@ -14,7 +14,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, info, warn};
 
-use super::server::{LossReason, MasterConfig, MasterEvent};
+use super::server::{MasterConfig, MasterEvent};
+use crate::runtime::job::LossReason;
 use crate::runtime::wire::auth;
 use crate::runtime::wire::protocol::BINARY_VERSION;
 use crate::runtime::wire::protocol::{

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 pub use agents::Started;
 pub use plan::{pinned_pipelines, plan_for, planned_profile};
 pub use rundir::truncate_metrics_after;
-pub use server::{LossReason, Master, MasterConfig, MasterEvent};
+pub use server::{Master, MasterConfig, MasterEvent};
 
 use oobleck_comm::{BlobSink, SecretKey};
 
@@ -255,10 +255,7 @@ fn input_of(ev: MasterEvent) -> Input {
             node,
             addr: addr.to_string(),
         },
-        MasterEvent::Lost { node, reason } => Input::Lost {
-            node,
-            reason: format!("{reason:?}"),
-        },
+        MasterEvent::Lost { node, reason } => Input::Lost { node, reason },
         MasterEvent::KillRequested { node } => Input::KillRequested { node },
         MasterEvent::DrainRequested {
             node,

@@ -19,6 +19,7 @@ use tracing::info;
 
 use super::conn::{accept_loop, Outgoing, Shared};
 use crate::planning::Plan;
+use crate::runtime::job::LossReason;
 use crate::runtime::wire::auth::Token;
 use crate::runtime::wire::protocol::{
     ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, RankStatus, StageStatus,
@@ -59,17 +60,6 @@ impl MasterConfig {
             max_pending_handshakes: 256,
         }
     }
-}
-
-/// Why a node was declared lost.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LossReason {
-    /// The connection closed (process died, host rebooted, network reset).
-    Closed,
-    /// Nothing arrived for a whole lease.
-    LeaseExpired { lease_ms: u64 },
-    /// The peer broke the protocol or the connection failed; the text says how.
-    Protocol(String),
 }
 
 /// What the master hears from the membership layer.

@@ -370,7 +370,7 @@ pub(super) fn joined(node: u32) -> Input {
 pub(super) fn lost(node: u32) -> Input {
     Input::Lost {
         node,
-        reason: "Closed".into(),
+        reason: LossReason::Closed,
     }
 }
 

@@ -166,7 +166,7 @@ fn a_hung_agent_found_by_its_lease_is_fenced() {
         6.0,
         Input::Lost {
             node: 2,
-            reason: "LeaseExpired { lease_ms: 5000 }".into(),
+            reason: LossReason::LeaseExpired { lease_ms: 5000 },
         },
     );
     h.broken(6.1, 0, 1);
@@ -272,7 +272,11 @@ fn no_decision_after_a_loss_plans_afresh_and_lowers_f() {
     let a = h.at(1.7, Input::Reconfigured(Err(no_template)));
     assert_eq!(plan_request(&a), (vec![0], 1));
     // One node left cannot hold f + 1 = 2 pipelines: plan for f = 0 instead.
-    let a = h.at(3.1, Input::Planned(Err("needs 2 pipelines".into())));
+    let needs_two = RuntimeError::Plan {
+        nodes: 1,
+        reason: "needs 2 pipelines".into(),
+    };
+    let a = h.at(3.1, Input::Planned(Err(needs_two)));
     assert_eq!(plan_request(&a), (vec![0], 0));
     let a = h.at(3.2, Input::Planned(Ok(plan(&[&[0]]))));
     assert!(has(&a, "note") && has(&a, "deploy"), "{:?}", kinds(&a));

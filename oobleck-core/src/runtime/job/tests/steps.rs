@@ -199,7 +199,10 @@ fn no_plan_at_the_start_ends_the_job() {
     h.at(0.0, joined(0));
     let a = h.at(
         0.1,
-        Input::Planned(Err("1 node cannot hold 2 pipelines".into())),
+        Input::Planned(Err(RuntimeError::Plan {
+            nodes: 1,
+            reason: "1 node cannot hold 2 pipelines".into(),
+        })),
     );
     assert!(failure(&a).contains("1 node cannot hold 2 pipelines"));
 }
