@@ -24,13 +24,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 use crate::run_dir::Summary;
 #[allow(unused_imports)] // The status page draws these too.
 pub(crate) use charts::{
     loss_chart, recovery_chart, stage_chart, step_time_chart, throughput_chart, timeline_chart,
 };
+use oobleck_core::runtime::wire::records::StepMetrics;
 use oobleck_core::runtime::wire::EventLine;
 use page::render;
 
@@ -68,30 +69,41 @@ const ROUTINE: [&str; 8] = [
 /// backward are 0 in runs from before they were recorded.
 pub(crate) type RankTimes = oobleck_core::execution::StepTimes;
 
-/// One line of `metrics.jsonl`, the fields the report uses. Losses and rates may be `null`
-/// (serde_json writes a NaN as `null`, and a diverged run is worth a report) but not absent.
+/// One line of `metrics.jsonl` as the report shows it, read through the runtime's own
+/// [`StepMetrics`]. Losses and rates may be `null` (serde_json writes a NaN as `null`, and a
+/// diverged run is worth a report) but not absent; here a NaN is `None`.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(from = "StepMetrics")]
 pub(crate) struct Metric {
     step: u64,
-    #[serde(deserialize_with = "nullable")]
     loss: Option<f64>,
-    #[serde(default)]
     val_loss: Option<f64>,
-    #[serde(deserialize_with = "nullable")]
     tokens_per_s: Option<f64>,
     generation: u64,
-    #[serde(default)]
+    /// `None` in runs from before they were recorded.
     pipelines: Option<u64>,
-    #[serde(default)]
     nodes: Option<u64>,
     wall_s: f64,
     /// Rank -> its times; empty in runs from before they were recorded.
-    #[serde(default)]
     times: BTreeMap<u32, RankTimes>,
 }
 
-fn nullable<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<f64>, D::Error> {
-    Option::<f64>::deserialize(d)
+impl From<StepMetrics> for Metric {
+    fn from(m: StepMetrics) -> Metric {
+        let number = |x: f64| Some(x).filter(|x| !x.is_nan());
+        let count = |n: usize| Some(n as u64).filter(|n| *n > 0);
+        Metric {
+            step: m.step,
+            loss: number(m.loss),
+            val_loss: m.val_loss,
+            tokens_per_s: number(m.tokens_per_s),
+            generation: m.generation,
+            pipelines: count(m.pipelines),
+            nodes: count(m.nodes),
+            wall_s: m.wall_s,
+            times: m.times,
+        }
+    }
 }
 
 #[allow(dead_code)] // Accessors for the status page.

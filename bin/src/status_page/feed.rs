@@ -7,6 +7,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use oobleck_core::runtime::wire::records::{Event, StepMetrics};
+use oobleck_core::runtime::wire::EventLine;
 use serde_json::Value;
 
 /// Events kept for the page.
@@ -69,10 +71,11 @@ pub struct Feed {
     metrics: Tail,
     events: Tail,
     /// The newest metrics line.
-    pub latest: Option<Value>,
+    pub latest: Option<StepMetrics>,
     /// The newest validation loss and its step.
     pub val_loss: Option<(u64, f64)>,
-    /// The last [`EVENTS_KEPT`] events, oldest first.
+    /// The last [`EVENTS_KEPT`] events, oldest first, as the page shows them (each line's
+    /// `event` kind and fields, also of kinds this binary does not know).
     pub recent: VecDeque<Value>,
     /// Committed-step lines and events read so far (they version the charts).
     pub metric_lines: u64,
@@ -116,15 +119,15 @@ impl Feed {
             self.metric_lines = 0;
         }
         for l in lines {
-            match serde_json::from_str::<Value>(&l) {
-                Ok(v) if v.get("step").is_some() => {
+            match serde_json::from_str::<StepMetrics>(&l) {
+                Ok(m) => {
                     self.metric_lines += 1;
-                    if let (Some(step), Some(val)) = (v["step"].as_u64(), v["val_loss"].as_f64()) {
-                        self.val_loss = Some((step, val));
+                    if let Some(val) = m.val_loss {
+                        self.val_loss = Some((m.step, val));
                     }
-                    self.latest = Some(v);
+                    self.latest = Some(m);
                 }
-                _ => self.bad_lines += 1,
+                Err(_) => self.bad_lines += 1,
             }
         }
         let (lines, restarted) = self.events.read_new()?;
@@ -132,9 +135,9 @@ impl Feed {
             self.forget_events();
         }
         for l in lines {
-            match serde_json::from_str::<Value>(&l) {
-                Ok(v) if v.get("event").and_then(Value::as_str).is_some() => self.take_event(v),
-                _ => self.bad_lines += 1,
+            match EventLine::parse(&l) {
+                Ok(e) => self.take_event(e),
+                Err(_) => self.bad_lines += 1,
             }
         }
         Ok(())
@@ -149,34 +152,27 @@ impl Feed {
         self.recoveries.clear();
     }
 
-    /// Lenient by design: the page counts what it can read of any line with a kind, even one
-    /// whose other fields are missing or of another binary's shape, so it reads by key rather
-    /// than through `wire::EventLine` (which would set such a line aside as unknown).
-    fn take_event(&mut self, v: Value) {
+    /// Counts what the page totals from the events this binary knows, and keeps every event
+    /// (a newer kind too) for the page's list.
+    fn take_event(&mut self, line: EventLine) {
         self.event_lines += 1;
-        match v["event"].as_str().unwrap_or("") {
-            "finish" | "abort" => self.finished = true,
-            "reconfig" => {
+        match line.known() {
+            Some(Event::Finish { .. } | Event::Abort { .. }) => self.finished = true,
+            Some(Event::Reconfig {
+                fault_tolerance, ..
+            }) => {
                 self.reconfigs += 1;
-                self.fault_tolerance = v["fault_tolerance"].as_u64().or(self.fault_tolerance);
+                self.fault_tolerance = Some(u64::from(*fault_tolerance));
             }
-            "resumed" => {
-                let phases = v["phases"]
-                    .as_object()
-                    .map(|m| {
-                        m.iter()
-                            .filter_map(|(k, x)| Some((k.clone(), x.as_f64()?)))
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                self.recoveries.push(phases);
-            }
+            Some(Event::Resumed { phases, .. }) => self.recoveries.push(phases.clone()),
             _ => {}
         }
         if self.recent.len() == EVENTS_KEPT {
             self.recent.pop_front();
         }
-        self.recent.push_back(v);
+        let mut shown = line.fields();
+        shown.insert("event".into(), line.kind().into());
+        self.recent.push_back(Value::Object(shown));
     }
 
     /// Changes whenever a chart would: a step committed or an event logged.
@@ -186,7 +182,7 @@ impl Feed {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::Write;
 
@@ -197,6 +193,46 @@ mod tests {
             .open(path)
             .unwrap();
         f.write_all(text.as_bytes()).unwrap();
+    }
+
+    /// A `metrics.jsonl` line as the runtime writes it.
+    pub(crate) fn metrics_line(step: u64, loss: f64, val_loss: Option<f64>) -> String {
+        serde_json::json!({"step": step, "loss": loss, "tokens_per_s": 100.0,
+            "generation": 0, "wall_s": step as f64, "val_loss": val_loss})
+        .to_string()
+    }
+
+    /// An `events.jsonl` line as the runtime writes it.
+    pub(crate) fn line(e: &Event) -> String {
+        format!("{}\n", serde_json::to_string(e).unwrap())
+    }
+
+    fn checkpoint_line(step: u64) -> String {
+        line(&Event::Checkpoint {
+            step,
+            path: format!("checkpoints/step-{step:06}"),
+            duration_s: 0.1,
+            stall_ms: 1.0,
+        })
+    }
+
+    pub(crate) fn reconfig_line(fault_tolerance: u32) -> String {
+        let mut e = serde_json::json!({"event": "reconfig", "generation": 1, "lost_nodes": [2],
+            "nodes": [0, 1], "failed_in_step": 3, "from_step": 2, "replayed_steps": 0,
+            "detect_s": 0.5, "in_place": true, "checkpoint": null});
+        e["fault_tolerance"] = fault_tolerance.into();
+        let typed: Event = serde_json::from_value(e).expect("a reconfig event");
+        line(&typed)
+    }
+
+    pub(crate) fn resumed_line(phases: &[(&str, f64)]) -> String {
+        line(&Event::Resumed {
+            generation: 1,
+            step: 3,
+            since_failure_s: 1.0,
+            phases: phases.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            copy_bytes: 0,
+        })
     }
 
     #[test]
@@ -223,20 +259,25 @@ mod tests {
         assert!(f.latest.is_none() && f.recent.is_empty());
         append(
             &run.join("metrics.jsonl"),
-            "{\"step\":1,\"loss\":9.5,\"val_loss\":9.7}\nnot json\n{\"step\":2,\"loss\":9.0}\n",
+            &format!(
+                "{}\nnot json\n{}\n",
+                metrics_line(1, 9.5, Some(9.7)),
+                metrics_line(2, 9.0, None)
+            ),
         );
         let mut events = String::new();
         for i in 0..EVENTS_KEPT + 5 {
-            events.push_str(&format!("{{\"event\":\"checkpoint\",\"step\":{i}}}\n"));
+            events.push_str(&checkpoint_line(i as u64));
         }
-        events.push_str(
-            "{\"event\":\"reconfig\",\"fault_tolerance\":0}\n\
-             {\"event\":\"resumed\",\"phases\":{\"detect_s\":0.5,\"copy_s\":0.25}}\n\
-             {\"event\":\"finish\"}\n",
-        );
+        events.push_str(&reconfig_line(0));
+        events.push_str(&resumed_line(&[("detect_s", 0.5), ("copy_s", 0.25)]));
+        events.push_str(&line(&Event::Finish {
+            step: 2,
+            wall_s: 3.0,
+        }));
         append(&run.join("events.jsonl"), &events);
         f.refresh().unwrap();
-        assert_eq!(f.latest.as_ref().unwrap()["step"], 2);
+        assert_eq!(f.latest.as_ref().unwrap().step, 2);
         assert_eq!((f.metric_lines, f.bad_lines), (2, 1));
         assert_eq!(f.val_loss, Some((1, 9.7)), "kept past a line without one");
         assert_eq!(f.recent.len(), EVENTS_KEPT);

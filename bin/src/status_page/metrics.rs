@@ -8,14 +8,15 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 
+use oobleck_core::execution::StepTimes;
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
+use oobleck_core::runtime::wire::records::StepMetrics;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use serde_json::Value;
 
 use super::feed::Feed;
 
@@ -80,7 +81,9 @@ fn job_gauges(
     up: bool,
     fault_threshold: u64,
 ) -> Vec<(&'static str, &'static str, Option<f64>)> {
-    let num = |k: &str| feed.latest.as_ref().and_then(|m| m[k].as_f64());
+    let latest = feed.latest.as_ref();
+    let num = |f: fn(&StepMetrics) -> f64| latest.map(f).filter(|x| !x.is_nan());
+    let count = |f: fn(&StepMetrics) -> usize| latest.map(f).filter(|n| *n > 0).map(|n| n as f64);
     let of_status = |f: fn(&ClusterStatus) -> f64| status.map(f);
     let f_left = feed.fault_tolerance.unwrap_or(fault_threshold);
     vec![
@@ -89,11 +92,11 @@ fn job_gauges(
             "1 when the master answered the status page's last request",
             Some(f64::from(u8::from(up))),
         ),
-        ("step", "The newest committed step", num("step")),
+        ("step", "The newest committed step", num(|m| m.step as f64)),
         (
             "loss",
             "Training loss of the newest committed step",
-            num("loss"),
+            num(|m| m.loss),
         ),
         (
             "val_loss",
@@ -103,27 +106,27 @@ fn job_gauges(
         (
             "tokens_per_second",
             "Tokens per second of the newest committed step",
-            num("tokens_per_s"),
+            num(|m| m.tokens_per_s),
         ),
         (
             "samples_per_second",
             "Samples per second of the newest committed step",
-            num("samples_per_s"),
+            num(|m| m.samples_per_s),
         ),
         (
             "generation",
             "Plan generation of the newest committed step",
-            num("generation").or(of_status(|s| s.generation as f64)),
+            num(|m| m.generation as f64).or(of_status(|s| s.generation as f64)),
         ),
         (
             "pipelines",
             "Pipelines of the plan in force",
-            of_status(|s| s.pipelines.len() as f64).or(num("pipelines")),
+            of_status(|s| s.pipelines.len() as f64).or(count(|m| m.pipelines)),
         ),
         (
             "nodes",
             "Live nodes",
-            of_status(|s| s.nodes.len() as f64).or(num("nodes")),
+            of_status(|s| s.nodes.len() as f64).or(count(|m| m.nodes)),
         ),
         (
             "expected_nodes",
@@ -182,35 +185,38 @@ fn recoveries(reg: &mut Registry, feed: &Feed) {
     );
 }
 
+/// One of a rank's step times.
+type TimeOf = fn(&StepTimes) -> f64;
+
 /// Per-rank gauges of the newest step's times, labelled with the rank's place.
-fn stage_times(reg: &mut Registry, latest: Option<&Value>, status: Option<&ClusterStatus>) {
-    let Some(times) = latest.and_then(|m| m["times"].as_object()) else {
+fn stage_times(reg: &mut Registry, latest: Option<&StepMetrics>, status: Option<&ClusterStatus>) {
+    let Some(times) = latest.map(|m| &m.times) else {
         return;
     };
     let places = status.map(places).unwrap_or_default();
-    let fields = [
+    let fields: [(TimeOf, &str, &str); 5] = [
         (
-            "forward_ms",
+            |t| t.forward_ms,
             "stage_forward_ms",
             "Forward time of the rank's microbatches in the newest step, ms",
         ),
         (
-            "backward_ms",
+            |t| t.backward_ms,
             "stage_backward_ms",
             "Backward time in the newest step, ms",
         ),
         (
-            "p2p_ms",
+            |t| t.p2p_ms,
             "stage_p2p_wait_ms",
             "Time inside activation and gradient sends and receives in the newest step, ms",
         ),
         (
-            "collective_ms",
+            |t| t.collective_ms,
             "stage_gradient_sync_ms",
             "Time inside gradient collectives in the newest step, ms",
         ),
         (
-            "step_ms",
+            |t| t.step_ms,
             "stage_step_ms",
             "From the step's start to its gradients reduced, ms",
         ),
@@ -218,14 +224,13 @@ fn stage_times(reg: &mut Registry, latest: Option<&Value>, status: Option<&Clust
     for (field, name, help) in fields {
         let family = Family::<Labels, G>::default();
         for (rank, t) in times {
-            let Some(v) = t[field].as_f64() else { continue };
-            let mut labels = vec![("rank".to_string(), rank.clone())];
-            if let Some((p, s, n)) = rank.parse().ok().and_then(|r: u32| places.get(&r)) {
+            let mut labels = vec![("rank".to_string(), rank.to_string())];
+            if let Some((p, s, n)) = places.get(rank) {
                 labels.push(("pipeline".into(), p.to_string()));
                 labels.push(("stage".into(), s.to_string()));
                 labels.push(("node".into(), n.to_string()));
             }
-            family.get_or_create(&labels).set(v);
+            family.get_or_create(&labels).set(field(t));
         }
         reg.register(name, help, family);
     }
@@ -234,6 +239,7 @@ fn stage_times(reg: &mut Registry, latest: Option<&Value>, status: Option<&Clust
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::status_page::feed::tests::{reconfig_line, resumed_line};
     use oobleck_core::runtime::wire::protocol::{
         NodeStatus, PipelineStatus, RankStatus, StageStatus,
     };
@@ -309,16 +315,16 @@ mod tests {
         let times = serde_json::json!({"2": {"compute_ms": 80.0, "forward_ms": 30.0,
             "backward_ms": 45.0, "p2p_ms": 2.0, "collective_ms": 5.0, "step_ms": 95.0}});
         let lines = [
-            serde_json::json!({"step": 6, "loss": 7.0, "tokens_per_s": 500.0, "val_loss": 7.2}),
+            serde_json::json!({"step": 6, "loss": 7.0, "tokens_per_s": 500.0, "val_loss": 7.2,
+                               "generation": 0, "wall_s": 6.0}),
             serde_json::json!({"step": 7, "loss": 6.5, "tokens_per_s": 610.5, "generation": 1,
-                               "times": times}),
+                               "wall_s": 7.0, "times": times}),
         ];
         let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
         std::fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
         std::fs::write(
             dir.path().join("events.jsonl"),
-            "{\"event\":\"reconfig\",\"fault_tolerance\":0}\n\
-             {\"event\":\"resumed\",\"phases\":{\"detect_s\":0.5,\"copy_s\":0.03}}\n",
+            reconfig_line(0) + &resumed_line(&[("detect_s", 0.5), ("copy_s", 0.03)]),
         )
         .unwrap();
         let mut feed = Feed::new(dir.path());

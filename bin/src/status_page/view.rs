@@ -37,19 +37,17 @@ fn latest(feed: &Feed) -> Value {
     let Some(m) = &feed.latest else {
         return Value::Null;
     };
+    let count = |n: usize| if n > 0 { Value::from(n) } else { Value::Null };
     let mut out = Map::new();
-    for k in [
-        "step",
-        "loss",
-        "tokens_per_s",
-        "samples_per_s",
-        "wall_s",
-        "generation",
-        "pipelines",
-        "nodes",
-    ] {
-        out.insert(k.into(), m.get(k).cloned().unwrap_or(Value::Null));
-    }
+    out.insert("step".into(), m.step.into());
+    // A NaN (a diverged loss) is shown as `null`, as the metrics line has it.
+    out.insert("loss".into(), m.loss.into());
+    out.insert("tokens_per_s".into(), m.tokens_per_s.into());
+    out.insert("samples_per_s".into(), m.samples_per_s.into());
+    out.insert("wall_s".into(), m.wall_s.into());
+    out.insert("generation".into(), m.generation.into());
+    out.insert("pipelines".into(), count(m.pipelines));
+    out.insert("nodes".into(), count(m.nodes));
     out.insert(
         "val_loss".into(),
         feed.val_loss.map_or(Value::Null, |v| v.1.into()),
@@ -130,7 +128,7 @@ mod tests {
         )
         .unwrap();
         let mut f = std::fs::File::create(dir.path().join("events.jsonl")).unwrap();
-        writeln!(f, "{}", json!({"event": "reconfig", "fault_tolerance": 0})).unwrap();
+        write!(f, "{}", crate::status_page::feed::tests::reconfig_line(0)).unwrap();
         feed.refresh().unwrap();
         let v = status(job, &feed, &MasterView::default(), 1, true);
         assert_eq!(v["latest"]["step"], 3);

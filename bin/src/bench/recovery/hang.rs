@@ -35,10 +35,11 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use super::records::{Event, Metric};
+use super::records::Event;
 use super::summary::{check, step_time, Check, Recovery, RunInput, RunSummary};
 use super::BenchRecoveryArgs;
 use crate::bench::median;
+use oobleck_core::runtime::wire::records::StepMetrics;
 
 /// The floor of the detection target, s: the issue's "or 2 s" (`--hang-timeout`'s default,
 /// 1.5 s, is under it).
@@ -173,6 +174,7 @@ impl Hang {
                 for_s,
                 limit_s,
                 stopped,
+                ..
             } => Some(HangEvent {
                 node: *node,
                 rank: *rank,
@@ -184,10 +186,10 @@ impl Hang {
             _ => None,
         });
         let before = observed.stopped_after.unwrap_or(plan.after_step);
-        let metrics: Vec<Metric> = run
+        let metrics: Vec<StepMetrics> = run
             .segments
             .first()
-            .map(|s| s.metrics.iter().filter(|m| m.step <= before).copied())
+            .map(|s| s.metrics.iter().filter(|m| m.step <= before).cloned())
             .into_iter()
             .flatten()
             .collect();
@@ -267,10 +269,11 @@ pub(super) mod tests {
         {\"event\":\"process\",\"role\":\"worker\",\"pid\":9,\"node\":3,\"rank\":3}\n\
         {\"event\":\"hang\",\"generation\":0,\"node\":3,\"rank\":3,\"what\":\"the forward of \
         microbatch 1 of step 5\",\"for_s\":2.04,\"limit_s\":2.0,\"stopped\":true}\n\
-        {\"event\":\"reconfig\",\"lost_nodes\":[],\"from_step\":4,\"replayed_steps\":0,\
-        \"in_place\":true,\"new_pipelines\":[[0,1],[2,3]],\"cause\":\"worker rank 3 on node 3 \
+        {\"event\":\"reconfig\",\"generation\":1,\"lost_nodes\":[],\"nodes\":[0,1,2,3],\
+        \"failed_in_step\":5,\"from_step\":4,\"replayed_steps\":0,\"detect_s\":0.01,\
+        \"checkpoint\":null,\"in_place\":true,\"new_pipelines\":[[0,1],[2,3]],\"cause\":\"worker rank 3 on node 3 \
         stopped\"}\n\
-        {\"event\":\"resumed\",\"step\":5,\"since_failure_s\":1.5,\"copy_bytes\":0,\"phases\":\
+        {\"event\":\"resumed\",\"generation\":1,\"step\":5,\"since_failure_s\":1.5,\"copy_bytes\":0,\"phases\":\
         {\"detect_s\":0.01,\"decide_s\":0.0001,\"restart_s\":0.5,\"connect_copy_s\":0.3,\
         \"connect_max_s\":0.1,\"copy_max_s\":0.2,\"first_step_s\":0.7}}\n";
 

@@ -198,7 +198,7 @@ fn worker_of(events: &[Event], node: u32) -> Result<(u32, u32, Option<u32>)> {
     let pgid = events
         .iter()
         .find_map(|e| match e {
-            Event::Start { pid } => *pid,
+            Event::Start(start) => start.pid,
             _ => None,
         })
         .context("no pid in the run's start event")?;
@@ -211,6 +211,7 @@ fn worker_of(events: &[Event], node: u32) -> Result<(u32, u32, Option<u32>)> {
                 pid: Some(pid),
                 node: Some(n),
                 rank,
+                ..
             } if role == "worker" && *n == node && *pid != pgid => Some((*pid, *rank)),
             _ => None,
         })

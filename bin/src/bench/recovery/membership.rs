@@ -167,16 +167,17 @@ impl Membership {
             .find(|r| !r.joined_nodes.is_empty() && r.lost_nodes.is_empty());
         let events = || run.segments.iter().flat_map(|s| s.events.iter());
         // The first nodes register before the first plan; a join after it is the added node.
-        let joined_node =
-            events()
-                .skip_while(|e| !matches!(e, Event::Plan))
-                .find_map(|e| match e {
-                    Event::Join { node, .. } => Some(*node),
-                    _ => None,
-                });
+        let joined_node = events()
+            .skip_while(|e| !matches!(e, Event::Plan { .. }))
+            .find_map(|e| match e {
+                Event::Join { node, .. } => Some(*node),
+                _ => None,
+            });
         let refusals = events()
             .filter_map(|e| match e {
-                Event::DrainRefused { node, refusal } => Some(format!("node {node}: {refusal}")),
+                Event::DrainRefused { node, refusal, .. } => {
+                    Some(format!("node {node}: {refusal}"))
+                }
                 _ => None,
             })
             .collect();
@@ -272,8 +273,8 @@ pub(super) mod tests {
     fn events(drain_since: f64, join_since: f64) -> String {
         let reconfig = |gen, from, cause: &str, joined: &str, drained: &str| {
             format!(
-                "{{\"event\":\"reconfig\",\"generation\":{gen},\"lost_nodes\":[],\"from_step\":\
-                 {from},\"replayed_steps\":0,\"detect_s\":0.01,\"in_place\":true,\"copies\":1,\
+                "{{\"event\":\"reconfig\",\"generation\":{gen},\"lost_nodes\":[],\"nodes\":[0,1,2],\
+                 \"failed_in_step\":{from},\"checkpoint\":null,\"from_step\":{from},\"replayed_steps\":0,\"detect_s\":0.01,\"in_place\":true,\"copies\":1,\
                  \"copy_bytes\":100,\"new_pipelines\":[[0,1],[2]],\"cause\":\"{cause}\",\
                  \"joined_nodes\":[{joined}],\"drained_nodes\":[{drained}]}}\n"
             )
@@ -310,7 +311,7 @@ pub(super) mod tests {
         let metrics: String = (1..=steps)
             .map(|s| {
                 format!(
-                    "{{\"step\":{s},\"generation\":0,\"wall_s\":{}}}\n",
+                    "{{\"step\":{s},\"loss\":1.0,\"tokens_per_s\":1.0,\"generation\":0,\"wall_s\":{}}}\n",
                     s as f64
                 )
             })

@@ -3,8 +3,9 @@
 
 use serde::Serialize;
 
-use super::records::{Event, Metric, Phases};
+use super::records::{Event, Phases};
 use crate::bench::median;
+use oobleck_core::runtime::wire::records::StepMetrics;
 
 /// The three ways of running the same job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -42,7 +43,7 @@ pub struct Segment {
     pub events: Vec<Event>,
     /// `metrics.jsonl` right after this process exited (a resume drops the lines after its
     /// checkpoint, so this is the run's history up to here).
-    pub metrics: Vec<Metric>,
+    pub metrics: Vec<StepMetrics>,
     /// The 1-minute load average when it started (other work on the machine skews times).
     pub load_1m: Option<f64>,
 }
@@ -166,7 +167,7 @@ pub struct RunSummary {
 }
 
 /// The committed step of the newest metrics line (0 for none).
-fn last_step(metrics: &[Metric]) -> u64 {
+fn last_step(metrics: &[StepMetrics]) -> u64 {
     metrics.iter().map(|m| m.step).max().unwrap_or(0)
 }
 
@@ -217,7 +218,7 @@ pub fn summarize(run: &RunInput, job: &Job) -> RunSummary {
 
 /// Median seconds between consecutive commits of one generation in one process (step 1,
 /// which includes the start, left out).
-pub fn step_time(metrics: &[Metric]) -> Option<f64> {
+pub fn step_time(metrics: &[StepMetrics]) -> Option<f64> {
     let gaps: Vec<f64> = metrics
         .windows(2)
         .filter(|w| {
@@ -255,7 +256,7 @@ fn recoveries<'a>(events: impl Iterator<Item = &'a Event>) -> Vec<Recovery> {
                 from_step: *from_step,
                 in_place: *in_place,
                 replayed_steps: *replayed_steps,
-                copies: *copies,
+                copies: *copies as u64,
                 copy_bytes: 0,
                 planned_bytes: *copy_bytes,
                 since_failure_s: None,
@@ -270,7 +271,7 @@ fn recoveries<'a>(events: impl Iterator<Item = &'a Event>) -> Vec<Recovery> {
                 if let Some(r) = out.last_mut().filter(|r| r.phases.is_none()) {
                     r.since_failure_s = Some(*since_failure_s);
                     r.copy_bytes = *copy_bytes;
-                    r.phases = Some(*phases);
+                    r.phases = Phases::of(phases);
                 }
             }
             _ => {}
@@ -303,7 +304,7 @@ fn restarts(segments: &[Segment]) -> Vec<Restart> {
             .events
             .iter()
             .find_map(|e| match e {
-                Event::Resume { step } => Some(*step),
+                Event::Resume(start) => Some(start.step),
                 _ => None,
             })
             .unwrap_or(0);
@@ -412,15 +413,21 @@ mod tests {
     fn metrics(walls: &[(u64, u64, f64)]) -> String {
         walls
             .iter()
-            .map(|(s, g, w)| format!("{{\"step\":{s},\"generation\":{g},\"wall_s\":{w}}}\n"))
+            .map(|(s, g, w)| {
+                format!(
+                    "{{\"step\":{s},\"loss\":1.0,\"tokens_per_s\":1.0,\"generation\":{g},\
+                     \"wall_s\":{w}}}\n"
+                )
+            })
             .collect()
     }
 
     fn resumed(detect: f64, since: f64) -> String {
         format!(
-            "{{\"event\":\"reconfig\",\"lost_nodes\":[3],\"from_step\":2,\"replayed_steps\":0,\
+            "{{\"event\":\"reconfig\",\"generation\":1,\"lost_nodes\":[3],\"nodes\":[0,1,2],\
+             \"failed_in_step\":3,\"detect_s\":0.01,\"checkpoint\":null,\"from_step\":2,\"replayed_steps\":0,\
              \"in_place\":true,\"copies\":1,\"copy_bytes\":100,\"new_pipelines\":[[0,1],[2]]}}\n\
-             {{\"event\":\"resumed\",\"step\":3,\"since_failure_s\":{since},\"copy_bytes\":\
+             {{\"event\":\"resumed\",\"generation\":1,\"step\":3,\"since_failure_s\":{since},\"copy_bytes\":\
              200000000,\"phases\":{{\"detect_s\":{detect},\"decide_s\":0.01,\"restart_s\":0.02,\
              \"connect_copy_s\":0.2,\"connect_max_s\":0.01,\"copy_max_s\":0.1,\"first_step_s\":\
              0.5}}}}\n"
@@ -470,8 +477,10 @@ mod tests {
         assert_eq!(ff.step_s, Some(1.0));
         assert_eq!(ff.unique_steps, 6);
         let events = format!(
-            "{}{}{{\"event\":\"checkpoint\",\"step\":4,\"stall_ms\":10.0}}\n\
-             {{\"event\":\"checkpoint\",\"step\":6,\"stall_ms\":30.0}}\n",
+            "{}{}{{\"event\":\"checkpoint\",\"step\":4,\"path\":\"c4\",\"duration_s\":0.1,\
+             \"stall_ms\":10.0}}\n\
+             {{\"event\":\"checkpoint\",\"step\":6,\"path\":\"c6\",\"duration_s\":0.1,\
+             \"stall_ms\":30.0}}\n",
             resumed(0.05, 1.2),
             resumed(0.15, 2.0)
         );

@@ -164,17 +164,26 @@ impl WorkerReport {
     }
 }
 
-/// One line of `metrics.jsonl`: a committed step.
+/// One line of `metrics.jsonl`: a committed step, written and read back by this one type (the
+/// report, the status page and the benches). A NaN (a diverged loss) is written as `null` by
+/// serde_json and read back as NaN; the counts of runs from before they were recorded read as 0.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     pub step: u64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
     pub lr: f64,
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
     pub grad_norm: f64,
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
     pub samples_per_s: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub tokens_per_s: f64,
     pub generation: u64,
+    #[serde(default)]
     pub pipelines: usize,
+    #[serde(default)]
     pub nodes: usize,
     pub wall_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -188,6 +197,15 @@ pub struct StepMetrics {
     /// a straggler shows. Empty in runs from before it was recorded.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub times: BTreeMap<u32, StepTimes>,
+}
+
+fn nan() -> f64 {
+    f64::NAN
+}
+
+/// A float that serde_json wrote from a NaN (`null`) reads back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// `[0, 1, 2, 5, 7, 8]` as `0-2,5,7-8` (sorted input).
@@ -544,6 +562,38 @@ mod tests {
             EventLine::parse("not json"),
             Err(EventLineError::NotJson(_))
         ));
+    }
+
+    #[test]
+    fn a_diverged_step_reads_back_as_nan_and_older_lines_read_with_defaults() {
+        let m = StepMetrics {
+            step: 4,
+            loss: f64::NAN,
+            lr: 1e-3,
+            grad_norm: f64::NAN,
+            samples_per_s: 2.0,
+            tokens_per_s: 128.0,
+            generation: 1,
+            pipelines: 2,
+            nodes: 3,
+            wall_s: 9.5,
+            val_loss: None,
+            microbatches: "0-3".into(),
+            times: BTreeMap::new(),
+        };
+        let line = serde_json::to_string(&m).expect("json");
+        assert!(line.contains("\"loss\":null"), "{line}");
+        let back: StepMetrics = serde_json::from_str(&line).expect("reads back");
+        assert!(back.loss.is_nan() && back.grad_norm.is_nan());
+        assert_eq!((back.step, back.nodes, back.lr), (4, 3, 1e-3));
+        let old: StepMetrics = serde_json::from_str(
+            r#"{"step":1,"loss":9.5,"tokens_per_s":10.0,"generation":0,"wall_s":0.5}"#,
+        )
+        .expect("an older line");
+        assert_eq!((old.pipelines, old.nodes), (0, 0));
+        assert!(old.lr.is_nan());
+        let e = serde_json::from_str::<StepMetrics>(r#"{"step":2}"#).unwrap_err();
+        assert!(e.to_string().contains("missing field `loss`"), "{e}");
     }
 
     #[test]
