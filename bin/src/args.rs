@@ -113,6 +113,11 @@ pub struct TrainArgs {
     /// Recompute each layer's activations in backward instead of keeping them.
     #[arg(long)]
     pub recompute: bool,
+    /// Seconds a final save that fails (a full disk) is tried again, from the trained state
+    /// kept in memory, before the job gives up and exits with those steps lost: time to free
+    /// space after the first warning [default: 600].
+    #[arg(long, value_name = "SECS")]
+    pub save_wait: Option<u64>,
     /// Silence (ms) after which a node is declared lost: catches a hung machine or agent;
     /// heartbeats go every 500 ms [default: 3000].
     #[arg(long)]
@@ -217,6 +222,9 @@ impl TrainArgs {
         }
         if let Some(s) = self.hang_timeout {
             c.hang_timeout_s = s;
+        }
+        if let Some(s) = self.save_wait {
+            c.save_wait_s = s;
         }
         if let Some(f) = self.hang_factor {
             c.hang_factor = f;

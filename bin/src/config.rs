@@ -130,6 +130,10 @@ pub struct TrainConfig {
     /// Drain a persistent straggler's node (as `oobleck drain` would), when the job can do
     /// without it.
     pub evict_stragglers: bool,
+    /// How long (s) a final save that fails (a full disk) is tried again, from the state kept
+    /// in memory, before the job exits with its trained steps lost
+    /// (`oobleck_core::runtime::DEFAULT_SAVE_WAIT_S`).
+    pub save_wait_s: u64,
 }
 
 impl Default for TrainConfig {
@@ -172,6 +176,7 @@ impl Default for TrainConfig {
             hang_factor: 3.0,
             straggler_factor: 1.5,
             evict_stragglers: false,
+            save_wait_s: oobleck_core::runtime::DEFAULT_SAVE_WAIT_S,
         }
     }
 }

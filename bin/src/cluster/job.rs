@@ -84,6 +84,7 @@ pub fn run(
             training: spec.clone(),
             workload: serde_json::to_value(workload_config(&cfg))?,
             watch: cfg.watch_spec(),
+            save_wait_s: cfg.save_wait_s,
         },
         run_dir: out.clone(),
         resume,

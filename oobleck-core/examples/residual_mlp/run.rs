@@ -123,6 +123,7 @@ fn job_options(
             training: spec.clone(),
             workload: settings.clone(),
             watch: Default::default(),
+            save_wait_s: oobleck_core::runtime::DEFAULT_SAVE_WAIT_S,
         },
         run_dir: run_dir.canonicalize()?,
         resume: None,

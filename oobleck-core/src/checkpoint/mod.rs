@@ -203,7 +203,11 @@ fn write_contents(
     let mut files = BTreeMap::new();
     for (name, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
         let path = dir.join(name);
-        candle_core::safetensors::save(tensors, &path)?;
+        candle_core::safetensors::save(tensors, &path).map_err(|e| match e {
+            // A full disk names the file it could not write.
+            candle_core::Error::Io(io) => io_err(&path, io),
+            e => Error::from(e),
+        })?;
         // Hash what was written and make it durable in the same pass.
         let file = File::open(&path).map_err(|e| io_err(&path, e))?;
         let digest = digest_reader(&path, &file)?;

@@ -17,6 +17,19 @@ pub enum RuntimeError {
     /// it (fault threshold 0, or the failure repeats while the generation forms).
     #[error("{what}")]
     NodeFailure { what: String },
+    /// The final state could not be saved within `--save-wait`.
+    #[error(
+        "the state after the final step {step} could not be saved: {error}; {}. Free space \
+         where --out is (or pass a larger --save-wait) and run again{}",
+        newest.as_deref().map_or("every trained step is lost (no checkpoint was written)".into(),
+            |n| format!("the steps after the checkpoint {n} are lost")),
+        newest.as_deref().map_or("", |_| " with --resume on the run directory")
+    )]
+    FinalSaveLost {
+        step: u64,
+        error: String,
+        newest: Option<String>,
+    },
     /// Nothing was heard from any process for `secs` seconds.
     #[error("no progress for {secs} s; the job is stuck")]
     Stalled { secs: u64 },

@@ -51,6 +51,7 @@ pub use error::{BoxError, Context, Result, RuntimeError};
 pub use master::run_job;
 pub use spec::{
     Compute, DataPlane, InjectedFailure, JobConfig, SpecError, TrainingSpec, WatchSpec,
+    DEFAULT_SAVE_WAIT_S,
 };
 pub use wire::{Event, StateSource, StepMetrics, WorkerReport};
 pub use workload::{Factory, Workload};

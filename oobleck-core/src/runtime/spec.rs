@@ -232,6 +232,18 @@ pub struct JobConfig {
     /// How the agents' watchdogs hold workers to their progress, and how stragglers are named.
     #[serde(default)]
     pub watch: WatchSpec,
+    /// How long the final save is tried again (from the state kept in memory) before the job
+    /// gives up and exits with the trained steps lost: [`DEFAULT_SAVE_WAIT_S`].
+    #[serde(default = "default_save_wait_s")]
+    pub save_wait_s: u64,
+}
+
+/// Ten minutes: long enough for a person to free space on a full disk after the first
+/// warning, short enough that a job nobody watches does not hold its machines for long.
+pub const DEFAULT_SAVE_WAIT_S: u64 = 600;
+
+fn default_save_wait_s() -> u64 {
+    DEFAULT_SAVE_WAIT_S
 }
 
 /// The watchdog's and the straggler report's settings (`runtime/timeouts.rs` has how they fit

@@ -10,7 +10,8 @@ const TOKEN_KEY = "oobleck_token";
 const USUAL = new Set(["start", "process", "join", "plan", "rendezvous", "checkpoint",
   "control_plane", "finish"]);
 const BAD = new Set(["failure", "lost", "abort", "hang", "worker_broken", "data_plane_hang",
-  "inject_failure", "kill_requested", "fenced", "drain_refused", "checkpoint_refused"]);
+  "inject_failure", "kill_requested", "fenced", "drain_refused", "checkpoint_refused",
+  "checkpoint_failed"]);
 const ACTIONS = {
   kill: "Kill node {n}? This sends SIGKILL to its agent and workers, like a crash; " +
     "the job detects the loss and reconfigures without it.",
@@ -291,6 +292,7 @@ const FIRST = {
     "fault_tolerance"],
   resumed: ["since_failure_s", "phases"],
   failure: ["reason"],
+  checkpoint_failed: ["error", "path", "free_bytes", "needed_bytes", "filesystem", "retrying"],
   straggler: ["node", "rank", "factor", "evicted", "refusal"],
 };
 

@@ -234,10 +234,7 @@ impl JobMachine {
                 self.on_assembled(step, checkpoint, val_loss, duration_s);
                 self.maybe_finish();
             }
-            Input::AssemblyFailed { step, error } => self.fail(RuntimeError::Context {
-                what: format!("the checkpoint or evaluation of step {step} failed"),
-                source: error.into(),
-            }),
+            Input::AssemblyFailed { step, error } => self.on_assembly_failed(step, error),
             Input::Reconfigured(_) => {}
             Input::JoinsWeighed { joined, pipelines } => {
                 self.on_joins_weighed(now, joined, pipelines)

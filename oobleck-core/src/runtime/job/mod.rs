@@ -279,6 +279,17 @@ pub enum Action {
         checkpoint: bool,
         eval: bool,
     },
+    /// The state after `step` could not be saved (`bytes`: its size at a rank, 0 where the
+    /// checkpoint itself failed): say so, record it, and drop what the save left. A periodic
+    /// save is skipped (nothing waits for its validation loss); the final one is tried again
+    /// while `retrying`.
+    SaveFailed {
+        step: u64,
+        bytes: u64,
+        error: String,
+        retrying: bool,
+        periodic: bool,
+    },
     /// The validation loss of `step`, for its metrics line.
     ValLoss { step: u64, val_loss: f64 },
     /// Write the metrics lines held for validation losses that will not come.

@@ -233,9 +233,13 @@ impl JobMachine {
             } => self.on_assembled(step, checkpoint, val_loss, duration_s),
             Input::AssemblyFailed { step, error } => {
                 self.steps.assembly_ended();
-                self.note(format!(
-                    "the checkpoint or evaluation of step {step} failed: {error}"
-                ));
+                self.push(Action::SaveFailed {
+                    step,
+                    bytes: 0,
+                    error,
+                    retrying: false,
+                    periodic: true,
+                });
             }
             Input::Reconfigured(result) => return self.on_reconfigured(now, result),
             Input::JoinsWeighed { .. } => {}
@@ -276,6 +280,13 @@ impl JobMachine {
                     g.ready.insert(rank, (loss, grad_norm));
                 }
             }
+            WorkerReport::SaveFailed {
+                step,
+                bytes,
+                error,
+                retrying,
+                ..
+            } => self.on_save_failed(step, bytes, error, retrying),
             _ => {}
         }
     }

@@ -115,6 +115,13 @@ impl JobMachine {
                 state,
                 stall_ms,
             } => self.on_state_saved(rank, step, state, stall_ms),
+            WorkerReport::SaveFailed {
+                step,
+                bytes,
+                error,
+                retrying,
+                ..
+            } => self.on_save_failed(step, bytes, error, retrying),
             WorkerReport::Formed {
                 rank,
                 step,

@@ -33,6 +33,8 @@ pub(super) struct Steps {
     injections: Vec<(u32, u64)>,
     /// Worker processes seen (by pid).
     worker_pids: BTreeSet<u32>,
+    /// Why the final state of a saver could not be saved, once it gave up.
+    final_save_lost: Option<String>,
 }
 
 impl Steps {
@@ -51,6 +53,7 @@ impl Steps {
                 .map(|i| (i.node, i.after_step))
                 .collect(),
             worker_pids: BTreeSet::new(),
+            final_save_lost: None,
         }
     }
 
@@ -311,6 +314,47 @@ impl JobMachine {
         });
     }
 
+    /// A saver's state after `step` did not reach the master. A periodic checkpoint is skipped
+    /// (the other savers' states of that step are dropped); the final save is retried by the
+    /// worker for `--save-wait`, each report of it progress, not a stall.
+    pub(super) fn on_save_failed(&mut self, step: u64, bytes: u64, error: String, retrying: bool) {
+        let periodic = step < self.spec.steps;
+        if periodic {
+            if let Some(g) = self.gen.as_mut() {
+                g.states.remove(&step);
+            }
+        } else if !retrying {
+            self.steps.final_save_lost = Some(error.clone());
+        }
+        self.push(Action::SaveFailed {
+            step,
+            bytes,
+            error,
+            retrying,
+            periodic,
+        });
+    }
+
+    /// The periodic assembly of `step` failed: a checkpoint that could not be written is
+    /// skipped and training goes on; an evaluation that failed is the workload's error.
+    pub(super) fn on_assembly_failed(&mut self, step: u64, error: String) {
+        self.steps.assembly_ended();
+        if !self.spec.checkpoint_due(step) {
+            return self.fail(RuntimeError::Context {
+                what: format!("the evaluation of step {step} failed"),
+                source: error.into(),
+            });
+        }
+        self.push(Action::SaveFailed {
+            step,
+            bytes: 0,
+            error,
+            retrying: false,
+            periodic: true,
+        });
+        self.maybe_finish();
+    }
+
     /// A periodic checkpoint or evaluation is in.
     pub(super) fn on_assembled(
         &mut self,
@@ -365,6 +409,13 @@ impl JobMachine {
             || self.steps.assembling > 0
         {
             return;
+        }
+        if let Some(error) = self.steps.final_save_lost.clone() {
+            return self.fail(RuntimeError::FinalSaveLost {
+                step: self.steps.committed,
+                error,
+                newest: self.steps.newest.as_ref().map(|n| n.0.clone()),
+            });
         }
         let states = g
             .savers

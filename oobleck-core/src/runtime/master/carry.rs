@@ -6,6 +6,10 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
+mod save;
+
+use save::SaveFailure;
+
 use super::agents::AgentSet;
 use super::assemble::{Assembled, Assembler};
 use super::rundir::{refuse_checkpoint, RunFiles};
@@ -220,6 +224,19 @@ impl<'a> Driver<'a> {
                     error: e.to_string(),
                 },
             }),
+            Action::SaveFailed {
+                step,
+                bytes,
+                error,
+                retrying,
+                periodic,
+            } => self.save_failed(SaveFailure {
+                step,
+                bytes,
+                error,
+                retrying,
+                periodic,
+            })?,
             Action::ValLoss { step, val_loss } => self.p.files.val_loss(step, val_loss)?,
             Action::ReleaseHeld => {
                 self.p.files.release()?;
@@ -424,11 +441,7 @@ impl<'a> Driver<'a> {
              {step_ms:.0} ms step)",
             100.0 * overhead_ms / step_ms.max(1e-9)
         ));
-        let a = self.p.assembler.clone();
-        let done = tokio::task::spawn_blocking(move || a.assemble(step, &states, true, true))
-            .await
-            .ctx("the final checkpoint task")??;
-        let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
+        let done = self.final_assembly(step, states).await?;
         let ckpt = done
             .checkpoint
             .ctx("the final assembly wrote no checkpoint")?;
@@ -446,7 +459,8 @@ impl<'a> Driver<'a> {
         let unmet = self.p.files.release()?;
         if !unmet.is_empty() {
             self.p.observer.note(&format!(
-                "no validation loss came for step(s) {unmet:?} (a saver's state of that step                  never reached the master); metrics.jsonl has those steps without it"
+                "no validation loss came for step(s) {unmet:?} (a saver's state of that step \
+                 never reached the master); metrics.jsonl has those steps without it"
             ));
         }
         if let Some(mut m) = self.final_metrics.take() {

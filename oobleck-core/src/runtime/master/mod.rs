@@ -14,13 +14,14 @@ mod agents;
 mod assemble;
 mod carry;
 mod conn;
+mod disk;
 mod plan;
 mod rundir;
 pub mod server;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -159,6 +160,7 @@ async fn drive(
         .await
         .with_ctx(|| format!("starting the master on {}", opts.bind))?;
     announce(workload.as_ref(), &opts, &master, &mut files, observer)?;
+    check_room(workload.as_ref(), &opts.run_dir, observer);
     let mut agents = AgentSet::default();
     let start = start_agents(&mut opts, &mut agents, &mut files, &master, observer).await?;
     let limits = opts.limits;
@@ -384,6 +386,24 @@ fn announce(
     Ok(())
 }
 
+/// Warns before the first step when the run directory's file system cannot hold a
+/// checkpoint while it is written (the states it is made from, and the checkpoint itself).
+fn check_room(workload: &dyn Workload, out: &Path, observer: &mut dyn Observer) {
+    let needed = 2 * disk::checkpoint_bytes(workload.num_params());
+    let Some(space) = disk::space(out) else {
+        return;
+    };
+    if space.free_bytes < needed {
+        observer.note(&format!(
+            "warning: {} has {} free, and writing a checkpoint takes about {}: checkpoints \
+             will fail (each one says so, and training goes on) until space is freed there",
+            space.filesystem,
+            disk::human_bytes(space.free_bytes),
+            disk::human_bytes(needed)
+        ));
+    }
+}
+
 /// Ends the job: on success the agents are shut down and must exit cleanly; on failure
 /// everything is stopped.
 async fn conclude(
@@ -412,6 +432,8 @@ async fn conclude(
             Ok(summary)
         }
         Err(e) => {
+            // The states uploaded for a checkpoint that will not be written.
+            let _ = std::fs::remove_dir_all(files.dir().join("cluster"));
             let reason = e.to_string();
             let _ = files.event(&Event::Abort {
                 reason: reason.clone(),

@@ -77,6 +77,11 @@ impl RunFiles {
         })
     }
 
+    /// The run directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     pub fn event(&mut self, e: &Event) -> Result<()> {
         let line = serde_json::to_string(e).ctx("encoding an event")?;
         writeln!(self.events, "{line}").ctx("writing events.jsonl")
@@ -99,6 +104,15 @@ impl RunFiles {
     pub fn val_loss(&mut self, step: u64, v: f64) -> Result<()> {
         if let Some((m, waiting)) = self.held.iter_mut().find(|(m, _)| m.step == step) {
             m.val_loss = Some(v);
+            *waiting = false;
+        }
+        self.flush()
+    }
+
+    /// `step`'s validation loss will not come (its state was not saved): its line is written
+    /// without one.
+    pub fn no_val_loss(&mut self, step: u64) -> Result<()> {
+        if let Some((_, waiting)) = self.held.iter_mut().find(|(m, _)| m.step == step) {
             *waiting = false;
         }
         self.flush()

@@ -62,6 +62,16 @@ pub enum WorkerReport {
     },
     /// The step after committed `step` failed (`error`); the worker holds the state of `step`
     /// and waits for `SaveState` or the end of its generation.
+    /// The state after `step` (`bytes` long) did not reach the master: a periodic checkpoint
+    /// is skipped; the final save is tried again while `retrying`, from the state the rank
+    /// keeps in memory.
+    SaveFailed {
+        rank: u32,
+        step: u64,
+        bytes: u64,
+        error: String,
+        retrying: bool,
+    },
     Broken {
         rank: u32,
         step: u64,
@@ -130,6 +140,7 @@ impl WorkerReport {
             | WorkerReport::Stopping { rank, .. }
             | WorkerReport::Ready { rank, .. }
             | WorkerReport::Saved { rank, .. }
+            | WorkerReport::SaveFailed { rank, .. }
             | WorkerReport::Broken { rank, .. }
             | WorkerReport::Done { rank, .. }
             | WorkerReport::Hung { rank, .. }
@@ -430,6 +441,18 @@ pub enum Event {
         /// How long training waited for the state (the copy to host memory), ms.
         #[serde(default)]
         stall_ms: f64,
+    },
+    /// A checkpoint of `step` could not be written to `path`: `needed_bytes` did not fit in the
+    /// `free_bytes` of `filesystem` (the mount point and its type), or another error. Training
+    /// goes on; the next save tries again, and the final save is retried while `retrying`.
+    CheckpointFailed {
+        step: u64,
+        path: String,
+        filesystem: String,
+        needed_bytes: u64,
+        free_bytes: Option<u64>,
+        error: String,
+        retrying: bool,
     },
     ControlPlane {
         steps: u64,

@@ -24,6 +24,7 @@ mod donate;
 mod hooks;
 mod inbox;
 mod load;
+mod save;
 mod state;
 mod steps;
 

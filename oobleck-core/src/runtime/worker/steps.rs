@@ -1,27 +1,22 @@
 //! A generation's steps: iteration and gradient sync, `Ready`, the master's commit, the
 //! optimizer; and how a generation ends early (a failed step, or the next generation).
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Tensor, Var};
-use oobleck_comm::send_blob;
 
 use super::hooks;
 use super::inbox::{report, Inbox};
+use super::save::{save_final, save_in_background, snapshot};
 use super::state::Held;
-use super::{protocol, state_path, state_path_at, Flow, Generation, COMMIT_TIMEOUT};
+use super::{protocol, Flow, Generation, COMMIT_TIMEOUT};
 use crate::execution::{sync_gradients, Doing};
-use crate::optim::AdamW;
 use crate::planning::stage_leads;
 use crate::runtime::error::error_chain;
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::wire::pipe::{ToWorker, WorkerAssignment};
 use crate::runtime::wire::records::WorkerReport;
 use crate::runtime::workload::Workload;
-
-/// The longest a state upload to the master may take.
-const UPLOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
 pub(super) use crate::runtime::timeouts::BROKEN_WAIT;
 
@@ -75,9 +70,9 @@ impl Generation<'_> {
         }
         let mut state = None;
         if saves_state {
-            let path = state_path(&self.a.run_dir, rank);
-            upload(self.a, snapshot(&params, &self.opt)?, &path)?;
-            state = Some(path.display().to_string());
+            // Nothing is left to hold to a step: a save retried for minutes is no hang.
+            self.progress.end_step();
+            state = save_final(self.a, snapshot(&params, &self.opt)?, training.steps)?;
         }
         report(
             g,
@@ -182,82 +177,4 @@ impl Generation<'_> {
             ))),
         }
     }
-}
-
-/// A copy of a rank's parameters (`param/NAME`) and optimizer state (`opt/ENTRY`) in fresh
-/// host memory, so training can go on while it is written: the only stall of a checkpoint.
-fn snapshot(params: &[(String, Var)], opt: &AdamW) -> Result<Vec<(String, Tensor)>> {
-    let mut tensors = Vec::new();
-    for (name, var) in params {
-        tensors.push((
-            format!("param/{name}"),
-            var.as_tensor().copy().map_err(crate::Error::from)?,
-        ));
-    }
-    // export_state's tensors are already copies.
-    for (name, t) in opt.export_state()? {
-        tensors.push((format!("opt/{name}"), t));
-    }
-    Ok(tensors)
-}
-
-/// Uploads `tensors` as the safetensors file `path` (under the run directory) to the master.
-fn upload(a: &WorkerAssignment, tensors: Vec<(String, Tensor)>, path: &Path) -> Result<()> {
-    let name = path
-        .strip_prefix(&a.run_dir)
-        .map_err(|_| {
-            protocol(
-                a.rank,
-                format!("{} is outside the run directory", path.display()),
-            )
-        })?
-        .to_str()
-        .ok_or_else(|| protocol(a.rank, format!("{} is not UTF-8", path.display())))?
-        .to_string();
-    let bytes = safetensors::tensor::serialize(tensors, None).map_err(|e| {
-        RuntimeError::Invalid(format!("serialising the state of rank {}: {e}", a.rank))
-    })?;
-    let sink = super::resolve(&a.state_sink)?;
-    send_blob(sink, &a.state_key, &name, &bytes, UPLOAD_TIMEOUT).with_ctx(|| {
-        format!(
-            "rank {}: uploading {name} ({:.1} MB) to the master at {sink}",
-            a.rank,
-            bytes.len() as f64 / 1e6
-        )
-    })?;
-    Ok(())
-}
-
-/// Snapshots the state after committed `step` and uploads it on a thread of its own, so the
-/// next step starts at once; reports `Saved` once the master has the file.
-fn save_in_background(
-    a: &WorkerAssignment,
-    params: &[(String, Var)],
-    opt: &AdamW,
-    step: u64,
-) -> Result<()> {
-    let started = Instant::now();
-    let tensors = snapshot(params, opt)?;
-    let stall_ms = started.elapsed().as_secs_f64() * 1e3;
-    let a = a.clone();
-    std::thread::spawn(move || {
-        let path = state_path_at(&a.run_dir, step, a.rank);
-        let saved = upload(&a, tensors, &path).and_then(|()| {
-            report(
-                a.generation,
-                &WorkerReport::Saved {
-                    rank: a.rank,
-                    step,
-                    state: path.display().to_string(),
-                    stall_ms,
-                },
-            )
-        });
-        if let Err(e) = saved {
-            // The master never gets this step's state: that checkpoint is skipped, training
-            // goes on.
-            eprintln!("oobleck worker: the state of step {step} was not saved: {e}");
-        }
-    });
-    Ok(())
 }

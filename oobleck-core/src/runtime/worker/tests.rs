@@ -148,6 +148,7 @@ fn assignment() -> WorkerAssignment {
             training: training(),
             workload: serde_json::json!({ "preset": "tiny" }),
             watch: Default::default(),
+            save_wait_s: crate::runtime::DEFAULT_SAVE_WAIT_S,
         },
         nccl_id: None,
         key: oobleck_comm::SecretKey::random(),

@@ -407,6 +407,16 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Membership { .. } => "membership".into(),
             Action::RankTimes { .. } => "rank_times".into(),
             Action::Assemble { step, .. } => format!("assemble:{step}"),
+            Action::SaveFailed {
+                step,
+                retrying,
+                periodic,
+                ..
+            } => match (periodic, retrying) {
+                (true, _) => format!("save_failed:{step}"),
+                (false, true) => format!("save_failed:{step}:retrying"),
+                (false, false) => format!("save_failed:{step}:final"),
+            },
             Action::ValLoss { step, .. } => format!("val:{step}"),
             Action::ReleaseHeld => "release".into(),
             Action::TruncateMetrics { after } => format!("truncate:{after}"),

@@ -160,6 +160,69 @@ fn periodic_states_are_assembled_and_checkpoints_remembered() {
     assert_eq!(h.m.steps.newest(), Some(("ckpt-2".into(), 2)));
 }
 
+fn save_failed(step: u64, retrying: bool) -> WorkerReport {
+    WorkerReport::SaveFailed {
+        rank: 0,
+        step,
+        bytes: 40,
+        error: "No space left on device".into(),
+        retrying,
+    }
+}
+
+#[test]
+fn a_periodic_save_that_fails_is_skipped_and_training_goes_on() {
+    let mut s = spec(2, 1, 6);
+    s.checkpoint_every = 2;
+    let mut h = H::running(s, plan(&[&[0], &[1]]));
+    h.steps_to(2);
+    let a = h.worker(2.1, 0, save_failed(2, false));
+    assert_eq!(kinds(&a), ["save_failed:2"]);
+    // The checkpoint itself failing (the master's disk) is skipped the same way.
+    h.step(3.0, 3);
+    h.step(4.0, 4);
+    assert_eq!(kinds(&h.saved(4.1, 0, 4)), ["assemble:4"]);
+    let a = h.at(
+        4.2,
+        Input::AssemblyFailed {
+            step: 4,
+            error: "checkpoints/step-000004/model.safetensors: No space left on device".into(),
+        },
+    );
+    assert_eq!(kinds(&a), ["save_failed:4"]);
+    assert!(!h.m.is_over());
+    assert!(has(&h.step(5.0, 5), "commit:5"), "training goes on");
+    assert_eq!(h.m.steps.newest(), None, "no checkpoint was written");
+}
+
+#[test]
+fn a_final_save_is_retried_and_only_a_given_up_one_ends_the_job_as_lost() {
+    let mut h = H::running(spec(2, 1, 2), plan(&[&[0], &[1]]));
+    h.steps_to(2);
+    let a = h.worker(3.0, 0, save_failed(2, true));
+    assert_eq!(kinds(&a), ["save_failed:2:retrying"]);
+    // The stall limit counts from the last report: a save retried for minutes is no stall.
+    assert!(h.at(150.0, Input::Tick).is_empty());
+    let a = h.worker(160.0, 0, save_failed(2, false));
+    assert_eq!(kinds(&a), ["save_failed:2:final"]);
+    let done = |rank| WorkerReport::Done {
+        rank,
+        step: 2,
+        state: None,
+        commit_wait_ms: 1.0,
+    };
+    h.worker(160.1, 1, done(1));
+    let a = h.worker(160.2, 0, done(0));
+    let text = failure(&a);
+    assert!(
+        text.contains("the state after the final step 2 could not be saved")
+            && text.contains("No space left on device")
+            && text.contains("every trained step is lost"),
+        "{text}"
+    );
+    assert!(!has(&a, "reconfigure:[]"), "no recovery: {:?}", kinds(&a));
+}
+
 #[test]
 fn a_worker_failing_while_its_generation_forms_ends_the_job() {
     let mut h = H::new(spec(2, 1, 10));
