@@ -6,10 +6,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
+use oobleck_core::checkpoint::space::{self, SaveFailure};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
@@ -169,6 +170,47 @@ impl Trainer {
             .collect()
     }
 
+    /// Saves a checkpoint of this step. One that fails is said and recorded; a periodic one is
+    /// then skipped (`None`), the final one tried again for `--save-wait` before the run
+    /// ends with its steps lost.
+    fn checkpoint(&mut self, last: bool) -> Result<Option<PathBuf>> {
+        let deadline = Instant::now() + Duration::from_secs(self.cfg.save_wait_s);
+        let mut pause = Duration::from_secs(1);
+        loop {
+            let e = match self.save_checkpoint() {
+                Ok(path) => return Ok(Some(path)),
+                Err(e) => e,
+            };
+            let retrying = last && Instant::now() + pause < deadline;
+            let needed = space::checkpoint_bytes(self.workload.num_params());
+            let error = format!("{e:#}");
+            let failure = SaveFailure::measure(&self.out, self.step, needed, error, retrying);
+            eprintln!(
+                "{}",
+                failure.warning(match (last, retrying) {
+                    (false, _) => "training goes on; the next checkpoint tries again",
+                    (true, true) => "the trained state is kept in memory and saved again shortly",
+                    (true, false) => "no time is left (--save-wait)",
+                })
+            );
+            self.event(&Event::checkpoint_failed(&failure))?;
+            if !last {
+                return Ok(None);
+            }
+            if !retrying {
+                anyhow::bail!(
+                    "the state after the final step {} could not be saved: {e:#}; the steps \
+                     after the newest checkpoint in {} are lost. Free space where --out is (or \
+                     pass a larger --save-wait) and run again with --resume on the run directory",
+                    self.step,
+                    self.out.display()
+                );
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_secs(10));
+        }
+    }
+
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let started = Instant::now();
         let state = TrainerState {
@@ -263,7 +305,7 @@ impl Trainer {
             let ckpt_now =
                 last || (self.cfg.checkpoint_every > 0 && step % self.cfg.checkpoint_every == 0);
             if ckpt_now {
-                last_ckpt = Some(self.save_checkpoint()?);
+                last_ckpt = self.checkpoint(last)?.or(last_ckpt);
             }
         }
         progress.finish();

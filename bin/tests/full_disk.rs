@@ -211,3 +211,42 @@ fn a_final_save_that_never_fits_ends_the_job_saying_which_steps_are_lost() {
     );
     assert_eq!(leftovers(fs.path()), Vec::<PathBuf>::new());
 }
+
+#[test]
+fn the_single_process_trainer_skips_and_retries_its_saves_the_same_way() {
+    let Some(fs) = Tmpfs::mount(100) else { return };
+    let filler = fs.fill_leaving(20 << 20);
+    let out = fs.path().join("run");
+    let cmd = train_cmd(
+        &out,
+        6,
+        &[
+            "--nodes",
+            "1",
+            "--checkpoint-every",
+            "2",
+            "--save-wait",
+            "120",
+        ],
+    );
+    let mut g = Guard(Some({ cmd }.spawn().expect("start train")));
+    wait_for_events(
+        &out,
+        1,
+        Duration::from_secs(120),
+        "a failed final save",
+        |e| e["event"] == "checkpoint_failed" && e["step"] == 6 && e["retrying"] == true,
+    );
+    std::fs::remove_file(&filler).expect("freeing space");
+    let o = g.finish(Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let failed = failed_saves(&out);
+    assert!(
+        failed.starts_with(&[(2, false), (4, false), (6, true)]),
+        "{failed:?}"
+    );
+    assert_eq!(common::losses(&out).len(), 6, "every step trained");
+    assert!(out.join("checkpoints/step-000006/trainer.json").is_file());
+    assert_eq!(leftovers(fs.path()), Vec::<PathBuf>::new());
+}

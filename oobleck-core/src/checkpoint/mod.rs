@@ -46,6 +46,8 @@ use sha2::{Digest, Sha256};
 
 use crate::{Error, Result};
 
+pub mod space;
+
 /// Version of the on-disk layout written by this build; loads of any other version fail.
 pub const FORMAT_VERSION: u32 = 1;
 /// Directory under a run's output directory that holds the checkpoints.

@@ -8,7 +8,7 @@ use tokio::task::JoinHandle;
 
 mod save;
 
-use save::SaveFailure;
+use save::Failed;
 
 use super::agents::AgentSet;
 use super::assemble::{Assembled, Assembler};
@@ -230,7 +230,7 @@ impl<'a> Driver<'a> {
                 error,
                 retrying,
                 periodic,
-            } => self.save_failed(SaveFailure {
+            } => self.save_failed(Failed {
                 step,
                 bytes,
                 error,

@@ -14,7 +14,6 @@ mod agents;
 mod assemble;
 mod carry;
 mod conn;
-mod disk;
 mod plan;
 mod rundir;
 pub mod server;
@@ -41,6 +40,7 @@ use super::job::{Input, JobMachine, JobStart, Limits, StragglerRule};
 use super::spec::{JobConfig, TrainingSpec};
 use super::wire::records::{Event, StartInfo, StepMetrics};
 use super::workload::Workload;
+use crate::checkpoint::space;
 use crate::planning::ModelProfile;
 use crate::runtime::wire::protocol::ClusterStatus;
 use crate::runtime::wire::{Token, WireError};
@@ -389,17 +389,17 @@ fn announce(
 /// Warns before the first step when the run directory's file system cannot hold a
 /// checkpoint while it is written (the states it is made from, and the checkpoint itself).
 fn check_room(workload: &dyn Workload, out: &Path, observer: &mut dyn Observer) {
-    let needed = 2 * disk::checkpoint_bytes(workload.num_params());
-    let Some(space) = disk::space(out) else {
+    let needed = 2 * space::checkpoint_bytes(workload.num_params());
+    let Some(room) = space::space(out) else {
         return;
     };
-    if space.free_bytes < needed {
+    if room.free_bytes < needed {
         observer.note(&format!(
             "warning: {} has {} free, and writing a checkpoint takes about {}: checkpoints \
              will fail (each one says so, and training goes on) until space is freed there",
-            space.filesystem,
-            disk::human_bytes(space.free_bytes),
-            disk::human_bytes(needed)
+            room.filesystem,
+            space::human_bytes(room.free_bytes),
+            space::human_bytes(needed)
         ));
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::space::SaveFailure;
 use crate::execution::StepTimes;
 use crate::runtime::wire::protocol::ExitStatus;
 
@@ -470,6 +471,22 @@ pub enum Event {
 }
 
 impl Event {
+    /// The record of a save that failed.
+    pub fn checkpoint_failed(f: &SaveFailure) -> Event {
+        Event::CheckpointFailed {
+            step: f.step,
+            path: f.path.display().to_string(),
+            filesystem: f
+                .space
+                .as_ref()
+                .map_or_else(|| f.path.display().to_string(), |s| s.filesystem.clone()),
+            needed_bytes: f.needed_bytes,
+            free_bytes: f.space.as_ref().map(|s| s.free_bytes),
+            error: f.error.clone(),
+            retrying: f.retrying,
+        }
+    }
+
     /// The `event` tag, as written.
     pub fn kind(&self) -> String {
         serde_json::to_value(self)

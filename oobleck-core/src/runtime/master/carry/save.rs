@@ -6,10 +6,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use super::Driver;
-use crate::checkpoint::checkpoint_path;
+use crate::checkpoint::space::{checkpoint_bytes, SaveFailure};
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::master::assemble::Assembled;
-use crate::runtime::master::disk::{self, checkpoint_bytes, human_bytes};
 use crate::runtime::wire::records::Event;
 
 /// The pause before the final checkpoint is written again: doubling from the first, up to
@@ -17,7 +16,7 @@ use crate::runtime::wire::records::Event;
 const RETRY_PAUSES: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(10));
 
 /// One failed save, as the machine passed it on.
-pub(in crate::runtime::master) struct SaveFailure {
+pub(in crate::runtime::master) struct Failed {
     pub step: u64,
     /// The state's size at the rank that failed to upload it; 0 where the checkpoint itself
     /// could not be written.
@@ -30,45 +29,20 @@ pub(in crate::runtime::master) struct SaveFailure {
 impl Driver<'_> {
     /// Says what failed and where, in numbers; records it; a periodic save's leftovers (the
     /// states of that step already uploaded) go, and its metrics line waits no more.
-    pub(in crate::runtime::master) fn save_failed(&mut self, f: SaveFailure) -> Result<()> {
+    pub(in crate::runtime::master) fn save_failed(&mut self, f: Failed) -> Result<()> {
         let out = self.p.out.clone();
-        let path = checkpoint_path(&out, f.step);
-        let space = disk::space(&out);
         let needed = checkpoint_bytes(self.p.assembler.workload.num_params()).max(f.bytes);
-        let (filesystem, free) = match &space {
-            Some(s) => (s.filesystem.clone(), Some(s.free_bytes)),
-            None => (out.display().to_string(), None),
-        };
-        let room = free.map_or(String::new(), |free| {
-            format!(
-                " ({} free on {filesystem}, a checkpoint needs about {})",
-                human_bytes(free),
-                human_bytes(needed)
-            )
-        });
+        let failure = SaveFailure::measure(&out, f.step, needed, f.error, f.retrying);
         let next = match (f.periodic, f.retrying) {
             (true, _) => "training goes on; the next checkpoint tries again",
             (false, true) => "the trained state is kept in memory and saved again shortly",
             (false, false) => "no time is left (--save-wait)",
         };
-        self.p.observer.note(&format!(
-            "warning: the checkpoint of step {} was not saved to {}: {}{room}; {next}",
-            f.step,
-            path.display(),
-            f.error
-        ));
-        self.p.files.event(&Event::CheckpointFailed {
-            step: f.step,
-            path: path.display().to_string(),
-            filesystem,
-            needed_bytes: needed,
-            free_bytes: free,
-            error: f.error,
-            retrying: f.retrying,
-        })?;
+        self.p.observer.note(&failure.warning(next));
+        self.p.files.event(&Event::checkpoint_failed(&failure))?;
         if f.periodic {
-            let _ =
-                std::fs::remove_dir_all(out.join("cluster").join(format!("step-{:06}", f.step)));
+            let staged = out.join("cluster").join(format!("step-{:06}", f.step));
+            let _ = std::fs::remove_dir_all(staged);
             self.p.files.no_val_loss(f.step)?;
         }
         Ok(())
@@ -95,7 +69,7 @@ impl Driver<'_> {
                 Err(e) => e,
             };
             let retrying = Instant::now() + pause < deadline;
-            self.save_failed(SaveFailure {
+            self.save_failed(Failed {
                 step,
                 bytes: 0,
                 error: e.to_string(),

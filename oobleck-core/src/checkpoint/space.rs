@@ -1,5 +1,5 @@
-//! The file system under the run directory: how much is free there, what it is called, and
-//! how large a checkpoint of the job will be, so a save that cannot fit says so in numbers.
+//! The file system under a run directory: how much is free there, what it is called, and how
+//! large a checkpoint of a model is, so a save that cannot fit says so in numbers.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
@@ -84,6 +84,58 @@ fn unescape(field: &str) -> PathBuf {
         }
     }
     PathBuf::from(std::ffi::OsStr::from_bytes(&out))
+}
+
+/// A save of the state after `step` that failed, with the numbers of the disk it was for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveFailure {
+    pub step: u64,
+    /// The checkpoint it was to write.
+    pub path: PathBuf,
+    /// Where `path` is, when the system says.
+    pub space: Option<Space>,
+    pub needed_bytes: u64,
+    pub error: String,
+    /// The save is tried again (the final one, while `--save-wait` lasts).
+    pub retrying: bool,
+}
+
+impl SaveFailure {
+    /// Measures the disk under `out` for a checkpoint of `step` of `needed_bytes`.
+    pub fn measure(
+        out: &Path,
+        step: u64,
+        needed_bytes: u64,
+        error: String,
+        retrying: bool,
+    ) -> Self {
+        SaveFailure {
+            step,
+            path: super::checkpoint_path(out, step),
+            space: space(out),
+            needed_bytes,
+            error,
+            retrying,
+        }
+    }
+
+    /// The warning a person reads; `next` says what happens now.
+    pub fn warning(&self, next: &str) -> String {
+        let room = self.space.as_ref().map_or(String::new(), |s| {
+            format!(
+                " ({} free on {}, a checkpoint needs about {})",
+                human_bytes(s.free_bytes),
+                s.filesystem,
+                human_bytes(self.needed_bytes)
+            )
+        });
+        format!(
+            "warning: the checkpoint of step {} was not saved to {}: {}{room}; {next}",
+            self.step,
+            self.path.display(),
+            self.error
+        )
+    }
 }
 
 /// `n` bytes for a person: `1.5 GB`, `40.0 MB`, `512 B`.
