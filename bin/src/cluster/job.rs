@@ -10,11 +10,15 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use oobleck_core::checkpoint;
+use oobleck_core::planning::{generate_templates, ModelProfile, PlanError};
+use oobleck_core::runtime::host_memory::HostMemory;
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::master::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::wire::Token;
-use oobleck_core::runtime::{Context as _, JobConfig, StepMetrics, TrainingSpec, Workload};
+use oobleck_core::runtime::{
+    Compute, Context as _, JobConfig, StepMetrics, TrainingSpec, Workload,
+};
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -46,13 +50,27 @@ pub enum LaunchMode {
 /// [`workload_config`] for a cluster job started as `launch`: its measured profile is timed as
 /// the ranks sharing a machine run (every rank of a local cluster; a node's devices otherwise).
 pub fn cluster_workload_config(cfg: &TrainConfig, launch: &LaunchMode) -> GptWorkloadConfig {
-    let host_ranks = match launch {
+    GptWorkloadConfig {
+        host_ranks: host_ranks(cfg, launch),
+        ..workload_config(cfg)
+    }
+}
+
+/// The ranks of the job that share one machine's cores and memory: every rank of a local
+/// cluster; a node's devices otherwise (its nodes are taken to be machines like this one).
+fn host_ranks(cfg: &TrainConfig, launch: &LaunchMode) -> usize {
+    let ranks = match launch {
         LaunchMode::Local => cfg.nodes * cfg.devices_per_node,
         LaunchMode::Listen { .. } | LaunchMode::Hostfile { .. } => cfg.devices_per_node,
     };
-    GptWorkloadConfig {
-        host_ranks: host_ranks.max(1),
-        ..workload_config(cfg)
+    ranks.max(1)
+}
+
+/// This machine's memory for the job: `--host-memory`, else what this process may use.
+fn host_memory(cfg: &TrainConfig) -> Option<HostMemory> {
+    match cfg.host_memory {
+        Some(bytes) => Some(HostMemory::given(bytes)),
+        None => HostMemory::of_this_machine(),
     }
 }
 
@@ -73,8 +91,18 @@ pub fn run(
             cfg.nodes
         );
     }
-    let spec = training_spec(&cfg)?;
-    let predicted_ms = first_plan_ms(&spec, &workload)?;
+    let mut spec = training_spec(&cfg)?;
+    // A CPU device is the share of this machine's memory of one of the ranks that run here.
+    let sharing = match (spec.compute, host_memory(&cfg)) {
+        (Compute::Cpu, Some(memory)) => Some(Sharing {
+            memory,
+            ranks: host_ranks(&cfg, &launch),
+            local: matches!(launch, LaunchMode::Local),
+        }),
+        _ => None,
+    };
+    spec.device_memory_bytes = sharing.as_ref().map(|s| s.memory.per_rank(s.ranks));
+    let predicted_ms = first_plan_ms(&spec, &workload, sharing.as_ref())?;
     let samples_per_step = spec.global_batch_samples() as f64;
     let (out, resume, plans) = open_job_dir(&cfg, resume)?;
     let params = workload.num_params();
@@ -130,12 +158,38 @@ pub fn run(
     crate::report::finish_run(&out, result)
 }
 
+/// How the ranks of a CPU job share this machine's memory.
+struct Sharing {
+    memory: HostMemory,
+    /// Ranks on this machine ([`host_ranks`]).
+    ranks: usize,
+    /// A local cluster: every node is on this machine.
+    local: bool,
+}
+
 /// Validates the job and its first plan (pinned sizes included) before anything is spawned
-/// or written; returns the plan's predicted step time in ms.
-fn first_plan_ms(spec: &TrainingSpec, workload: &GptWorkload) -> Result<f64> {
+/// or written; returns the plan's predicted step time in ms. A CPU job is first checked
+/// against this machine's memory ([`check_fits`]), so that nothing is measured that cannot
+/// fit.
+fn first_plan_ms(
+    spec: &TrainingSpec,
+    workload: &GptWorkload,
+    sharing: Option<&Sharing>,
+) -> Result<f64> {
     spec.validate()?;
+    let device = spec.device_spec()?;
+    let estimated = matches!(
+        workload.config().profile.as_str(),
+        "measured" | "analytical"
+    );
+    if let Some(sharing) = sharing.filter(|_| estimated) {
+        let estimate = workload
+            .planner_profile(&device, spec.microbatch_size, spec.precision)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        check_fits(spec, estimate, workload, sharing)?;
+    }
     let profile = workload
-        .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
+        .profile(&device, spec.microbatch_size, spec.precision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let profile = master::planned_profile(profile, spec, workload.tokens_per_sample());
     let ids: Vec<u32> = (0..spec.nodes).collect();
@@ -149,6 +203,53 @@ fn first_plan_ms(spec: &TrainingSpec, workload: &GptWorkload) -> Result<f64> {
     Ok(oobleck_core::planning::profile::ns_to_ms(
         first_plan.compute_ns + first_plan.sync_ns,
     ))
+}
+
+/// Refuses a job whose pipelines cannot fit its devices on the analytical profile `estimate`
+/// (the planner's memory check, [`generate_templates`]'s `ModelTooLarge` and `Infeasible`),
+/// before anything is measured: a measured profile of a model that large would take the
+/// machine's memory itself. Other problems of the plan are said after profiling, as always.
+fn check_fits(
+    spec: &TrainingSpec,
+    estimate: ModelProfile,
+    workload: &GptWorkload,
+    sharing: &Sharing,
+) -> Result<()> {
+    let profile = master::planned_profile(estimate, spec, workload.tokens_per_sample());
+    let cluster = spec.device_spec()?.cluster(spec.devices_per_node);
+    let job = spec.job_spec(spec.fault_threshold);
+    match generate_templates(&profile, &cluster, &job, spec.nodes) {
+        Err(e @ (PlanError::ModelTooLarge { .. } | PlanError::Infeasible { .. })) => {
+            bail!("{}", memory_refusal(&e, sharing))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The planner's refusal, then where a device's memory comes from on this machine and what
+/// else changes it.
+fn memory_refusal(e: &PlanError, sharing: &Sharing) -> String {
+    let Sharing {
+        memory,
+        ranks,
+        local,
+    } = sharing;
+    let mut text = format!(
+        "{e}.\nChecked before profiling, on the analytical profile: nothing was measured. A \
+         device here has {}",
+        memory.describe(*ranks)
+    );
+    if *local && *ranks > 1 {
+        text.push_str(
+            " by the ranks of this local cluster (--nodes x --devices-per-node): more nodes \
+             here share the same memory, more machines (--hostfile or --listen) add theirs",
+        );
+    }
+    text.push_str(
+        ". --host-memory sets this machine's memory where it is known better; a smaller \
+         --model (`oobleck models` lists them) needs less",
+    );
+    text
 }
 
 /// A resumed job's checkpoint (absolute) and its step.
