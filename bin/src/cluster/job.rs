@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use oobleck_core::checkpoint;
 use oobleck_core::planning::{generate_templates, ModelProfile, PlanError};
-use oobleck_core::runtime::host_memory::HostMemory;
+use oobleck_core::runtime::host_memory::{HostMemory, MemoryBound};
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::master::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
@@ -186,7 +186,8 @@ fn first_plan_ms(
         let estimate = workload
             .planner_profile(&device, spec.microbatch_size, spec.precision)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        check_fits(spec, estimate, workload, sharing)?;
+        let estimate = master::planned_profile(estimate, spec, workload.tokens_per_sample());
+        check_fits(spec, &estimate, sharing)?;
     }
     let profile = workload
         .profile(&device, spec.microbatch_size, spec.precision)
@@ -206,19 +207,14 @@ fn first_plan_ms(
 }
 
 /// Refuses a job whose pipelines cannot fit its devices on the analytical profile `estimate`
-/// (the planner's memory check, [`generate_templates`]'s `ModelTooLarge` and `Infeasible`),
+/// (as planned: [`master::planned_profile`]; the planner's memory check,
+/// [`generate_templates`]'s `ModelTooLarge` and `Infeasible`),
 /// before anything is measured: a measured profile of a model that large would take the
 /// machine's memory itself. Other problems of the plan are said after profiling, as always.
-fn check_fits(
-    spec: &TrainingSpec,
-    estimate: ModelProfile,
-    workload: &GptWorkload,
-    sharing: &Sharing,
-) -> Result<()> {
-    let profile = master::planned_profile(estimate, spec, workload.tokens_per_sample());
+fn check_fits(spec: &TrainingSpec, estimate: &ModelProfile, sharing: &Sharing) -> Result<()> {
     let cluster = spec.device_spec()?.cluster(spec.devices_per_node);
     let job = spec.job_spec(spec.fault_threshold);
-    match generate_templates(&profile, &cluster, &job, spec.nodes) {
+    match generate_templates(estimate, &cluster, &job, spec.nodes) {
         Err(e @ (PlanError::ModelTooLarge { .. } | PlanError::Infeasible { .. })) => {
             bail!("{}", memory_refusal(&e, sharing))
         }
@@ -239,7 +235,8 @@ fn memory_refusal(e: &PlanError, sharing: &Sharing) -> String {
          device here has {}",
         memory.describe(*ranks)
     );
-    if *local && *ranks > 1 {
+    let shared = memory.bound_for(*ranks) != MemoryBound::AddressSpace;
+    if *local && *ranks > 1 && shared {
         text.push_str(
             " by the ranks of this local cluster (--nodes x --devices-per-node): more nodes \
              here share the same memory, more machines (--hostfile or --listen) add theirs",
@@ -474,4 +471,74 @@ fn step_time_line(step_ms: &[f64], predicted_ms: f64) -> String {
         v.len(),
         100.0 * (measured - predicted_ms) / predicted_ms.max(1e-9)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oobleck_core::planning::analytical_profile;
+    use oobleck_models::ModelConfig;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The job of `train --model M` on a local cluster of 4 nodes (the defaults, and a preset's
+    /// recipe) on a machine of `gib` GiB, and the analytical profile it is checked on.
+    fn job(model: &str, gib: u64) -> (TrainingSpec, ModelProfile, Sharing) {
+        let mut cfg = TrainConfig {
+            model: model.into(),
+            device: "cpu".into(),
+            ..TrainConfig::default()
+        };
+        cfg.apply_recipe(|_| false);
+        let sharing = Sharing {
+            memory: HostMemory::given(gib * GIB),
+            ranks: host_ranks(&cfg, &LaunchMode::Local),
+            local: true,
+        };
+        let mut spec = training_spec(&cfg).expect("a valid job");
+        spec.device_memory_bytes = Some(sharing.memory.per_rank(sharing.ranks));
+        let shape = ModelConfig::preset(model)
+            .and_then(|m| m.planner_shape(cfg.seq_len))
+            .expect("a preset");
+        let device = spec.device_spec().expect("cpu");
+        let estimate = analytical_profile(model, &shape, &device, 4, spec.precision);
+        (spec, estimate, sharing)
+    }
+
+    #[test]
+    fn a_model_that_cannot_fit_is_refused_with_the_memory_it_needs_and_has() {
+        let (spec, estimate, sharing) = job("gpt3-2.7b", 24);
+        let e = check_fits(&spec, &estimate, &sharing)
+            .expect_err("gpt3-2.7b at 2048 tokens does not fit 24 GiB")
+            .to_string();
+        assert!(
+            e.starts_with(
+                "the model does not fit: even one layer per stage needs 210.0 GiB per \
+                           device, the device has 5.5 GiB"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.contains("5.5 GiB each of 4 processes: 24.0 GiB (--host-memory) less 8% slack"),
+            "{e}"
+        );
+        assert!(
+            e.contains("nothing was measured") && e.contains("--recompute"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_model_that_fits_passes_and_more_nodes_on_one_machine_do_not_help() {
+        let (spec, estimate, sharing) = job("gpt-mini", 24);
+        check_fits(&spec, &estimate, &sharing).expect("gpt-mini fits 24 GiB");
+        // gpt2 at its whole context fits 4 ranks of 96 GiB, not of 8.
+        let (spec, estimate, sharing) = job("gpt2", 96);
+        check_fits(&spec, &estimate, &sharing).expect("gpt2 fits 96 GiB");
+        let (spec, estimate, sharing) = job("gpt2", 8);
+        let e = check_fits(&spec, &estimate, &sharing)
+            .expect_err("8 GiB")
+            .to_string();
+        assert!(e.contains("more nodes here share the same memory"), "{e}");
+    }
 }

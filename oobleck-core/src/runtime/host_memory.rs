@@ -182,7 +182,7 @@ fn address_space_limit() -> Option<u64> {
     };
     // SAFETY: getrlimit writes one `rlimit` through a pointer to a live, owned value.
     let rc = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) };
-    (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u64)
+    (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
 #[cfg(test)]
