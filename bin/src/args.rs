@@ -153,6 +153,12 @@ pub struct TrainArgs {
     /// a profile JSON written by `oobleck profile --out`.
     #[arg(long, value_name = "measured|analytical|FILE", env = "OOBLECK_PROFILE")]
     pub profile: Option<String>,
+    /// The memory this machine gives the job, e.g. `8GiB`, `512MiB` or bytes: a CPU job's
+    /// devices are an equal share of it among the ranks that run here, and a measured profile
+    /// is taken within it. Default: what this process may use, the smallest of MemAvailable
+    /// (/proc/meminfo), its cgroup's memory limit and `ulimit -v`.
+    #[arg(long, value_name = "SIZE", env = "OOBLECK_HOST_MEMORY", value_parser = parse_size)]
+    pub host_memory: Option<u64>,
     /// Multi-machine: run the master on ADDR (IP:PORT) and wait for `--expect-nodes` agents
     /// started with `oobleck agent --master ADDR` instead of starting local ones.
     #[arg(long)]
@@ -217,6 +223,9 @@ impl TrainArgs {
         if let Some(p) = &self.profile {
             c.profile = Some(p.clone());
         }
+        if self.host_memory.is_some() {
+            c.host_memory = self.host_memory;
+        }
         if let Some(s) = self.join_after {
             c.join_after_s = s;
         }
@@ -254,6 +263,34 @@ impl TrainArgs {
         let c = c.with_derived();
         c.validate()?;
         Ok(c)
+    }
+}
+
+/// A size in bytes: a number with an optional binary unit, `K`, `M`, `G` or `T` (also `KiB`,
+/// `KB`...; all powers of 1024), as `--host-memory` takes it.
+pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => {
+            return Err(format!(
+                "{text:?}: expected a size such as 8GiB, 512MiB or bytes"
+            ))
+        }
+    };
+    match number.parse::<f64>() {
+        Ok(n) if n.is_finite() && n >= 1.0 => Ok((n * (1u64 << shift) as f64) as u64),
+        _ => Err(format!(
+            "{text:?}: expected a size of at least 1 byte, such as 8GiB, 512MiB or bytes"
+        )),
     }
 }
 

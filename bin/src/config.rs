@@ -94,6 +94,11 @@ pub struct TrainConfig {
     /// `config.json`: it changes the plan, never the training.
     #[serde(skip)]
     pub profile: Option<String>,
+    /// `--host-memory`: this machine's memory for the job, bytes. None: what this process may
+    /// use, read from the machine (`HostMemory::of_this_machine`). Not saved in `config.json`:
+    /// it changes the plan and how the profile is measured, never the training.
+    #[serde(skip)]
+    pub host_memory: Option<u64>,
     /// How long (ms) a node may be silent before it is declared lost: a hung machine or agent
     /// (SIGSTOP) is caught after this. Agents send a heartbeat every 500 ms, so the default of
     /// 3000 lets 5 heartbeats in a row go missing (an agent on a saturated 2-core machine is
@@ -170,6 +175,7 @@ impl Default for TrainConfig {
             precision: Precision::Fp32,
             recompute: false,
             profile: None,
+            host_memory: None,
             lease_ms: 3000,
             join_after_s: 30.0,
             hang_timeout_s: 1.5,
@@ -468,6 +474,8 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         compute: placement.compute,
         precision,
         recompute: cfg.recompute,
+        // The cluster job sets it: it knows how many ranks share this machine.
+        device_memory_bytes: None,
     })
 }
 
@@ -484,6 +492,7 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
         tokenizer: cfg.tokenizer.clone(),
         profile: cfg.profile.clone().unwrap_or_else(|| "measured".into()),
         host_ranks: 1,
+        host_memory_bytes: cfg.host_memory,
     }
 }
 

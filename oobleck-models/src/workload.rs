@@ -19,6 +19,8 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use oobleck_core::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::planning::{analytical_profile, DeviceSpec, Dtype, ModelProfile};
+use oobleck_core::profiler::RankShare;
+use oobleck_core::runtime::host_memory::HostMemory;
 use oobleck_core::runtime::{BoxError, TrainingSpec, Workload};
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +74,10 @@ pub struct GptWorkloadConfig {
     /// its share of the cores. Default 1: one process owns the machine (`--nodes 1`,
     /// `oobleck profile`).
     pub host_ranks: usize,
+    /// This machine's memory, bytes, as the user gave it (`train --host-memory`): a measured
+    /// profile is taken within it. Default none: what this process may use, read from the
+    /// machine ([`HostMemory::of_this_machine`]).
+    pub host_memory_bytes: Option<u64>,
 }
 
 impl Default for GptWorkloadConfig {
@@ -87,6 +93,7 @@ impl Default for GptWorkloadConfig {
             tokenizer: None,
             profile: "analytical".into(),
             host_ranks: 1,
+            host_memory_bytes: None,
         }
     }
 }
@@ -294,7 +301,8 @@ impl GptWorkload {
     }
 
     /// Measures every layer on `device` with microbatch 0 of step 0 as the sample (see
-    /// [`oobleck_core::profiler`]): `warmup` untimed and `repeats` timed passes per layer.
+    /// [`oobleck_core::profiler`]): `warmup` untimed and `repeats` timed passes per layer, on
+    /// the CPU within this machine's memory ([`GptWorkload::measurement`]).
     pub fn measure_profile(
         &self,
         device: &Device,
@@ -302,13 +310,26 @@ impl GptWorkload {
         warmup: usize,
         repeats: usize,
     ) -> Result<oobleck_core::profiler::Measured> {
+        let share = self.measurement(device)?;
+        self.measure_as(device, precision, warmup, repeats, share.as_ref())
+    }
+
+    /// [`GptWorkload::measure_profile`] measured as `share` says (`None`: one copy as it is).
+    fn measure_as(
+        &self,
+        device: &Device,
+        precision: Dtype,
+        warmup: usize,
+        repeats: usize,
+        share: Option<&RankShare>,
+    ) -> Result<oobleck_core::profiler::Measured> {
+        use oobleck_core::profiler::{measure, measure_as_ranks, measure_in_windows};
         let (inputs, targets) = to_tensors(&self.train_batch(0, 0, 0)?, device)?;
         let req = self.profile_request(&inputs, &targets, device, precision, warmup, repeats);
-        Ok(match self.rank_share(device) {
-            Some((ranks, threads)) => {
-                oobleck_core::profiler::measure_as_ranks(&req, ranks, threads)?
-            }
-            None => oobleck_core::profiler::measure(&req)?,
+        Ok(match share {
+            Some(share) if share.ranks > 1 => measure_as_ranks(&req, share)?,
+            Some(share) => measure_in_windows(&req, share.window_bytes)?,
+            None => measure(&req)?,
         })
     }
 
@@ -317,6 +338,69 @@ impl GptWorkload {
     fn rank_share(&self, device: &Device) -> Option<(usize, usize)> {
         let ranks = self.cfg.host_ranks;
         (ranks > 1 && device.is_cpu()).then(|| (ranks, oobleck_core::profiler::rank_threads(ranks)))
+    }
+
+    /// The memory a measurement here may use: `host_memory_bytes`, else this machine's.
+    fn host_memory(&self) -> Option<HostMemory> {
+        match self.cfg.host_memory_bytes {
+            Some(bytes) => Some(HostMemory::given(bytes)),
+            None => HostMemory::of_this_machine(),
+        }
+    }
+
+    /// How a CPU profile is measured within this process's memory ([`RankShare::within`], on
+    /// the sizes of the analytical profile): every rank's copy at once in full windows where
+    /// they fit, as always. `None` on a GPU, or where the machine's memory is not known. A
+    /// model whose largest layer alone does not fit is refused, with what it needs.
+    fn measurement(&self, device: &Device) -> Result<Option<RankShare>> {
+        if !device.is_cpu() {
+            return Ok(None);
+        }
+        let (ranks, threads) = self.rank_share(device).unwrap_or((1, 0));
+        let Some(memory) = self.host_memory() else {
+            return Ok(Some(RankShare::all_at_once(ranks, threads)));
+        };
+        let cpu = DeviceSpec::named("cpu").expect("the planner's table has `cpu`");
+        let b = self.cfg.microbatch_size as u32;
+        // In f32 whatever `precision` is: Candle's CPU backend computes bf16 by widening to
+        // f32 (see `CPU_BF16_RATE`), and with bf16 sizes 4 copies of gpt3-350m at 2048 tokens
+        // were estimated at 14.5 GB and took 19 GB.
+        let sizes = self.planner_profile(cpu, b, Dtype::F32)?.layers;
+        let budget = memory.per_rank(1);
+        RankShare::within(ranks, threads, &sizes, budget)
+            .map(Some)
+            .ok_or_else(|| {
+                let need = oobleck_core::profiler::copy_bytes(&sizes, 0);
+                Error::Invalid(format!(
+                    "profiling {} needs {:.1} GiB at once (its largest layer's forward and \
+                     backward on a microbatch of {b} x {} tokens), and this process may use {}. \
+                     Ways out: a smaller --microbatch-size or --seq-len, --precision bf16, more \
+                     memory (--host-memory if it is known better), or --profile analytical, \
+                     which measures nothing",
+                    self.cfg.model,
+                    need as f64 / (1u64 << 30) as f64,
+                    self.cfg.seq_len,
+                    memory.describe(1)
+                ))
+            })
+    }
+
+    /// How a measurement is run, for the profile line: `, as 4 ranks of 1 thread(s) at once`
+    /// (nothing for one process in full windows), then the budget when it changed anything.
+    fn measurement_words(&self, share: Option<&RankShare>) -> String {
+        let Some(share) = share else {
+            return String::new();
+        };
+        let full = RankShare::all_at_once(share.ranks, share.threads);
+        let words = match share.ranks {
+            1 if *share == full => return String::new(),
+            1 => "one layer at a time".to_string(),
+            _ => share.describe(oobleck_core::profiler::host_cores()),
+        };
+        match self.host_memory() {
+            Some(m) if *share != full => format!(", {words}, to fit in {}", m.describe(1)),
+            _ => format!(", {words}"),
+        }
     }
 
     /// The fingerprint [`GptWorkload::measure_profile`] gives on `device`.
@@ -345,19 +429,17 @@ impl GptWorkload {
         })?;
         let start = std::time::Instant::now();
         let (p, source) = cache::load_or_measure(&dir, &fp, || {
-            let share = match self.rank_share(&device) {
-                Some((ranks, threads)) => {
-                    format!(", as {ranks} ranks of {threads} thread(s) at once")
-                }
-                None => String::new(),
-            };
+            let share = self.measurement(&device)?;
             eprintln!(
-                "profiling {}: {} layers, microbatch {}{share} ...",
+                "profiling {}: {} layers, microbatch {}{} ...",
                 self.cfg.model,
                 self.model.num_layers(),
-                self.cfg.microbatch_size
+                self.cfg.microbatch_size,
+                self.measurement_words(share.as_ref())
             );
-            Ok(self.measure_profile(&device, precision, 2, 5)?.profile)
+            Ok(self
+                .measure_as(&device, precision, 2, 5, share.as_ref())?
+                .profile)
         })?;
         let secs = start.elapsed().as_secs_f64();
         match source {

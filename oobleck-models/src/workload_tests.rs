@@ -173,6 +173,7 @@ fn a_job_batching_otherwise_than_the_workload_is_refused() {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        device_memory_bytes: None,
     };
     w.check(&spec).expect("the same batch");
     spec.global_microbatches = 4;

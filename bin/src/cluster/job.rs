@@ -10,11 +10,15 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use oobleck_core::checkpoint;
+use oobleck_core::planning::{generate_templates, ModelProfile, PlanError};
+use oobleck_core::runtime::host_memory::{HostMemory, MemoryBound};
 use oobleck_core::runtime::job::Limits;
 use oobleck_core::runtime::master::{self, JobOptions, Observer, Started};
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::wire::Token;
-use oobleck_core::runtime::{Context as _, JobConfig, StepMetrics, TrainingSpec, Workload};
+use oobleck_core::runtime::{
+    Compute, Context as _, JobConfig, StepMetrics, TrainingSpec, Workload,
+};
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -46,13 +50,27 @@ pub enum LaunchMode {
 /// [`workload_config`] for a cluster job started as `launch`: its measured profile is timed as
 /// the ranks sharing a machine run (every rank of a local cluster; a node's devices otherwise).
 pub fn cluster_workload_config(cfg: &TrainConfig, launch: &LaunchMode) -> GptWorkloadConfig {
-    let host_ranks = match launch {
+    GptWorkloadConfig {
+        host_ranks: host_ranks(cfg, launch),
+        ..workload_config(cfg)
+    }
+}
+
+/// The ranks of the job that share one machine's cores and memory: every rank of a local
+/// cluster; a node's devices otherwise (its nodes are taken to be machines like this one).
+fn host_ranks(cfg: &TrainConfig, launch: &LaunchMode) -> usize {
+    let ranks = match launch {
         LaunchMode::Local => cfg.nodes * cfg.devices_per_node,
         LaunchMode::Listen { .. } | LaunchMode::Hostfile { .. } => cfg.devices_per_node,
     };
-    GptWorkloadConfig {
-        host_ranks: host_ranks.max(1),
-        ..workload_config(cfg)
+    ranks.max(1)
+}
+
+/// This machine's memory for the job: `--host-memory`, else what this process may use.
+fn host_memory(cfg: &TrainConfig) -> Option<HostMemory> {
+    match cfg.host_memory {
+        Some(bytes) => Some(HostMemory::given(bytes)),
+        None => HostMemory::of_this_machine(),
     }
 }
 
@@ -73,8 +91,18 @@ pub fn run(
             cfg.nodes
         );
     }
-    let spec = training_spec(&cfg)?;
-    let predicted_ms = first_plan_ms(&spec, &workload)?;
+    let mut spec = training_spec(&cfg)?;
+    // A CPU device is the share of this machine's memory of one of the ranks that run here.
+    let sharing = match (spec.compute, host_memory(&cfg)) {
+        (Compute::Cpu, Some(memory)) => Some(Sharing {
+            memory,
+            ranks: host_ranks(&cfg, &launch),
+            local: matches!(launch, LaunchMode::Local),
+        }),
+        _ => None,
+    };
+    spec.device_memory_bytes = sharing.as_ref().map(|s| s.memory.per_rank(s.ranks));
+    let predicted_ms = first_plan_ms(&spec, &workload, sharing.as_ref())?;
     let samples_per_step = spec.global_batch_samples() as f64;
     let (out, resume, plans) = open_job_dir(&cfg, resume)?;
     let params = workload.num_params();
@@ -131,12 +159,39 @@ pub fn run(
     crate::report::finish_run(&out, result)
 }
 
+/// How the ranks of a CPU job share this machine's memory.
+struct Sharing {
+    memory: HostMemory,
+    /// Ranks on this machine ([`host_ranks`]).
+    ranks: usize,
+    /// A local cluster: every node is on this machine.
+    local: bool,
+}
+
 /// Validates the job and its first plan (pinned sizes included) before anything is spawned
-/// or written; returns the plan's predicted step time in ms.
-fn first_plan_ms(spec: &TrainingSpec, workload: &GptWorkload) -> Result<f64> {
+/// or written; returns the plan's predicted step time in ms. A CPU job is first checked
+/// against this machine's memory ([`check_fits`]), so that nothing is measured that cannot
+/// fit.
+fn first_plan_ms(
+    spec: &TrainingSpec,
+    workload: &GptWorkload,
+    sharing: Option<&Sharing>,
+) -> Result<f64> {
     spec.validate()?;
+    let device = spec.device_spec()?;
+    let estimated = matches!(
+        workload.config().profile.as_str(),
+        "measured" | "analytical"
+    );
+    if let Some(sharing) = sharing.filter(|_| estimated) {
+        let estimate = workload
+            .planner_profile(&device, spec.microbatch_size, spec.precision)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let estimate = master::planned_profile(estimate, spec, workload.tokens_per_sample());
+        check_fits(spec, &estimate, sharing)?;
+    }
     let profile = workload
-        .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
+        .profile(&device, spec.microbatch_size, spec.precision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let profile = master::planned_profile(profile, spec, workload.tokens_per_sample());
     let ids: Vec<u32> = (0..spec.nodes).collect();
@@ -150,6 +205,49 @@ fn first_plan_ms(spec: &TrainingSpec, workload: &GptWorkload) -> Result<f64> {
     Ok(oobleck_core::planning::profile::ns_to_ms(
         first_plan.compute_ns + first_plan.sync_ns,
     ))
+}
+
+/// Refuses a job whose pipelines cannot fit its devices on the analytical profile `estimate`
+/// (as planned: [`master::planned_profile`]; the planner's memory check,
+/// [`generate_templates`]'s `ModelTooLarge` and `Infeasible`),
+/// before anything is measured: a measured profile of a model that large would take the
+/// machine's memory itself. Other problems of the plan are said after profiling, as always.
+fn check_fits(spec: &TrainingSpec, estimate: &ModelProfile, sharing: &Sharing) -> Result<()> {
+    let cluster = spec.device_spec()?.cluster(spec.devices_per_node);
+    let job = spec.job_spec(spec.fault_threshold);
+    match generate_templates(estimate, &cluster, &job, spec.nodes) {
+        Err(e @ (PlanError::ModelTooLarge { .. } | PlanError::Infeasible { .. })) => {
+            bail!("{}", memory_refusal(&e, sharing))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The planner's refusal, then where a device's memory comes from on this machine and what
+/// else changes it.
+fn memory_refusal(e: &PlanError, sharing: &Sharing) -> String {
+    let Sharing {
+        memory,
+        ranks,
+        local,
+    } = sharing;
+    let mut text = format!(
+        "{e}.\nChecked before profiling, on the analytical profile: nothing was measured. A \
+         device here has {}",
+        memory.describe(*ranks)
+    );
+    let shared = memory.bound_for(*ranks) != MemoryBound::AddressSpace;
+    if *local && *ranks > 1 && shared {
+        text.push_str(
+            " by the ranks of this local cluster (--nodes x --devices-per-node): more nodes \
+             here share the same memory, more machines (--hostfile or --listen) add theirs",
+        );
+    }
+    text.push_str(
+        ". --host-memory sets this machine's memory where it is known better; a smaller \
+         --model (`oobleck models` lists them) needs less",
+    );
+    text
 }
 
 /// A resumed job's checkpoint (absolute) and its step.
@@ -374,4 +472,74 @@ fn step_time_line(step_ms: &[f64], predicted_ms: f64) -> String {
         v.len(),
         100.0 * (measured - predicted_ms) / predicted_ms.max(1e-9)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oobleck_core::planning::analytical_profile;
+    use oobleck_models::ModelConfig;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The job of `train --model M` on a local cluster of 4 nodes (the defaults, and a preset's
+    /// recipe) on a machine of `gib` GiB, and the analytical profile it is checked on.
+    fn job(model: &str, gib: u64) -> (TrainingSpec, ModelProfile, Sharing) {
+        let mut cfg = TrainConfig {
+            model: model.into(),
+            device: "cpu".into(),
+            ..TrainConfig::default()
+        };
+        cfg.apply_recipe(|_| false);
+        let sharing = Sharing {
+            memory: HostMemory::given(gib * GIB),
+            ranks: host_ranks(&cfg, &LaunchMode::Local),
+            local: true,
+        };
+        let mut spec = training_spec(&cfg).expect("a valid job");
+        spec.device_memory_bytes = Some(sharing.memory.per_rank(sharing.ranks));
+        let shape = ModelConfig::preset(model)
+            .and_then(|m| m.planner_shape(cfg.seq_len))
+            .expect("a preset");
+        let device = spec.device_spec().expect("cpu");
+        let estimate = analytical_profile(model, &shape, &device, 4, spec.precision);
+        (spec, estimate, sharing)
+    }
+
+    #[test]
+    fn a_model_that_cannot_fit_is_refused_with_the_memory_it_needs_and_has() {
+        let (spec, estimate, sharing) = job("gpt3-2.7b", 24);
+        let e = check_fits(&spec, &estimate, &sharing)
+            .expect_err("gpt3-2.7b at 2048 tokens does not fit 24 GiB")
+            .to_string();
+        assert!(
+            e.starts_with(
+                "the model does not fit: even one layer per stage needs 210.0 GiB per \
+                           device, the device has 5.5 GiB"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.contains("5.5 GiB each of 4 processes: 24.0 GiB (--host-memory) less 8% slack"),
+            "{e}"
+        );
+        assert!(
+            e.contains("nothing was measured") && e.contains("--recompute"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_model_that_fits_passes_and_more_nodes_on_one_machine_do_not_help() {
+        let (spec, estimate, sharing) = job("gpt-mini", 24);
+        check_fits(&spec, &estimate, &sharing).expect("gpt-mini fits 24 GiB");
+        // gpt2 at its whole context fits 4 ranks of 96 GiB, not of 8.
+        let (spec, estimate, sharing) = job("gpt2", 96);
+        check_fits(&spec, &estimate, &sharing).expect("gpt2 fits 96 GiB");
+        let (spec, estimate, sharing) = job("gpt2", 8);
+        let e = check_fits(&spec, &estimate, &sharing)
+            .expect_err("8 GiB")
+            .to_string();
+        assert!(e.contains("more nodes here share the same memory"), "{e}");
+    }
 }

@@ -69,6 +69,7 @@ fn training_spec(cfg: &MlpConfig) -> Result<TrainingSpec, BoxError> {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        device_memory_bytes: None,
     })
 }
 

@@ -258,6 +258,7 @@ pub const DEVICES: &[DeviceSpec] = &[
             bandwidth_gbps: 12.5,
         },
     },
+    // A 16 GiB laptop; `train` plans on this machine's memory instead (see `with_memory`).
     DeviceSpec {
         name: "cpu",
         peak_tflops: 0.2,
@@ -280,6 +281,15 @@ impl DeviceSpec {
     /// Looks a device up by name.
     pub fn named(name: &str) -> Option<&'static DeviceSpec> {
         DEVICES.iter().find(|d| d.name == name)
+    }
+
+    /// This device with `bytes` of usable memory: a CPU's is the machine's, known only where
+    /// the job runs (`runtime::host_memory`), so the table's `cpu` entry is a laptop's default.
+    pub fn with_memory(&self, bytes: u64) -> DeviceSpec {
+        DeviceSpec {
+            memory_bytes: bytes,
+            ..*self
+        }
     }
 
     /// Names of all devices.

@@ -43,7 +43,8 @@ mod ranks;
 mod tests;
 
 pub use ranks::{
-    host_cores, measure_as_ranks, rank_threads, shared_device_kind, threads_per_rank, user_threads,
+    copy_bytes, host_cores, measure_as_ranks, rank_threads, shared_device_kind, threads_per_rank,
+    user_threads, RankShare,
 };
 
 /// What to measure: a model, one sample microbatch and how many passes.

@@ -159,7 +159,8 @@ fn a_profile_measured_as_ranks_names_the_sharing_and_keeps_every_layer() {
     let (inputs, targets) = sample(2, 5);
     let req = request(&model, "tiny-3", &inputs, &targets);
     let alone = measure(&req).expect("alone");
-    let shared = measure_as_ranks(&req, 3, 1).expect("as 3 ranks of 1 thread");
+    let shared =
+        measure_as_ranks(&req, &RankShare::all_at_once(3, 1)).expect("as 3 ranks of 1 thread");
     let p = &shared.profile;
     p.validate().expect("valid");
     assert!(p.fingerprint.device_kind.ends_with("x1/3 ranks"), "{p:?}");

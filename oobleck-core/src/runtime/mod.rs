@@ -35,6 +35,7 @@ pub mod allocator;
 pub mod device;
 mod entry;
 pub mod error;
+pub mod host_memory;
 pub mod job;
 pub mod master;
 pub mod net;

@@ -117,6 +117,11 @@ pub struct TrainingSpec {
     /// Drop each layer's forward activations and recompute them in backward.
     #[serde(default)]
     pub recompute: bool,
+    /// Usable memory of one device, bytes, where the planner's table does not know it: on the
+    /// CPU, this machine's memory shared out among the ranks that run on it
+    /// ([`super::host_memory::HostMemory::per_rank`]). `None`: the table's value.
+    #[serde(default)]
+    pub device_memory_bytes: Option<u64>,
 }
 
 impl TrainingSpec {
@@ -161,10 +166,14 @@ impl TrainingSpec {
         Ok(AdamW::new(self.optimizer)?)
     }
 
-    /// The planner's model of the device.
-    pub fn device_spec(&self) -> Result<&'static DeviceSpec> {
-        DeviceSpec::named(&self.device).ok_or_else(|| {
+    /// The planner's model of the device, with [`TrainingSpec::device_memory_bytes`] when set.
+    pub fn device_spec(&self) -> Result<DeviceSpec> {
+        let named = DeviceSpec::named(&self.device).ok_or_else(|| {
             SpecError::Invalid(format!("the planner knows no device {:?}", self.device))
+        })?;
+        Ok(match self.device_memory_bytes {
+            Some(bytes) => named.with_memory(bytes),
+            None => *named,
         })
     }
 

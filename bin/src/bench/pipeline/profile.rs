@@ -214,7 +214,8 @@ fn measure_concurrently(
         warmup: 1,
         repeats: reps,
     };
-    Ok(oobleck_core::profiler::measure_as_ranks(&req, copies, threads)?.profile)
+    let share = oobleck_core::profiler::RankShare::all_at_once(copies, threads);
+    Ok(oobleck_core::profiler::measure_as_ranks(&req, &share)?.profile)
 }
 
 /// The planner's template of `s` nodes of one CPU device each for `m` microbatches, from a

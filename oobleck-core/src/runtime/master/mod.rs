@@ -324,7 +324,7 @@ async fn start_agents(
 fn checked_profile(workload: &dyn Workload, spec: &TrainingSpec) -> Result<ModelProfile> {
     workload.check(spec).map_err(RuntimeError::Workload)?;
     let profile = workload
-        .profile(spec.device_spec()?, spec.microbatch_size, spec.precision)
+        .profile(&spec.device_spec()?, spec.microbatch_size, spec.precision)
         .map_err(RuntimeError::Workload)?;
     let layers = workload.model().num_layers();
     if profile.layers.len() != layers {

@@ -35,6 +35,7 @@ pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        device_memory_bytes: None,
     }
 }
 
