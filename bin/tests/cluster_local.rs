@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -213,12 +214,11 @@ fn pinned_pipelines_that_do_not_fit_the_nodes_are_refused_before_anything_starts
     assert!(!out.exists(), "nothing may be created or started");
 }
 
-#[test]
-fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let out = dir.path().join("run");
+/// Starts a 2-node job of many steps that checkpoints every step and returns it, with its
+/// `train` pid, once a step is committed.
+fn long_job(out: &Path) -> (Guard, u32) {
     let mut cmd = train_cmd(
-        &out,
+        out,
         10_000,
         &[
             "--nodes",
@@ -229,7 +229,7 @@ fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
             "0",
         ],
     );
-    let mut g = Guard(Some(cmd.spawn().expect("start train")));
+    let g = Guard(Some(cmd.spawn().expect("start train")));
     let pid = g.0.as_ref().expect("child").id();
     let start = Instant::now();
     while !std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
@@ -239,17 +239,69 @@ fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    // SIGINT to train alone (a terminal would also signal its children).
+    (g, pid)
+}
+
+fn signal(pid: u32, sig: &str) {
     let sent = Command::new("kill")
-        .args(["-INT", &pid.to_string()])
+        .args([sig, &pid.to_string()])
         .status()
         .expect("kill");
     assert!(sent.success());
+}
+
+/// Ctrl-C and SIGTERM to the master stop the job after the next step with its checkpoint,
+/// record it, and exit 0 (issue 43; this test wanted a failure with no checkpoint before).
+#[test]
+fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
+    for sig in ["-INT", "-TERM"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("run");
+        let (mut g, pid) = long_job(&out);
+        // To train alone (a terminal would also signal its children, which ignore SIGINT).
+        signal(pid, sig);
+        let o = g.finish(Duration::from_secs(30));
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{sig}: {stderr}");
+        let name = format!("SIG{}", &sig[1..]);
+        assert!(
+            stderr.contains(&format!("{name}: stopping after step")),
+            "{stderr}"
+        );
+        assert!(stderr.contains("--resume"), "{stderr}");
+        let stop = events(&out)
+            .into_iter()
+            .find(|e| e["event"] == "stop_requested")
+            .expect("a stop_requested event");
+        assert_eq!(stop["signal"], name.as_str());
+        let step = stop["step"].as_u64().unwrap();
+        let finish = events(&out)
+            .into_iter()
+            .find(|e| e["event"] == "finish")
+            .expect("a finish event");
+        assert_eq!(finish["step"], step, "stopped after the step it said");
+        let newest = latest_checkpoint(&out).unwrap().expect("a checkpoint");
+        assert!(newest.ends_with(format!("step-{step:06}")), "{newest:?}");
+        assert!(!out.join("master.token").exists());
+        assert_all_gone(&out, 4);
+    }
+}
+
+/// A second signal stops the job at once, without waiting for a step.
+#[test]
+fn a_second_signal_stops_the_job_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let (mut g, pid) = long_job(&out);
+    signal(pid, "-TERM");
+    signal(pid, "-TERM");
     let o = g.finish(Duration::from_secs(30));
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
-    assert!(stderr.contains("interrupted (Ctrl-C)"), "{stderr}");
-    assert!(!out.join("master.token").exists());
+    assert!(!o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("stopped at once by a second SIGTERM"),
+        "{stderr}"
+    );
     assert_all_gone(&out, 4);
 }
 

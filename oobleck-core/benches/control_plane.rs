@@ -71,6 +71,7 @@ fn framing(c: &mut Criterion) {
     let commit = Message::StepCommitted {
         step: 1234,
         generation: 2,
+        last: false,
     };
     let plan = plan_assignment();
     let plan_bytes = protocol::encode_frame(&plan).expect("encodes").len();
@@ -112,7 +113,7 @@ fn commit_round_trip(c: &mut Criterion) {
         b.iter(|| {
             rt.block_on(async {
                 step += 1;
-                assert!(master.commit_step(step, 0.0).await.is_empty());
+                assert!(master.commit_step(step, 0.0, false).await.is_empty());
                 for agent in &mut agents {
                     match agent.recv(T).await.expect("a commit") {
                         Message::StepCommitted { step: s, .. } if s == step => {}

@@ -148,6 +148,7 @@ async fn messages_flow_both_ways_and_an_agent_sees_its_master_go() {
     let commit = Message::StepCommitted {
         step: 3,
         generation: 1,
+        last: false,
     };
     master.send_to(node, commit.clone()).await.unwrap();
     assert_eq!(agent.recv(T).await.unwrap(), commit);
@@ -288,13 +289,14 @@ async fn the_master_distributes_the_plan_rendezvous_and_generation_then_commits(
             other => panic!("expected a plan, got {other:?}"),
         }
     }
-    assert!(master.commit_step(0, 10.0).await.is_empty());
+    assert!(master.commit_step(0, 10.0, false).await.is_empty());
     for agent in [&mut a, &mut b] {
         assert_eq!(
             agent.recv(T).await.unwrap(),
             Message::StepCommitted {
                 step: 0,
-                generation: 1
+                generation: 1,
+                last: false
             }
         );
     }

@@ -115,6 +115,15 @@ fn train_cluster(cfg: TrainConfig, launch: LaunchMode, args: &TrainArgs) -> Resu
         summary.tokens_per_s,
         summary.wall_s
     );
+    if summary.steps < cfg.steps {
+        eprintln!(
+            "stopped at step {} of {}, as a signal asked: `train --resume {}` goes on from its \
+             checkpoint",
+            summary.steps,
+            cfg.steps,
+            summary.out.display()
+        );
+    }
     if let Some(c) = &summary.checkpoint {
         eprintln!("checkpoint: {}", c.display());
         if cfg.sample > 0 {

@@ -95,6 +95,16 @@ pub fn agent_command(
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
+    // A Ctrl-C at the terminal signals the whole process group: the master alone takes it (and
+    // stops the job after a step, with a checkpoint); the agent and the workers it starts,
+    // which inherit the ignored signal, go when the master tells them to.
+    // SAFETY: between fork and exec only `signal`, which is async-signal-safe, runs.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+            Ok(())
+        });
+    }
     cmd
 }
 

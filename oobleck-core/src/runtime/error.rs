@@ -17,6 +17,17 @@ pub enum RuntimeError {
     /// it (fault threshold 0, or the failure repeats while the generation forms).
     #[error("{what}")]
     NodeFailure { what: String },
+    /// A signal asked the job to stop before its first step: nothing was trained to save.
+    #[error("stopped by {signal} before the first step: nothing was trained")]
+    StoppedEarly { signal: String },
+    /// A second signal stopped the job at once, without the checkpoint the first asked for.
+    #[error("stopped at once by a second {signal}; {}", newest.as_deref().map_or(
+        "no checkpoint was written yet".to_string(),
+        |n| format!("the newest checkpoint is {n}")))]
+    Interrupted {
+        signal: String,
+        newest: Option<String>,
+    },
     /// The final state could not be saved within `--save-wait`.
     #[error(
         "the state after the final step {step} could not be saved: {error}; {}. Free space \

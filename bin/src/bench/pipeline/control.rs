@@ -96,7 +96,7 @@ async fn commit_one_step(
             other => bail!("expected StepReady({step}) events, got {other:?}"),
         }
     }
-    let failed = master.commit_step(step, 0.0).await;
+    let failed = master.commit_step(step, 0.0, false).await;
     if let Some((node, e)) = failed.into_iter().next() {
         bail!("commit_step could not reach node {node}: {e}");
     }

@@ -221,6 +221,7 @@ impl JobMachine {
                 force,
             } => self.on_drain_requested(now, node, reason, force),
             Input::Planned(result) => self.on_planned(now, result),
+            Input::StopRequested { signal } => self.on_stop_requested(signal),
             // Gone (node ids are never reused) or stuck: lost either way.
             Input::Unreachable { node, what } => {
                 self.on_node_lost(now, node, LossReason::Unreachable { what })

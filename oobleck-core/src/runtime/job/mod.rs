@@ -185,6 +185,11 @@ pub enum Input {
         joined: Vec<u32>,
         pipelines: Result<usize, PlanError>,
     },
+    /// The master was asked to stop (`signal`: SIGTERM or SIGINT): the run ends after the next
+    /// step, with its checkpoint, as if that were its last.
+    StopRequested {
+        signal: String,
+    },
     /// The checkpoint a `Deploy` was to start from cannot be read (`reason`); `instead` is the
     /// newest older one that can (path, step), if any. Nothing was deployed.
     CheckpointRefused {
@@ -264,6 +269,8 @@ pub enum Action {
         microbatches: Vec<u32>,
         /// Where each rank's time of the step went (ranks that said).
         times: BTreeMap<u32, StepTimes>,
+        /// The run ends with this step (its final one, or a stop asked for).
+        last: bool,
     },
     /// Generation `generation` failed: tell its workers to stop their step now.
     Abort { generation: u64 },

@@ -197,6 +197,7 @@ impl JobMachine {
     pub(super) fn recovering(&mut self, now: Duration, input: Input) {
         match input {
             Input::Tick | Input::Planned(_) => {}
+            Input::StopRequested { signal } => self.on_stop_requested(signal),
             Input::Joined { node, addr } => self.on_join_running(now, node, addr),
             Input::DrainRequested {
                 node,

@@ -35,6 +35,8 @@ pub(super) struct Steps {
     worker_pids: BTreeSet<u32>,
     /// Why the final state of a saver could not be saved, once it gave up.
     final_save_lost: Option<String>,
+    /// A stop was asked for: the run ends with this step.
+    stop_after: Option<u64>,
 }
 
 impl Steps {
@@ -54,7 +56,13 @@ impl Steps {
                 .collect(),
             worker_pids: BTreeSet::new(),
             final_save_lost: None,
+            stop_after: None,
         }
+    }
+
+    /// The step the run ends with: its last, or the one a stop asked for.
+    pub(super) fn last_step(&self, spec: &TrainingSpec) -> u64 {
+        self.stop_after.map_or(spec.steps, |s| s.min(spec.steps))
     }
 
     /// The newest committed step.
@@ -263,6 +271,7 @@ impl JobMachine {
             eval_due: step < self.spec.steps && self.spec.eval_due(step),
             microbatches: read,
             times: times.clone(),
+            last: step >= self.steps.last_step(&self.spec),
         });
         self.commit(now, step, times);
     }
@@ -281,7 +290,7 @@ impl JobMachine {
             ));
             self.push(Action::KillNode { node });
         }
-        if step >= self.spec.steps {
+        if step >= self.steps.last_step(&self.spec) {
             self.phase = Phase::Finishing;
         }
         self.on_step_times(now, step, &times);
@@ -318,7 +327,7 @@ impl JobMachine {
     /// (the other savers' states of that step are dropped); the final save is retried by the
     /// worker for `--save-wait`, each report of it progress, not a stall.
     pub(super) fn on_save_failed(&mut self, step: u64, bytes: u64, error: String, retrying: bool) {
-        let periodic = step < self.spec.steps;
+        let periodic = step < self.steps.last_step(&self.spec);
         if periodic {
             if let Some(g) = self.gen.as_mut() {
                 g.states.remove(&step);
@@ -353,6 +362,32 @@ impl JobMachine {
             periodic: true,
         });
         self.maybe_finish();
+    }
+
+    /// A signal asked the master to stop: the run ends with the next step to commit, saved as
+    /// its final one. Before training starts there is nothing to save: the job ends at once.
+    pub(super) fn on_stop_requested(&mut self, signal: String) {
+        if self.steps.stop_after.is_some() {
+            return;
+        }
+        let step = self.steps.committed + 1;
+        let deployed = self.gen.is_some();
+        match self.phase {
+            Phase::Finishing | Phase::Finished | Phase::Failed => return,
+            Phase::Forming | Phase::Planning { .. } if !deployed => {
+                return self.fail(RuntimeError::StoppedEarly { signal })
+            }
+            _ => {}
+        }
+        self.steps.stop_after = Some(step.min(self.spec.steps));
+        self.record(Event::StopRequested {
+            signal: signal.clone(),
+            step,
+        });
+        self.note(format!(
+            "{signal}: stopping after step {step}, with its checkpoint (send it again to stop at \
+             once, without one)"
+        ));
     }
 
     /// A periodic checkpoint or evaluation is in.

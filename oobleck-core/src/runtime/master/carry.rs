@@ -40,6 +40,8 @@ pub(super) struct Parts<'a> {
     /// Where and how workers upload their state (the master's [`oobleck_comm::BlobSink`]).
     pub state_port: u16,
     pub state_key: SecretKey,
+    /// SIGTERM and SIGINT to this process.
+    pub signals: super::signals::Signals,
 }
 
 /// What the final step left: `(step, pipeline 0's states, each rank's commit wait)`.
@@ -109,6 +111,7 @@ impl<'a> Driver<'a> {
     /// Runs until the machine finishes (then writes the final checkpoint) or fails.
     pub async fn run(&mut self) -> Result<JobSummary> {
         loop {
+            self.take_signal()?;
             while let Some(a) = self.p.machine.poll_action() {
                 self.carry(a).await?;
             }
@@ -137,6 +140,24 @@ impl<'a> Driver<'a> {
             }
             self.feed(input);
         }
+    }
+
+    /// The first signal asks the machine to stop after the next step; a second stops the job
+    /// at once.
+    fn take_signal(&mut self) -> Result<()> {
+        let Some((signal, seen)) = self.p.signals.poll() else {
+            return Ok(());
+        };
+        if seen == 1 {
+            self.feed(Input::StopRequested {
+                signal: signal.into(),
+            });
+            return Ok(());
+        }
+        Err(RuntimeError::Interrupted {
+            signal: signal.into(),
+            newest: save::newest_checkpoint(&self.p.out),
+        })
     }
 
     async fn carry(&mut self, a: Action) -> Result<()> {
@@ -190,11 +211,12 @@ impl<'a> Driver<'a> {
                 eval_due,
                 microbatches,
                 times,
+                last,
             } => {
                 let mut m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
                 m.microbatches = crate::runtime::wire::records::ranges(&microbatches);
                 m.times = times;
-                self.commit(m, eval_due).await?;
+                self.commit(m, eval_due, last).await?;
             }
             Action::Abort { generation } => {
                 let abort = Message::AbortGeneration { generation };
@@ -317,9 +339,13 @@ impl<'a> Driver<'a> {
     }
 
     /// Tells every rank to apply the step, and records it.
-    async fn commit(&mut self, m: StepMetrics, eval_due: bool) -> Result<()> {
+    async fn commit(&mut self, m: StepMetrics, eval_due: bool, last: bool) -> Result<()> {
         let started = Instant::now();
-        let missed = self.p.master.commit_step(m.step, m.samples_per_s).await;
+        let missed = self
+            .p
+            .master
+            .commit_step(m.step, m.samples_per_s, last)
+            .await;
         self.commit_ns += started.elapsed().as_nanos();
         if let Some((node, e)) = missed.into_iter().next() {
             self.unreachable(node, format!("the commit of step {}: {e}", m.step));
@@ -328,7 +354,7 @@ impl<'a> Driver<'a> {
         self.last_loss = Some(m.loss);
         let total = self.spec().steps;
         self.p.observer.step(&m, total);
-        if m.step >= total {
+        if last {
             self.final_metrics = Some(m);
             return Ok(());
         }

@@ -17,6 +17,7 @@ mod conn;
 mod plan;
 mod rundir;
 pub mod server;
+mod signals;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -187,23 +188,9 @@ async fn drive(
         t0,
         state_port: sink.addr().port(),
         state_key,
+        signals: signals::Signals::listen()?,
     });
-    // Ctrl-C reaches every process of a local job (one process group); say so plainly rather
-    // than reporting the workers it killed.
-    let result = tokio::select! {
-        biased;
-        _ = tokio::signal::ctrl_c() => {
-            let newest = crate::checkpoint::latest_checkpoint(&opts.run_dir).ok().flatten();
-            Err(RuntimeError::Invalid(format!(
-                "interrupted (Ctrl-C); {}",
-                match newest {
-                    Some(c) => format!("the newest checkpoint is {}", c.display()),
-                    None => "no checkpoint was written yet".into(),
-                }
-            )))
-        }
-        r = d.run() => r,
-    };
+    let result = d.run().await;
     let files = d.into_files();
     conclude(result, master, agents, files).await
 }

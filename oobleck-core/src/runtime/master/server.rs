@@ -391,10 +391,19 @@ impl Master {
 
     /// Declares `step` committed in the current generation: records it for status and tells
     /// every live node. Returns the nodes it could not reach.
-    pub async fn commit_step(&self, step: u64, samples_per_s: f64) -> Vec<(u32, WireError)> {
+    pub async fn commit_step(
+        &self,
+        step: u64,
+        samples_per_s: f64,
+        last: bool,
+    ) -> Vec<(u32, WireError)> {
         self.record_commit(step, samples_per_s);
         let generation = self.shared.job().generation;
-        self.broadcast(&Message::StepCommitted { step, generation })
-            .await
+        let commit = Message::StepCommitted {
+            step,
+            generation,
+            last,
+        };
+        self.broadcast(&commit).await
     }
 }

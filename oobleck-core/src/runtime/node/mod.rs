@@ -410,8 +410,13 @@ impl NodeAgent {
                 generation,
                 rendezvous,
             } if generation == self.generation => self.on_rendezvous(rendezvous).await?,
-            Message::StepCommitted { step, generation } if generation == self.generation => {
-                tell_all(self.node, &mut self.workers, &ToWorker::Commit { step }).await?;
+            Message::StepCommitted {
+                step,
+                generation,
+                last,
+            } if generation == self.generation => {
+                let commit = ToWorker::Commit { step, last };
+                tell_all(self.node, &mut self.workers, &commit).await?;
             }
             Message::AbortGeneration { generation } if generation == self.generation => {
                 self.on_abort(generation).await

@@ -96,8 +96,13 @@ pub enum StateSource {
 pub enum ToWorker {
     /// Where every rank of the generation listens.
     Rendezvous { rendezvous: Vec<Rendezvous> },
-    /// Every holder has its reduced gradient for `step` (1-based): apply it.
-    Commit { step: u64 },
+    /// Every holder has its reduced gradient for `step` (1-based): apply it. `last`: the run
+    /// ends with it (save the final state).
+    Commit {
+        step: u64,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        last: bool,
+    },
     /// Generation `generation` failed: stop the step under way (its update is never applied)
     /// instead of finishing it. Read by the worker's stdin thread as soon as it arrives.
     Abort { generation: u64 },
@@ -134,7 +139,10 @@ mod tests {
                     addr: "127.0.0.1:9".into(),
                 }],
             },
-            ToWorker::Commit { step: 3 },
+            ToWorker::Commit {
+                step: 3,
+                last: false,
+            },
         ] {
             let line = serde_json::to_string(&msg).expect("json");
             assert!(!line.contains('\n'));

@@ -212,8 +212,14 @@ pub enum Message {
         plan: Box<Plan>,
         start: GenerationStart,
     },
-    /// Master -> agents: every holder has its reduced gradient for `step`; apply it.
-    StepCommitted { step: u64, generation: u64 },
+    /// Master -> agents: every holder has its reduced gradient for `step`; apply it. `last`:
+    /// the run ends with it (its final step, or a stop asked for by a signal).
+    StepCommitted {
+        step: u64,
+        generation: u64,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        last: bool,
+    },
     /// Master -> agent, before its first plan: what the job runs, opaque to this layer (the
     /// trainer's resolved configuration) and where its outputs go. Agents hand it to workers.
     Job {

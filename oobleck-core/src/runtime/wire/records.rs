@@ -443,6 +443,12 @@ pub enum Event {
         #[serde(default)]
         stall_ms: f64,
     },
+    /// A signal (`SIGTERM`, `SIGINT`) asked the master to stop: the run ends after `step`,
+    /// with its checkpoint.
+    StopRequested {
+        signal: String,
+        step: u64,
+    },
     /// A checkpoint of `step` could not be written to `path`: `needed_bytes` did not fit in the
     /// `free_bytes` of `filesystem` (the mount point and its type), or another error. Training
     /// goes on; the next save tries again, and the final save is retried while `retrying`.

@@ -61,9 +61,14 @@ impl Generation<'_> {
         let saves_state = stage_leads(&self.a.plan, 0).contains(&rank);
         let mut commit_wait = Duration::ZERO;
         for step in self.committed..training.steps {
-            commit_wait += self.step(workload, inbox, &params, step)?;
+            let (waited, last) = self.step(workload, inbox, &params, step)?;
+            commit_wait += waited;
             let s = step + 1;
             self.committed = s;
+            if last {
+                // The run ends here (a stop asked for by a signal, or its final step).
+                break;
+            }
             if saves_state && s < training.steps && training.state_due(s) {
                 save_in_background(self.a, &params, &self.opt, s)?;
             }
@@ -72,13 +77,13 @@ impl Generation<'_> {
         if saves_state {
             // Nothing is left to hold to a step: a save retried for minutes is no hang.
             self.progress.end_step();
-            state = save_final(self.a, snapshot(&params, &self.opt)?, training.steps)?;
+            state = save_final(self.a, snapshot(&params, &self.opt)?, self.committed)?;
         }
         report(
             g,
             &WorkerReport::Done {
                 rank,
-                step: training.steps,
+                step: self.committed,
                 state,
                 commit_wait_ms: commit_wait.as_secs_f64() * 1e3,
             },
@@ -87,14 +92,15 @@ impl Generation<'_> {
     }
 
     /// Step `step + 1` (0-based `step`): computes, reports `Ready`, waits for the commit and
-    /// applies it. Returns the time spent waiting for the commit.
+    /// applies it. Returns the time spent waiting for the commit, and whether the run ends with
+    /// this step.
     fn step(
         &mut self,
         workload: &dyn Workload,
         inbox: &Inbox,
         params: &[(String, Var)],
         step: u64,
-    ) -> std::result::Result<Duration, Stop> {
+    ) -> std::result::Result<(Duration, bool), Stop> {
         let (rank, training) = (self.a.rank, &self.a.job.training);
         let (seed, node, g) = (training.seed, self.a.node, self.a.generation);
         let abort = &inbox.abort;
@@ -145,10 +151,11 @@ impl Generation<'_> {
             },
         )?;
         let waited = Instant::now();
+        let last;
         {
             let _commit = self.progress.enter(Doing::Commit);
             hooks::hang_point(g, node, step + 1, hooks::Place::Commit, &inbox.abort);
-            self.wait_commit(inbox, step)?;
+            last = self.wait_commit(inbox, step)?;
         }
         let waited = waited.elapsed();
         {
@@ -158,15 +165,16 @@ impl Generation<'_> {
                 .with_ctx(|| format!("rank {rank}: optimizer step {}", step + 1))?;
         }
         self.progress.end_step();
-        Ok(waited)
+        Ok((waited, last))
     }
 
-    /// Waits for the commit of step `step + 1`. The next generation's assignment instead means
-    /// the step failed elsewhere: this rank still holds the state of `step`.
-    fn wait_commit(&self, inbox: &Inbox, step: u64) -> std::result::Result<(), Stop> {
+    /// Waits for the commit of step `step + 1`, and whether the run ends with it. The next
+    /// generation's assignment instead means the step failed elsewhere: this rank still holds
+    /// the state of `step`.
+    fn wait_commit(&self, inbox: &Inbox, step: u64) -> std::result::Result<bool, Stop> {
         let rank = self.a.rank;
         match inbox.next(COMMIT_TIMEOUT, &format!("commit of step {}", step + 1))? {
-            ToWorker::Commit { step: s } if s == step + 1 => Ok(()),
+            ToWorker::Commit { step: s, last } if s == step + 1 => Ok(last),
             ToWorker::Reassign { assignment } => Err(Stop::Reassigned(assignment)),
             other => Err(Stop::Failed(protocol(
                 rank,

@@ -224,6 +224,51 @@ fn a_final_save_is_retried_and_only_a_given_up_one_ends_the_job_as_lost() {
 }
 
 #[test]
+fn a_stop_asked_for_ends_the_run_with_the_next_step_saved_as_its_last() {
+    let mut h = H::running(spec(2, 1, 100), plan(&[&[0], &[1]]));
+    h.step(1.0, 1);
+    let signal = || Input::StopRequested {
+        signal: "SIGTERM".into(),
+    };
+    let a = h.at(1.5, signal());
+    assert_eq!(kinds(&a), ["record:stop_requested", "note"]);
+    assert!(h.at(1.6, signal()).is_empty(), "asked once");
+    let a = h.step(2.0, 2);
+    let last = a.iter().any(|a| {
+        matches!(
+            a,
+            Action::Commit {
+                step: 2,
+                last: true,
+                ..
+            }
+        )
+    });
+    assert!(last, "{:?}", kinds(&a));
+    let done = |rank| WorkerReport::Done {
+        rank,
+        step: 2,
+        state: (rank == 0).then(|| "rank-0.safetensors".to_string()),
+        commit_wait_ms: 1.0,
+    };
+    h.worker(2.1, 1, done(1));
+    assert_eq!(kinds(&h.worker(2.2, 0, done(0))), ["finish:2"]);
+}
+
+#[test]
+fn a_stop_before_the_first_plan_ends_the_job_at_once() {
+    let mut h = H::new(spec(2, 1, 10));
+    h.at(0.0, joined(0));
+    let a = h.at(
+        0.1,
+        Input::StopRequested {
+            signal: "SIGINT".into(),
+        },
+    );
+    assert!(failure(&a).contains("stopped by SIGINT before the first step"));
+}
+
+#[test]
 fn a_worker_failing_while_its_generation_forms_ends_the_job() {
     let mut h = H::new(spec(2, 1, 10));
     h.at(0.0, joined(0));

@@ -80,16 +80,28 @@ impl Driver<'_> {
                 break Err(RuntimeError::FinalSaveLost {
                     step,
                     error: e.to_string(),
-                    newest: crate::checkpoint::latest_checkpoint(&self.p.out)
-                        .ok()
-                        .flatten()
-                        .map(|p| p.display().to_string()),
+                    newest: newest_checkpoint(&self.p.out),
                 });
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(RETRY_PAUSES.1);
+            // A signal while the final save waits for space stops it.
+            if let Some((signal, _)) = self.p.signals.poll() {
+                break Err(RuntimeError::Interrupted {
+                    signal: signal.into(),
+                    newest: newest_checkpoint(&self.p.out),
+                });
+            }
         };
         let _ = std::fs::remove_dir_all(self.p.out.join("cluster"));
         result
     }
+}
+
+/// The newest checkpoint of the run directory `out`, for a message.
+pub(super) fn newest_checkpoint(out: &std::path::Path) -> Option<String> {
+    crate::checkpoint::latest_checkpoint(out)
+        .ok()
+        .flatten()
+        .map(|p| p.display().to_string())
 }
