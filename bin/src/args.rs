@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 
 use crate::config::{load_resolved, read_job_file, TrainConfig};
-use crate::run_dir::find_checkpoint;
+use crate::run_dir::resumed_run;
 
 /// Train a GPT/OPT model with Oobleck-rs.
 ///
@@ -181,10 +181,7 @@ impl TrainArgs {
     /// file, then the flags.
     pub fn resolve(&self) -> Result<TrainConfig> {
         let base = match &self.resume {
-            Some(path) => {
-                let (run, _) = find_checkpoint(path)?;
-                load_resolved(&run)?
-            }
+            Some(path) => load_resolved(&resumed_run(path)?)?,
             None => TrainConfig::default(),
         };
         let (mut c, in_file) = match &self.config {

@@ -46,11 +46,16 @@ pub fn out_dir(cfg: &TrainConfig) -> PathBuf {
 }
 
 /// The run directory of a job and, with `resume` (`--resume PATH`), the checkpoint it goes on
-/// from, checked to continue the same training. A new run gets a fresh directory holding its
-/// resolved config; one that already holds a run is refused.
-pub fn open_run(cfg: &TrainConfig, resume: Option<&Path>) -> Result<(PathBuf, Option<PathBuf>)> {
+/// from and its step, checked to continue the same training. A new run gets a fresh directory
+/// holding its resolved config; one that already holds a run is refused. Checkpoints passed
+/// over because they do not verify are named on stderr, one line each.
+pub fn open_run(
+    cfg: &TrainConfig,
+    resume: Option<&Path>,
+) -> Result<(PathBuf, Option<(PathBuf, u64)>)> {
     if let Some(path) = resume {
-        let (run, ckpt) = find_checkpoint(path)?;
+        let found = find_checkpoint(path)?;
+        let run = found.run;
         let saved = load_resolved(&run)?;
         if let Some(changed) = cfg.trajectory_mismatch(&saved) {
             bail!(
@@ -65,7 +70,22 @@ pub fn open_run(cfg: &TrainConfig, resume: Option<&Path>) -> Result<(PathBuf, Op
             // `--resume RUN` continues the same schedule.
             save_resolved(cfg, &run)?;
         }
-        return Ok((run, Some(ckpt)));
+        for s in &found.skipped {
+            eprintln!(
+                "--resume: skipping checkpoint {}, it cannot be used: {}",
+                s.path.display(),
+                s.reason
+            );
+        }
+        if !found.skipped.is_empty() {
+            eprintln!(
+                "--resume: going on from step {} ({}); a skipped checkpoint is moved aside (to \
+                 <its name>.invalid-<unix seconds>) when this run saves its step again",
+                found.step,
+                found.checkpoint.display()
+            );
+        }
+        return Ok((run, Some((found.checkpoint, found.step))));
     }
     let out = out_dir(cfg);
     if out.join("metrics.jsonl").exists() || out.join("checkpoints").exists() {
@@ -81,29 +101,184 @@ pub fn open_run(cfg: &TrainConfig, resume: Option<&Path>) -> Result<(PathBuf, Op
     Ok((out, None))
 }
 
-/// `path` is a run directory (newest checkpoint) or a checkpoint directory; returns
-/// `(run directory, checkpoint directory)`.
-pub fn find_checkpoint(path: &Path) -> Result<(PathBuf, PathBuf)> {
-    if path.join(checkpoint::TRAINER_FILE).is_file() {
-        let run = path
-            .parent()
-            .and_then(Path::parent)
-            .with_context(|| format!("{} is not inside <run>/checkpoints/", path.display()))?;
-        return Ok((run.to_path_buf(), path.to_path_buf()));
-    }
+/// Where `--resume PATH` goes on from.
+#[derive(Debug)]
+pub struct Resume {
+    pub run: PathBuf,
+    /// A checkpoint that verifies (format version, sizes, checksums).
+    pub checkpoint: PathBuf,
+    pub step: u64,
+    /// Newer checkpoints of the run passed over because they do not verify, newest first.
+    pub skipped: Vec<checkpoint::Invalid>,
+}
+
+/// The run directory of `--resume PATH`: PATH itself, or the run that the checkpoint
+/// directory PATH (`<run>/checkpoints/step-NNNNNN`) belongs to. Nothing is verified here.
+pub fn resumed_run(path: &Path) -> Result<PathBuf> {
     if !path.is_dir() {
         bail!(
             "--resume {}: no such run or checkpoint directory",
             path.display()
         );
     }
-    match checkpoint::latest_checkpoint(path)? {
-        Some(c) => Ok((path.to_path_buf(), c)),
-        None => bail!(
+    if !is_checkpoint_dir(path) {
+        return Ok(path.to_path_buf());
+    }
+    path.parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .with_context(|| format!("{} is not inside <run>/checkpoints/", path.display()))
+}
+
+/// `path` is a run directory (its newest checkpoint that verifies, passing over newer ones
+/// that do not) or a checkpoint directory (which must verify: naming one says to use that one).
+pub fn find_checkpoint(path: &Path) -> Result<Resume> {
+    let run = resumed_run(path)?;
+    if is_checkpoint_dir(path) {
+        let step = checkpoint::verify_checkpoint(path)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "--resume {}: this checkpoint cannot be used: {e}; pass --resume {} to go on \
+                     from the newest checkpoint of the run that verifies, or name an older \
+                     checkpoint",
+                    path.display(),
+                    run.display()
+                )
+            })?
+            .step;
+        return Ok(Resume {
+            run,
+            checkpoint: path.to_path_buf(),
+            step,
+            skipped: Vec::new(),
+        });
+    }
+    let fallback = checkpoint::newest_valid(checkpoint::checkpoint_dirs(&run)?);
+    match fallback.chosen {
+        Some((step, checkpoint)) => Ok(Resume {
+            run,
+            checkpoint,
+            step,
+            skipped: fallback.skipped,
+        }),
+        None if fallback.skipped.is_empty() => bail!(
             "--resume {}: the run has no complete checkpoint yet",
             path.display()
+        ),
+        None => bail!(
+            "--resume {}: no checkpoint of this run can be used ({}); start a new run with \
+             another --out",
+            path.display(),
+            fallback
+                .skipped
+                .iter()
+                .map(|s| format!("{}: {}", s.path.display(), s.reason))
+                .collect::<Vec<_>>()
+                .join("; ")
         ),
     }
 }
 
+/// A checkpoint directory rather than a run directory: it has `trainer.json`, or it is named
+/// `step-NNNNNN` (an incomplete checkpoint) and holds no `checkpoints/` of its own.
+fn is_checkpoint_dir(path: &Path) -> bool {
+    path.join(checkpoint::TRAINER_FILE).is_file()
+        || (checkpoint::checkpoint_step(path).is_some()
+            && !path.join(checkpoint::CHECKPOINTS_DIR).exists())
+}
+
 pub use oobleck_core::runtime::master::truncate_metrics_after;
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use candle_core::{Device, Tensor};
+    use oobleck_core::checkpoint::{save_checkpoint, TrainerState};
+
+    use super::*;
+
+    fn save(run: &Path, step: u64) -> PathBuf {
+        let w = Tensor::new(&[step as f32, 1.5], &Device::Cpu).expect("tensor");
+        let params = BTreeMap::from([("w".to_string(), w)]);
+        let trainer = TrainerState {
+            step,
+            seed: 7,
+            data_cursor: serde_json::json!({ "step": step }),
+            config: None,
+        };
+        save_checkpoint(run, &params, &[], &trainer).expect("save")
+    }
+
+    fn flip_a_byte(file: &Path) {
+        let mut bytes = std::fs::read(file).expect("read");
+        bytes[0] ^= 0x01;
+        std::fs::write(file, bytes).expect("write");
+    }
+
+    #[test]
+    fn a_run_resumes_from_its_newest_checkpoint_that_verifies_naming_those_skipped() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let run = tmp.path();
+        let two = save(run, 2);
+        let four = save(run, 4);
+        let six = save(run, 6);
+        flip_a_byte(&six.join(checkpoint::MODEL_FILE));
+        std::fs::remove_file(four.join(checkpoint::TRAINER_FILE)).expect("remove");
+
+        let found = find_checkpoint(run).expect("falls back");
+        assert_eq!((found.run.as_path(), found.step), (run, 2));
+        assert_eq!(found.checkpoint, two);
+        let skipped: Vec<(&Path, String)> = found
+            .skipped
+            .iter()
+            .map(|s| (s.path.as_path(), s.reason.to_string()))
+            .collect();
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert_eq!(skipped[0].0, six);
+        assert!(
+            skipped[0].1.contains("checksum mismatch"),
+            "{}",
+            skipped[0].1
+        );
+        assert_eq!(skipped[1].0, four);
+        assert!(
+            skipped[1].1.contains("trainer.json") && skipped[1].1.contains("missing"),
+            "{}",
+            skipped[1].1
+        );
+
+        // Nothing usable left: refused, naming each one and why.
+        flip_a_byte(&two.join(checkpoint::OPTIMIZER_FILE));
+        let err = find_checkpoint(run)
+            .expect_err("nothing verifies")
+            .to_string();
+        for path in [&two, &four, &six] {
+            assert!(err.contains(&path.display().to_string()), "{err}");
+        }
+        assert!(err.contains("start a new run"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_checkpoint_named_explicitly_is_refused_saying_what_to_do() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let run = tmp.path();
+        save(run, 2);
+        let four = save(run, 4);
+        let found = find_checkpoint(&four).expect("a good one is used as named");
+        assert_eq!((found.run.as_path(), found.step), (run, 4));
+
+        flip_a_byte(&four.join(checkpoint::MODEL_FILE));
+        let err = find_checkpoint(&four).expect_err("corrupt").to_string();
+        let fix = format!("pass --resume {} to go on", run.display());
+        assert!(
+            err.contains("checksum mismatch") && err.contains(&fix),
+            "{err}"
+        );
+        // Without trainer.json it is still a checkpoint directory, not a run directory.
+        std::fs::remove_file(four.join(checkpoint::TRAINER_FILE)).expect("remove");
+        assert_eq!(resumed_run(&four).expect("its run"), run);
+        let err = find_checkpoint(&four).expect_err("incomplete").to_string();
+        assert!(err.contains("trainer.json") && err.contains(&fix), "{err}");
+    }
+}

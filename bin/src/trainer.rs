@@ -53,7 +53,7 @@ impl Trainer {
 
         let (out, ckpt) = open_run(&cfg, resume)?;
         let (stage, step) = match ckpt {
-            Some(ckpt) => {
+            Some((ckpt, _)) => {
                 let ck = checkpoint::load_checkpoint(&ckpt, &device)?;
                 let params: HashMap<String, Tensor> = ck.params.into_iter().collect();
                 let stage = whole_model(model, &device, ParamSource::Tensors(&params))?;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::checkpoint;
 use oobleck_core::planning::{generate_templates, ModelProfile, PlanError};
 use oobleck_core::runtime::host_memory::{HostMemory, MemoryBound};
 use oobleck_core::runtime::job::Limits;
@@ -266,8 +265,7 @@ fn open_job_dir(
     };
     let out = abs(&out)?;
     let resume = match ckpt {
-        Some(ckpt) => {
-            let step = checkpoint::verify_checkpoint(&ckpt)?.step;
+        Some((ckpt, step)) => {
             if step >= cfg.steps {
                 bail!(
                     "--resume {}: the checkpoint is at step {step}, and this job has --steps {}; \

@@ -12,6 +12,8 @@
 //!         config.json, ...          optional files of the caller (e.g. the HF config, so
 //!                                   `from_pretrained(dir)` works); not read back here
 //!     .tmp-step-000140-<pid>-<n>/   a save in progress (or a crashed one): never read
+//!     step-000100.invalid-<secs>/   a checkpoint that did not verify, moved aside by the save
+//!                                   of its step (kept for a human to look at; never read)
 //! ```
 //!
 //! Contract:
@@ -20,10 +22,13 @@
 //!   `checkpoints/`. A crash leaves either no checkpoint for that step or a complete one; a
 //!   leftover temporary directory is ignored by every reader ([`remove_stale_temp_dirs`] clears
 //!   them when no save is running).
-//! - **No silent overwrite.** Saving a step that already has a checkpoint fails with
+//! - **No silent overwrite.** Saving a step that already has a valid checkpoint fails with
 //!   [`Error::CheckpointExists`] and leaves the existing one untouched. (Linux `rename` could
 //!   replace an *empty* directory created between our check and the rename; it cannot replace a
-//!   non-empty one, so a complete checkpoint is never lost.)
+//!   non-empty one, so a complete checkpoint is never lost.) One that does not verify
+//!   (incomplete or corrupt) is renamed to `step-NNNNNN.invalid-<unix seconds>` with a warning
+//!   and the save goes on, so a bad checkpoint never blocks a run that replays its step
+//!   ([`invalid`]).
 //! - **Verified.** [`load_checkpoint`] checks the format version first, then each file's size
 //!   (a short file is reported as truncated) and sha256 (a mismatch names the file with expected
 //!   and actual digests) before parsing any tensor.
@@ -46,7 +51,10 @@ use sha2::{Digest, Sha256};
 
 use crate::{Error, Result};
 
+mod invalid;
 pub mod space;
+
+pub use invalid::{newest_valid, Fallback, Invalid};
 
 /// Version of the on-disk layout written by this build; loads of any other version fail.
 pub const FORMAT_VERSION: u32 = 1;
@@ -131,7 +139,7 @@ pub fn save_checkpoint_with(
 ) -> Result<PathBuf> {
     let final_path = checkpoint_path(out_dir, trainer.step);
     if final_path.exists() {
-        return Err(Error::CheckpointExists { path: final_path });
+        invalid::move_aside_if_invalid(&final_path)?;
     }
     let model = named_map(params.iter(), MODEL_FILE)?;
     let optimizer = named_map(optimizer_state.iter().map(|(n, t)| (n, t)), OPTIMIZER_FILE)?;
@@ -295,8 +303,16 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 }
 
 /// Complete checkpoints under `<out_dir>/checkpoints`, sorted by step. Temporary directories,
-/// stray files and directories without `trainer.json` are ignored.
+/// moved-aside ones, stray files and directories without `trainer.json` are ignored.
 pub fn list_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut found = checkpoint_dirs(out_dir)?;
+    found.retain(|(_, path)| path.join(TRAINER_FILE).is_file());
+    Ok(found)
+}
+
+/// Every directory under `<out_dir>/checkpoints` named `step-NNNNNN`, complete or not (one
+/// without `trainer.json` is an incomplete checkpoint, not a stray), sorted by step.
+pub fn checkpoint_dirs(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let parent = out_dir.join(CHECKPOINTS_DIR);
     let entries = match fs::read_dir(&parent) {
         Ok(entries) => entries,
@@ -306,20 +322,25 @@ pub fn list_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut found = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|e| io_err(&parent, e))?;
-        let name = entry.file_name();
-        let Some(step) = name.to_str().and_then(parse_step_dir) else {
-            continue;
-        };
         let path = entry.path();
-        if path.join(TRAINER_FILE).is_file() {
-            found.push((step, path));
+        if let Some(step) = checkpoint_step(&path) {
+            if path.is_dir() {
+                found.push((step, path));
+            }
         }
     }
     found.sort();
     Ok(found)
 }
 
-/// The newest complete checkpoint, if any. It is not verified here; [`load_checkpoint`] does.
+/// The step of a checkpoint directory by its name, `step-NNNNNN`; `None` for any other name
+/// (a temporary or a moved-aside `step-NNNNNN.invalid-<secs>` one).
+pub fn checkpoint_step(path: &Path) -> Option<u64> {
+    path.file_name()?.to_str().and_then(parse_step_dir)
+}
+
+/// The newest complete checkpoint, if any. It is not verified here; [`load_checkpoint`] does
+/// (and [`newest_valid`] picks the newest one that verifies).
 pub fn latest_checkpoint(out_dir: &Path) -> Result<Option<PathBuf>> {
     Ok(list_checkpoints(out_dir)?.pop().map(|(_, p)| p))
 }
@@ -444,11 +465,7 @@ fn read_trainer_file(dir: &Path) -> Result<TrainerFile> {
         }
     }
     // A checkpoint under a `step-N` name must hold step N (catches a renamed or misplaced one).
-    if let Some(named) = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(parse_step_dir)
-    {
+    if let Some(named) = checkpoint_step(dir) {
         if named != doc.step {
             return Err(corrupt(format!(
                 "records step {} but its directory says step {named}",

@@ -308,3 +308,171 @@ fn prune_keeps_the_newest_checkpoints() {
         2
     );
 }
+
+/// The names under `checkpoints/`, sorted.
+fn names_in(out_dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(out_dir.join(CHECKPOINTS_DIR))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The one `step-NNNNNN.invalid-<digits>` directory beside `path`, checking its name.
+fn moved_aside(path: &Path) -> std::path::PathBuf {
+    let prefix = format!("{}.invalid-", path.file_name().unwrap().to_str().unwrap());
+    let aside: Vec<_> = fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_str().unwrap();
+            name.strip_prefix(&prefix)
+                .is_some_and(|secs| !secs.is_empty() && secs.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    aside[0].clone()
+}
+
+#[test]
+fn saving_over_a_checkpoint_with_a_flipped_byte_moves_it_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(9)).unwrap();
+    flip_last_byte(&path.join(MODEL_FILE));
+    let corrupt = fs::read(path.join(MODEL_FILE)).unwrap();
+
+    let again = save_checkpoint(dir.path(), &params, &opt, &trainer(9)).unwrap();
+    assert_eq!(again, path);
+    assert_eq!(verify_checkpoint(&path).unwrap(), trainer(9));
+    // The bad one is kept, untouched, under a name no reader takes for a checkpoint.
+    let aside = moved_aside(&path);
+    assert_eq!(fs::read(aside.join(MODEL_FILE)).unwrap(), corrupt);
+    assert_eq!(names_in(dir.path()).len(), 2);
+    assert_eq!(
+        list_checkpoints(dir.path()).unwrap(),
+        vec![(9, path.clone())]
+    );
+    assert_eq!(checkpoint_dirs(dir.path()).unwrap(), vec![(9, path)]);
+}
+
+#[test]
+fn saving_over_a_checkpoint_without_trainer_json_moves_it_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(4)).unwrap();
+    fs::remove_file(path.join(TRAINER_FILE)).unwrap();
+    // Invisible to the old reader (no trainer.json), but in the way of the save.
+    assert_eq!(latest_checkpoint(dir.path()).unwrap(), None);
+
+    save_checkpoint(dir.path(), &params, &opt, &trainer(4)).unwrap();
+    assert_eq!(verify_checkpoint(&path).unwrap(), trainer(4));
+    let aside = moved_aside(&path);
+    assert!(aside.join(MODEL_FILE).is_file() && !aside.join(TRAINER_FILE).exists());
+    // A second bad one of the same step in the same second gets a name of its own.
+    fs::remove_file(path.join(MODEL_FILE)).unwrap();
+    save_checkpoint(dir.path(), &params, &opt, &trainer(4)).unwrap();
+    assert_eq!(verify_checkpoint(&path).unwrap(), trainer(4));
+    assert_eq!(names_in(dir.path()).len(), 3, "{:?}", names_in(dir.path()));
+}
+
+#[test]
+fn saving_over_a_valid_checkpoint_or_a_plain_file_still_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let path = save_checkpoint(dir.path(), &params, &opt, &trainer(2)).unwrap();
+    match save_checkpoint(dir.path(), &params, &opt, &trainer(2)) {
+        Err(Error::CheckpointExists { path: p }) => assert_eq!(p, path),
+        other => panic!("expected CheckpointExists, got {other:?}"),
+    }
+    // A file under a checkpoint's name is not ours to move.
+    let file = checkpoint_path(dir.path(), 3);
+    fs::write(&file, b"someone's notes").unwrap();
+    match save_checkpoint(dir.path(), &params, &opt, &trainer(3)) {
+        Err(Error::CheckpointExists { path: p }) => assert_eq!(p, file),
+        other => panic!("expected CheckpointExists, got {other:?}"),
+    }
+    assert_eq!(fs::read(&file).unwrap(), b"someone's notes");
+    assert_eq!(names_in(dir.path()), vec!["step-000002", "step-000003"]);
+}
+
+#[test]
+fn newest_valid_skips_corrupt_and_incomplete_checkpoints_saying_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    for step in [2, 4, 6, 8] {
+        save_checkpoint(dir.path(), &params, &opt, &trainer(step)).unwrap();
+    }
+    let path = |step| checkpoint_path(dir.path(), step);
+    flip_last_byte(&path(8).join(MODEL_FILE));
+    fs::remove_file(path(6).join(TRAINER_FILE)).unwrap();
+    let json = path(4).join(TRAINER_FILE);
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&json).unwrap()).unwrap();
+    doc["format_version"] = serde_json::json!(99);
+    fs::write(&json, serde_json::to_vec(&doc).unwrap()).unwrap();
+
+    let fallback = newest_valid(checkpoint_dirs(dir.path()).unwrap());
+    assert_eq!(fallback.chosen, Some((2, path(2))));
+    let skipped: Vec<(u64, &Path, String)> = fallback
+        .skipped
+        .iter()
+        .map(|s| (s.step, s.path.as_path(), s.reason.to_string()))
+        .collect();
+    assert_eq!(skipped.len(), 3, "{skipped:?}");
+    assert_eq!((skipped[0].0, skipped[0].1), (8, path(8).as_path()));
+    assert!(
+        skipped[0].2.contains(MODEL_FILE) && skipped[0].2.contains("checksum mismatch"),
+        "{}",
+        skipped[0].2
+    );
+    assert_eq!((skipped[1].0, skipped[1].1), (6, path(6).as_path()));
+    assert!(
+        skipped[1].2.contains(TRAINER_FILE) && skipped[1].2.contains("missing"),
+        "{}",
+        skipped[1].2
+    );
+    assert_eq!((skipped[2].0, skipped[2].1), (4, path(4).as_path()));
+    assert!(
+        skipped[2].2.contains("format version 99"),
+        "{}",
+        skipped[2].2
+    );
+
+    // Nothing valid at all: nothing chosen, everything named.
+    fs::remove_dir_all(path(2)).unwrap();
+    let fallback = newest_valid(checkpoint_dirs(dir.path()).unwrap());
+    assert!(fallback.chosen.is_none());
+    assert_eq!(fallback.skipped.len(), 3);
+    assert!(newest_valid(Vec::new()).chosen.is_none());
+}
+
+#[test]
+fn moved_aside_directories_are_not_checkpoints_to_any_reader_or_prune() {
+    let dir = tempfile::tempdir().unwrap();
+    let (params, opt) = sample_state();
+    let kept = save_checkpoint(dir.path(), &params, &opt, &trainer(10)).unwrap();
+    // A complete, valid checkpoint of a later step under a moved-aside name.
+    let later = save_checkpoint(dir.path(), &params, &opt, &trainer(60)).unwrap();
+    let aside = later.with_file_name("step-000060.invalid-123");
+    fs::rename(&later, &aside).unwrap();
+    assert_eq!(checkpoint_step(&aside), None);
+    assert_eq!(checkpoint_step(&kept), Some(10));
+
+    assert_eq!(
+        list_checkpoints(dir.path()).unwrap(),
+        vec![(10, kept.clone())]
+    );
+    assert_eq!(
+        checkpoint_dirs(dir.path()).unwrap(),
+        vec![(10, kept.clone())]
+    );
+    assert_eq!(latest_checkpoint(dir.path()).unwrap(), Some(kept.clone()));
+    let fallback = newest_valid(checkpoint_dirs(dir.path()).unwrap());
+    assert_eq!(fallback.chosen, Some((10, kept)));
+    assert!(fallback.skipped.is_empty());
+    assert!(prune(dir.path(), 1).unwrap().is_empty());
+    assert_eq!(remove_stale_temp_dirs(dir.path()).unwrap(), 0);
+    assert!(aside.join(TRAINER_FILE).is_file());
+}

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::{list_checkpoints, load_checkpoint};
+use crate::checkpoint::{checkpoint_dirs, checkpoint_step, load_checkpoint, newest_valid};
 use crate::planning::Plan;
 use crate::runtime::error::{Context, Result};
 use crate::runtime::job::Input;
@@ -14,38 +14,33 @@ use crate::runtime::wire::pipe::StateSource;
 use crate::runtime::wire::records::{Event, StepMetrics};
 
 /// Reads the checkpoint `source` starts from, if any, before any worker is told to: a partial
-/// or corrupted one is refused, with the newest older checkpoint of `run_dir` that reads.
+/// or corrupted one is refused, with the newest older checkpoint of `run_dir` that verifies
+/// (the same choice as `--resume` of a run directory makes).
 pub(super) fn refuse_checkpoint(run_dir: &Path, source: &StateSource) -> Option<Input> {
     let StateSource::Checkpoint { path } = source else {
         return None;
     };
-    let reads = |p: &Path| load_checkpoint(p, &candle_core::Device::Cpu);
-    let reason = match reads(path) {
+    let reason = match load_checkpoint(path, &candle_core::Device::Cpu) {
         Ok(_) => return None,
         Err(e) => e.to_string(),
     };
     let bad_step = checkpoint_step(path);
-    let instead = list_checkpoints(run_dir)
-        .unwrap_or_default()
-        .into_iter()
-        .rev()
-        .filter(|(s, p)| p != path && bad_step.is_none_or(|b| *s < b))
-        .find(|(_, p)| reads(p).is_ok())
-        .map(|(s, p)| (p.display().to_string(), s));
+    let mut candidates = checkpoint_dirs(run_dir).unwrap_or_default();
+    candidates.retain(|(s, p)| p != path && bad_step.is_none_or(|b| *s < b));
+    let fallback = newest_valid(candidates);
+    for skipped in &fallback.skipped {
+        tracing::warn!(
+            path = %skipped.path.display(),
+            reason = %skipped.reason,
+            "checkpoint skipped on fallback: it does not verify"
+        );
+    }
+    let instead = fallback.chosen.map(|(s, p)| (p.display().to_string(), s));
     Some(Input::CheckpointRefused {
         path: path.display().to_string(),
         reason,
         instead,
     })
-}
-
-/// The step of a checkpoint directory named `step-NNNNNN`.
-fn checkpoint_step(path: &Path) -> Option<u64> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix("step-")?
-        .parse()
-        .ok()
 }
 
 pub(super) struct RunFiles {
