@@ -284,6 +284,7 @@ fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
         assert!(newest.ends_with(format!("step-{step:06}")), "{newest:?}");
         assert!(!out.join("master.token").exists());
         assert_all_gone(&out, 4);
+        assert_no_segments(&out);
     }
 }
 

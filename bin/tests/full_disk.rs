@@ -183,6 +183,7 @@ fn a_full_disk_skips_periodic_checkpoints_and_freed_space_lets_the_final_save_su
     assert!(out.join("checkpoints/step-000012/trainer.json").is_file());
     assert!(!out.join("checkpoints/step-000004").exists());
     assert_eq!(leftovers(fs.path()), Vec::<PathBuf>::new());
+    common::assert_no_segments(&out);
 }
 
 #[test]

@@ -43,6 +43,7 @@ pub use error::{CommError, FrameError, Op, Result};
 pub use key::{nonce, SecretKey, KEY_BYTES};
 pub use local::{LocalCommunicator, LocalNetwork};
 pub use nccl::{probe as probe_nccl, NcclCommunicator, NcclId};
+pub use shm::remove_segments_of_exited_processes;
 #[doc(hidden)]
 pub use tcp::ShmFaults;
 pub use tcp::{TcpCommunicator, TcpConfig};

@@ -197,6 +197,30 @@ pub fn assert_all_gone(run: &Path, want: usize) {
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
 
+/// Fails if a process of the run left a shared-memory segment in `/dev/shm` (waits a little
+/// for processes still exiting to be reaped and swept).
+pub fn assert_no_segments(run: &Path) {
+    let pids = child_pids(run);
+    let left = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| {
+                let pid = n.strip_prefix("oobleck-").and_then(|r| r.split('-').next());
+                pid.and_then(|p| p.parse::<u32>().ok())
+                    .is_some_and(|p| pids.contains(&p))
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !left().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(left(), Vec::<String>::new(), "segments left in /dev/shm");
+}
+
 /// `(step, val_loss)` of every metrics line that has one, in file order.
 pub fn val_losses(run: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(run.join("metrics.jsonl"))

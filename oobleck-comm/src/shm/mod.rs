@@ -26,4 +26,5 @@ mod segment;
 pub(crate) use allreduce::{Scratch, Wire};
 pub(crate) use buffer::{Pool, SharedBytes};
 pub(crate) use ring::{read_loop, Link, Ring, RingWriter, RING_HEADER};
+pub use segment::remove_segments_of_exited_processes;
 pub(crate) use segment::{host_identity, remove_stale, Segment, SHM_DIR};

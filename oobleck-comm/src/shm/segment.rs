@@ -182,18 +182,37 @@ fn pid_is_gone(pid: i32) -> bool {
 /// Removes the segments in `dir` whose creator is gone; returns how many. Segments of live
 /// processes (ours included) are left alone; ones we may not remove are skipped.
 pub(crate) fn remove_stale(dir: &Path) -> usize {
+    let removed = remove_dead(dir);
+    for (path, pid) in &removed {
+        warn!(path = %path.display(), pid, "removed a shared-memory segment left by a dead process");
+    }
+    removed.len()
+}
+
+/// The segments of this host whose creator is gone, removed: what a job's workers leave
+/// when they exit without dropping their communicator (or are killed). Agents and the master
+/// call it once their workers are gone, so a finished job leaves nothing in `/dev/shm`.
+pub fn remove_segments_of_exited_processes() -> usize {
+    let removed = remove_dead(Path::new(SHM_DIR));
+    for (path, pid) in &removed {
+        debug!(path = %path.display(), pid, "removed a shared-memory segment of an exited process");
+    }
+    removed.len()
+}
+
+/// Removes the segments in `dir` whose creator is gone: their paths and creators.
+fn remove_dead(dir: &Path) -> Vec<(PathBuf, i32)> {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
+        return Vec::new();
     };
-    let mut removed = 0;
+    let mut removed = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(pid) = name.to_str().and_then(creator_pid) else {
             continue;
         };
         if pid_is_gone(pid) && std::fs::remove_file(e.path()).is_ok() {
-            warn!(path = %e.path().display(), pid, "removed a shared-memory segment left by a dead process");
-            removed += 1;
+            removed.push((e.path(), pid));
         }
     }
     removed

@@ -399,6 +399,18 @@ async fn conclude(
     mut agents: AgentSet,
     mut files: RunFiles,
 ) -> Result<JobSummary> {
+    let result = conclude_job(result, master, &mut agents, &mut files).await;
+    // A local job's agents are gone by now: the shared memory their workers left goes too.
+    oobleck_comm::remove_segments_of_exited_processes();
+    result
+}
+
+async fn conclude_job(
+    result: Result<JobSummary>,
+    master: Master,
+    agents: &mut AgentSet,
+    files: &mut RunFiles,
+) -> Result<JobSummary> {
     match result {
         Ok(summary) => {
             let unheard = master.shutdown("training finished", EXIT_GRACE).await;

@@ -168,6 +168,9 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         Duration::ZERO
     };
     stop_workers(&mut agent.workers, grace).await;
+    // What the workers mapped and did not unlink (they exit without dropping their
+    // communicator, or were killed) goes with them.
+    oobleck_comm::remove_segments_of_exited_processes();
     result
 }
 
