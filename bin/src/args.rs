@@ -52,7 +52,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Peak learning rate [default: 2e-3; a published preset: its paper's, 1.6e-4 for gpt3-2.7b].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// Final learning rate of the cosine decay [default: lr/10].
     #[arg(long)]

@@ -232,7 +232,7 @@ pub fn compute(args: &PlanArgs) -> anyhow::Result<PlanOutput> {
 /// Renders the output as tables.
 pub fn render(out: &PlanOutput) -> String {
     let mut s = String::new();
-    s.push_str(&format!("profile: {:?}\n", out.profile_fingerprint));
+    s.push_str(&format!("profile: {}\n", out.profile_fingerprint));
     if out.recompute {
         s.push_str("activation recomputation: each layer keeps its input, backward reruns it\n");
     }

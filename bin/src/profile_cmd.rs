@@ -138,7 +138,7 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
             start.elapsed().as_secs_f64()
         ),
     }
-    println!("profile: {:?}", p.fingerprint);
+    println!("profile: {}", p.fingerprint);
     print!("{}", render(&p));
     if let Some(out) = &args.out {
         std::fs::write(out, p.to_json()).with_context(|| format!("writing {}", out.display()))?;

@@ -254,6 +254,25 @@ fn bad_input_gives_clear_errors() {
     assert!(!ok && stderr.contains("model.safetensors"), "{stderr}");
 }
 
+/// A negative number is a value, not a flag, and a directory that is no model says what one is.
+#[test]
+fn flags_with_wrong_values_say_what_they_expect() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("r");
+    let out = out.to_str().unwrap();
+    let (ok, _, stderr) = run_train(&["--lr", "-1", "--out", out]);
+    assert!(
+        !ok && stderr.contains("--lr must be a positive number, got -1"),
+        "{stderr}"
+    );
+    let dir = tmp.path().to_str().unwrap();
+    let (ok, _, stderr) = run_train(&["--init-from", dir, "--nodes", "1", "--out", out]);
+    assert!(
+        !ok && stderr.contains("expected a Hugging Face model directory (config.json"),
+        "{stderr}"
+    );
+}
+
 /// The README's `--resume runs/long --steps 400`: a run started without `--warmup-steps` can
 /// be extended (its warmup was stored as a number), and the cosine decay then ends at the new
 /// step count.

@@ -62,7 +62,11 @@ pub enum CommError {
         reason: String,
     },
     /// The operation did not complete before its deadline (e.g. a stalled peer).
-    #[error("{op} on rank {rank} timed out after {after:?} (generation {generation}, waiting on {waiting_on:?})")]
+    #[error(
+        "{op} on rank {rank} timed out after {:.1} s (generation {generation}, waiting on {})",
+        after.as_secs_f64(),
+        waiting_on.map_or("no one peer".into(), |r| format!("rank {r}"))
+    )]
     Timeout {
         op: Op,
         after: Duration,
@@ -104,7 +108,7 @@ pub enum CommError {
     #[error("invalid argument: {0}")]
     Invalid(String),
     /// A bad frame on the wire.
-    #[error("bad frame from rank {peer:?}: {source}")]
+    #[error("bad frame from {}: {source}", peer.map_or("a peer not yet known".into(), |r| format!("rank {r}")))]
     Frame {
         peer: Option<Rank>,
         #[source]

@@ -69,6 +69,16 @@ pub fn locate(reference: &str) -> Result<Pretrained> {
             reason: "not a directory, and not a hub id of the form org/name[@revision]".into(),
         });
     };
+    if !dir.join("config.json").is_file() {
+        return Err(Error::BadWeights {
+            path: dir,
+            reason: "expected a Hugging Face model directory (config.json and \
+                     model.safetensors, as `save_pretrained` writes them, e.g. a checkpoint \
+                     directory of this project) or a hub id org/name[@revision]; there is no \
+                     config.json here"
+                .into(),
+        });
+    }
     let config = ModelConfig::from_hf_json(&dir.join("config.json"))?;
     Ok(Pretrained { dir, config })
 }

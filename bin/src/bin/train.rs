@@ -40,6 +40,8 @@ fn run() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not in a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     // `train agent --master HOST:PORT`: one node of a multi-machine job, from this binary.
     if std::env::args_os().nth(1).is_some_and(|a| a == "agent") {

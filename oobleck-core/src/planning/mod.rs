@@ -51,7 +51,7 @@ pub enum PlanError {
     ProfileFormat(String),
     #[error("cluster/job setting {field} = {value} is not valid")]
     InvalidCluster { field: &'static str, value: f64 },
-    #[error("profile was made for {found:?}, but this job needs {expected:?}; re-profile")]
+    #[error("profile was made for {found}, but this job needs {expected}; re-profile")]
     StaleProfile {
         found: Box<Fingerprint>,
         expected: Box<Fingerprint>,

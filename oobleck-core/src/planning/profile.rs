@@ -41,6 +41,16 @@ pub struct Fingerprint {
     pub device_kind: String,
 }
 
+impl std::fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}, microbatch {}, {} on {}",
+            self.model, self.microbatch_size, self.dtype, self.device_kind
+        )
+    }
+}
+
 /// One layer: forward and backward time of one microbatch on one device, and its memory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

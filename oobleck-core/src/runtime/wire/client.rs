@@ -83,7 +83,7 @@ pub(crate) async fn open(
 fn unexpected(expected: &'static str, got: &Message) -> WireError {
     WireError::Unexpected {
         expected,
-        got: format!("{got:?}").chars().take(200).collect(),
+        got: format!("a {} message", got.kind()),
     }
 }
 

@@ -111,6 +111,20 @@ pub enum ToWorker {
     Reassign { assignment: Box<WorkerAssignment> },
 }
 
+impl std::fmt::Display for ToWorker {
+    /// What a person reads of a line to a worker: its kind and step or generation.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ToWorker::Rendezvous { .. } => write!(f, "the rendezvous"),
+            ToWorker::Commit { step, .. } => write!(f, "the commit of step {step}"),
+            ToWorker::Abort { generation } => write!(f, "an abort of generation {generation}"),
+            ToWorker::Reassign { assignment } => {
+                write!(f, "the assignment of generation {}", assignment.generation)
+            }
+        }
+    }
+}
+
 /// Lines of a worker's stdout that carry a progress beat start with this.
 pub const PROGRESS_PREFIX: &str = "oobleck-progress ";
 

@@ -467,7 +467,7 @@ fn rendezvous_addrs(
         other => {
             return Err(protocol(
                 rank,
-                format!("expected the rendezvous from the agent, got {other:?}"),
+                format!("expected the rendezvous from the agent, got {other}"),
             ))
         }
     };

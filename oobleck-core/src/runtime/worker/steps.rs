@@ -179,7 +179,7 @@ impl Generation<'_> {
             other => Err(Stop::Failed(protocol(
                 rank,
                 format!(
-                    "waits for the commit of step {}, the agent sent {other:?}",
+                    "waits for the commit of step {}, the agent sent {other}",
                     step + 1
                 ),
             ))),
