@@ -105,6 +105,18 @@ pub struct JobStart {
     pub announce_joins: bool,
 }
 
+/// The state after `step` could not be saved (`bytes`: its size at a rank, 0 where the
+/// checkpoint itself failed). A periodic save is skipped (nothing waits for its validation
+/// loss); the final one is tried again while `retrying`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailedSave {
+    pub step: u64,
+    pub bytes: u64,
+    pub error: String,
+    pub retrying: bool,
+    pub periodic: bool,
+}
+
 /// Why a node was declared lost.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LossReason {
@@ -286,17 +298,8 @@ pub enum Action {
         checkpoint: bool,
         eval: bool,
     },
-    /// The state after `step` could not be saved (`bytes`: its size at a rank, 0 where the
-    /// checkpoint itself failed): say so, record it, and drop what the save left. A periodic
-    /// save is skipped (nothing waits for its validation loss); the final one is tried again
-    /// while `retrying`.
-    SaveFailed {
-        step: u64,
-        bytes: u64,
-        error: String,
-        retrying: bool,
-        periodic: bool,
-    },
+    /// A save failed: say so, record it, and drop what it left.
+    SaveFailed(FailedSave),
     /// The validation loss of `step`, for its metrics line.
     ValLoss { step: u64, val_loss: f64 },
     /// Write the metrics lines held for validation losses that will not come.

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::membership::{copy_sources, Change};
-use super::{Action, Input};
+use super::{Action, FailedSave, Input};
 use crate::planning::PlanError;
 use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
@@ -234,13 +234,13 @@ impl JobMachine {
             } => self.on_assembled(step, checkpoint, val_loss, duration_s),
             Input::AssemblyFailed { step, error } => {
                 self.steps.assembly_ended();
-                self.push(Action::SaveFailed {
+                self.push(Action::SaveFailed(FailedSave {
                     step,
                     bytes: 0,
                     error,
                     retrying: false,
                     periodic: true,
-                });
+                }));
             }
             Input::Reconfigured(result) => return self.on_reconfigured(now, result),
             Input::JoinsWeighed { .. } => {}

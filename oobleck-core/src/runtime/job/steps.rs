@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
-use super::{Action, JobStart};
+use super::{Action, FailedSave, JobStart};
 use crate::execution::StepTimes;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::spec::TrainingSpec;
@@ -335,13 +335,13 @@ impl JobMachine {
         } else if !retrying {
             self.steps.final_save_lost = Some(error.clone());
         }
-        self.push(Action::SaveFailed {
+        self.push(Action::SaveFailed(FailedSave {
             step,
             bytes,
             error,
             retrying,
             periodic,
-        });
+        }));
     }
 
     /// The periodic assembly of `step` failed: a checkpoint that could not be written is
@@ -354,13 +354,13 @@ impl JobMachine {
                 source: error.into(),
             });
         }
-        self.push(Action::SaveFailed {
+        self.push(Action::SaveFailed(FailedSave {
             step,
             bytes: 0,
             error,
             retrying: false,
             periodic: true,
-        });
+        }));
         self.maybe_finish();
     }
 

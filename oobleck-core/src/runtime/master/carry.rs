@@ -8,8 +8,6 @@ use tokio::task::JoinHandle;
 
 mod save;
 
-use save::Failed;
-
 use super::agents::AgentSet;
 use super::assemble::{Assembled, Assembler};
 use super::rundir::{refuse_checkpoint, RunFiles};
@@ -246,19 +244,7 @@ impl<'a> Driver<'a> {
                     error: e.to_string(),
                 },
             }),
-            Action::SaveFailed {
-                step,
-                bytes,
-                error,
-                retrying,
-                periodic,
-            } => self.save_failed(Failed {
-                step,
-                bytes,
-                error,
-                retrying,
-                periodic,
-            })?,
+            Action::SaveFailed(f) => self.save_failed(f)?,
             Action::ValLoss { step, val_loss } => self.p.files.val_loss(step, val_loss)?,
             Action::ReleaseHeld => {
                 self.p.files.release()?;

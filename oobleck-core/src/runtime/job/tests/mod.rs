@@ -408,12 +408,12 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Membership { .. } => "membership".into(),
             Action::RankTimes { .. } => "rank_times".into(),
             Action::Assemble { step, .. } => format!("assemble:{step}"),
-            Action::SaveFailed {
+            Action::SaveFailed(FailedSave {
                 step,
                 retrying,
                 periodic,
                 ..
-            } => match (periodic, retrying) {
+            }) => match (periodic, retrying) {
                 (true, _) => format!("save_failed:{step}"),
                 (false, true) => format!("save_failed:{step}:retrying"),
                 (false, false) => format!("save_failed:{step}:final"),

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::Driver;
 use crate::checkpoint::space::{checkpoint_bytes, SaveFailure};
 use crate::runtime::error::{Context, Result, RuntimeError};
+use crate::runtime::job::FailedSave;
 use crate::runtime::master::assemble::Assembled;
 use crate::runtime::wire::records::Event;
 
@@ -15,21 +16,10 @@ use crate::runtime::wire::records::Event;
 /// the last.
 const RETRY_PAUSES: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(10));
 
-/// One failed save, as the machine passed it on.
-pub(in crate::runtime::master) struct Failed {
-    pub step: u64,
-    /// The state's size at the rank that failed to upload it; 0 where the checkpoint itself
-    /// could not be written.
-    pub bytes: u64,
-    pub error: String,
-    pub retrying: bool,
-    pub periodic: bool,
-}
-
 impl Driver<'_> {
     /// Says what failed and where, in numbers; records it; a periodic save's leftovers (the
     /// states of that step already uploaded) go, and its metrics line waits no more.
-    pub(in crate::runtime::master) fn save_failed(&mut self, f: Failed) -> Result<()> {
+    pub(in crate::runtime::master) fn save_failed(&mut self, f: FailedSave) -> Result<()> {
         let out = self.p.out.clone();
         let needed = checkpoint_bytes(self.p.assembler.workload.num_params()).max(f.bytes);
         let failure = SaveFailure::measure(&out, f.step, needed, f.error, f.retrying);
@@ -69,7 +59,7 @@ impl Driver<'_> {
                 Err(e) => e,
             };
             let retrying = Instant::now() + pause < deadline;
-            self.save_failed(Failed {
+            self.save_failed(FailedSave {
                 step,
                 bytes: 0,
                 error: e.to_string(),
