@@ -7,6 +7,7 @@
 //!   checkpoint; hangs, joins and drains.
 //! - [`simulate`]: how long the cluster simulator takes as clusters and traces grow.
 
+mod child;
 pub mod pipeline;
 pub mod recovery;
 pub mod simulate;
