@@ -6,10 +6,13 @@
 //! - [`recovery`]: the same job fault-free, recovering in place, and restarting from a
 //!   checkpoint; hangs, joins and drains.
 //! - [`simulate`]: how long the cluster simulator takes as clusters and traces grow.
+//! - [`status_flood`]: a training job's tokens/s alone and beside a flood of status requests.
 
+mod child;
 pub mod pipeline;
 pub mod recovery;
 pub mod simulate;
+pub mod status_flood;
 pub mod train;
 
 /// The median (the mean of the middle two for an even count); NaN for none.

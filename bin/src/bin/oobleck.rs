@@ -84,6 +84,9 @@ enum BenchCmd {
     /// How long `oobleck simulate` takes at 100 to 10,000 nodes and 100 to 1,000 events over
     /// a week, re-planning at every event (target: 10,000 nodes, 1,000 events under 10 s).
     Simulate(oobleck_cli::bench::simulate::BenchSimulateArgs),
+    /// A small training job alone and beside a flood of `/api/status` requests to its status
+    /// page, side by side: tokens/s of both and the cost (target: under 10 %).
+    StatusFlood(oobleck_cli::bench::status_flood::BenchStatusFloodArgs),
 }
 
 #[derive(clap::Args)]
@@ -139,6 +142,7 @@ fn run() -> Result<()> {
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench::pipeline::run(&a),
         Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench::recovery::run(&a),
         Cmd::Bench(BenchCmd::Simulate(a)) => oobleck_cli::bench::simulate::run(&a),
+        Cmd::Bench(BenchCmd::StatusFlood(a)) => oobleck_cli::bench::status_flood::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
         Cmd::Drain(a) => oobleck_cli::cluster::membership_cmd::drain(&a),

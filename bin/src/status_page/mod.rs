@@ -3,10 +3,12 @@
 //! kill and drain actions, `/api/status` (what `oobleck status` prints) and `/metrics`.
 //!
 //! ```text
-//!   master (control plane) ──request_status (reused 250 ms)──► MasterView ─┐
-//!   run dir: metrics.jsonl, events.jsonl ──Feed (tails)───────────────────┼─► view ─► /api/status
+//!   master (control plane) ──request_status──► MasterView ─┐  one Snapshot per 250 ms,
+//!   run dir: metrics.jsonl, events.jsonl ──Feed (tails)──────┴─► taken on a request ─► view
+//!                                       (/api/status) and metrics (/metrics), sent as bytes
 //!                         └──report::read_run, on change──► charts ─► /charts/*.svg
-//!   browser ──HTTP (axum)──► auth::Gate ──► routes ──► request_kill / request_drain
+//!   browser ──HTTP (axum)──► limit (per client) ──► auth::Gate ──► routes
+//!                                                   └──► request_kill / request_drain
 //! ```
 //!
 //! The page is a client of the master like `oobleck status`: it asks over the authenticated
@@ -17,14 +19,17 @@ pub mod auth;
 mod charts;
 pub mod client;
 pub mod feed;
+pub mod limit;
 pub mod metrics;
 mod routes;
+pub mod snapshot;
 #[cfg(test)]
 mod tests;
 pub mod view;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,12 +39,9 @@ use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::wire::Token;
 
 use self::auth::Gate;
-use self::feed::Feed;
+use self::limit::{Limiter, Rate, DEFAULT_RATE};
+use self::snapshot::{Snapshot, REFRESH};
 
-/// An answer of the master younger than this is reused: `oobleck status` and a scrape see the
-/// step committed a moment ago, and a page open in many tabs asks the master a few times a
-/// second at most.
-const FRESH: Duration = Duration::from_millis(250);
 /// The longest one status request may take.
 pub(crate) const ASK_TIMEOUT: Duration = Duration::from_secs(3);
 /// After the stop signal, the longest open connections get to finish.
@@ -62,9 +64,26 @@ pub struct MasterView {
     pub status: Option<ClusterStatus>,
     pub up: bool,
     pub error: Option<String>,
-    /// When it was last asked, and last answered.
-    asked: Option<Instant>,
+    /// When it last answered.
     answered: Option<Instant>,
+}
+
+/// How the page spares the machine it runs on; the tests shorten or stretch both.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tuning {
+    /// How old a reading of the run and the master may be when a request comes.
+    pub refresh: Duration,
+    /// How often each client may ask.
+    pub rate: Rate,
+}
+
+impl Default for Tuning {
+    fn default() -> Tuning {
+        Tuning {
+            refresh: REFRESH,
+            rate: DEFAULT_RATE,
+        }
+    }
 }
 
 /// What the handlers share.
@@ -76,56 +95,32 @@ pub(crate) struct Shared {
     pub fault_threshold: u64,
     /// The header `/api/status` repeats: `config.json`, written before the job starts.
     pub job: serde_json::Value,
-    pub feed: Mutex<Feed>,
-    pub view: Mutex<MasterView>,
+    pub tuning: Tuning,
+    /// Locked across a refresh, so requests that come meanwhile wait for it instead of
+    /// reading and asking again.
+    snapshot: tokio::sync::Mutex<Snapshot>,
+    /// Readings taken so far (the tests count them).
+    pub refreshes: AtomicU64,
+    pub limiter: Mutex<Limiter>,
+    /// Refused requests whose answer is being held (see `routes::refuse`).
+    pub held: AtomicUsize,
     pub charts: Mutex<charts::Cache>,
 }
 
 impl Shared {
-    /// The feed, brought up to date with the run directory.
-    pub fn fresh_feed(&self) -> std::sync::MutexGuard<'_, Feed> {
-        let mut f = self.feed.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = f.refresh() {
-            tracing::warn!(run = %self.run.display(), error = %e, "status page: reading the run files");
+    /// The newest reading, taken anew first if it is older than [`Tuning::refresh`].
+    pub async fn snapshot(&self) -> tokio::sync::MutexGuard<'_, Snapshot> {
+        let mut snap = self.snapshot.lock().await;
+        if snap.stale(Instant::now(), self.tuning.refresh) {
+            let answer = request_status(self.master, &self.token, ASK_TIMEOUT).await;
+            snap.take(answer, self.master, Instant::now());
+            self.refreshes.fetch_add(1, Ordering::Relaxed);
         }
-        f
+        snap
     }
 
-    pub fn master_view(&self) -> std::sync::MutexGuard<'_, MasterView> {
-        self.view.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Asks the master for its status unless its newest answer is [`FRESH`].
-    pub async fn ask_master(&self) {
-        if self
-            .master_view()
-            .asked
-            .is_some_and(|t| t.elapsed() < FRESH)
-        {
-            return;
-        }
-        let r = request_status(self.master, &self.token, ASK_TIMEOUT).await;
-        let now = Instant::now();
-        let mut v = self.master_view();
-        v.asked = Some(now);
-        match r {
-            Ok(s) => {
-                v.status = Some(s);
-                v.up = true;
-                v.error = None;
-                v.answered = Some(now);
-            }
-            Err(e) => {
-                v.up = false;
-                let since = v.answered.map_or(String::new(), |t| {
-                    format!(" (last answer {:.0} s ago)", t.elapsed().as_secs_f64())
-                });
-                v.error = Some(format!(
-                    "the master at {} does not answer: {e}{since}",
-                    self.master
-                ));
-            }
-        }
+    pub fn limiter(&self) -> std::sync::MutexGuard<'_, Limiter> {
+        self.limiter.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -135,6 +130,7 @@ pub struct StatusPage {
     login_key: String,
     stop: Option<tokio::sync::watch::Sender<bool>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    shared: Arc<Shared>,
 }
 
 impl StatusPage {
@@ -146,6 +142,18 @@ impl StatusPage {
         master: SocketAddr,
         token: &Token,
         fault_threshold: u64,
+    ) -> Result<StatusPage> {
+        Self::start_tuned(addr, run, master, token, fault_threshold, Tuning::default())
+    }
+
+    /// [`start`](Self::start) with other intervals and rates than the defaults.
+    pub(crate) fn start_tuned(
+        addr: SocketAddr,
+        run: PathBuf,
+        master: SocketAddr,
+        token: &Token,
+        fault_threshold: u64,
+        tuning: Tuning,
     ) -> Result<StatusPage> {
         let listener = std::net::TcpListener::bind(addr).with_context(|| {
             format!(
@@ -164,25 +172,35 @@ impl StatusPage {
         let shared = Arc::new(Shared {
             gate,
             job,
-            feed: Mutex::new(Feed::new(&run)),
+            tuning,
+            snapshot: tokio::sync::Mutex::new(Snapshot::new(&run)),
+            refreshes: AtomicU64::new(0),
+            limiter: Mutex::new(Limiter::new(tuning.rate)),
+            held: AtomicUsize::new(0),
             run,
             master,
             token: token.clone(),
             fault_threshold,
-            view: Mutex::default(),
             charts: Mutex::default(),
         });
         let (stop, stopped) = tokio::sync::watch::channel(false);
+        let serving = shared.clone();
         let thread = std::thread::Builder::new()
             .name("status-page".into())
-            .spawn(move || serve(listener, shared, stopped))
+            .spawn(move || serve(listener, serving, stopped))
             .context("starting the status page's thread")?;
         Ok(StatusPage {
             addr: bound,
             login_key,
             stop: Some(stop),
             thread: Some(thread),
+            shared,
         })
+    }
+
+    /// Readings of the run and the master taken so far.
+    pub fn refreshes(&self) -> u64 {
+        self.shared.refreshes.load(Ordering::Relaxed)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -233,10 +251,11 @@ fn serve(
             Err(e) => return tracing::error!(error = %e, "status page: its listener"),
         };
         let mut graceful = stopped.clone();
-        let server =
-            axum::serve(listener, routes::router(shared)).with_graceful_shutdown(async move {
-                let _ = graceful.wait_for(|s| *s).await;
-            });
+        // The peer's address is what the rate limit counts by.
+        let app = routes::router(shared).into_make_service_with_connect_info::<SocketAddr>();
+        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = graceful.wait_for(|s| *s).await;
+        });
         let hard_stop = async move {
             let _ = stopped.wait_for(|s| *s).await;
             tokio::time::sleep(STOP_GRACE).await;

@@ -1,8 +1,12 @@
-//! The page's HTTP routes (axum), behind [`gatekeeper`], which asks [`Gate`] about each request.
+//! The page's HTTP routes (axum), behind [`limit`], which asks the client's token bucket, and
+//! [`gatekeeper`], which asks [`Gate`] about each request.
 
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{ConnectInfo, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -12,7 +16,8 @@ use oobleck_core::runtime::wire::client::{request_drain, request_kill};
 use serde_json::json;
 
 use super::auth::{cookie, Need, Presented, Verdict, SESSION_COOKIE};
-use super::{view, Shared, ASK_TIMEOUT};
+use super::limit::{retry_after_s, Client};
+use super::{Shared, ASK_TIMEOUT};
 
 const INDEX: &str = include_str!("assets/index.html");
 const JS: &str = include_str!("assets/page.js");
@@ -39,6 +44,8 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
         .route("/api/nodes/{node}/{action}", post(action))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such page: try / or /api/status") })
         .layer(middleware::from_fn_with_state(shared.clone(), gatekeeper))
+        // Outermost: a flood is refused before anything else is done for it.
+        .layer(middleware::from_fn_with_state(shared.clone(), limit))
         .with_state(shared)
 }
 
@@ -90,6 +97,62 @@ async fn gatekeeper(State(s): State<Arc<Shared>>, req: Request, next: Next) -> R
     }
 }
 
+/// Answers what the client's bucket allows; refuses the rest with 429 (see [`refuse`]).
+async fn limit(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let ip = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map_or(IpAddr::from([0, 0, 0, 0]), |c| c.0.ip());
+    let known = s.gate.knows(&presented(req.headers()));
+    let verdict = s.limiter().admit(Client { ip, known }, Instant::now());
+    match verdict {
+        Ok(()) => next.run(req).await,
+        Err(wait) => refuse(&s, ip, wait).await,
+    }
+}
+
+/// A refused request's answer is held this long: a client that asks again as soon as it is
+/// answered (a script's loop, a flood) then asks about once a second instead of spinning a
+/// core on refusals, the page's and its own.
+const HOLD: Duration = Duration::from_secs(1);
+/// Refusals held at once, at most; past it they are answered at once (a held one costs a
+/// connection and a timer, not CPU).
+const HELD_MAX: usize = 256;
+
+/// 429 with `Retry-After`, after [`HOLD`].
+async fn refuse(s: &Shared, ip: IpAddr, wait: Duration) -> Response {
+    let held = s.held.fetch_add(1, Ordering::Relaxed);
+    let _release = Release(&s.held);
+    if held < HELD_MAX {
+        tokio::time::sleep(HOLD).await;
+    }
+    let r = s.tuning.rate;
+    let after = retry_after_s(wait);
+    let message = format!(
+        "too many requests from {ip}: this page answers {} at once and {} a second per \
+         client; ask again in {after} s\n",
+        r.burst, r.per_s
+    );
+    (
+        StatusCode::TOO_MANY_REQUESTS,
+        [
+            (header::RETRY_AFTER, after.to_string()),
+            (header::CONTENT_TYPE, "text/plain; charset=utf-8".into()),
+        ],
+        message,
+    )
+        .into_response()
+}
+
+/// Counts a held refusal out when its answer is sent or its client hangs up.
+struct Release<'a>(&'a AtomicUsize);
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 #[derive(serde::Deserialize)]
 struct Key {
     key: String,
@@ -109,27 +172,17 @@ async fn login(State(s): State<Arc<Shared>>, Query(k): Query<Key>) -> Response {
     }
 }
 
-async fn api_status(State(s): State<Arc<Shared>>, h: HeaderMap) -> Json<serde_json::Value> {
+async fn api_status(State(s): State<Arc<Shared>>, h: HeaderMap) -> Response {
     let can_act = s.gate.knows(&presented(&h));
-    s.ask_master().await;
-    let feed = s.fresh_feed();
-    let v = s.master_view();
-    Json(view::status(
-        s.job.clone(),
-        &feed,
-        &v,
-        s.fault_threshold,
-        can_act,
-    ))
+    let body = s
+        .snapshot()
+        .await
+        .status_json(&s.job, s.fault_threshold, can_act);
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
-    s.ask_master().await;
-    let text = {
-        let feed = s.fresh_feed();
-        let v = s.master_view();
-        super::metrics::render(&feed, v.status.as_ref(), v.up, s.fault_threshold)
-    };
+    let text = s.snapshot().await.metrics_text(s.fault_threshold);
     (
         [(
             header::CONTENT_TYPE,
@@ -147,7 +200,7 @@ async fn chart(State(s): State<Arc<Shared>>, Path(name): Path<String>) -> Respon
             "charts: loss.svg, throughput.svg, step_time.svg",
         );
     };
-    let version = s.fresh_feed().charts_version();
+    let version = s.snapshot().await.feed.charts_version();
     // Reading the run and drawing take milliseconds, off the page's one thread.
     let shared = s.clone();
     let svg = tokio::task::spawn_blocking(move || {

@@ -1,5 +1,6 @@
 //! The page's HTTP surface on a real socket, with no master behind it (it never answers, so
-//! `connected` is false): who gets in, the one-time link, unknown paths, the charts' names.
+//! `connected` is false): who gets in, the one-time link, unknown paths, the charts' names,
+//! one reading shared by the requests of an interval, and the rate limit.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -144,4 +145,118 @@ fn a_taken_port_is_named_in_the_error() {
     );
     let e = format!("{:#}", super::parse_addr(Some("nonsense")).unwrap_err());
     assert!(e.contains("--status-addr nonsense"), "{e}");
+}
+
+/// A page on loopback for a master that is not there, with `tuning`.
+fn tuned(run: &std::path::Path, tuning: super::Tuning) -> StatusPage {
+    let token = Token::new("the-job-token").unwrap();
+    let nobody: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let bind = "127.0.0.1:0".parse().unwrap();
+    StatusPage::start_tuned(bind, run.to_path_buf(), nobody, &token, 1, tuning).unwrap()
+}
+
+const GENEROUS: super::limit::Rate = super::limit::Rate {
+    burst: 1000.0,
+    per_s: 1000.0,
+};
+
+#[test]
+fn requests_within_the_refresh_interval_share_one_reading_and_a_stale_one_is_taken_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = ("Host", "127.0.0.1");
+    let bearer = ("Authorization", "Bearer the-job-token");
+    let hour = super::Tuning {
+        refresh: Duration::from_secs(3600),
+        rate: GENEROUS,
+    };
+    let p = tuned(dir.path(), hour);
+    assert_eq!(p.refreshes(), 0, "nothing read before a request");
+    for i in 0..20 {
+        let path = ["/api/status", "/metrics", "/charts/loss.svg"][i % 3];
+        let a = raw(p.addr(), "GET", path, &[host]);
+        assert_eq!(code(&a), 200, "{path}: {a}");
+    }
+    let a = raw(p.addr(), "GET", "/api/status", &[host, bearer]);
+    assert!(
+        a.contains("\"can_act\":true"),
+        "the same reading, acting: {a}"
+    );
+    assert_eq!(p.refreshes(), 1, "21 requests in one interval");
+    drop(p);
+    let always = super::Tuning {
+        refresh: Duration::ZERO,
+        rate: GENEROUS,
+    };
+    let p = tuned(dir.path(), always);
+    for _ in 0..5 {
+        assert_eq!(code(&raw(p.addr(), "GET", "/api/status", &[host])), 200);
+    }
+    assert_eq!(p.refreshes(), 5, "each reading older than the interval");
+}
+
+/// [`raw`] from the source address `from` (any 127.0.0.0/8 address is this machine).
+fn raw_from(from: &str, at: SocketAddr, path: &str, headers: &[(&str, &str)]) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let std_stream = rt.block_on(async {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        sock.connect(at).await.unwrap().into_std().unwrap()
+    });
+    std_stream.set_nonblocking(false).unwrap();
+    let mut s = std_stream;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = format!("GET {path} HTTP/1.1\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("an answer");
+    out
+}
+
+#[test]
+fn a_client_over_its_rate_gets_429_while_other_clients_and_the_token_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = ("Host", "127.0.0.1");
+    let bearer = ("Authorization", "Bearer the-job-token");
+    let tight = super::Tuning {
+        refresh: super::REFRESH,
+        // Three at once and, within the test, no more.
+        rate: super::limit::Rate {
+            burst: 3.0,
+            per_s: 0.001,
+        },
+    };
+    let p = tuned(dir.path(), tight);
+    let at = p.addr();
+    for _ in 0..3 {
+        assert_eq!(
+            code(&raw_from("127.0.0.1", at, "/api/status", &[host])),
+            200
+        );
+    }
+    let a = raw_from("127.0.0.1", at, "/api/status", &[host]);
+    assert_eq!(code(&a), 429, "{a}");
+    let retry = a
+        .lines()
+        .find_map(|l| l.strip_prefix("retry-after: "))
+        .expect("a Retry-After header");
+    assert!(retry.parse::<u64>().is_ok_and(|s| s >= 1), "{retry}");
+    assert!(
+        a.contains("text/plain") && a.contains("too many requests from 127.0.0.1"),
+        "{a}"
+    );
+    // Another address is another client; the token has a bucket of its own on the same one,
+    // so a logged-in page and its buttons go on working beside an anonymous flood.
+    let b = raw_from("127.0.0.2", at, "/api/status", &[host]);
+    assert_eq!(code(&b), 200, "{b}");
+    let a = raw_from("127.0.0.1", at, "/api/status", &[host, bearer]);
+    assert_eq!(code(&a), 200, "{a}");
+    let a = raw(at, "POST", "/api/nodes/1/kill", &[host, bearer]);
+    assert_eq!(code(&a), 502, "the action reached for the master: {a}");
 }

@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::child::alive_in_group;
 use super::hang::{HangPlan, Observed, POLL_MS};
 use super::membership_run::committed_step;
 use super::records::{parse_events, parse_metrics, parse_rank_marks, Event};
 use super::summary::{step_time, RunInput, RunKind};
 use super::{Bench, FailurePlan, Out};
+use crate::bench::child::alive_in_group;
 
 /// How often the run's `metrics.jsonl` is looked at before the stop.
 const LOOK: Duration = Duration::from_millis(20);

@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::child::{tail, Group, TrainProcess};
 use super::membership::{Act, MembershipPlan, Outcome, Sent};
 use super::records::parse_metrics;
 use super::summary::{RunInput, RunKind};
 use super::{Bench, FailurePlan, Out};
+use crate::bench::child::{tail, Group, TrainProcess};
 
 /// How often the run's `metrics.jsonl` is looked at.
 const LOOK: Duration = Duration::from_millis(100);

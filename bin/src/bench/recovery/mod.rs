@@ -46,7 +46,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-mod child;
 mod hang;
 mod hang_run;
 mod hang_table;
@@ -59,7 +58,7 @@ mod summary;
 mod table;
 mod watchdog_cost;
 
-use child::{tail, Reaper, Scratch, TrainProcess};
+use crate::bench::child::{binary, tail, Reaper, Scratch, TrainProcess};
 use hang::{hang_checks, Hang, HangPlan, MarkCosts};
 use hang_run::HangInput;
 use membership::{membership_checks, Membership, MembershipPlan};
@@ -170,24 +169,6 @@ pub struct Report {
     pub commands: Vec<String>,
 }
 
-/// The `name` binary beside the running one, or the one `--{name}-bin` gives.
-fn binary(name: &str, given: Option<&Path>) -> Result<PathBuf> {
-    let path = match given {
-        Some(p) => p.to_path_buf(),
-        None => std::env::current_exe()
-            .context("locating the running binary")?
-            .with_file_name(name),
-    };
-    if !path.is_file() {
-        bail!(
-            "{} not found: build it with `cargo build --release -p oobleck-cli` or pass \
-             --{name}-bin",
-            path.display()
-        );
-    }
-    Ok(path)
-}
-
 /// Where a `train` writes: a new run directory, or one it resumes.
 enum Out<'a> {
     Fresh(&'a Path),
@@ -207,7 +188,7 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
             None => PathBuf::new(),
         },
         reaper: Reaper::install()?,
-        scratch: Scratch::create(a.scratch.as_deref(), a.keep)?,
+        scratch: Scratch::create("recovery", a.scratch.as_deref(), a.keep)?,
         commands: Default::default(),
     };
     let t0 = Instant::now();

@@ -1,4 +1,5 @@
-//! The bench's `train` child processes and their scratch directories.
+//! The benches' `train` child processes and their scratch directories (`bench recovery`,
+//! `bench status-flood`).
 //!
 //! Each `train` starts in a process group of its own (`process_group(0)`), which its agents and
 //! their workers inherit: one `kill -KILL -- -PGID` ends the whole local cluster, whatever the
@@ -57,7 +58,7 @@ impl Reaper {
                         Err(poisoned) => poisoned.into_inner().iter().copied().collect(),
                     };
                     live.into_iter().for_each(kill_group);
-                    eprintln!("bench recovery: interrupted; its train processes were killed");
+                    eprintln!("bench: interrupted; its train processes were killed");
                     std::process::exit(130);
                 }
             })
@@ -264,7 +265,7 @@ impl Drop for Group {
 
 /// Whether `pid` runs (not a zombie: nobody may reap it here) in process group `pgid`, from
 /// `/proc/PID/stat` (`pid (comm) state ppid pgrp ...`).
-pub(super) fn alive_in_group(pid: u32, pgid: u32) -> bool {
+pub fn alive_in_group(pid: u32, pgid: u32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };
@@ -284,14 +285,14 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// A fresh directory under `parent` (default: the system temp directory).
-    pub fn create(parent: Option<&Path>, keep: bool) -> Result<Scratch> {
+    /// A fresh directory for bench `name` under `parent` (default: the system temp directory).
+    pub fn create(name: &str, parent: Option<&Path>, keep: bool) -> Result<Scratch> {
         let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
         let root = parent.join(format!(
-            "oobleck-bench-recovery-{}-{nanos:09}",
+            "oobleck-bench-{name}-{}-{nanos:09}",
             std::process::id()
         ));
         std::fs::create_dir_all(&root)
@@ -315,6 +316,24 @@ impl Drop for Scratch {
             let _ = std::fs::remove_dir_all(&self.root);
         }
     }
+}
+
+/// The `name` binary beside the running one, or the one `--{name}-bin` gives.
+pub fn binary(name: &str, given: Option<&Path>) -> Result<PathBuf> {
+    let path = match given {
+        Some(p) => p.to_path_buf(),
+        None => std::env::current_exe()
+            .context("locating the running binary")?
+            .with_file_name(name),
+    };
+    if !path.is_file() {
+        bail!(
+            "{} not found: build it with `cargo build --release -p oobleck-cli` or pass \
+             --{name}-bin",
+            path.display()
+        );
+    }
+    Ok(path)
 }
 
 /// The last `lines` lines of a text file (for error reports); empty if unreadable.
