@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
 use oobleck_core::planning::Dtype;
-use oobleck_core::runtime::{device, DataPlane, InjectedFailure, TrainingSpec};
+use oobleck_core::runtime::{device, BatchShape, DataPlane, InjectedFailure, TrainingSpec};
 use oobleck_models::workload::GptWorkloadConfig;
 use serde::{Deserialize, Serialize};
 
@@ -427,9 +427,20 @@ pub fn load_resolved(run: &Path) -> Result<TrainConfig> {
     Ok(cfg.with_derived())
 }
 
+/// The global batch of the job, as the runtime names it: [`training_spec`]'s, and the one the
+/// workload is built with (the single-process trainer's too), so both read the same data.
+pub fn batch_shape(cfg: &TrainConfig) -> Result<BatchShape> {
+    let u = |v: usize, what: &str| u32::try_from(v).with_context(|| format!("{what} {v}"));
+    Ok(BatchShape {
+        microbatch_size: u(cfg.microbatch_size, "--microbatch-size")?,
+        global_microbatches: u(cfg.num_microbatches(), "microbatches")?,
+    })
+}
+
 /// The runtime's settings of the job: one name and one unit per quantity.
 pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
     let u = |v: usize, what: &str| u32::try_from(v).with_context(|| format!("{what} {v}"));
+    let batch = batch_shape(cfg)?;
     let mut inject_failures = Vec::new();
     for spec in &cfg.inject_failure {
         let (node, after_step) = parse_failure(spec)?;
@@ -457,8 +468,8 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
     Ok(TrainingSpec {
         steps: cfg.steps,
         seed: cfg.seed,
-        microbatch_size: u(cfg.microbatch_size, "--microbatch-size")?,
-        global_microbatches: u(cfg.num_microbatches(), "microbatches")?,
+        microbatch_size: batch.microbatch_size,
+        global_microbatches: batch.global_microbatches,
         nodes: u(cfg.nodes, "--nodes")?,
         devices_per_node: u(cfg.devices_per_node, "--devices-per-node")?,
         fault_threshold: u(cfg.fault_threshold, "--fault-threshold")?,
@@ -479,14 +490,12 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
     })
 }
 
-/// The GPT workload's settings of the job.
+/// The GPT workload's settings of the job (its batch is [`batch_shape`]).
 pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
     GptWorkloadConfig {
         model: cfg.model.clone(),
         init_from: cfg.init_from.clone(),
         seq_len: cfg.seq_len,
-        microbatch_size: cfg.microbatch_size,
-        num_microbatches: cfg.num_microbatches(),
         eval_batches: cfg.eval_batches,
         dataset: cfg.dataset.clone(),
         tokenizer: cfg.tokenizer.clone(),

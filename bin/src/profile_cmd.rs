@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use candle_core::Device;
 use oobleck_core::planning::ModelProfile;
 use oobleck_core::profiler::cache::{self, Source};
+use oobleck_core::runtime::BatchShape;
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 
 /// Measure a model's per-layer profile.
@@ -68,14 +69,21 @@ pub fn profile(args: &ProfileArgs) -> anyhow::Result<(ModelProfile, Source)> {
     }
     let device = parse_device(&args.device)?;
     let dtype = args.dtype.dtype();
-    let workload = GptWorkload::new(GptWorkloadConfig {
-        model: args.model.clone(),
-        seq_len: args.seq_len,
-        microbatch_size: args.microbatch_size,
-        num_microbatches: 1,
-        eval_batches: 1,
-        ..Default::default()
-    })
+    // One microbatch of the measured size: a profile times a layer on one microbatch.
+    let batch = BatchShape {
+        microbatch_size: u32::try_from(args.microbatch_size)
+            .with_context(|| format!("--microbatch-size {}", args.microbatch_size))?,
+        global_microbatches: 1,
+    };
+    let workload = GptWorkload::new(
+        GptWorkloadConfig {
+            model: args.model.clone(),
+            seq_len: args.seq_len,
+            eval_batches: 1,
+            ..Default::default()
+        },
+        batch,
+    )
     .with_context(|| format!("building {} for profiling", args.model))?;
     let fp = workload.measured_fingerprint(&device, dtype)?;
     let Some(dir) = cache::default_dir() else {

@@ -18,7 +18,7 @@ use oobleck_core::runtime::wire::records::StartInfo;
 use oobleck_core::runtime::{Event, Workload};
 use oobleck_models::workload::{to_tensors, GptWorkload};
 
-use crate::config::{workload_config, TrainConfig};
+use crate::config::{batch_shape, workload_config, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
 use crate::run_dir::{open_run, truncate_metrics_after, StepMetrics, Summary};
@@ -27,8 +27,8 @@ use crate::run_dir::{open_run, truncate_metrics_after, StepMetrics, Summary};
 pub struct Trainer {
     pub cfg: TrainConfig,
     /// The model (a preset or `--init-from`) and its corpus, checked against each other: what
-    /// the cluster job trains (built from the same [`workload_config`]), so data, evaluation
-    /// and checkpoint files are the same code on one process and on many.
+    /// the cluster job trains (built from the same [`workload_config`] and [`batch_shape`]),
+    /// so data, evaluation and checkpoint files are the same code on one process and on many.
     pub workload: GptWorkload,
     pub stage: Stage,
     pub opt: AdamW,
@@ -43,7 +43,7 @@ pub struct Trainer {
 impl Trainer {
     /// A fresh run in a new directory, or a resumed one from `resume`.
     pub fn start(cfg: TrainConfig, resume: Option<&Path>) -> Result<Self> {
-        let workload = GptWorkload::new(workload_config(&cfg))?;
+        let workload = GptWorkload::new(workload_config(&cfg), batch_shape(&cfg)?)?;
         let placement = crate::placement::resolve(&cfg.device)?;
         let device = oobleck_core::runtime::device::open(placement.compute, 0)
             .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -2,10 +2,13 @@
 //! as an [`oobleck_core::runtime::Workload`].
 //!
 //! ```text
-//!  GptWorkloadConfig (JSON in JobConfig::workload) ──► GptWorkload::factory, on every process
+//!  GptWorkloadConfig (JSON in JobConfig::workload) ─┬─► GptWorkload::factory, on every process
+//!  TrainingSpec::batch (b, B; JobConfig::training) ──┘
 //!    model / init_from ──► ModelConfig ──► Arc<dyn LayeredModel> (+ HF weights)
 //!    dataset / tokenizer ──► data::Dataset ──► microbatch (seed, step, k) ──► [b, t] u32 tensors
 //! ```
+//!
+//! The batch shape is the job's alone: the settings here do not repeat it.
 //!
 //! Everything here does what the single-process trainer (`bin/src/trainer.rs`) does, so a run
 //! on the runtime is bit-identical to it: step `s` reads the iteration at
@@ -21,7 +24,7 @@ use oobleck_core::model::{ForwardCtx, LayeredModel, ParamSource, Stage};
 use oobleck_core::planning::{analytical_profile, DeviceSpec, Dtype, ModelProfile};
 use oobleck_core::profiler::RankShare;
 use oobleck_core::runtime::host_memory::HostMemory;
-use oobleck_core::runtime::{BoxError, TrainingSpec, Workload};
+use oobleck_core::runtime::{BatchShape, BoxError, TrainingSpec, Workload};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{self, Batch, BatchSpec, DataCursor, DataError, Dataset, Gpt2Tokenizer, Split};
@@ -29,7 +32,8 @@ use crate::{hf, Error, ModelConfig, Result};
 
 /// What to train: the model and its data. The job runtime carries it as opaque JSON
 /// (`JobConfig::workload`) to every process, whose [`GptWorkload::factory`] reads it back.
-/// Missing fields take the defaults of `train` (the values below).
+/// Missing fields take the defaults of `train` (the values below). The batch shape is not
+/// here: it is the job's ([`TrainingSpec::batch`]), given to [`GptWorkload::new`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GptWorkloadConfig {
@@ -44,15 +48,7 @@ pub struct GptWorkloadConfig {
     /// Tokens per sample, at most the model's context. Default 64: long enough for sentences,
     /// cheap on a CPU.
     pub seq_len: usize,
-    /// `b`: samples per microbatch, of training and of evaluation batches; the runtime's
-    /// `TrainingSpec::microbatch_size` must be the same. Default 4: a gpt-mini step near a
-    /// second on 2 cores.
-    pub microbatch_size: usize,
-    /// `B`: microbatches per step (the global batch is `B * b` samples); the runtime's
-    /// `TrainingSpec::global_microbatches` must be the same. Default 4: enough for a pipeline
-    /// to fill.
-    pub num_microbatches: usize,
-    /// Validation microbatches (of `microbatch_size` samples) per evaluation: the first ones in
+    /// Validation microbatches (of the job's `b` samples) per evaluation: the first ones in
     /// corpus order, so losses compare across steps and runs. Default 4.
     pub eval_batches: usize,
     /// Text corpus (UTF-8), a path every node must have. Default none: the built-in corpus
@@ -86,8 +82,6 @@ impl Default for GptWorkloadConfig {
             model: "gpt-mini".into(),
             init_from: None,
             seq_len: 64,
-            microbatch_size: 4,
-            num_microbatches: 4,
             eval_batches: 4,
             dataset: None,
             tokenizer: None,
@@ -163,6 +157,8 @@ pub struct GptWorkload {
     iterations_per_epoch: usize,
     /// What is trained, in words (see [`Workload::name`]).
     description: String,
+    /// The job's global batch ([`TrainingSpec::batch`]): `spec` is it with `seq_len`.
+    batch: BatchShape,
     /// The profiles [`Workload::profile`] gave, by device, microbatch and precision: the job
     /// asks more than once (to check the plan before anything starts, then to plan), and a
     /// measured profile is measured, or read from the cache and said, once.
@@ -171,10 +167,10 @@ pub struct GptWorkload {
 
 impl GptWorkload {
     /// Resolves the model (a preset, or `init_from` with its weights), opens the corpus and
-    /// checks them against each other: the sequence fits the context, the tokenizer fits the
-    /// vocabulary, the training split holds a global batch and the validation split the
-    /// evaluation batches.
-    pub fn new(cfg: GptWorkloadConfig) -> Result<Self> {
+    /// checks them against each other and the job's `batch` ([`TrainingSpec::batch`]): the
+    /// sequence fits the context, the tokenizer fits the vocabulary, the training split holds
+    /// a global batch and the validation split the evaluation batches.
+    pub fn new(cfg: GptWorkloadConfig, batch: BatchShape) -> Result<Self> {
         let located = cfg.init_from.as_deref().map(hf::locate).transpose()?;
         let model_cfg = match &located {
             Some(pre) => pre.config.clone(),
@@ -183,7 +179,7 @@ impl GptWorkload {
         // Tokenizer and data first: a refusal there comes before reading the weights.
         let tokenizer = cfg.tokenizer_of(located.as_ref())?;
         let (data, spec, iterations_per_epoch) =
-            prepare_data(&cfg, &model_cfg, tokenizer.as_deref())?;
+            prepare_data(&cfg, batch, &model_cfg, tokenizer.as_deref())?;
         let pretrained = located
             .map(|pre| hf::load_weights(&pre.dir, &pre.config))
             .transpose()?;
@@ -198,16 +194,34 @@ impl GptWorkload {
             spec,
             iterations_per_epoch,
             description,
+            batch,
             profiles: Default::default(),
         })
     }
 
     /// The runtime's factory (`oobleck_core::runtime::Factory`): reads a
-    /// [`GptWorkloadConfig`] from the job's workload JSON and builds the workload.
-    pub fn factory(config: &serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError> {
+    /// [`GptWorkloadConfig`] from the job's workload JSON and builds the workload for the
+    /// batch of the job's `spec`. Settings that carry a batch shape (`microbatch_size`,
+    /// `num_microbatches`: a master built before the job's spec alone held it) are refused,
+    /// saying so: master and workers must be one build.
+    pub fn factory(
+        spec: &TrainingSpec,
+        config: &serde_json::Value,
+    ) -> std::result::Result<Box<dyn Workload>, BoxError> {
+        if let Some(field) = REMOVED_BATCH_FIELDS
+            .iter()
+            .find(|f| config.get(**f).is_some())
+        {
+            return Err(format!(
+                "the GPT workload's settings carry `{field}`, which the job's training spec \
+                 alone holds now: the master that sent them is an older build than this worker; \
+                 run one build of oobleck on every node"
+            )
+            .into());
+        }
         let cfg: GptWorkloadConfig = serde_json::from_value(config.clone())
             .map_err(|e| format!("the GPT workload's settings: {e}"))?;
-        Ok(Box::new(Self::new(cfg)?))
+        Ok(Box::new(Self::new(cfg, spec.batch())?))
     }
 
     pub fn config(&self) -> &GptWorkloadConfig {
@@ -225,6 +239,11 @@ impl GptWorkload {
     /// The shape of a step's data: `B` microbatches of `b` samples of `seq_len` tokens.
     pub fn batch_spec(&self) -> BatchSpec {
         self.spec
+    }
+
+    /// The job's global batch this workload was built for.
+    pub fn batch(&self) -> BatchShape {
+        self.batch
     }
 
     /// Steps per pass over the training split.
@@ -260,7 +279,7 @@ impl GptWorkload {
         let val = self.data.split(Split::Validation);
         let mut total = 0.0;
         for i in 0..self.cfg.eval_batches {
-            let batch = val.sequential_batch(self.cfg.seq_len, self.cfg.microbatch_size, i)?;
+            let batch = val.sequential_batch(self.cfg.seq_len, self.spec.microbatch_size, i)?;
             let (inp, tgt) = to_tensors(&batch, &device)?;
             let ctx = ForwardCtx {
                 targets: Some(&tgt),
@@ -361,7 +380,7 @@ impl GptWorkload {
             return Ok(Some(RankShare::all_at_once(ranks, threads)));
         };
         let cpu = DeviceSpec::named("cpu").expect("the planner's table has `cpu`");
-        let b = self.cfg.microbatch_size as u32;
+        let b = self.batch.microbatch_size;
         // In f32 whatever `precision` is: Candle's CPU backend computes bf16 by widening to
         // f32 (see `CPU_BF16_RATE`), and with bf16 sizes 4 copies of gpt3-350m at 2048 tokens
         // were estimated at 14.5 GB and took 19 GB.
@@ -434,7 +453,7 @@ impl GptWorkload {
                 "profiling {}: {} layers, microbatch {}{} ...",
                 self.cfg.model,
                 self.model.num_layers(),
-                self.cfg.microbatch_size,
+                self.batch.microbatch_size,
                 self.measurement_words(share.as_ref())
             );
             Ok(self
@@ -517,16 +536,18 @@ impl GptWorkload {
 }
 
 impl Workload for GptWorkload {
-    /// The data's batch shape is the runtime's: `b` and `B` must be the same numbers.
+    /// The workload was built for this job's batch: the factory builds it from the spec, but
+    /// the master's is built by its caller, which could pass another job's.
     fn check(&self, spec: &TrainingSpec) -> std::result::Result<(), BoxError> {
-        let (b, mb) = (self.cfg.microbatch_size, self.cfg.num_microbatches);
-        if b as u64 != u64::from(spec.microbatch_size)
-            || mb as u64 != u64::from(spec.global_microbatches)
-        {
+        let (mine, job) = (self.batch, spec.batch());
+        if mine != job {
             return Err(format!(
-                "the GPT workload batches {mb} microbatches of {b} samples, the job {} of {}: \
-                 build both from the same settings",
-                spec.global_microbatches, spec.microbatch_size
+                "the GPT workload was built for {} microbatches of {} samples, the job has {} of \
+                 {}: build it from the job's TrainingSpec::batch",
+                mine.global_microbatches,
+                mine.microbatch_size,
+                job.global_microbatches,
+                job.microbatch_size
             )
             .into());
         }
@@ -619,6 +640,9 @@ pub fn to_tensors(batch: &Batch, device: &Device) -> Result<(Tensor, Tensor)> {
     ))
 }
 
+/// Fields of [`GptWorkloadConfig`] that held the batch shape before the job's spec alone did.
+const REMOVED_BATCH_FIELDS: [&str; 2] = ["microbatch_size", "num_microbatches"];
+
 /// [`GptWorkload`]'s name: the preset or `init_from` with its shape, and the padding rows.
 fn describe(cfg: &GptWorkloadConfig, model: &ModelConfig, tokenizer_vocab: usize) -> String {
     let padding = model.vocab_size().saturating_sub(tokenizer_vocab);
@@ -642,6 +666,7 @@ fn describe(cfg: &GptWorkloadConfig, model: &ModelConfig, tokenizer_vocab: usize
 /// way most users set these fields.
 fn prepare_data(
     cfg: &GptWorkloadConfig,
+    batch: BatchShape,
     model_cfg: &ModelConfig,
     tokenizer: Option<&std::path::Path>,
 ) -> Result<(Dataset, BatchSpec, usize)> {
@@ -661,19 +686,19 @@ fn prepare_data(
     data.tokenizer().check_vocab(model_cfg.vocab_size())?;
     let spec = BatchSpec {
         seq_len: cfg.seq_len,
-        microbatch_size: cfg.microbatch_size,
-        num_microbatches: cfg.num_microbatches,
+        microbatch_size: batch.microbatch_size as usize,
+        num_microbatches: batch.global_microbatches as usize,
     };
     let iterations_per_epoch = data.split(Split::Train).iterations_per_epoch(&spec)?;
     let val = data.split(Split::Validation);
-    if val.num_sequential_batches(cfg.seq_len, cfg.microbatch_size) < cfg.eval_batches {
+    if val.num_sequential_batches(cfg.seq_len, spec.microbatch_size) < cfg.eval_batches {
         return Err(DataError::InvalidRequest(format!(
             "the validation split has {} samples of {} tokens: fewer than --eval-batches {} x \
              --microbatch-size {}",
             val.num_samples(cfg.seq_len),
             cfg.seq_len,
             cfg.eval_batches,
-            cfg.microbatch_size
+            spec.microbatch_size
         ))
         .into());
     }

@@ -16,13 +16,44 @@ fn small_corpus(bytes: usize) -> (tempfile::TempDir, PathBuf) {
     (dir, corpus)
 }
 
-/// gpt-tiny (2 blocks of width 64) on `corpus`: 16 tokens x 2 samples x 3 microbatches.
+/// The job's batch of the tests: 3 microbatches of 2 samples.
+const BATCH: BatchShape = BatchShape {
+    microbatch_size: 2,
+    global_microbatches: 3,
+};
+
+/// A one-process CPU job of [`BATCH`].
+fn job() -> TrainingSpec {
+    TrainingSpec {
+        steps: 1,
+        seed: 0,
+        microbatch_size: BATCH.microbatch_size,
+        global_microbatches: BATCH.global_microbatches,
+        nodes: 1,
+        devices_per_node: 1,
+        fault_threshold: 0,
+        device: "cpu".into(),
+        pipeline_nodes: None,
+        optimizer: Default::default(),
+        lr: oobleck_core::optim::LrSchedule::constant(1e-3).expect("lr"),
+        grad_clip: None,
+        checkpoint_every: 0,
+        eval_every: 0,
+        data_plane: Default::default(),
+        inject_failures: Vec::new(),
+        compute: Default::default(),
+        precision: Default::default(),
+        recompute: false,
+        device_memory_bytes: None,
+    }
+}
+
+/// gpt-tiny (2 blocks of width 64) on `corpus`, 16 tokens a sample (with [`BATCH`]: 2 samples
+/// x 3 microbatches).
 fn tiny(corpus: &std::path::Path) -> GptWorkloadConfig {
     GptWorkloadConfig {
         model: "gpt-tiny".into(),
         seq_len: 16,
-        microbatch_size: 2,
-        num_microbatches: 3,
         eval_batches: 2,
         dataset: Some(corpus.to_path_buf()),
         ..GptWorkloadConfig::default()
@@ -33,9 +64,14 @@ fn ids(t: &Tensor) -> Vec<Vec<u32>> {
     t.to_vec2::<u32>().expect("a [b, t] u32 tensor")
 }
 
-/// The message of `GptWorkload::new(cfg)`, which must fail.
+/// The message of `GptWorkload::new(cfg, BATCH)`, which must fail.
 fn refusal(cfg: GptWorkloadConfig) -> String {
-    match GptWorkload::new(cfg) {
+    refusal_of(cfg, BATCH)
+}
+
+/// The message of `GptWorkload::new(cfg, batch)`, which must fail.
+fn refusal_of(cfg: GptWorkloadConfig, batch: BatchShape) -> String {
+    match GptWorkload::new(cfg, batch) {
         Ok(_) => panic!("the workload should have been refused"),
         Err(e) => e.to_string(),
     }
@@ -44,7 +80,7 @@ fn refusal(cfg: GptWorkloadConfig) -> String {
 #[test]
 fn microbatches_are_the_datasets_across_an_epoch_boundary() {
     let (_dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).expect("workload");
+    let w = GptWorkload::new(tiny(&corpus), BATCH).expect("workload");
     let direct =
         Dataset::open_with(&corpus, Arc::new(Gpt2Tokenizer::embedded()), None).expect("dataset");
     let spec = w.batch_spec();
@@ -82,7 +118,7 @@ fn the_factory_reads_the_config_back_from_json() {
     let json = serde_json::to_value(&cfg).unwrap();
     let back: GptWorkloadConfig = serde_json::from_value(json.clone()).unwrap();
     assert_eq!(back, cfg);
-    let w = GptWorkload::factory(&json).expect("factory");
+    let w = GptWorkload::factory(&job(), &json).expect("factory");
     assert_eq!(w.name(), "gpt-tiny");
     assert_eq!(w.tokens_per_sample(), 16);
     let preset = ModelConfig::preset("gpt-tiny").unwrap();
@@ -94,11 +130,35 @@ fn the_factory_reads_the_config_back_from_json() {
     let partial: GptWorkloadConfig =
         serde_json::from_value(serde_json::json!({ "model": "gpt2" })).unwrap();
     assert_eq!(partial.seq_len, GptWorkloadConfig::default().seq_len);
-    let err = GptWorkload::factory(&serde_json::json!({ "seq_length": 16 }))
+    let err = GptWorkload::factory(&job(), &serde_json::json!({ "seq_length": 16 }))
         .err()
         .expect("an unknown field")
         .to_string();
     assert!(err.contains("seq_length"), "{err}");
+}
+
+/// The batch shape is the job's alone: settings from a master that still sent it in the
+/// workload's JSON are refused, saying why, not taken as an unknown field.
+#[test]
+fn the_factory_takes_the_batch_from_the_job_and_refuses_it_in_the_settings() {
+    let (_dir, corpus) = small_corpus(20_000);
+    let json = serde_json::to_value(tiny(&corpus)).unwrap();
+    let mut spec = job();
+    spec.global_microbatches = 5;
+    let w = GptWorkload::factory(&spec, &json).expect("factory");
+    w.check(&spec).expect("built for the job's batch");
+    for field in ["microbatch_size", "num_microbatches"] {
+        let mut old = json.clone();
+        old[field] = serde_json::json!(2);
+        let err = GptWorkload::factory(&job(), &old)
+            .err()
+            .expect("a batch in the settings")
+            .to_string();
+        assert!(
+            err.contains(&format!("carry `{field}`")) && err.contains("older build"),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -138,48 +198,29 @@ fn too_little_data_is_refused_with_the_numbers() {
     };
     let err = refusal(many_evals);
     assert!(err.contains("fewer than --eval-batches 1000"), "{err}");
-    let huge_batch = GptWorkloadConfig {
-        num_microbatches: 100_000,
-        ..tiny(&corpus)
+    let huge_batch = BatchShape {
+        global_microbatches: 100_000,
+        ..BATCH
     };
-    let err = refusal(huge_batch);
+    let err = refusal_of(tiny(&corpus), huge_batch);
     assert!(
         err.contains("one global batch needs 200000 samples"),
         "{err}"
     );
 }
 
+/// The master's workload is built by its caller: one built for another batch than the job's
+/// is refused before anything trains.
 #[test]
-fn a_job_batching_otherwise_than_the_workload_is_refused() {
+fn a_workload_built_for_another_batch_than_the_jobs_is_refused() {
     let (_dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).expect("workload");
-    let mut spec = TrainingSpec {
-        steps: 1,
-        seed: 0,
-        microbatch_size: 2,
-        global_microbatches: 3,
-        nodes: 1,
-        devices_per_node: 1,
-        fault_threshold: 0,
-        device: "cpu".into(),
-        pipeline_nodes: None,
-        optimizer: Default::default(),
-        lr: oobleck_core::optim::LrSchedule::constant(1e-3).expect("lr"),
-        grad_clip: None,
-        checkpoint_every: 0,
-        eval_every: 0,
-        data_plane: Default::default(),
-        inject_failures: Vec::new(),
-        compute: Default::default(),
-        precision: Default::default(),
-        recompute: false,
-        device_memory_bytes: None,
-    };
+    let w = GptWorkload::new(tiny(&corpus), BATCH).expect("workload");
+    let mut spec = job();
     w.check(&spec).expect("the same batch");
     spec.global_microbatches = 4;
     let e = w.check(&spec).expect_err("another batch").to_string();
     assert!(
-        e.contains("3 microbatches of 2 samples, the job 4 of 2"),
+        e.contains("built for 3 microbatches of 2 samples, the job has 4 of 2"),
         "{e}"
     );
 }
@@ -187,7 +228,7 @@ fn a_job_batching_otherwise_than_the_workload_is_refused() {
 #[test]
 fn the_profile_has_one_entry_per_layer() {
     let (_dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let w = GptWorkload::new(tiny(&corpus), BATCH).unwrap();
     let cpu = DeviceSpec::named("cpu").expect("the planner knows cpu");
     let p = w.profile(cpu, 2, Dtype::F32).expect("profile");
     assert_eq!(p.layers.len(), w.model().num_layers());
@@ -202,7 +243,7 @@ fn the_profile_has_one_entry_per_layer() {
 #[test]
 fn the_bf16_profile_counts_two_byte_elements() {
     let (_dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let w = GptWorkload::new(tiny(&corpus), BATCH).unwrap();
     let cpu = DeviceSpec::named("cpu").expect("the planner knows cpu");
     let f32p = w.profile(cpu, 2, Dtype::F32).expect("profile");
     let bf16 = w.profile(cpu, 2, Dtype::Bf16).expect("profile");
@@ -226,7 +267,7 @@ fn the_bf16_profile_counts_two_byte_elements() {
 #[test]
 fn evaluation_is_the_mean_loss_of_the_first_validation_batches() {
     let (_dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let w = GptWorkload::new(tiny(&corpus), BATCH).unwrap();
     let l = w.model().num_layers();
     let whole = |range| {
         let layers = w
@@ -260,7 +301,7 @@ fn evaluation_is_the_mean_loss_of_the_first_validation_batches() {
 #[test]
 fn checkpoints_carry_a_config_json_and_the_tokenizer_that_load_back() {
     let (dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).unwrap();
+    let w = GptWorkload::new(tiny(&corpus), BATCH).unwrap();
     let files = w.checkpoint_files();
     let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
     assert_eq!(names, ["config.json", "vocab.json", "merges.txt"]);
@@ -308,7 +349,7 @@ fn init_from_starts_from_the_pretrained_weights() {
         preset,
         "the config without the weights"
     );
-    let w = GptWorkload::new(cfg).unwrap();
+    let w = GptWorkload::new(cfg, BATCH).unwrap();
     let ParamSource::Tensors(got) = w.initial_params(SEED) else {
         panic!("init_from must give the pretrained tensors");
     };
@@ -323,7 +364,7 @@ fn init_from_starts_from_the_pretrained_weights() {
 #[test]
 fn a_measured_profile_file_is_checked_against_the_job() {
     let (dir, corpus) = small_corpus(20_000);
-    let w = GptWorkload::new(tiny(&corpus)).expect("workload");
+    let w = GptWorkload::new(tiny(&corpus), BATCH).expect("workload");
     let m = w
         .measure_profile(&Device::Cpu, Dtype::F32, 0, 1)
         .expect("measured");
@@ -337,10 +378,13 @@ fn a_measured_profile_file_is_checked_against_the_job() {
     assert_eq!(m.profile.fingerprint.model, "gpt-tiny seq 16");
     let file = dir.path().join("p.json");
     std::fs::write(&file, m.profile.to_json()).expect("write");
-    let with_file = GptWorkload::new(GptWorkloadConfig {
-        profile: file.display().to_string(),
-        ..tiny(&corpus)
-    })
+    let with_file = GptWorkload::new(
+        GptWorkloadConfig {
+            profile: file.display().to_string(),
+            ..tiny(&corpus)
+        },
+        BATCH,
+    )
     .expect("workload");
     let cpu = DeviceSpec::named("cpu").expect("cpu");
     let p = with_file

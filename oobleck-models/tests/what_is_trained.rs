@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use oobleck_core::model::{ParamSource, Stage};
-use oobleck_core::runtime::Workload;
+use oobleck_core::runtime::{BatchShape, Workload};
 use oobleck_models::data::{default_tokenizer_dir, Gpt2Tokenizer, EMBEDDED_CORPUS};
 use oobleck_models::workload::{GptWorkload, GptWorkloadConfig};
 use oobleck_models::{hf, ModelConfig};
@@ -21,13 +21,17 @@ fn small_corpus(dir: &Path) -> PathBuf {
     corpus
 }
 
-/// `model` on `corpus`: 16 tokens x 2 samples x 2 microbatches.
+/// The job's batch: 2 microbatches of 2 samples.
+const BATCH: BatchShape = BatchShape {
+    microbatch_size: 2,
+    global_microbatches: 2,
+};
+
+/// `model` on `corpus`, 16 tokens a sample.
 fn settings(model: &str, corpus: &Path) -> GptWorkloadConfig {
     GptWorkloadConfig {
         model: model.into(),
         seq_len: 16,
-        microbatch_size: 2,
-        num_microbatches: 2,
         eval_batches: 1,
         dataset: Some(corpus.to_path_buf()),
         ..GptWorkloadConfig::default()
@@ -54,7 +58,7 @@ fn save_model(dir: &Path, cfg: &ModelConfig) {
 }
 
 fn refusal(cfg: GptWorkloadConfig) -> String {
-    match GptWorkload::new(cfg) {
+    match GptWorkload::new(cfg, BATCH) {
         Ok(_) => panic!("the workload should have been refused"),
         Err(e) => e.to_string(),
     }
@@ -64,10 +68,10 @@ fn refusal(cfg: GptWorkloadConfig) -> String {
 fn a_preset_is_named_and_an_opt_preset_says_its_padding_rows() {
     let tmp = tempfile::tempdir().unwrap();
     let corpus = small_corpus(tmp.path());
-    let gpt = GptWorkload::new(settings("gpt-tiny", &corpus)).unwrap();
+    let gpt = GptWorkload::new(settings("gpt-tiny", &corpus), BATCH).unwrap();
     assert_eq!(gpt.name(), "gpt-tiny");
     for opt in ["opt-tiny", "opt-tiny-postln"] {
-        let w = GptWorkload::new(settings(opt, &corpus)).unwrap();
+        let w = GptWorkload::new(settings(opt, &corpus), BATCH).unwrap();
         assert_eq!(
             w.name(),
             format!(
@@ -88,10 +92,13 @@ fn init_from_is_named_by_its_directory_and_shape_not_the_preset_label() {
     }
     let dir = tmp.path().join("hf-gpt2");
     save_model(&dir, &shape);
-    let w = GptWorkload::new(GptWorkloadConfig {
-        init_from: Some(dir.display().to_string()),
-        ..settings("gpt-mini", &corpus)
-    })
+    let w = GptWorkload::new(
+        GptWorkloadConfig {
+            init_from: Some(dir.display().to_string()),
+            ..settings("gpt-mini", &corpus)
+        },
+        BATCH,
+    )
     .unwrap();
     assert_eq!(
         w.name(),
@@ -140,14 +147,14 @@ fn an_opt_checkpoint_trains_on_its_own_tokenizer_and_is_refused_without_one() {
         named.tokenizer_path().unwrap(),
         Some(default_tokenizer_dir())
     );
-    GptWorkload::new(named).unwrap();
+    GptWorkload::new(named, BATCH).unwrap();
 
     // Shipped beside the weights (as Hugging Face repositories and our checkpoints do): used.
     for (name, bytes) in Gpt2Tokenizer::embedded().files() {
         std::fs::write(dir.join(name), bytes).unwrap();
     }
     assert_eq!(cfg.tokenizer_path().unwrap(), Some(dir.clone()));
-    let w = GptWorkload::new(cfg).unwrap();
+    let w = GptWorkload::new(cfg, BATCH).unwrap();
     assert_eq!(w.dataset().tokenizer().source(), dir);
     assert!(w.name().contains("15 of them padding"), "{}", w.name());
 }

@@ -99,7 +99,11 @@ fn run() -> Result<()> {
 
 /// The job on a cluster (the runtime's), then samples from its last checkpoint.
 fn train_cluster(cfg: TrainConfig, launch: LaunchMode, args: &TrainArgs) -> Result<()> {
-    let workload = Arc::new(GptWorkload::new(cluster_workload_config(&cfg, &launch))?);
+    let batch = oobleck_cli::config::batch_shape(&cfg)?;
+    let workload = Arc::new(GptWorkload::new(
+        cluster_workload_config(&cfg, &launch),
+        batch,
+    )?);
     let page = oobleck_cli::status_page::parse_addr(args.status_addr.as_deref())?;
     let summary = oobleck_cli::cluster::job::run(
         cfg.clone(),

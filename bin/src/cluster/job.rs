@@ -73,8 +73,8 @@ fn host_memory(cfg: &TrainConfig) -> Option<HostMemory> {
     }
 }
 
-/// Runs the job of `cfg` on `workload` (built by the caller from [`workload_config`], which
-/// then uses it for samples) with agents started as `launch` says. With `resume` (a run or checkpoint
+/// Runs the job of `cfg` on `workload` (built by the caller from [`workload_config`] and
+/// [`crate::config::batch_shape`], which then uses it for samples) with agents started as `launch` says. With `resume` (a run or checkpoint
 /// directory, as `--resume` takes), the run continues from that checkpoint in its own
 /// directory, on whatever nodes this job has: any plan computes the same steps.
 pub fn run(

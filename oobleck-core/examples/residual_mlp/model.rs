@@ -18,7 +18,7 @@ use oobleck_core::model::{
     checked_param, seeded_normal, ForwardCtx, Layer, LayeredModel, ParamSource, Stage,
 };
 use oobleck_core::planning::{DeviceSpec, Dtype, Fingerprint, LayerProfile, ModelProfile};
-use oobleck_core::runtime::{BoxError, Workload};
+use oobleck_core::runtime::{BatchShape, BoxError, TrainingSpec, Workload};
 use serde::{Deserialize, Serialize};
 
 /// Seeds the teacher and the held-out batch: the task is the same whatever the run's seed.
@@ -37,8 +37,6 @@ pub struct MlpConfig {
     /// Residual blocks `N`.
     pub blocks: usize,
     pub classes: usize,
-    /// Samples per microbatch: the job's `TrainingSpec::microbatch_size`.
-    pub microbatch_size: usize,
     /// Samples of the held-out batch `evaluate` scores.
     pub eval_samples: usize,
 }
@@ -194,17 +192,21 @@ pub struct MlpWorkload {
     model: ResidualMlp,
     /// The teacher `T` `[inputs, classes]`, on the CPU.
     teacher: Tensor,
+    /// The job's global batch (its `b` is the rows of a microbatch).
+    batch: BatchShape,
 }
 
 impl MlpWorkload {
-    pub fn new(cfg: MlpConfig) -> Result<Self, BoxError> {
+    /// The workload of `cfg`, drawing microbatches of the job's `batch`
+    /// ([`TrainingSpec::batch`]).
+    pub fn new(cfg: MlpConfig, batch: BatchShape) -> Result<Self, BoxError> {
         let c = cfg;
         let sizes = [
             c.inputs,
             c.width,
             c.hidden,
             c.classes,
-            c.microbatch_size,
+            batch.microbatch_size as usize,
             c.eval_samples,
         ];
         if sizes.contains(&0) {
@@ -220,14 +222,19 @@ impl MlpWorkload {
         Ok(Self {
             model: ResidualMlp(cfg),
             teacher,
+            batch,
         })
     }
 
-    /// The runtime's factory: the workload from the job's settings (an [`MlpConfig`]).
-    pub fn factory(settings: &serde_json::Value) -> Result<Box<dyn Workload>, BoxError> {
+    /// The runtime's factory: the workload from the job's settings (an [`MlpConfig`]) and
+    /// its batch.
+    pub fn factory(
+        spec: &TrainingSpec,
+        settings: &serde_json::Value,
+    ) -> Result<Box<dyn Workload>, BoxError> {
         let cfg: MlpConfig = serde_json::from_value(settings.clone())
             .map_err(|e| format!("the residual MLP's settings: {e}"))?;
-        Ok(Box::new(Self::new(cfg)?))
+        Ok(Box::new(Self::new(cfg, spec.batch())?))
     }
 
     /// `rows` samples named `name`: x ~ N(0, 1) `[rows, inputs]`, y = argmax(x·T) `[rows]` u32.
@@ -266,7 +273,7 @@ impl Workload for MlpWorkload {
         mb: u32,
         dev: &Device,
     ) -> Result<(Tensor, Tensor), BoxError> {
-        let rows = self.model.0.microbatch_size;
+        let rows = self.batch.microbatch_size as usize;
         self.samples(seed, &format!("data/{step}/{mb}"), rows, dev)
     }
 

@@ -33,18 +33,17 @@ fn config() -> MlpConfig {
         hidden: 64,
         blocks: 3,
         classes: 4,
-        microbatch_size: 8,
         eval_samples: 256,
     }
 }
 
 /// 3 nodes of one device, `f = 1`; node 2 dies after step 4 is committed.
-fn training_spec(cfg: &MlpConfig) -> Result<TrainingSpec, BoxError> {
+fn training_spec() -> Result<TrainingSpec, BoxError> {
     let peak = 3e-3;
     Ok(TrainingSpec {
         steps: STEPS,
         seed: 7,
-        microbatch_size: u32::try_from(cfg.microbatch_size)?,
+        microbatch_size: 8,
         global_microbatches: 4,
         nodes: 3,
         devices_per_node: 1,
@@ -84,8 +83,8 @@ pub struct Job {
 /// Runs the example's job to its end in a new temporary run directory.
 pub fn run_the_job(limits: Limits, observer: &mut dyn Observer) -> Result<Job, BoxError> {
     let cfg = config();
-    let spec = training_spec(&cfg)?;
-    let workload: Arc<dyn Workload> = Arc::new(MlpWorkload::new(cfg)?);
+    let spec = training_spec()?;
+    let workload: Arc<dyn Workload> = Arc::new(MlpWorkload::new(cfg, spec.batch())?);
     let dir = tempfile::tempdir()?;
     let opts = job_options(&cfg, &spec, dir.path(), limits)?;
     let summary = run_job(workload.clone(), opts, observer)?;

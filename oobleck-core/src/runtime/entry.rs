@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use super::error::{error_chain, BoxError, Result, RuntimeError};
 use super::node::{run_agent, AgentOptions};
+use super::spec::TrainingSpec;
 use super::wire::env::{
     AGENT, AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
     TOKEN_ENV, WORKER,
@@ -41,11 +42,11 @@ pub fn role() -> Option<String> {
 /// The first call of a user's `main`: when this process was started as an agent or a worker
 /// of a job, runs that role here and exits the process (0, or 1 after printing the error);
 /// otherwise returns at once. `factory` builds the workload in each worker from the job's
-/// workload settings ([`super::JobConfig::workload`]). Every process first gets the training
+/// training spec and workload settings ([`super::Factory`]). Every process first gets the training
 /// allocator settings ([`super::tune_allocator`]).
 pub fn take_over<F>(factory: F)
 where
-    F: Fn(&serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError>
+    F: Fn(&TrainingSpec, &serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError>
         + Send
         + Sync
         + 'static,

@@ -51,7 +51,7 @@ pub use entry::{agent_command, role, take_over};
 pub use error::{BoxError, Context, Result, RuntimeError};
 pub use master::run_job;
 pub use spec::{
-    Compute, DataPlane, InjectedFailure, JobConfig, SpecError, TrainingSpec, WatchSpec,
+    BatchShape, Compute, DataPlane, InjectedFailure, JobConfig, SpecError, TrainingSpec, WatchSpec,
     DEFAULT_SAVE_WAIT_S,
 };
 pub use wire::{Event, StateSource, StepMetrics, WorkerReport};

@@ -73,6 +73,25 @@ pub struct InjectedFailure {
     pub after_step: u64,
 }
 
+/// The global batch's shape: [`BatchShape::global_microbatches`] microbatches of
+/// [`BatchShape::microbatch_size`] samples, named as the [`TrainingSpec`] names them. A
+/// workload takes it from the job's spec ([`TrainingSpec::batch`]), never from its own
+/// settings, so the batch is stated once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchShape {
+    /// `b`: samples per microbatch.
+    pub microbatch_size: u32,
+    /// `B`: microbatches per step.
+    pub global_microbatches: u32,
+}
+
+impl BatchShape {
+    /// Samples per step, `B * b`.
+    pub fn samples(&self) -> u64 {
+        u64::from(self.microbatch_size) * u64::from(self.global_microbatches)
+    }
+}
+
 /// How the runtime trains: the settings every process of a job shares. One name and one unit
 /// per quantity: the global batch is [`TrainingSpec::global_microbatches`] microbatches of
 /// [`TrainingSpec::microbatch_size`] samples, and everything else derives from those two.
@@ -125,9 +144,17 @@ pub struct TrainingSpec {
 }
 
 impl TrainingSpec {
+    /// The global batch's shape, as the workload is given it.
+    pub fn batch(&self) -> BatchShape {
+        BatchShape {
+            microbatch_size: self.microbatch_size,
+            global_microbatches: self.global_microbatches,
+        }
+    }
+
     /// Samples per step.
     pub fn global_batch_samples(&self) -> u64 {
-        u64::from(self.microbatch_size) * u64::from(self.global_microbatches)
+        self.batch().samples()
     }
 
     /// The planner's job spec, with fault threshold `f`.

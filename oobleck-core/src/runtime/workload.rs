@@ -61,9 +61,9 @@ pub trait Workload: Send + Sync {
     fn data_cursor(&self, step: u64) -> serde_json::Value {
         serde_json::json!({ "step": step })
     }
-    /// Refuses a job whose runtime settings disagree with the workload's own (its data order
-    /// depends on the batch shape, for instance). The master and every worker call it before
-    /// training.
+    /// Refuses a job whose runtime settings disagree with the workload's own (a workload built
+    /// by its caller for another job's batch shape, for instance: its data order depends on
+    /// it). The master and every worker call it before training.
     fn check(&self, spec: &TrainingSpec) -> std::result::Result<(), BoxError> {
         let _ = spec;
         Ok(())
@@ -75,7 +75,9 @@ pub trait Workload: Send + Sync {
     }
 }
 
-/// Builds a worker's workload from the job's opaque workload settings
-/// ([`JobConfig::workload`]).
-pub type Factory =
-    dyn Fn(&serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError> + Send + Sync;
+/// Builds a worker's workload from the job's runtime settings ([`super::JobConfig::training`]:
+/// the batch shape, [`TrainingSpec::batch`], comes from there alone) and its opaque workload
+/// settings ([`super::JobConfig::workload`]).
+pub type Factory = dyn Fn(&TrainingSpec, &serde_json::Value) -> std::result::Result<Box<dyn Workload>, BoxError>
+    + Send
+    + Sync;

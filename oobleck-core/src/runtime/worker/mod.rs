@@ -87,8 +87,8 @@ enum Flow {
 }
 
 /// Runs worker `rank` of a job: reads its assignment from stdin, builds the workload with
-/// `factory` from the job's workload settings, and trains its generations. Returns once its
-/// last step is applied and reported.
+/// `factory` from the job's training spec and workload settings, and trains its generations.
+/// Returns once its last step is applied and reported.
 pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
     let (first, inbox) = Inbox::start(rank)?;
     if first.rank != rank {
@@ -112,7 +112,8 @@ pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
         let w = match &workload {
             Some(w) => w,
             None => {
-                let w = factory(&a.job.workload).map_err(RuntimeError::Workload)?;
+                let w =
+                    factory(&a.job.training, &a.job.workload).map_err(RuntimeError::Workload)?;
                 w.check(&a.job.training).map_err(RuntimeError::Workload)?;
                 workload.insert(w)
             }
