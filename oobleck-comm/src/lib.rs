@@ -32,6 +32,7 @@ mod nccl;
 #[cfg(not(feature = "nccl"))]
 #[path = "nccl_stub.rs"]
 mod nccl;
+pub mod refusals;
 mod shm;
 mod tcp;
 mod tensor;

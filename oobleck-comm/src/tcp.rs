@@ -76,6 +76,10 @@ pub struct TcpConfig {
     /// Test hooks that make shared-memory setup steps fail as a full `/dev/shm` would.
     #[doc(hidden)]
     pub shm_faults: ShmFaults,
+    /// Set by the caller (from another thread) to give up forming the group: `connect` then
+    /// returns `Aborted` within a few milliseconds instead of waiting for its deadline, as
+    /// when the control plane learns that a peer died while the group formed.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 /// Shared-memory setup steps to fail on purpose (tests of the TCP fallback).
@@ -102,6 +106,21 @@ impl TcpConfig {
             key: None,
             shared_memory: true,
             shm_faults: ShmFaults::default(),
+            cancel: None,
+        }
+    }
+
+    /// Whether the caller gave up forming the group (see [`TcpConfig::cancel`]).
+    fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Relaxed))
+    }
+
+    fn aborted(&self) -> CommError {
+        CommError::Aborted {
+            rank: self.rank,
+            generation: self.generation,
         }
     }
 

@@ -19,8 +19,18 @@
 //!
 //! The acceptor handshakes every accepted connection on its own thread, bounded by
 //! [`HANDSHAKE_TIMEOUT`] and the connect deadline, so a stranger that connects and says nothing
-//! holds only its own thread. Strangers are logged and dropped; they never fail the group.
+//! holds only its own thread, and never for long. When [`MAX_PENDING`] handshakes are in
+//! flight the oldest is cut to make room: a rank's handshake takes milliseconds, so a flood of
+//! idle strangers keeps cutting itself while real peers get through (and a peer cut by
+//! mistake dials again). Strangers are counted and logged, one line per address and reason
+//! per interval ([`crate::refusals`]); they never fail the group.
+//!
+//! A connector whose peer closes before challenging it dials again until the deadline: the
+//! acceptor may have cut it to make room, or the peer died. A peer that refuses connections
+//! is gone (ranks listen before the rendezvous is sent); the caller's control plane learns of
+//! the death and cancels the forming group through [`TcpConfig::cancel`].
 
+use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,12 +44,18 @@ use crate::comm::Rank;
 use crate::error::{CommError, FrameError, Op, Result};
 use crate::frame::{self, Header, KeyedHello, Kind, ReadOutcome};
 use crate::key::{self, SecretKey, KEY_BYTES};
+use crate::refusals::Refusals;
 
-/// How long an accepted connection may take to prove who it is.
-pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Handshakes in flight at once; more connections than this are dropped unread (a flood of
-/// strangers costs them their connections, not us our threads).
+/// How long an accepted connection may take to prove who it is: a rank answers a Challenge in
+/// a round trip, so this is generous for a real peer and short for a stranger that holds a slot.
+pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Handshakes in flight at once; at the limit the oldest is cut (a flood of strangers costs
+/// them their connections, not us our threads, and never keeps a real peer out).
 const MAX_PENDING: usize = 64;
+/// How often the refusals of one address for one reason are said (with their count).
+const REFUSALS_EVERY: Duration = Duration::from_secs(10);
+/// How often a reading handshake looks at [`TcpConfig::cancel`].
+const CANCEL_POLL: Duration = Duration::from_millis(20);
 /// Largest handshake payload a peer may send (a keyed Hello is 76 bytes).
 const HANDSHAKE_CAP: u32 = 128;
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
@@ -59,21 +75,35 @@ fn mac_input(cfg: &TcpConfig, from: Rank, to: Rank, theirs: &Nonce, ours: &Nonce
     [LABEL, &cfg.generation.to_le_bytes(), &ranks, theirs, ours].concat()
 }
 
-/// A reader that never blocks past `deadline`, however slowly the peer drips bytes.
+/// A reader that never blocks past `deadline`, however slowly the peer drips bytes, and
+/// gives up (`Interrupted`) soon after the caller cancels the group.
 struct Bounded<'a> {
     s: &'a TcpStream,
     deadline: Instant,
+    cfg: &'a TcpConfig,
 }
 
 impl Read for Bounded<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ErrorKind::TimedOut.into());
+        loop {
+            if self.cfg.cancelled() {
+                return Err(ErrorKind::Interrupted.into());
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ErrorKind::TimedOut.into());
+            }
+            let slice = match self.cfg.cancel {
+                Some(_) => left.min(CANCEL_POLL),
+                None => left,
+            };
+            self.s.set_read_timeout(Some(slice))?;
+            let mut s = self.s;
+            match s.read(buf) {
+                Err(e) if is_timeout(&e) && slice < left => continue,
+                r => return r,
+            }
         }
-        self.s.set_read_timeout(Some(left))?;
-        let mut s = self.s;
-        s.read(buf)
     }
 }
 
@@ -82,7 +112,11 @@ fn read_handshake(
     cfg: &TcpConfig,
     deadline: Instant,
 ) -> std::io::Result<ReadOutcome> {
-    frame::read_frame(&mut Bounded { s, deadline }, cfg.generation, HANDSHAKE_CAP)
+    frame::read_frame(
+        &mut Bounded { s, deadline, cfg },
+        cfg.generation,
+        HANDSHAKE_CAP,
+    )
 }
 
 fn is_timeout(e: &std::io::Error) -> bool {
@@ -144,6 +178,7 @@ fn read_reply(s: &TcpStream, cfg: &TcpConfig, j: Rank, deadline: Instant) -> Rep
         }),
         Err(e) if is_reset(&e) => Reply::Closed,
         Err(e) if is_timeout(&e) => Reply::Silent,
+        Err(_) if cfg.cancelled() => Reply::Failed(cfg.aborted()),
         Err(e) => Reply::Failed(lost(cfg, j, format!("handshake: {e}"))),
     }
 }
@@ -201,32 +236,100 @@ fn check_reply_addressing(
     Ok(())
 }
 
+/// Why the last dial of a peer failed, for the error at the deadline.
+enum Dial {
+    None,
+    Refused,
+    ClosedEarly,
+    Other(String),
+}
+
 /// Dials rank `j` until the deadline, then proves who we are and checks who answered.
 pub(super) fn connect_one(cfg: &TcpConfig, j: Rank, deadline: Instant) -> Result<TcpStream> {
     let addr = cfg.peers[j];
-    let mut last = String::from("no attempt");
+    let mut last = Dial::None;
     loop {
+        if cfg.cancelled() {
+            return Err(cfg.aborted());
+        }
         let now = Instant::now();
         if now >= deadline {
-            warn!(rank = cfg.rank, peer = j, %addr, last, "connect timed out");
-            return Err(connect_timeout(cfg, j));
+            return Err(dial_failed(cfg, j, &last));
         }
-        match TcpStream::connect_timeout(&addr, (deadline - now).min(Duration::from_secs(2))) {
-            Ok(s) => {
-                s.set_nodelay(true)
-                    .map_err(|e| lost(cfg, j, format!("handshake: {e}")))?;
-                match &cfg.key {
-                    None => connector_unkeyed(&s, cfg, j, deadline)?,
-                    Some(key) => connector_keyed(&s, cfg, key, j, deadline)?,
+        let s =
+            match TcpStream::connect_timeout(&addr, (deadline - now).min(Duration::from_secs(2))) {
+                Ok(s) => s,
+                Err(e) => {
+                    // The peer may not listen yet (outside a job: ranks bind before the rendezvous
+                    // is sent): retry until the deadline.
+                    last = match e.kind() {
+                        ErrorKind::ConnectionRefused => Dial::Refused,
+                        _ => Dial::Other(e.to_string()),
+                    };
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
                 }
-                return Ok(s);
-            }
-            Err(e) => {
-                // The peer may not listen yet: retry until the deadline.
-                last = e.to_string();
+            };
+        s.set_nodelay(true)
+            .map_err(|e| lost(cfg, j, format!("handshake: {e}")))?;
+        let shaken = match &cfg.key {
+            None => connector_unkeyed(&s, cfg, j, deadline),
+            Some(key) => connector_keyed(&s, cfg, key, j, deadline),
+        };
+        match shaken {
+            Ok(()) => return Ok(s),
+            Err(Shake::ClosedEarly) => {
+                // Cut by a crowded acceptor, or the peer died with our connection in its
+                // backlog: dial again, and if it is dead the next dial is refused.
+                last = Dial::ClosedEarly;
                 std::thread::sleep(Duration::from_millis(20));
             }
+            Err(Shake::Failed(e)) => return Err(e),
         }
+    }
+}
+
+/// The error of a peer never reached by the deadline, from how its last dial failed.
+fn dial_failed(cfg: &TcpConfig, j: Rank, last: &Dial) -> CommError {
+    let addr = cfg.peers[j];
+    let gone = |how: &str| {
+        lost(
+            cfg,
+            j,
+            format!(
+                "{how} until the deadline ({:?}): the rank is gone (its process exited or its \
+                 node is down), not misconfigured; its agent reports the exit and the master \
+                 forms the next generation without it",
+                cfg.connect_timeout
+            ),
+        )
+    };
+    match last {
+        Dial::Refused => gone(&format!("{addr} refused every connection")),
+        Dial::ClosedEarly => gone(&format!(
+            "{addr} closed every connection before its handshake began"
+        )),
+        Dial::None | Dial::Other(_) => {
+            let why = match last {
+                Dial::Other(e) => e.as_str(),
+                _ => "no attempt",
+            };
+            warn!(rank = cfg.rank, peer = j, %addr, last = why, "connect timed out");
+            connect_timeout(cfg, j)
+        }
+    }
+}
+
+/// How a connector's handshake on one connection failed.
+enum Shake {
+    /// The peer closed before its first frame: dial again.
+    ClosedEarly,
+    Failed(CommError),
+}
+
+impl From<CommError> for Shake {
+    fn from(e: CommError) -> Shake {
+        Shake::Failed(e)
     }
 }
 
@@ -240,19 +343,22 @@ fn connect_timeout(cfg: &TcpConfig, j: Rank) -> CommError {
     }
 }
 
-fn connector_unkeyed(s: &TcpStream, cfg: &TcpConfig, j: Rank, deadline: Instant) -> Result<()> {
-    send_plain_hello(s, cfg, j as u32).map_err(|e| lost(cfg, j, format!("handshake: {e}")))?;
+fn connector_unkeyed(
+    s: &TcpStream,
+    cfg: &TcpConfig,
+    j: Rank,
+    deadline: Instant,
+) -> std::result::Result<(), Shake> {
+    if send_plain_hello(s, cfg, j as u32).is_err() {
+        return Err(Shake::ClosedEarly);
+    }
     let (h, p) = match read_reply(s, cfg, j, deadline) {
         Reply::Frame(h, p) => (h, p),
-        Reply::Closed => return Err(lost(cfg, j, "closed during handshake".into())),
+        Reply::Closed => return Err(Shake::ClosedEarly),
         Reply::Silent => {
-            return Err(lost(
-                cfg,
-                j,
-                "handshake: no answer before the deadline".into(),
-            ))
+            return Err(lost(cfg, j, "handshake: no answer before the deadline".into()).into())
         }
-        Reply::Failed(e) => return Err(e),
+        Reply::Failed(e) => return Err(e.into()),
     };
     match h.kind {
         Kind::Hello => {
@@ -260,14 +366,15 @@ fn connector_unkeyed(s: &TcpStream, cfg: &TcpConfig, j: Rank, deadline: Instant)
                 peer: Some(j),
                 source,
             })?;
-            check_reply_addressing(cfg, j, hello)
+            Ok(check_reply_addressing(cfg, j, hello)?)
         }
         Kind::Challenge => Err(auth_failed(
             cfg,
             j,
             "it asks for the generation's key, and this rank was given none",
-        )),
-        Kind::Data | Kind::Local => Err(malformed(j, "expected a Hello frame".into())),
+        )
+        .into()),
+        Kind::Data | Kind::Local => Err(malformed(j, "expected a Hello frame".into()).into()),
     }
 }
 
@@ -277,7 +384,7 @@ fn connector_keyed(
     key: &SecretKey,
     j: Rank,
     deadline: Instant,
-) -> Result<()> {
+) -> std::result::Result<(), Shake> {
     let io = |e: std::io::Error| lost(cfg, j, format!("handshake: {e}"));
     let theirs = match read_reply(s, cfg, j, deadline) {
         Reply::Frame(h, p) if h.kind == Kind::Challenge => {
@@ -287,21 +394,13 @@ fn connector_keyed(
             })?
         }
         Reply::Frame(h, _) => {
-            return Err(malformed(
-                j,
-                format!("expected a Challenge, got {:?}", h.kind),
-            ))
+            return Err(malformed(j, format!("expected a Challenge, got {:?}", h.kind)).into())
         }
-        Reply::Closed => {
-            return Err(auth_failed(
-                cfg,
-                j,
-                "it closed the connection without challenging us, so it was probably given no \
-                 key while this rank was given one",
-            ))
-        }
-        Reply::Silent => return Err(connect_timeout(cfg, j)),
-        Reply::Failed(e) => return Err(e),
+        // A keyed acceptor challenges at once; one that closes first cut us to make room or
+        // died (an acceptor given no key would wait for our Hello and time out instead).
+        Reply::Closed => return Err(Shake::ClosedEarly),
+        Reply::Silent => return Err(connect_timeout(cfg, j).into()),
+        Reply::Failed(e) => return Err(e.into()),
     };
     let ours = key::nonce();
     let hello = KeyedHello {
@@ -315,17 +414,18 @@ fn connector_keyed(
     let p = match read_reply(s, cfg, j, deadline) {
         Reply::Frame(h, p) if h.kind == Kind::Hello => p,
         Reply::Frame(h, _) => {
-            return Err(malformed(j, format!("expected a Hello, got {:?}", h.kind)))
+            return Err(malformed(j, format!("expected a Hello, got {:?}", h.kind)).into())
         }
         Reply::Closed => {
             return Err(auth_failed(
                 cfg,
                 j,
                 "it refused our proof of the key, so the two ranks were given different keys",
-            ))
+            )
+            .into())
         }
-        Reply::Silent => return Err(connect_timeout(cfg, j)),
-        Reply::Failed(e) => return Err(e),
+        Reply::Silent => return Err(connect_timeout(cfg, j).into()),
+        Reply::Failed(e) => return Err(e.into()),
     };
     let answer = KeyedHello::decode(&p).map_err(|source| CommError::Frame {
         peer: Some(j),
@@ -339,7 +439,8 @@ fn connector_keyed(
             j,
             "its answer does not prove our key, so it was given a different key or is not a rank \
              of this group",
-        ));
+        )
+        .into());
     }
     Ok(())
 }
@@ -350,7 +451,7 @@ fn connector_keyed(
 /// Why an incoming connection was refused (logged; the group goes on forming).
 #[derive(Debug, thiserror::Error)]
 enum Refusal {
-    #[error("sent no Hello within the handshake timeout")]
+    #[error("sent no Hello within the handshake timeout (or was cut to make room for others)")]
     Silent,
     #[error("closed during the handshake")]
     Closed,
@@ -381,8 +482,31 @@ struct Claim {
     nonces: Option<(Nonce, Nonce)>,
 }
 
+/// What a handshake thread sends back: its id and the proven claim, or why it refused.
+type Outcome = (u64, std::result::Result<Claim, (SocketAddr, String)>);
+
+/// The handshakes in flight: their ids, in the order they began, with a handle to cut each.
+struct Pending {
+    next_id: u64,
+    open: VecDeque<(u64, TcpStream)>,
+}
+
+impl Pending {
+    fn ended(&mut self, id: u64) {
+        self.open.retain(|(i, _)| *i != id);
+    }
+
+    /// Cuts the oldest handshake to make room: its thread reads an error at once and says so.
+    fn cut_oldest(&mut self) {
+        if let Some((_, s)) = self.open.pop_front() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
 /// Accepts until every rank above ours has connected and proved itself, the deadline, or
-/// `stop` (this rank failed to reach a peer; its error is the one reported).
+/// `stop` (this rank failed to reach a peer; its error is the one reported) or the caller's
+/// cancel. Refused connections are counted and logged, aggregated.
 pub(super) fn accept_all(
     listener: &TcpListener,
     cfg: &TcpConfig,
@@ -390,20 +514,51 @@ pub(super) fn accept_all(
     deadline: Instant,
     stop: &AtomicBool,
 ) -> Result<Vec<(Rank, TcpStream)>> {
+    let mut refusals = Refusals::new(REFUSALS_EVERY);
+    let got = accept_loop(listener, cfg, expect, deadline, stop, &mut refusals);
+    say(cfg, refusals.flush_all());
+    got
+}
+
+fn say(cfg: &TcpConfig, lines: Vec<crate::refusals::Refused>) {
+    for line in lines {
+        warn!(
+            rank = cfg.rank,
+            generation = cfg.generation,
+            "data plane: {line}"
+        );
+    }
+}
+
+fn accept_loop(
+    listener: &TcpListener,
+    cfg: &TcpConfig,
+    expect: usize,
+    deadline: Instant,
+    stop: &AtomicBool,
+    refusals: &mut Refusals,
+) -> Result<Vec<(Rank, TcpStream)>> {
     let mut got: Vec<(Rank, TcpStream)> = Vec::new();
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::io("listener nonblocking", &e))?;
     // Every handshake thread sends exactly one message; those still running when we return
     // find the channel closed and drop their connection.
-    let (tx, rx) = mpsc::channel::<Option<Claim>>();
-    let mut pending = 0usize;
+    let (tx, rx) = mpsc::channel::<Outcome>();
+    let mut pending = Pending {
+        next_id: 0,
+        open: VecDeque::new(),
+    };
+    let mut take = |outcome: Outcome, pending: &mut Pending, got: &mut Vec<(Rank, TcpStream)>| {
+        pending.ended(outcome.0);
+        match outcome.1 {
+            Ok(claim) => admit(claim, cfg, deadline, got),
+            Err((addr, why)) => say(cfg, refusals.note(Instant::now(), addr.ip(), &why)),
+        }
+    };
     while got.len() < expect {
-        if stop.load(Ordering::Relaxed) {
-            return Err(CommError::Aborted {
-                rank: cfg.rank,
-                generation: cfg.generation,
-            });
+        if stop.load(Ordering::Relaxed) || cfg.cancelled() {
+            return Err(cfg.aborted());
         }
         if Instant::now() >= deadline {
             let missing = (cfg.rank + 1..cfg.peers.len()).find(|r| got.iter().all(|(g, _)| g != r));
@@ -416,61 +571,68 @@ pub(super) fn accept_all(
             });
         }
         match listener.accept() {
-            Ok((s, addr)) if pending >= MAX_PENDING => {
-                warn!(rank = cfg.rank, %addr, pending, "too many handshakes in flight, dropping connection");
-                drop(s);
+            Ok((s, addr)) => {
+                if pending.open.len() >= MAX_PENDING {
+                    pending.cut_oldest();
+                }
+                spawn_handshake(s, addr, cfg, deadline, &tx, &mut pending);
             }
-            Ok((s, addr)) => pending += spawn_handshake(s, addr, cfg, deadline, &tx) as usize,
             Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
                 // Doubles as the poll interval of the nonblocking listener.
-                if let Ok(claim) = rx.recv_timeout(ACCEPT_POLL) {
-                    pending -= 1;
-                    admit(claim, cfg, deadline, &mut got);
+                if let Ok(outcome) = rx.recv_timeout(ACCEPT_POLL) {
+                    take(outcome, &mut pending, &mut got);
                 }
             }
             Err(e) => return Err(CommError::io("accept", &e)),
         }
-        while let Ok(claim) = rx.try_recv() {
-            pending -= 1;
-            admit(claim, cfg, deadline, &mut got);
+        while let Ok(outcome) = rx.try_recv() {
+            take(outcome, &mut pending, &mut got);
         }
     }
     Ok(got)
 }
 
-/// Starts the handshake of one accepted connection on its own thread; false if it could not.
+/// Starts the handshake of one accepted connection on its own thread (dropping the
+/// connection if it cannot).
 fn spawn_handshake(
     s: TcpStream,
     addr: SocketAddr,
     cfg: &TcpConfig,
     deadline: Instant,
-    tx: &mpsc::Sender<Option<Claim>>,
-) -> bool {
+    tx: &mpsc::Sender<Outcome>,
+    pending: &mut Pending,
+) {
+    let Ok(handle) = s.try_clone() else {
+        return;
+    };
+    let id = pending.next_id;
+    pending.next_id += 1;
     let (cfg, tx, rank) = (cfg.clone(), tx.clone(), cfg.rank);
     let until = (Instant::now() + HANDSHAKE_TIMEOUT).min(deadline);
     let spawned = std::thread::Builder::new()
         .name(format!("comm-handshake-{rank}"))
         .spawn(move || {
-            let claim = match verify_connector(&s, &cfg, until) {
-                Ok((from, nonces)) => Some(Claim {
+            let outcome = match verify_connector(&s, &cfg, until) {
+                Ok((from, nonces)) => Ok(Claim {
                     from,
                     stream: s,
                     addr,
                     nonces,
                 }),
                 Err(why) => {
-                    warn!(rank, generation = cfg.generation, %addr, why = %why, "refusing connection");
                     // A FIN before the close, so a stale peer reads our answer before any reset.
                     let _ = s.shutdown(Shutdown::Both);
-                    None
+                    Err((addr, why.to_string()))
                 }
             };
-            let _ = tx.send(claim);
+            let _ = tx.send((id, outcome));
         });
-    if let Err(e) = &spawned {
-        warn!(rank, %addr, error = %e, "cannot spawn a handshake thread, dropping connection");
+    match spawned {
+        Ok(_) => pending.open.push_back((id, handle)),
+        Err(e) => {
+            warn!(rank, %addr, error = %e, "cannot spawn a handshake thread, dropping connection")
+        }
     }
-    spawned.is_ok()
 }
 
 /// Reads the connector's Hello (after our Challenge, in a keyed group) and checks it; returns
@@ -534,21 +696,13 @@ fn verify_connector(
 }
 
 /// Answers a proven connector with our Hello, unless its rank is already connected.
-fn admit(
-    claim: Option<Claim>,
-    cfg: &TcpConfig,
-    deadline: Instant,
-    got: &mut Vec<(Rank, TcpStream)>,
-) {
-    let Some(Claim {
+fn admit(claim: Claim, cfg: &TcpConfig, deadline: Instant, got: &mut Vec<(Rank, TcpStream)>) {
+    let Claim {
         from,
         stream,
         addr,
         nonces,
-    }) = claim
-    else {
-        return;
-    };
+    } = claim;
     if got.iter().any(|(r, _)| *r == from) {
         warn!(rank = cfg.rank, from, %addr, "refusing a second connection from the same rank");
         let _ = stream.shutdown(Shutdown::Both);

@@ -390,9 +390,19 @@ impl NodeAgent {
                             | WorkerReport::Waiting { .. }
                     )
                 {
-                    return Err(self.error(format!(
-                        "the worker of device {device} (rank {rank:?}) sent {report:?}, which is not a report of its own"
-                    )));
+                    // A worker's slip (or a report of a rank it no longer runs) must not take
+                    // this node, and its healthy workers, out of the job: said and dropped.
+                    let ours = rank.map_or("no rank".into(), |r| format!("rank {r}"));
+                    tracing::warn!(
+                        node = self.node,
+                        device,
+                        generation = g,
+                        "dropped a report of kind {} naming rank {} from the worker of device \
+                         {device} ({ours}): a worker reports only its own progress",
+                        report.kind(),
+                        report.rank()
+                    );
+                    return Ok(());
                 }
                 self.send_report(report)
                     .await

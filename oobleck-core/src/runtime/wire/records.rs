@@ -133,6 +133,14 @@ pub struct CorruptCopy {
 pub const REPORT_PREFIX: &str = "oobleck-report ";
 
 impl WorkerReport {
+    /// The `report` tag, as written (`stopping`, `formed`...).
+    pub fn kind(&self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.get("report").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or_default()
+    }
+
     /// The rank the report is about.
     pub fn rank(&self) -> u32 {
         match self {

@@ -21,24 +21,56 @@ const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Exit code of a worker whose agent closed its stdin.
 const ORPHANED: i32 = 3;
 
-/// Stops the running generation's step from the stdin thread, the moment the master says the
-/// generation failed: the communicator is aborted (every blocked operation returns) and the
-/// step's data source refuses the next microbatch (compute with no communication stops too).
-#[derive(Default)]
+/// Stops the running generation from the stdin thread, the moment the master says the
+/// generation failed: while it forms, its data plane stops connecting (`cancel`); once
+/// formed, the communicator is aborted (every blocked operation returns) and the step's data
+/// source refuses the next microbatch (compute with no communication stops too).
 pub(super) struct AbortSwitch {
+    /// The generation this worker forms or runs; `u64::MAX` before its first.
     generation: AtomicU64,
     rank: AtomicU64,
     aborted: AtomicBool,
+    /// Given to the forming data plane (`TcpConfig::cancel`); set with `aborted`.
+    cancel: Mutex<Arc<AtomicBool>>,
     comm: Mutex<Option<Arc<dyn Communicator>>>,
 }
 
+impl Default for AbortSwitch {
+    fn default() -> AbortSwitch {
+        AbortSwitch {
+            // No generation yet: an abort that comes first is for nobody here.
+            generation: AtomicU64::new(u64::MAX),
+            rank: AtomicU64::new(0),
+            aborted: AtomicBool::new(false),
+            cancel: Mutex::new(Arc::new(AtomicBool::new(false))),
+            comm: Mutex::new(None),
+        }
+    }
+}
+
 impl AbortSwitch {
-    /// Generation `generation` runs on `comm` from now on.
-    pub(super) fn arm(&self, generation: u64, rank: u32, comm: Arc<dyn Communicator>) {
-        *self.comm.lock().unwrap_or_else(|p| p.into_inner()) = Some(comm);
+    /// This worker starts forming `generation` as `rank`: an abort of it from now on stops
+    /// its rendezvous. Returns the flag its data plane's connect watches.
+    pub(super) fn prepare(&self, generation: u64, rank: u32) -> Arc<AtomicBool> {
+        let cancel = Arc::new(AtomicBool::new(false));
+        *self.cancel.lock().unwrap_or_else(|p| p.into_inner()) = cancel.clone();
+        *self.comm.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.aborted.store(false, Ordering::SeqCst);
         self.rank.store(u64::from(rank), Ordering::SeqCst);
         self.generation.store(generation, Ordering::SeqCst);
-        self.aborted.store(false, Ordering::SeqCst);
+        cancel
+    }
+
+    /// Generation `generation` runs on `comm` from now on (aborted at once if its abort
+    /// already came).
+    pub(super) fn arm(&self, generation: u64, rank: u32, comm: Arc<dyn Communicator>) {
+        if self.generation.load(Ordering::SeqCst) != generation {
+            self.prepare(generation, rank);
+        }
+        *self.comm.lock().unwrap_or_else(|p| p.into_inner()) = Some(comm.clone());
+        if self.is_set() {
+            comm.abort();
+        }
     }
 
     /// Whether the running generation was aborted.
@@ -51,6 +83,10 @@ impl AbortSwitch {
             return;
         }
         let first = !self.aborted.swap(true, Ordering::SeqCst);
+        self.cancel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .store(true, Ordering::SeqCst);
         if let Some(c) = self.comm.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             c.abort();
         }

@@ -18,8 +18,9 @@ use crate::runtime::wire::pipe::{StateSource, WorkerAssignment};
 
 /// A test hook for failures at exact points: `OOBLECK_TEST_KILL=POINT:GENERATION:NODE:STEP`
 /// makes the worker of `NODE` SIGKILL itself at `POINT` (`sync`: before the gradient sync of
-/// step `STEP`; `copy`: in the layer copies at committed step `STEP`, after its first layer)
-/// of generation `GENERATION`. Real failure injection: the process dies by the signal, as
+/// step `STEP`; `copy`: in the layer copies at committed step `STEP`, after its first layer;
+/// `connect`, with `STEP` 0: in the rendezvous, 200 ms after it got its peers' addresses, so
+/// they are connecting to it) of generation `GENERATION`. Real failure injection: the process dies by the signal, as
 /// when a machine goes.
 pub const TEST_KILL_ENV: &str = "OOBLECK_TEST_KILL";
 
@@ -30,6 +31,9 @@ pub(super) fn test_kill_point(point: &str, a: &WorkerAssignment, step: u64) {
     };
     let want = format!("{point}:{}:{}:{step}", a.generation, a.node);
     if spec.split(',').any(|s| s.trim() == want) {
+        if point == "connect" {
+            std::thread::sleep(Duration::from_millis(200));
+        }
         eprintln!("oobleck worker: {TEST_KILL_ENV}={want}: SIGKILL");
         let _ = std::process::Command::new("kill")
             .args(["-KILL", &std::process::id().to_string()])

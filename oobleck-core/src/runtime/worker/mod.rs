@@ -223,10 +223,12 @@ impl<'a> Generation<'a> {
             Err(e) => return Err(not_formed(e, held)),
         };
         let connecting = Instant::now();
-        let comm = match connect(a, &layout, model, listening, inbox) {
-            Ok(c) => c,
+        let comm: Arc<dyn Communicator> = match connect(a, &layout, model, listening, inbox) {
+            Ok(c) => Arc::from(c),
             Err(e) => return Err(not_formed(e, held)),
         };
+        // The copies that follow wait on peers too: an abort must reach them.
+        inbox.abort.arm(a.generation, a.rank, comm.clone());
         let connect_s = connecting.elapsed().as_secs_f64();
         let stage: BTreeSet<usize> = layout
             .stage(
@@ -244,7 +246,7 @@ impl<'a> Generation<'a> {
                 return Err(e);
             }
         };
-        let mut watched = Watched::new(Arc::from(comm), progress.clone());
+        let mut watched = Watched::new(comm, progress.clone());
         if let Some(hook) = hooks::hang_hook(a, progress, &inbox.abort) {
             watched = watched.with_hook(hook);
         }
@@ -438,10 +440,14 @@ fn connect_tcp(
     inbox: &Inbox,
 ) -> Result<Box<dyn Communicator>> {
     let rank = a.rank;
+    // Before the rendezvous: the master may abort the generation while this rank waits for it.
+    let cancel = inbox.abort.prepare(a.generation, rank);
     let addrs = rendezvous_addrs(a, world, &listening, inbox)?;
+    load::test_kill_point("connect", a, 0);
     let mut tcp = TcpConfig::new(rank as usize, a.generation, addrs);
     tcp.connect_timeout = DATA_TIMEOUT;
     tcp.key = Some(a.key.clone());
+    tcp.cancel = Some(cancel);
     let comm = TcpCommunicator::connect(tcp, Some(listening.listener))
         .with_ctx(|| format!("rank {rank}: connecting the data plane"))?;
     Ok(Box::new(comm))

@@ -459,3 +459,62 @@ fn a_worker_exit_reported_after_its_generation_ended_still_empties_its_device() 
         "node 1's worker is gone"
     );
 }
+
+/// A worker SIGKILLed while the generation's data plane forms (the rendezvous went out, no
+/// rank built its stage yet): its agent's report of the exit aborts the generation at once,
+/// the survivors' confirmations settle it, and the decision is asked for in the same instant
+/// (no timeout): no node is lost, the dead worker's node stays in the job.
+#[test]
+fn a_worker_killed_during_the_rendezvous_aborts_and_reforms_at_once() {
+    let mut h = H::new(spec(3, 1, 10));
+    for node in 0..3 {
+        h.at(0.0, joined(node));
+    }
+    h.at(0.1, Input::Planned(Ok(plan(&[&[0], &[1, 2]]))));
+    h.listen_all(0.2);
+    let exited = WorkerReport::Exited {
+        rank: 1,
+        status: ExitStatus {
+            code: None,
+            signal: Some(9),
+        },
+        error: None,
+    };
+    let a = h.worker(0.3, 1, exited);
+    assert!(has(&a, "abort:0"), "{:?}", kinds(&a));
+    assert!(
+        has(&a, "record:failure") && !has(&a, "fail"),
+        "{:?}",
+        kinds(&a)
+    );
+    // The survivors were connecting: each stops (the abort cancels its connect) and says so.
+    for rank in [0, 2] {
+        h.worker(0.31, h.node_of(rank), WorkerReport::Stopping { rank });
+    }
+    h.broken(0.32, 0, 0);
+    let a = h.broken(0.32, 2, 0);
+    assert!(has(&a, "reconfigure:[]"), "{:?}", kinds(&a));
+    let a = h.reconfigured(0.4, plan(&[&[0], &[1, 2]]), 0, Vec::new());
+    assert!(has(&a, "deploy") && !has(&a, "fail"), "{:?}", kinds(&a));
+    assert_eq!(h.m.generation(), 1);
+}
+
+/// A report of an earlier generation, or of a generation the job has not reached, arriving
+/// while a generation forms changes nothing: it is never taken for the running one.
+#[test]
+fn reports_of_other_generations_during_a_rendezvous_are_dropped() {
+    let mut h = H::new(spec(3, 1, 10));
+    for node in 0..3 {
+        h.at(0.0, joined(node));
+    }
+    h.at(0.1, Input::Planned(Ok(plan(&[&[0], &[1, 2]]))));
+    h.listen_all(0.2);
+    let future = Input::Worker {
+        node: 2,
+        generation: 5,
+        report: WorkerReport::Stopping { rank: 0 },
+    };
+    let a = h.at(0.3, future);
+    assert!(!has(&a, "abort:0") && !has(&a, "fail"), "{:?}", kinds(&a));
+    assert!(h.m.gen.as_ref().unwrap().stopping.is_empty());
+}
