@@ -6,7 +6,7 @@ use std::time::Duration;
 use oobleck_core::runtime::master::{Master, MasterConfig};
 use oobleck_core::runtime::node::Agent;
 use oobleck_core::runtime::wire::protocol::{self, Message, PeerRole, PROTOCOL_VERSION};
-use oobleck_core::runtime::wire::{Token, WireError};
+use oobleck_core::runtime::wire::{client, Token, WireError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -165,4 +165,29 @@ async fn a_flood_of_silent_connections_is_capped_and_agents_get_in_once_it_clear
     }
     Agent::connect(addr, &token, T).await.unwrap();
     assert_eq!(master.refused_count(), 3);
+}
+
+#[tokio::test]
+async fn a_storm_of_silent_strangers_cannot_keep_an_agent_or_a_tool_out() {
+    let token = Token::random();
+    let mut config = MasterConfig::new(token.clone(), 1);
+    config.max_pending_handshakes = 4;
+    config.handshake_timeout = Duration::from_secs(30);
+    let master = Master::bind_with(localhost(), config).await.unwrap();
+    let addr = master.local_addr();
+    // Strangers fill every handshake slot and say nothing, for far longer than a real peer
+    // needs; a slot held past the eviction age goes to the next newcomer.
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let agent = Agent::connect(addr, &token, T).await.unwrap();
+    assert_eq!(agent.node(), 0);
+    let reason = refusal(protocol::read_frame(&mut silent[0], T).await.unwrap());
+    assert!(reason.contains("this was the oldest"), "{reason}");
+    // A tool gets in the same way while the others still hold theirs.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let status = client::request_status(addr, &token, T).await.unwrap();
+    assert_eq!(status.nodes.len(), 1);
 }

@@ -222,6 +222,15 @@ impl JobMachine {
             } => self.on_drain_requested(now, node, reason, force),
             Input::Planned(result) => self.on_planned(now, result),
             Input::StopRequested { signal } => self.on_stop_requested(signal),
+            Input::Refused {
+                peer,
+                reason,
+                count,
+            } => self.record(Event::Refused {
+                peer,
+                reason,
+                count,
+            }),
             // Gone (node ids are never reused) or stuck: lost either way.
             Input::Unreachable { node, what } => {
                 self.on_node_lost(now, node, LossReason::Unreachable { what })

@@ -160,6 +160,12 @@ pub enum Input {
         generation: u64,
         report: WorkerReport,
     },
+    /// Connections to the control port were refused (already logged): `count` from `peer`.
+    Refused {
+        peer: Option<String>,
+        reason: String,
+        count: u64,
+    },
     /// A tool asked for `node`'s processes to be killed (`oobleck kill-node`).
     KillRequested {
         node: u32,

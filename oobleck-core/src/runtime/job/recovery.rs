@@ -198,6 +198,15 @@ impl JobMachine {
         match input {
             Input::Tick | Input::Planned(_) => {}
             Input::StopRequested { signal } => self.on_stop_requested(signal),
+            Input::Refused {
+                peer,
+                reason,
+                count,
+            } => self.record(Event::Refused {
+                peer,
+                reason,
+                count,
+            }),
             Input::Joined { node, addr } => self.on_join_running(now, node, addr),
             Input::DrainRequested {
                 node,

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, info, warn};
 
+use super::admission::{Pending, RefusalLog, EVICT_AFTER, REFUSAL_INTERVAL};
 use super::server::{MasterConfig, MasterEvent};
 use crate::runtime::job::LossReason;
 use crate::runtime::wire::auth;
@@ -67,12 +68,15 @@ pub(super) struct Shared {
     pub(super) released: Mutex<std::collections::BTreeSet<u32>>,
     pub(super) live: watch::Sender<usize>,
     pub(super) events: mpsc::UnboundedSender<MasterEvent>,
-    pub(super) handshakes: Arc<tokio::sync::Semaphore>,
+    /// Handshakes in progress (the oldest is cut for a newcomer when they fill the bound).
+    pub(super) pending: Pending,
+    /// Refused peers, logged one line per address and reason per interval.
+    pub(super) refusals: RefusalLog,
 }
 
 impl Shared {
     pub(super) fn new(config: MasterConfig, events: mpsc::UnboundedSender<MasterEvent>) -> Shared {
-        let handshakes = Arc::new(tokio::sync::Semaphore::new(config.max_pending_handshakes));
+        let pending = Pending::new(config.max_pending_handshakes);
         Shared {
             config,
             nodes: Mutex::new(BTreeMap::new()),
@@ -82,7 +86,8 @@ impl Shared {
             closing: AtomicBool::new(false),
             released: Mutex::new(Default::default()),
             live: watch::Sender::new(0),
-            handshakes,
+            pending,
+            refusals: RefusalLog::new(),
             events,
         }
     }
@@ -160,10 +165,18 @@ impl Shared {
 
 pub(super) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut conns = JoinSet::new();
+    let mut summaries = tokio::time::interval(REFUSAL_INTERVAL);
     loop {
         // Reap finished connection tasks so the set does not grow with every refused probe.
         while conns.try_join_next().is_some() {}
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = summaries.tick() => {
+                say_refusals(&shared, shared.refusals.flush(Instant::now()));
+                continue;
+            }
+        };
+        match accepted {
             Ok((stream, peer)) => {
                 conns.spawn(serve(stream, peer, Arc::clone(&shared)));
             }
@@ -176,9 +189,22 @@ pub(super) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// Sends `Refused{reason}` (best effort) and logs why.
+/// Logs refusal lines and hands them to the job, which records them.
+fn say_refusals(shared: &Shared, lines: Vec<oobleck_comm::refusals::Refused>) {
+    for line in lines {
+        warn!("control plane: {line}");
+        shared.emit(MasterEvent::Refused {
+            peer: line.peer.map(|p| p.to_string()),
+            reason: line.reason,
+            count: line.count,
+        });
+    }
+}
+
+/// Sends `Refused{reason}` (best effort) and counts why (logged once per address and reason
+/// per interval).
 async fn refuse(w: &mut OwnedWriteHalf, peer: SocketAddr, shared: &Shared, reason: String) {
-    warn!(%peer, %reason, "refusing peer");
+    say_refusals(shared, shared.refusals.note(Instant::now(), peer, &reason));
     shared.refused.fetch_add(1, Ordering::Relaxed);
     let msg = Message::Refused { reason };
     if let Err(e) = protocol::write_frame(w, &msg, shared.config.write_timeout).await {
@@ -257,10 +283,11 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     // Control messages are small and latency-bound.
     let _ = stream.set_nodelay(true);
     let (mut r, mut w) = stream.into_split();
-    let Ok(permit) = Arc::clone(&shared.handshakes).try_acquire_owned() else {
+    let Some(mut slot) = shared.pending.enter(Instant::now()) else {
         let reason = format!(
-            "too many connections in the handshake (limit {})",
-            shared.config.max_pending_handshakes
+            "too many connections in the handshake (limit {}), each younger than {} ms",
+            shared.config.max_pending_handshakes,
+            EVICT_AFTER.as_millis()
         );
         refuse(&mut w, peer, &shared, reason).await;
         return;
@@ -268,15 +295,19 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     // Each read of the handshake has its own timeout; this bounds the whole exchange too, so a
     // peer trickling bytes cannot hold a connection open for long.
     let t = shared.config.handshake_timeout;
-    let outcome = tokio::time::timeout(t, handshake(&mut r, &mut w, &shared))
-        .await
-        .unwrap_or_else(|_| {
+    let outcome = tokio::select! {
+        _ = &mut slot.cut => Err(format!(
+            "cut: the handshakes in progress filled the limit ({}) and this was the oldest",
+            shared.config.max_pending_handshakes
+        )),
+        r = tokio::time::timeout(t, handshake(&mut r, &mut w, &shared)) => r.unwrap_or_else(|_| {
             Err(WireError::Timeout {
                 op: "handshake",
                 ms: t.as_millis() as u64,
             }
             .to_string())
-        });
+        }),
+    };
     let admitted = match outcome {
         Ok(Some(a)) => a,
         Ok(None) => {
@@ -288,7 +319,7 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
             return;
         }
     };
-    drop(permit);
+    drop(slot);
     let welcome = Message::Welcome {
         node: admitted.node,
         heartbeat_ms: shared.config.heartbeat_interval.as_millis() as u64,

@@ -10,6 +10,7 @@
 //!   JobMachine ──► Action ──► carry(): send, write, spawn_blocking, kill ──► (results as Input)
 //! ```
 
+mod admission;
 mod agents;
 mod assemble;
 mod carry;
@@ -246,6 +247,15 @@ fn input_of(ev: MasterEvent) -> Input {
         },
         MasterEvent::Lost { node, reason } => Input::Lost { node, reason },
         MasterEvent::KillRequested { node } => Input::KillRequested { node },
+        MasterEvent::Refused {
+            peer,
+            reason,
+            count,
+        } => Input::Refused {
+            peer,
+            reason,
+            count,
+        },
         MasterEvent::DrainRequested {
             node,
             reason,

@@ -74,6 +74,13 @@ pub enum MasterEvent {
         node: u32,
         reason: LossReason,
     },
+    /// Connections to the control port were refused: `count` from `peer` (`None`: from
+    /// addresses beyond the ones counted one by one) for `reason`, since the last such line.
+    Refused {
+        peer: Option<String>,
+        reason: String,
+        count: u64,
+    },
     /// A tool asked for `node`'s processes to be killed.
     KillRequested {
         node: u32,

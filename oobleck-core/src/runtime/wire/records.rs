@@ -451,6 +451,14 @@ pub enum Event {
         #[serde(default)]
         stall_ms: f64,
     },
+    /// Connections to the control port were refused: `count` from `peer` (`None`: from
+    /// addresses beyond the ones counted one by one) for `reason`, since the last such record
+    /// (one per address and reason per 10 s).
+    Refused {
+        peer: Option<String>,
+        reason: String,
+        count: u64,
+    },
     /// A signal (`SIGTERM`, `SIGINT`) asked the master to stop: the run ends after `step`,
     /// with its checkpoint.
     StopRequested {

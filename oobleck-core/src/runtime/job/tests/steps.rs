@@ -256,6 +256,21 @@ fn a_stop_asked_for_ends_the_run_with_the_next_step_saved_as_its_last() {
 }
 
 #[test]
+fn refused_connections_are_recorded_and_change_nothing_else() {
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    let a = h.at(
+        0.5,
+        Input::Refused {
+            peer: Some("10.0.0.9".into()),
+            reason: "authentication failed: wrong token".into(),
+            count: 40,
+        },
+    );
+    assert_eq!(kinds(&a), ["record:refused"]);
+    assert!(has(&h.step(1.0, 1), "commit:1"));
+}
+
+#[test]
 fn a_stop_before_the_first_plan_ends_the_job_at_once() {
     let mut h = H::new(spec(2, 1, 10));
     h.at(0.0, joined(0));
