@@ -43,8 +43,12 @@ fn killed_at_rendezvous(dir: &std::path::Path, kill: &str, extra: &[&str]) -> Ve
         .collect();
     let injected = extra.iter().filter(|f| **f == "--inject-failure").count();
     assert_eq!(lost.len(), injected, "no healthy node leaves: {lost:?}");
-    // 3 agents, 3 workers and the fresh one for the killed worker: every one ended.
-    assert_all_gone(&out, 7);
+    // 3 agents, 3 workers and the fresh one for the killed worker at least; a survivor whose
+    // connect failed before the abort reached it is replaced too (seen on a loaded machine:
+    // 9), which is a recovery like any other. Every one ended.
+    let started = child_pids(&out).len();
+    assert!(started >= 7, "{started} processes reported");
+    assert_all_gone(&out, started);
     let since: Vec<f64> = events(&out)
         .into_iter()
         .filter(|e| e["event"] == "resumed")
