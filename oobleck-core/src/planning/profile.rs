@@ -43,9 +43,10 @@ pub struct Fingerprint {
 
 impl std::fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The flags' words, so the line says which one to change.
         write!(
             f,
-            "{}, microbatch {}, {} on {}",
+            "model: {}, microbatch_size: {}, dtype: {}, device_kind: {}",
             self.model, self.microbatch_size, self.dtype, self.device_kind
         )
     }
