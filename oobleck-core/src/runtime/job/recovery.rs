@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::machine::{JobMachine, Phase};
 use super::membership::{copy_sources, Change};
-use super::{Action, FailedSave, Input};
+use super::{Action, Input};
 use crate::planning::PlanError;
 use crate::reconfig::ReconfigPlan;
 use crate::runtime::error::RuntimeError;
@@ -243,13 +243,7 @@ impl JobMachine {
             } => self.on_assembled(step, checkpoint, val_loss, duration_s),
             Input::AssemblyFailed { step, error } => {
                 self.steps.assembly_ended();
-                self.push(Action::SaveFailed(FailedSave {
-                    step,
-                    bytes: 0,
-                    error,
-                    retrying: false,
-                    periodic: true,
-                }));
+                self.skip_checkpoint(step, error);
             }
             Input::Reconfigured(result) => return self.on_reconfigured(now, result),
             Input::JoinsWeighed { .. } => {}

@@ -354,6 +354,12 @@ impl JobMachine {
                 source: error.into(),
             });
         }
+        self.skip_checkpoint(step, error);
+        self.maybe_finish();
+    }
+
+    /// The checkpoint of `step` could not be written (`error`): it is skipped.
+    pub(super) fn skip_checkpoint(&mut self, step: u64, error: String) {
         self.push(Action::SaveFailed(FailedSave {
             step,
             bytes: 0,
@@ -361,7 +367,6 @@ impl JobMachine {
             retrying: false,
             periodic: true,
         }));
-        self.maybe_finish();
     }
 
     /// A signal asked the master to stop: the run ends with the next step to commit, saved as
