@@ -18,6 +18,7 @@ pub mod cluster;
 pub mod config;
 pub mod exit;
 pub mod generate;
+pub mod logging;
 pub mod placement;
 pub mod plan_cmd;
 pub(crate) mod plotting;

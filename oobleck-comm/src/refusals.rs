@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Distinct `(address, reason)` pairs tracked at once; refusals beyond them are counted
@@ -47,6 +48,27 @@ impl fmt::Display for Refused {
                 self.count
             ),
         }
+    }
+}
+
+/// Where a listener's refusal lines go besides its log: a worker reports them to the master,
+/// which records them in `events.jsonl`.
+#[derive(Clone)]
+pub struct RefusalSink(Arc<dyn Fn(&Refused) + Send + Sync>);
+
+impl RefusalSink {
+    pub fn new(f: impl Fn(&Refused) + Send + Sync + 'static) -> RefusalSink {
+        RefusalSink(Arc::new(f))
+    }
+
+    pub fn send(&self, line: &Refused) {
+        (self.0)(line)
+    }
+}
+
+impl fmt::Debug for RefusalSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RefusalSink")
     }
 }
 

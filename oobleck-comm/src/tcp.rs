@@ -48,6 +48,7 @@ use crate::error::{CommError, FrameError, Op, Result};
 use crate::frame::{self, Header, Kind};
 use crate::key::SecretKey;
 use crate::mailbox::{Key, Mailbox};
+use crate::refusals::RefusalSink;
 use crate::shm::{Link, Pool, Scratch, SharedBytes, Wire};
 use crate::tensor::TensorBuf;
 use local::PairLink;
@@ -80,6 +81,9 @@ pub struct TcpConfig {
     /// returns `Aborted` within a few milliseconds instead of waiting for its deadline, as
     /// when the control plane learns that a peer died while the group formed.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Also told every refusal line the listener logs (a stranger that could not prove
+    /// itself, a handshake cut for a newer one), so the job can record them.
+    pub on_refused: Option<RefusalSink>,
 }
 
 /// Shared-memory setup steps to fail on purpose (tests of the TCP fallback).
@@ -107,6 +111,7 @@ impl TcpConfig {
             shared_memory: true,
             shm_faults: ShmFaults::default(),
             cancel: None,
+            on_refused: None,
         }
     }
 

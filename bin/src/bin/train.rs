@@ -32,17 +32,9 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<()> {
+    oobleck_cli::logging::init();
     // Started as an agent or a worker of a job (by another `train`): that role runs here.
     oobleck_core::runtime::take_over(oobleck_models::workload::GptWorkload::factory);
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour codes only for a person at a terminal, not in a log file.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     // `train agent --master HOST:PORT`: one node of a multi-machine job, from this binary.
     if std::env::args_os().nth(1).is_some_and(|a| a == "agent") {
         use oobleck_cli::cluster::node_cmd::{run, TrainAgentCli};

@@ -527,6 +527,9 @@ fn say(cfg: &TcpConfig, lines: Vec<crate::refusals::Refused>) {
             generation = cfg.generation,
             "data plane: {line}"
         );
+        if let Some(sink) = &cfg.on_refused {
+            sink.send(&line);
+        }
     }
 }
 

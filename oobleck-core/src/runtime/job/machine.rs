@@ -16,7 +16,7 @@ use crate::planning::{stage_leads, world_size};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::spec::TrainingSpec;
 use crate::runtime::wire::pipe::StateSource;
-use crate::runtime::wire::records::{Event, PipelineLayout};
+use crate::runtime::wire::records::{Event, PipelineLayout, WorkerReport};
 
 /// Where the job is.
 #[derive(Debug)]
@@ -192,11 +192,46 @@ impl JobMachine {
         self.generation
     }
 
+    /// Records refused connections, of the control port or of a worker's data-plane port (of
+    /// any generation: the refusal happened either way); gives back every other input.
+    fn take_refusal(&mut self, input: Input) -> Option<Input> {
+        let (node, rank, peer, reason, count) = match input {
+            Input::Refused {
+                peer,
+                reason,
+                count,
+            } => (None, None, peer, reason, count),
+            Input::Worker {
+                node,
+                report:
+                    WorkerReport::Refused {
+                        rank,
+                        peer,
+                        reason,
+                        count,
+                    },
+                ..
+            } => (Some(node), Some(rank), peer, reason, count),
+            other => return Some(other),
+        };
+        self.record(Event::Refused {
+            node,
+            rank,
+            peer,
+            reason,
+            count,
+        });
+        None
+    }
+
     /// Takes one input at time `now`.
     pub fn handle(&mut self, now: Duration, input: Input) {
         if self.is_over() {
             return;
         }
+        let Some(input) = self.take_refusal(input) else {
+            return; // not progress: a flood of strangers must not look like a live job
+        };
         if !matches!(input, Input::Tick) {
             self.last_progress = now;
         }
@@ -222,15 +257,7 @@ impl JobMachine {
             } => self.on_drain_requested(now, node, reason, force),
             Input::Planned(result) => self.on_planned(now, result),
             Input::StopRequested { signal } => self.on_stop_requested(signal),
-            Input::Refused {
-                peer,
-                reason,
-                count,
-            } => self.record(Event::Refused {
-                peer,
-                reason,
-                count,
-            }),
+            Input::Refused { .. } => {} // recorded by `handle`
             // Gone (node ids are never reused) or stuck: lost either way.
             Input::Unreachable { node, what } => {
                 self.on_node_lost(now, node, LossReason::Unreachable { what })

@@ -198,15 +198,7 @@ impl JobMachine {
         match input {
             Input::Tick | Input::Planned(_) => {}
             Input::StopRequested { signal } => self.on_stop_requested(signal),
-            Input::Refused {
-                peer,
-                reason,
-                count,
-            } => self.record(Event::Refused {
-                peer,
-                reason,
-                count,
-            }),
+            Input::Refused { .. } => {} // recorded by `handle`
             Input::Joined { node, addr } => self.on_join_running(now, node, addr),
             Input::DrainRequested {
                 node,

@@ -158,6 +158,7 @@ impl JobMachine {
             r @ (WorkerReport::Hung { .. } | WorkerReport::Waiting { .. }) => {
                 self.on_watchdog(now, node, r)
             }
+            WorkerReport::Refused { .. } => {} // recorded by `handle`
             WorkerReport::Exited {
                 rank,
                 status,

@@ -111,6 +111,15 @@ pub enum WorkerReport {
         what: String,
         for_s: f64,
     },
+    /// Connections to the worker's data-plane port were refused while its generation formed
+    /// (already logged by the worker): `count` from `peer` (`None`: addresses beyond the ones
+    /// counted one by one) for `reason`, aggregated as the control port's are.
+    Refused {
+        rank: u32,
+        peer: Option<String>,
+        reason: String,
+        count: u64,
+    },
     /// The worker process ended (reported by its agent). `error`: the end of what a failed
     /// worker printed, so the master can say why without access to its machine.
     Exited {
@@ -154,6 +163,7 @@ impl WorkerReport {
             | WorkerReport::Done { rank, .. }
             | WorkerReport::Hung { rank, .. }
             | WorkerReport::Waiting { rank, .. }
+            | WorkerReport::Refused { rank, .. }
             | WorkerReport::Exited { rank, .. } => *rank,
         }
     }
@@ -453,8 +463,13 @@ pub enum Event {
     },
     /// Connections to the control port were refused: `count` from `peer` (`None`: from
     /// addresses beyond the ones counted one by one) for `reason`, since the last such record
-    /// (one per address and reason per 10 s).
+    /// (one per address and reason per 10 s). On the control port, or (with `rank` and `node`)
+    /// on the data-plane port of that worker while its generation formed.
     Refused {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        node: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rank: Option<u32>,
         peer: Option<String>,
         reason: String,
         count: u64,

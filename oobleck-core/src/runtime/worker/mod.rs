@@ -35,6 +35,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use oobleck_comm::refusals::{RefusalSink, Refused};
 use oobleck_comm::{Communicator, NcclCommunicator, NcclId, Rank, TcpCommunicator, TcpConfig};
 
 pub use self::hooks::{TEST_HANG_ENV, TEST_SLOW_ENV};
@@ -448,9 +449,24 @@ fn connect_tcp(
     tcp.connect_timeout = DATA_TIMEOUT;
     tcp.key = Some(a.key.clone());
     tcp.cancel = Some(cancel);
+    tcp.on_refused = Some(refusals_to_master(a.generation, rank));
     let comm = TcpCommunicator::connect(tcp, Some(listening.listener))
         .with_ctx(|| format!("rank {rank}: connecting the data plane"))?;
     Ok(Box::new(comm))
+}
+
+/// Reports the data plane's refusals (already logged here) to the master, which records them.
+fn refusals_to_master(generation: u64, rank: u32) -> RefusalSink {
+    RefusalSink::new(move |line: &Refused| {
+        let r = WorkerReport::Refused {
+            rank,
+            peer: line.peer.map(|p| p.to_string()),
+            reason: line.reason.clone(),
+            count: line.count,
+        };
+        // Best effort: a worker whose pipe is gone is about to be told so by its next report.
+        let _ = report(generation, &r);
+    })
 }
 
 /// Waits for the rendezvous: every rank's address, checked against where this one listens.

@@ -271,6 +271,37 @@ fn refused_connections_are_recorded_and_change_nothing_else() {
 }
 
 #[test]
+fn data_plane_refusals_are_recorded_with_their_worker_in_any_phase() {
+    let refused = |rank: u32| WorkerReport::Refused {
+        rank,
+        peer: Some("10.0.0.7".into()),
+        reason: "closed before proving itself".into(),
+        count: 200,
+    };
+    let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
+    let a = h.worker(0.5, 1, refused(1));
+    assert_eq!(kinds(&a), ["record:refused"]);
+    match &a[0] {
+        Action::Record(Event::Refused {
+            node, rank, count, ..
+        }) => assert_eq!((*node, *rank, *count), (Some(1), Some(1), 200)),
+        _ => panic!("expected a refused record, got {:?}", kinds(&a)),
+    }
+    assert!(has(&h.step(1.0, 1), "commit:1"));
+    // While recovering, and from a generation that is over: recorded all the same.
+    h.at(1.5, lost(1));
+    let a = h.at(
+        1.6,
+        Input::Worker {
+            node: 0,
+            generation: 0,
+            report: refused(0),
+        },
+    );
+    assert!(has(&a, "record:refused"), "{:?}", kinds(&a));
+}
+
+#[test]
 fn a_stop_before_the_first_plan_ends_the_job_at_once() {
     let mut h = H::new(spec(2, 1, 10));
     h.at(0.0, joined(0));
