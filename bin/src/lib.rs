@@ -28,4 +28,5 @@ pub mod report;
 pub mod run_dir;
 pub mod simulate_cmd;
 pub mod status_page;
+pub mod stop_signals;
 pub mod trainer;

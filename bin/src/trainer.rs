@@ -22,6 +22,7 @@ use crate::config::{batch_shape, workload_config, TrainConfig};
 use crate::generate::whole_model;
 use crate::progress::Progress;
 use crate::run_dir::{open_run, truncate_metrics_after, StepMetrics, Summary};
+use crate::stop_signals::StopSignals;
 
 /// Everything a run holds while it trains.
 pub struct Trainer {
@@ -38,6 +39,8 @@ pub struct Trainer {
     pub device: Device,
     metrics: std::fs::File,
     events: std::fs::File,
+    /// A signal asks it to stop after the step it is in (see [`Trainer::stop_on_signals`]).
+    stop: Option<StopSignals>,
 }
 
 impl Trainer {
@@ -93,6 +96,7 @@ impl Trainer {
             step,
             out,
             device,
+            stop: None,
         };
         t.event(&match resume {
             Some(_) => Event::Resume(info),
@@ -245,6 +249,28 @@ impl Trainer {
         Ok(path)
     }
 
+    /// From now on SIGTERM and SIGINT stop the run after the step they come in, with its
+    /// checkpoint (a second one: at once), as they stop a cluster job.
+    pub fn stop_on_signals(&mut self) -> Result<()> {
+        self.stop = Some(StopSignals::listen(&self.out)?);
+        Ok(())
+    }
+
+    /// The signal that asked to stop after this step, recorded once.
+    fn stop_requested(&mut self) -> Result<bool> {
+        let Some(signal) = self.stop.as_ref().and_then(StopSignals::requested) else {
+            return Ok(false);
+        };
+        if self.step < self.cfg.steps {
+            let step = self.step;
+            self.event(&Event::StopRequested {
+                signal: signal.to_string(),
+                step,
+            })?;
+        }
+        Ok(true)
+    }
+
     /// Trains to `cfg.steps`, evaluating and checkpointing on schedule; then writes the run's
     /// report, also when training failed.
     pub fn run(&mut self, progress: &mut Progress) -> Result<Summary> {
@@ -274,7 +300,7 @@ impl Trainer {
             first_loss.get_or_insert(loss);
             last_loss = Some(loss);
             let step = self.step;
-            let last = step == self.cfg.steps;
+            let last = step == self.cfg.steps || self.stop_requested()?;
             let eval_now = last || (self.cfg.eval_every > 0 && step % self.cfg.eval_every == 0);
             let val_loss = if eval_now {
                 Some(self.validation_loss()?)
@@ -306,6 +332,9 @@ impl Trainer {
                 last || (self.cfg.checkpoint_every > 0 && step % self.cfg.checkpoint_every == 0);
             if ckpt_now {
                 last_ckpt = self.checkpoint(last)?.or(last_ckpt);
+            }
+            if last {
+                break;
             }
         }
         progress.finish();

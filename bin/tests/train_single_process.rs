@@ -306,3 +306,93 @@ fn a_run_can_be_extended_with_more_steps() {
     let lr11 = metrics[10]["lr"].as_f64().unwrap();
     assert!(lr11 > 2.0 * 2e-4, "lr at step 11 is {lr11}");
 }
+
+/// SIGTERM (or SIGINT) to the single-process trainer stops it after the step it is in, with
+/// that step's checkpoint and a `stop_requested` event, and exit 0; a second one stops it at
+/// once (issue 43, as for a cluster job's master).
+#[test]
+fn a_signal_stops_the_single_process_after_its_step_with_a_checkpoint() {
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let signal = |pid: u32, sig: &str| {
+        let sent = Command::new("kill").args([sig, &pid.to_string()]).status();
+        assert!(sent.expect("kill").success());
+    };
+    let wait_for_a_step = |out: &Path| {
+        let start = std::time::Instant::now();
+        while !std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|m| !m.is_empty()) {
+            assert!(start.elapsed().as_secs() < 60, "no step within 60 s");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    let finish = |mut k: Kill| {
+        let start = std::time::Instant::now();
+        while k.0.try_wait().unwrap().is_none() {
+            assert!(start.elapsed().as_secs() < 60, "train did not stop");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let mut err = String::new();
+        std::io::Read::read_to_string(k.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+        (k.0.try_wait().unwrap().unwrap(), err)
+    };
+    let start = |out: &Path| {
+        let child = train_bin()
+            .args(&TINY_FLAGS[..])
+            .args([
+                "--steps",
+                "10000",
+                "--checkpoint-every",
+                "0",
+                "--eval-every",
+                "0",
+            ])
+            .arg("--out")
+            .arg(out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Kill(child)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let k = start(&out);
+    wait_for_a_step(&out);
+    signal(k.0.id(), "-TERM");
+    let (status, stderr) = finish(k);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("SIGTERM: stopping after this step"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("as a signal asked"), "{stderr}");
+    let events = std::fs::read_to_string(out.join("events.jsonl")).unwrap();
+    let stop: serde_json::Value = events
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|e| e["event"] == "stop_requested")
+        .expect("a stop_requested event");
+    let step = stop["step"].as_u64().unwrap();
+    assert!(
+        checkpoint_path(&out, step).is_dir(),
+        "checkpoint of step {step}"
+    );
+    assert_eq!(losses(&out).last().map(|l| l.0), Some(step));
+
+    let out2 = tmp.path().join("run2");
+    let k = start(&out2);
+    wait_for_a_step(&out2);
+    signal(k.0.id(), "-INT");
+    signal(k.0.id(), "-INT");
+    let (status, stderr) = finish(k);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("stopped at once by a second SIGINT"),
+        "{stderr}"
+    );
+}

@@ -114,13 +114,7 @@ fn train_cluster(cfg: TrainConfig, launch: LaunchMode, args: &TrainArgs) -> Resu
         summary.wall_s
     );
     if summary.steps < cfg.steps {
-        eprintln!(
-            "stopped at step {} of {}, as a signal asked: `train --resume {}` goes on from its \
-             checkpoint",
-            summary.steps,
-            cfg.steps,
-            summary.out.display()
-        );
+        eprintln!("{}", stopped_early(summary.steps, cfg.steps, &summary.out));
     }
     if let Some(c) = &summary.checkpoint {
         eprintln!("checkpoint: {}", c.display());
@@ -144,6 +138,15 @@ fn train_cluster(cfg: TrainConfig, launch: LaunchMode, args: &TrainArgs) -> Resu
         println!("{}", serde_json::to_string_pretty(&summary)?);
     }
     Ok(())
+}
+
+/// What a run that a signal stopped before its last step says.
+fn stopped_early(step: u64, steps: u64, out: &std::path::Path) -> String {
+    format!(
+        "stopped at step {step} of {steps}, as a signal asked: `train --resume {}` goes on from \
+         its checkpoint",
+        out.display()
+    )
 }
 
 /// The job on this process alone (the single-process trainer), then samples from the model.
@@ -181,6 +184,7 @@ fn train_one_process(cfg: TrainConfig, args: &TrainArgs) -> Result<()> {
         t.cfg.seq_len,
         t.out.display()
     );
+    t.stop_on_signals()?;
     let mut progress = Progress::new(t.cfg.steps, t.step);
     let summary = t.run(&mut progress)?;
     eprintln!(
@@ -193,6 +197,12 @@ fn train_one_process(cfg: TrainConfig, args: &TrainArgs) -> Result<()> {
         summary.tokens_per_s,
         summary.wall_s
     );
+    if summary.steps < t.cfg.steps {
+        eprintln!(
+            "{}",
+            stopped_early(summary.steps, t.cfg.steps, &summary.out)
+        );
+    }
     if let Some(c) = &summary.checkpoint {
         eprintln!("checkpoint: {}", c.display());
     }
