@@ -86,3 +86,23 @@ fn ulimit_v_bounds_each_process() {
     let (out, _) = run_bounded(cmd, dir.path(), Duration::from_secs(20));
     assert_refused_before_profiling(&out, "2.8 GiB per process: 3.0 GiB (ulimit -v)");
 }
+
+/// The single-process trainer (`--nodes 1`) is checked the same way, before it builds the
+/// model: all of gpt3-2.7b in one process of a 16 GiB machine does not fit.
+#[test]
+fn one_process_is_refused_before_it_builds_the_model() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new(TRAIN);
+    cmd.args([
+        "--model",
+        "gpt3-2.7b",
+        "--nodes",
+        "1",
+        "--host-memory",
+        "16GiB",
+    ]);
+    let (out, took) = run_bounded(cmd, dir.path(), Duration::from_secs(20));
+    let stderr = assert_refused_before_profiling(&out, "14.7 GiB");
+    assert!(!stderr.contains("training gpt3-2.7b"), "{stderr}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
+}

@@ -70,6 +70,29 @@ fn resume_skips_bad_checkpoints_and_the_run_moves_them_aside() {
     let four = checkpoint_path(&run, 4);
     std::fs::remove_file(four.join("trainer.json")).expect("remove trainer.json");
 
+    // `oobleck generate --checkpoint RUN` samples from the newest one that verifies, naming
+    // the ones it passed over.
+    let g = Command::new(env!("CARGO_BIN_EXE_oobleck"))
+        .args([
+            "generate",
+            "--checkpoint",
+            r,
+            "--samples",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run oobleck generate");
+    let said = String::from_utf8_lossy(&g.stderr);
+    assert!(g.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("skipping {}, it cannot be used: ", six.display()))
+            && said.contains(&format!("skipping {}, it cannot be used: ", four.display())),
+        "{said}"
+    );
+
     // Naming the bad checkpoint itself is refused, saying what to do.
     let s = six.to_str().expect("utf-8 path");
     let (o, stderr) = train(&run, &["--steps", "8", "--resume", s]);

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use oobleck_cli::generate::{sample, whole_model, Sampling};
 use oobleck_core::checkpoint;
@@ -91,7 +91,8 @@ enum BenchCmd {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// A checkpoint directory (`<run>/checkpoints/step-NNNNNN`) or a run directory (newest).
+    /// A checkpoint directory (`<run>/checkpoints/step-NNNNNN`) or a run directory (its newest
+    /// checkpoint that verifies).
     #[arg(long)]
     checkpoint: PathBuf,
     /// Text to continue.
@@ -200,12 +201,32 @@ fn models(json: bool) -> Result<()> {
     Ok(())
 }
 
+/// The newest checkpoint of the run `run` that verifies, saying which newer ones it passed
+/// over and why (as `train --resume` does).
+fn newest_valid_checkpoint(run: &std::path::Path) -> Result<std::path::PathBuf> {
+    let found = checkpoint::newest_valid(checkpoint::checkpoint_dirs(run)?);
+    for s in &found.skipped {
+        eprintln!(
+            "--checkpoint: skipping {}, it cannot be used: {}",
+            s.path.display(),
+            s.reason
+        );
+    }
+    match found.chosen {
+        Some((_, path)) => Ok(path),
+        None if found.skipped.is_empty() => bail!("{} holds no checkpoint", run.display()),
+        None => bail!(
+            "{}: none of its checkpoints can be used (each one is named above)",
+            run.display()
+        ),
+    }
+}
+
 fn generate(a: &GenerateArgs) -> Result<()> {
     let ckpt = if a.checkpoint.join(checkpoint::TRAINER_FILE).is_file() {
         a.checkpoint.clone()
     } else {
-        checkpoint::latest_checkpoint(&a.checkpoint)?
-            .with_context(|| format!("{} holds no checkpoint", a.checkpoint.display()))?
+        newest_valid_checkpoint(&a.checkpoint)?
     };
     let ck = checkpoint::load_checkpoint(&ckpt, &candle_core::Device::Cpu)?;
     let cfg_json = ck

@@ -206,6 +206,33 @@ fn first_plan_ms(
     ))
 }
 
+/// The single-process trainer's check (`--nodes 1`): the whole model, its optimizer state and
+/// a microbatch's activations in this process, on the analytical profile, refused in seconds
+/// with the numbers as a cluster job is, instead of being killed by the kernel mid-way.
+pub fn check_one_process_fits(cfg: &TrainConfig, workload: &GptWorkload) -> Result<()> {
+    let one = TrainConfig {
+        nodes: 1,
+        fault_threshold: 0,
+        ..cfg.clone()
+    };
+    let mut spec = training_spec(&one)?;
+    let (Compute::Cpu, Some(memory)) = (spec.compute, host_memory(cfg)) else {
+        return Ok(()); // a GPU's memory is the table's; CUDA says so itself
+    };
+    let sharing = Sharing {
+        memory,
+        ranks: 1,
+        local: true,
+    };
+    spec.device_memory_bytes = Some(sharing.memory.per_rank(1));
+    let device = spec.device_spec()?;
+    let estimate = workload
+        .planner_profile(&device, spec.microbatch_size, spec.precision)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let estimate = master::planned_profile(estimate, &spec, workload.tokens_per_sample());
+    check_fits(&spec, &estimate, &sharing)
+}
+
 /// Refuses a job whose pipelines cannot fit its devices on the analytical profile `estimate`
 /// (as planned: [`master::planned_profile`]; the planner's memory check,
 /// [`generate_templates`]'s `ModelTooLarge` and `Infeasible`),
