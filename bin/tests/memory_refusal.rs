@@ -102,7 +102,21 @@ fn one_process_is_refused_before_it_builds_the_model() {
         "16GiB",
     ]);
     let (out, took) = run_bounded(cmd, dir.path(), Duration::from_secs(20));
-    let stderr = assert_refused_before_profiling(&out, "14.7 GiB");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "exit 1, not a signal: {stderr}");
+    assert!(
+        stderr.starts_with("Error: the model does not fit in one process: it needs "),
+        "{stderr}"
+    );
+    assert!(stderr.contains("this process has 14.7 GiB."), "{stderr}");
+    assert!(
+        stderr.contains("16.0 GiB (--host-memory) less 8% slack"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--recompute") && stderr.contains("--nodes 2"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("training gpt3-2.7b"), "{stderr}");
     assert!(took < Duration::from_secs(20), "{took:?}");
 }

@@ -230,7 +230,32 @@ pub fn check_one_process_fits(cfg: &TrainConfig, workload: &GptWorkload) -> Resu
         .planner_profile(&device, spec.microbatch_size, spec.precision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let estimate = master::planned_profile(estimate, &spec, workload.tokens_per_sample());
-    check_fits(&spec, &estimate, &sharing)
+    let state_per_byte = u64::from(spec.job_spec(0).state_bytes_per_param_byte);
+    let state: u64 = estimate.layers.iter().map(|l| l.param_bytes).sum::<u64>() * state_per_byte;
+    // The microbatches of a step run one after the other: one microbatch's activations at once.
+    let activations: u64 = estimate.layers.iter().map(|l| l.activation_bytes).sum();
+    let has = sharing.memory.per_rank(1);
+    if state + activations <= has {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    bail!(
+        "the model does not fit in one process: it needs {:.1} GiB ({:.1} GiB of parameters, \
+         gradients and optimizer state and {:.1} GiB of activations of a microbatch of {} \
+         samples), this process has {:.1} GiB.\nChecked before building the model, on the \
+         analytical profile: nothing was measured. This process has {}. Ways out: \
+         activation recomputation (`--recompute`), bf16 (`--precision bf16`), a smaller \
+         --microbatch-size or --seq-len, a cluster (`--nodes 2` or more here, or more machines \
+         with --hostfile or --listen) so that each process holds a part; --host-memory sets \
+         this machine's memory where it is known better; a smaller --model (`oobleck models` \
+         lists them) needs less",
+        gib(state + activations),
+        gib(state),
+        gib(activations),
+        spec.microbatch_size,
+        gib(has),
+        sharing.memory.describe(1)
+    )
 }
 
 /// Refuses a job whose pipelines cannot fit its devices on the analytical profile `estimate`
