@@ -47,7 +47,7 @@ impl Trainer {
     /// A fresh run in a new directory, or a resumed one from `resume`.
     pub fn start(cfg: TrainConfig, resume: Option<&Path>) -> Result<Self> {
         let workload = GptWorkload::new(workload_config(&cfg), batch_shape(&cfg)?)?;
-        crate::cluster::job::check_one_process_fits(&cfg, &workload)?;
+        crate::cluster::memory::check_one_process_fits(&cfg, &workload)?;
         let placement = crate::placement::resolve(&cfg.device)?;
         let device = oobleck_core::runtime::device::open(placement.compute, 0)
             .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -14,6 +14,7 @@
 //! `oobleck_core::runtime::take_over` when started in a node role.
 //!
 //! - [`job`]: `train`'s cluster job: flags to the runtime, the run directory, the launch.
+//! - [`memory`]: whether a job fits this machine's memory, decided before it is measured.
 //! - [`node_cmd`]: `train agent` / `oobleck agent`, one node of a multi-machine job.
 //! - [`hostfile`]: agents started over ssh from a host file.
 //! - [`status`], [`membership_cmd`]: the tools that talk to a running job (`oobleck status`,
@@ -25,6 +26,7 @@
 pub mod hostfile;
 pub mod job;
 pub mod membership_cmd;
+pub mod memory;
 pub mod node_cmd;
 pub mod status;
 
