@@ -86,3 +86,18 @@ fn a_worker_killed_in_a_later_rendezvous_is_recovered_from_at_once() {
         "{since:?} s from the failure to the next commit"
     );
 }
+
+/// Before the rendezvous: the worker of node 1 is killed as generation 0 starts, before it
+/// listens (a kill from outside, not its own failure). The master aborts and forms the next
+/// generation without that process, keeping all three nodes; it was: the job ended, as for a
+/// worker that cannot bind its port.
+#[test]
+fn a_worker_killed_before_the_first_rendezvous_is_recovered_from() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let since = killed_at_rendezvous(dir.path(), "deploy:0:1:0", &[]);
+    assert_eq!(since.len(), 1, "{since:?}");
+    assert!(
+        since[0] < 10.0,
+        "{since:?} s from the kill to the next commit"
+    );
+}

@@ -66,6 +66,10 @@ pub(super) struct Generation {
     pub states: BTreeMap<u64, BTreeMap<u32, String>>,
     /// The rendezvous went out: the data plane formed.
     pub formed: bool,
+    /// A worker of it was killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP: the kernel's
+    /// out-of-memory killer, a person, a preemption), which is no reason to think it would
+    /// fail again, also before the generation formed.
+    pub killed: bool,
     /// Ranks that confirmed they are stopping their step after a failure (`Stopping`): they
     /// hold the committed step, whatever they are still computing.
     pub stopping: BTreeSet<u32>,
@@ -476,6 +480,7 @@ impl JobMachine {
             done: BTreeMap::new(),
             states: BTreeMap::new(),
             formed: false,
+            killed: false,
             stopping: BTreeSet::new(),
             built: BTreeSet::new(),
             connect_s: 0.0,

@@ -185,6 +185,9 @@ impl JobMachine {
                 .as_ref()
                 .is_some_and(|g| g.done.contains_key(&rank));
         if !clean {
+            if let Some(g) = self.gen.as_mut() {
+                g.killed |= killed_from_outside(status.signal);
+            }
             let when = match self.phase {
                 Phase::Rendezvous => "while the data plane formed",
                 _ => "before finishing",
@@ -288,10 +291,12 @@ impl JobMachine {
             return self.fail(RuntimeError::NodeFailure { what });
         };
         // A worker that fails while its generation forms, on a node that is still up (it
-        // cannot bind its port, cannot load its state), would fail the same way again.
+        // cannot bind its port, cannot load its state), would fail the same way again; one
+        // that was killed would not.
         let recoverable = self.spec.fault_threshold > 0
             && !matches!(self.phase, Phase::Planning { .. })
             && (g.formed
+                || g.killed
                 || self.membership.lost_count() > g.lost_before
                 || self.membership.dead_agents() > g.agents_dead_before);
         if !recoverable {
@@ -307,6 +312,16 @@ impl JobMachine {
         }
         self.begin_recovery(now, Failure::new(what, now, self.committed()));
     }
+}
+
+/// The signals that end a process from outside it (not its own crash: SIGSEGV, SIGABRT,
+/// SIGBUS, SIGILL, SIGFPE would come again).
+fn killed_from_outside(signal: Option<i32>) -> bool {
+    const SIGHUP: i32 = 1;
+    const SIGINT: i32 = 2;
+    const SIGKILL: i32 = 9;
+    const SIGTERM: i32 = 15;
+    matches!(signal, Some(SIGHUP | SIGINT | SIGKILL | SIGTERM))
 }
 
 /// `: <what the worker printed>`, or a pointer to the logs when it printed nothing.

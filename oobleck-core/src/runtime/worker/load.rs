@@ -20,7 +20,8 @@ use crate::runtime::wire::pipe::{StateSource, WorkerAssignment};
 /// makes the worker of `NODE` SIGKILL itself at `POINT` (`sync`: before the gradient sync of
 /// step `STEP`; `copy`: in the layer copies at committed step `STEP`, after its first layer;
 /// `connect`, with `STEP` 0: in the rendezvous, 200 ms after it got its peers' addresses, so
-/// they are connecting to it) of generation `GENERATION`. Real failure injection: the process dies by the signal, as
+/// they are connecting to it; `deploy`, with `STEP` 0: as it starts the generation, before
+/// it binds its port, so the rendezvous has not gone out) of generation `GENERATION`. Real failure injection: the process dies by the signal, as
 /// when a machine goes.
 pub const TEST_KILL_ENV: &str = "OOBLECK_TEST_KILL";
 

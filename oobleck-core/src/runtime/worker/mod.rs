@@ -107,6 +107,7 @@ pub fn run_worker(rank: u32, factory: &Factory) -> Result<()> {
     beat::start(progress.clone());
     let mut workload: Option<Box<dyn Workload>> = None;
     loop {
+        load::test_kill_point("deploy", &a, 0);
         let listening = Listening::bind(&a)?;
         // Built after the port is reported: the master gathers the generation's addresses
         // while its workers build their workloads.

@@ -340,6 +340,28 @@ fn a_worker_failing_while_its_generation_forms_ends_the_job() {
 }
 
 #[test]
+fn a_worker_killed_before_its_generation_forms_is_recovered_from() {
+    let mut h = H::new(spec(2, 1, 10));
+    h.at(0.0, joined(0));
+    h.at(0.0, joined(1));
+    h.at(0.1, Input::Planned(Ok(plan(&[&[0], &[1]]))));
+    let a = h.worker(
+        0.5,
+        1,
+        WorkerReport::Exited {
+            rank: 1,
+            status: ExitStatus {
+                code: None,
+                signal: Some(9),
+            },
+            error: None,
+        },
+    );
+    assert!(!has(&a, "fail"), "{:?}", kinds(&a));
+    assert!(has(&a, "record:failure"), "{:?}", kinds(&a));
+}
+
+#[test]
 fn no_report_for_the_stall_timeout_ends_the_job() {
     let mut h = H::running(spec(2, 1, 10), plan(&[&[0], &[1]]));
     assert!(h.at(100.0, Input::Tick).is_empty());
