@@ -1,0 +1,1 @@
+//! Detection, the common view and the same text through every format.
