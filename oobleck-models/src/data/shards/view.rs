@@ -83,7 +83,10 @@ impl TokenShard {
     /// A shard of the mapped file `map` at `path`, whose parser returned `layout`.
     pub(super) fn new(path: PathBuf, format: ShardFormat, map: Mmap, layout: Layout) -> Self {
         let end = layout.start + layout.len * layout.dtype.width();
-        assert!(end <= map.len(), "parsers check that the tokens lie inside the file");
+        assert!(
+            end <= map.len(),
+            "parsers check that the tokens lie inside the file"
+        );
         Self {
             path,
             format,
@@ -175,12 +178,12 @@ impl TokenShard {
         let limit = i64::try_from(vocab).unwrap_or(i64::MAX);
         let piece = SCAN_CHUNK_TOKENS * self.width();
         let found = with_word!(self.layout.dtype, W => self
-            .data()
-            .par_chunks(piece)
-            .enumerate()
-            .find_map_first(|(k, chunk)| {
-                first_outside::<W>(chunk, limit).map(|(i, v)| (k * SCAN_CHUNK_TOKENS + i, v))
-            }));
+        .data()
+        .par_chunks(piece)
+        .enumerate()
+        .find_map_first(|(k, chunk)| {
+            first_outside::<W>(chunk, limit).map(|(i, v)| (k * SCAN_CHUNK_TOKENS + i, v))
+        }));
         match found {
             None => Ok(()),
             Some((index, id)) => Err(ShardError::OutOfVocabulary {
