@@ -37,17 +37,6 @@ pub fn raw_u16_bytes(tokens: &[u32]) -> Vec<u8> {
         .collect()
 }
 
-/// Width in bytes of Megatron's dtype `code`.
-pub fn megatron_width(code: u8) -> usize {
-    match code {
-        1 | 2 => 1,
-        3 | 8 => 2,
-        4 | 7 => 4,
-        5 | 6 => 8,
-        _ => 4,
-    }
-}
-
 /// `value` stored as Megatron's dtype `code` (floats as floats, for the refusal tests).
 pub fn megatron_token(code: u8, value: i64) -> Vec<u8> {
     match code {

@@ -19,8 +19,8 @@
 
 use std::path::Path;
 
-use super::error::ShardError;
 use super::dtype::TokenDtype;
+use super::error::ShardError;
 use super::view::{DelimiterPlacement, DocumentLayout, Layout};
 
 /// Magic of a shard of u16 tokens (GPT-2 vocabulary).
@@ -119,7 +119,10 @@ mod tests {
     #[test]
     fn u16_and_u32_headers_give_their_width_and_count() {
         let layout = parse(Path::new("a.bin"), &llmc_bytes(MAGIC_U16, 1, &[1, 2, 3])).unwrap();
-        assert_eq!((layout.dtype, layout.start, layout.len), (TokenDtype::U16, 1024, 3));
+        assert_eq!(
+            (layout.dtype, layout.start, layout.len),
+            (TokenDtype::U16, 1024, 3)
+        );
         let layout = parse(Path::new("b.bin"), &llmc_bytes(MAGIC_U32, 7, &[70_000])).unwrap();
         assert_eq!((layout.dtype, layout.len), (TokenDtype::U32, 1));
         // Version 1 with the u32 magic has the same layout and is accepted.
@@ -135,7 +138,10 @@ mod tests {
         assert!(msg.contains("4 tokens of 2 bytes"), "{msg}");
         assert!(msg.contains("should be 1024 + 4 x 2 = 1032 bytes"), "{msg}");
         assert!(msg.contains("but it is 1029 bytes"), "{msg}");
-        assert!(msg.contains("truncated: 3 bytes, about 2 tokens, missing"), "{msg}");
+        assert!(
+            msg.contains("truncated: 3 bytes, about 2 tokens, missing"),
+            "{msg}"
+        );
         assert!(msg.contains("copy the shard again"), "{msg}");
     }
 
@@ -145,7 +151,10 @@ mod tests {
         bytes.extend_from_slice(&[0; 5]);
         let msg = parse_err(&bytes);
         assert!(msg.contains("should be 1024 + 2 x 4 = 1032 bytes"), "{msg}");
-        assert!(msg.contains("but it is 1037 bytes (5 trailing bytes"), "{msg}");
+        assert!(
+            msg.contains("but it is 1037 bytes (5 trailing bytes"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -174,6 +183,9 @@ mod tests {
         let msg = parse_err(&bytes);
         assert!(msg.contains("-5 tokens (int32 at byte 8)"), "{msg}");
         let msg = parse_err(&llmc_header(MAGIC_U16, 1, 0)[..100]);
-        assert!(msg.contains("100 bytes is shorter than the 1024-byte header"), "{msg}");
+        assert!(
+            msg.contains("100 bytes is shorter than the 1024-byte header"),
+            "{msg}"
+        );
     }
 }

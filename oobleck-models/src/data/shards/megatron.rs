@@ -219,8 +219,8 @@ fn check_sequences(
         let (length_at, pointer_at) = (HEADER_BYTES + 4 * s, pointers_at + 8 * s);
         let length = int32_at(map, length_at);
         let pointer = int64_at(map, pointer_at);
-        let tokens = u64::try_from(length)
-            .map_err(|_| negative(s, "length", length.into(), length_at))?;
+        let tokens =
+            u64::try_from(length).map_err(|_| negative(s, "length", length.into(), length_at))?;
         let pointer =
             u64::try_from(pointer).map_err(|_| negative(s, "pointer", pointer, pointer_at))?;
         // Cannot overflow: pointer < 2^63 and tokens x width < 2^34.
@@ -300,9 +300,7 @@ fn check_documents(
     if previous != sequences as i64 {
         return Err(bad(
             entries - 1,
-            format!(
-                "is {previous}, but the last entry must be the sequence count, {sequences}"
-            ),
+            format!("is {previous}, but the last entry must be the sequence count, {sequences}"),
         ));
     }
     Ok(())
@@ -329,4 +327,234 @@ fn escaped(bytes: &[u8]) -> String {
             _ => format!("\\x{b:02x}"),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{anon_map, megatron_idx, megatron_pair};
+    use super::*;
+
+    fn parse_pair(bin: &[u8], idx: &[u8]) -> Result<Layout, ShardError> {
+        parse(
+            Path::new("c.bin"),
+            bin.len(),
+            Path::new("c.idx"),
+            anon_map(idx),
+        )
+    }
+
+    fn err(bin: &[u8], idx: &[u8]) -> String {
+        match parse_pair(bin, idx) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn docs(sizes: &[&[usize]]) -> Vec<Vec<Vec<i64>>> {
+        let mut next = 0;
+        let mut sequence = |n: usize| {
+            next += n as i64;
+            (next - n as i64..next).collect::<Vec<_>>()
+        };
+        sizes
+            .iter()
+            .map(|doc| doc.iter().map(|&n| sequence(n)).collect())
+            .collect()
+    }
+
+    fn boundaries(layout: &Layout) -> Vec<Range<usize>> {
+        match &layout.documents {
+            DocumentLayout::Indexed(index) => (0..index.len()).map(|d| index.tokens(d)).collect(),
+            DocumentLayout::Delimited(_) => panic!("Megatron shards are indexed"),
+        }
+    }
+
+    #[test]
+    fn every_integer_dtype_code_maps_to_its_width() {
+        let want = [
+            (1, TokenDtype::U8),
+            (2, TokenDtype::I8),
+            (3, TokenDtype::I16),
+            (4, TokenDtype::I32),
+            (5, TokenDtype::I64),
+            (8, TokenDtype::U16),
+        ];
+        for (code, dtype) in want {
+            let (bin, idx) = megatron_pair(code, &docs(&[&[3], &[2]]));
+            let layout = parse_pair(&bin, &idx).unwrap();
+            assert_eq!(
+                (layout.dtype, layout.start, layout.len),
+                (dtype, 0, 5),
+                "code {code}"
+            );
+            assert_eq!(bin.len(), 5 * dtype.width());
+        }
+    }
+
+    #[test]
+    fn documents_of_several_sequences_get_their_token_ranges() {
+        // Three documents: two sentences, none (empty), three sentences.
+        let (bin, idx) = megatron_pair(8, &docs(&[&[4, 2], &[], &[1, 3, 5]]));
+        let layout = parse_pair(&bin, &idx).unwrap();
+        assert_eq!(layout.len, 15);
+        assert_eq!(boundaries(&layout), vec![0..6, 6..6, 6..15]);
+    }
+
+    #[test]
+    fn an_empty_dataset_has_no_documents() {
+        let (bin, idx) = megatron_pair(4, &[]);
+        let layout = parse_pair(&bin, &idx).unwrap();
+        assert_eq!((layout.len, boundaries(&layout)), (0, vec![]));
+    }
+
+    #[test]
+    fn a_wrong_magic_is_shown_with_escapes() {
+        let (bin, mut idx) = megatron_pair(8, &docs(&[&[2]]));
+        idx[..9].copy_from_slice(b"TNTIDX\x00\x00\x01");
+        let msg = err(&bin, &idx);
+        assert!(msg.starts_with("c.idx: not a Megatron index"), "{msg}");
+        assert!(
+            msg.contains("bytes 0..9 are TNTIDX\\x00\\x00\\x01"),
+            "{msg}"
+        );
+        assert!(msg.contains("not MMIDIDX\\x00\\x00"), "{msg}");
+    }
+
+    #[test]
+    fn a_version_other_than_1_is_refused() {
+        let (bin, mut idx) = megatron_pair(8, &docs(&[&[2]]));
+        idx[9..17].copy_from_slice(&2u64.to_le_bytes());
+        let msg = err(&bin, &idx);
+        assert!(msg.contains("version 2 (u64 at byte 9) is not 1"), "{msg}");
+    }
+
+    #[test]
+    fn float_and_unknown_dtype_codes_are_refused_by_name() {
+        for (code, name) in [(6, "float64"), (7, "float32")] {
+            let (bin, idx) = megatron_pair(code, &docs(&[&[2]]));
+            let msg = err(&bin, &idx);
+            assert!(
+                msg.contains(&format!("dtype code {code} (byte 17) is {name}")),
+                "{msg}"
+            );
+            assert!(msg.contains("token ids must be integers"), "{msg}");
+        }
+        let (bin, idx) = megatron_pair(9, &docs(&[&[2]]));
+        let msg = err(&bin, &idx);
+        assert!(
+            msg.contains("unknown Megatron dtype code 9 (byte 17)"),
+            "{msg}"
+        );
+        assert!(msg.contains("8 uint16"), "{msg}");
+    }
+
+    #[test]
+    fn a_truncated_index_names_the_size_its_header_needs() {
+        let (bin, idx) = megatron_pair(8, &docs(&[&[2], &[3]]));
+        let msg = err(&bin, &idx[..idx.len() - 8]);
+        assert!(msg.contains("index is 74 bytes"), "{msg}");
+        assert!(
+            msg.contains("(2 sequences, 3 document-index entries)"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("needs 34 + 2 x 12 + 3 x 8 = 82 bytes"),
+            "{msg}"
+        );
+        let msg = err(&bin, &idx[..20]);
+        assert!(
+            msg.contains("20 bytes is shorter than the 34-byte header"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn mode_bytes_of_a_multimodal_index_are_refused() {
+        let (bin, mut idx) = megatron_pair(8, &docs(&[&[2], &[3]]));
+        let end = idx.len();
+        idx.extend_from_slice(&[0, 1]);
+        let msg = err(&bin, &idx);
+        assert!(
+            msg.contains(&format!("(bytes {end}..{})", end + 2)),
+            "{msg}"
+        );
+        assert!(msg.contains("multimodal"), "{msg}");
+    }
+
+    #[test]
+    fn negative_lengths_and_pointers_name_the_sequence_and_byte() {
+        let bin = vec![0u8; 8];
+        let msg = err(&bin, &megatron_idx(8, &[2, -2], &[0, 4], &[0, 2]));
+        assert!(
+            msg.contains("sequence 1 has length -2 (at byte 38"),
+            "{msg}"
+        );
+        let msg = err(&bin, &megatron_idx(8, &[2, 2], &[0, -4], &[0, 2]));
+        assert!(
+            msg.contains("sequence 1 has pointer -4 (at byte 50"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_sequence_past_the_end_of_the_bin_names_both_files() {
+        let (bin, idx) = megatron_pair(4, &docs(&[&[2], &[3]]));
+        let msg = err(&bin[..bin.len() - 4], &idx);
+        assert!(
+            msg.starts_with("c.idx: Megatron sequence 1 (3 tokens of 4 bytes"),
+            "{msg}"
+        );
+        assert!(msg.contains("at byte 8) ends at byte 20"), "{msg}");
+        assert!(msg.contains("past the end of c.bin (16 bytes)"), "{msg}");
+    }
+
+    #[test]
+    fn sequences_out_of_order_are_refused() {
+        let bin = vec![0u8; 8];
+        let msg = err(&bin, &megatron_idx(8, &[2, 2], &[4, 0], &[0, 2]));
+        assert!(msg.contains("sequence 0 starts at byte 4"), "{msg}");
+        assert!(msg.contains("end at byte 0"), "{msg}");
+        assert!(msg.contains("back to back"), "{msg}");
+    }
+
+    #[test]
+    fn a_bin_longer_than_its_index_says_is_refused() {
+        let (mut bin, idx) = megatron_pair(8, &docs(&[&[2], &[3]]));
+        bin.extend_from_slice(&[0; 6]);
+        let msg = err(&bin, &idx);
+        assert!(
+            msg.starts_with("c.bin: 16 bytes, but its index c.idx"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("describes 5 tokens of 2 bytes = 10 bytes"),
+            "{msg}"
+        );
+        assert!(msg.contains("6 trailing bytes"), "{msg}");
+    }
+
+    #[test]
+    fn a_broken_document_index_names_the_entry_and_the_rule() {
+        let bin = vec![0u8; 6];
+        let pair = |documents: &[i64]| megatron_idx(8, &[1, 1, 1], &[0, 2, 4], documents);
+        let msg = err(&bin, &pair(&[1, 3]));
+        assert!(
+            msg.contains("entry 0 (byte 70) is 1, but the first entry must be 0"),
+            "{msg}"
+        );
+        let msg = err(&bin, &pair(&[0, 2, 1, 3]));
+        assert!(
+            msg.contains("entry 2 (byte 86) is 1, below entry 1's 2"),
+            "{msg}"
+        );
+        assert!(msg.contains("must not decrease"), "{msg}");
+        let msg = err(&bin, &pair(&[0, 2]));
+        assert!(
+            msg.contains("entry 1 (byte 78) is 2, but the last entry must be"),
+            "{msg}"
+        );
+        assert!(msg.contains("the sequence count, 3"), "{msg}");
+        let msg = err(&bin, &pair(&[]));
+        assert!(msg.contains("entry 0 (byte 70) is missing"), "{msg}");
+    }
 }

@@ -12,8 +12,8 @@
 
 use std::path::Path;
 
-use super::error::ShardError;
 use super::dtype::TokenDtype;
+use super::error::ShardError;
 use super::view::{DelimiterPlacement, DocumentLayout, Layout};
 
 /// The token layout of the raw u16 file `bytes` (the whole file at `path`).
@@ -39,14 +39,23 @@ mod tests {
     #[test]
     fn every_two_bytes_are_one_token() {
         let layout = parse(Path::new("train.bin"), &[1, 0, 2, 0, 3, 0]).unwrap();
-        assert_eq!((layout.dtype, layout.start, layout.len), (TokenDtype::U16, 0, 3));
+        assert_eq!(
+            (layout.dtype, layout.start, layout.len),
+            (TokenDtype::U16, 0, 3)
+        );
         assert_eq!(parse(Path::new("empty.bin"), &[]).unwrap().len, 0);
     }
 
     #[test]
     fn an_odd_length_names_the_half_token_and_what_to_do() {
-        let msg = parse(Path::new("train.bin"), &[1, 0, 2]).err().unwrap().to_string();
-        assert!(msg.starts_with("train.bin: 3 bytes is an odd length"), "{msg}");
+        let msg = parse(Path::new("train.bin"), &[1, 0, 2])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            msg.starts_with("train.bin: 3 bytes is an odd length"),
+            "{msg}"
+        );
         assert!(msg.contains("at offset 2, is half a token"), "{msg}");
         assert!(msg.contains("--data-format"), "{msg}");
     }
