@@ -2,6 +2,13 @@
 //! function per task, instantiated per stored type through [`with_word!`], so the type is
 //! dispatched once per call and never inside a loop.
 
+use rayon::prelude::*;
+
+/// Tokens per piece of [`first_outside`]'s parallel scan: 8 MiB of u64 ids at most, large
+/// enough that rayon's per-piece cost vanishes, small enough that the first bad id is found
+/// without reading much past it.
+const SCAN_PIECE_TOKENS: usize = 1 << 20;
+
 /// How one token id is stored (always little-endian).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TokenDtype {
@@ -132,23 +139,39 @@ pub(super) fn push_ids<W: Word>(bytes: &[u8], out: &mut Vec<u32>) -> Option<(usi
     None
 }
 
-/// The first value in `chunk` outside `0..limit`, with its position. The whole chunk's
-/// minimum and maximum are taken first (a loop the compiler vectorises); positions are only
-/// looked for in a chunk that has a bad value.
-pub(super) fn first_outside<W: Word>(chunk: &[u8], limit: i64) -> Option<(usize, i64)> {
-    let (lowest, highest) = chunk
+/// The first value of `data` outside `0..limit`, with its token index. `data` is scanned in
+/// pieces on rayon's pool; the answer of the first piece that has one is kept.
+pub(super) fn first_outside<W: Word>(data: &[u8], limit: i64) -> Option<(usize, i64)> {
+    data.par_chunks(SCAN_PIECE_TOKENS * W::WIDTH)
+        .enumerate()
+        .find_map_first(|(k, piece)| {
+            first_outside_piece::<W>(piece, limit).map(|(i, v)| (k * SCAN_PIECE_TOKENS + i, v))
+        })
+}
+
+/// [`first_outside`] of one piece. Its minimum and maximum are taken first (a loop the
+/// compiler vectorises); positions are only looked for in a piece that has a bad value.
+fn first_outside_piece<W: Word>(piece: &[u8], limit: i64) -> Option<(usize, i64)> {
+    let (lowest, highest) = piece
         .chunks_exact(W::WIDTH)
         .map(W::read)
         .fold((W::HIGHEST, W::LOWEST), |(lo, hi), v| {
             (lo.min(v), hi.max(v))
         });
     let (lowest, highest): (i64, i64) = (lowest.into(), highest.into());
-    if chunk.is_empty() || (lowest >= 0 && highest < limit) {
+    if piece.is_empty() || (lowest >= 0 && highest < limit) {
         return None;
     }
-    chunk
+    piece
         .chunks_exact(W::WIDTH)
         .map(W::read_wide)
         .enumerate()
         .find(|&(_, v)| v < 0 || v >= limit)
+}
+
+/// The position of the first value `target` in `bytes`.
+pub(super) fn position_of<W: Word>(bytes: &[u8], target: i64) -> Option<usize> {
+    bytes
+        .chunks_exact(W::WIDTH)
+        .position(|c| W::read_wide(c) == target)
 }

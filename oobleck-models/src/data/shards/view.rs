@@ -7,18 +7,12 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use rayon::prelude::*;
 
-use super::dtype::{first_outside, push_ids, with_word, TokenDtype, Word};
+use super::dtype::{first_outside, position_of, push_ids, with_word, TokenDtype, Word};
 use super::error::ShardError;
 use super::megatron::DocumentIndex;
 use super::ShardFormat;
-use crate::data::Result;
-
-/// Tokens per piece of [`TokenShard::check_vocab`]'s scan: 4 MiB of u32 ids, large enough that
-/// rayon's per-piece cost vanishes, small enough that the first bad id is found without reading
-/// much past it.
-const SCAN_CHUNK_TOKENS: usize = 1 << 20;
+use crate::data::{DataError, Result};
 
 /// Where a shard without a document index puts the end-of-text delimiter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,9 +130,16 @@ impl TokenShard {
     /// Token `i`. An error only for a value that is no token id (negative, or past u32, in a
     /// signed or 64-bit Megatron file). Panics if `i >= len()`, like slice indexing.
     pub fn token(&self, i: usize) -> Result<u32> {
-        let mut one = Vec::with_capacity(1);
-        self.copy_range(i, i + 1, &mut one)?;
-        Ok(one[0])
+        assert!(
+            i < self.len(),
+            "token {i} outside the {} tokens of {}",
+            self.len(),
+            self.path.display()
+        );
+        let width = self.width();
+        let bytes = &self.data()[i * width..(i + 1) * width];
+        let value = with_word!(self.layout.dtype, W => W::read_wide(bytes));
+        u32::try_from(value).map_err(|_| self.not_an_id(i, value))
     }
 
     /// Appends tokens `[start, end)` to `out`. On error (a value that is no token id) `out` is
@@ -159,16 +160,19 @@ impl TokenShard {
             None => Ok(()),
             Some((offset, value)) => {
                 out.truncate(before);
-                let index = start + offset;
-                Err(ShardError::NotATokenId {
-                    path: self.path.clone(),
-                    index: index as u64,
-                    byte: self.byte_of(index),
-                    value,
-                }
-                .into())
+                Err(self.not_an_id(start + offset, value))
             }
         }
+    }
+
+    fn not_an_id(&self, index: usize, value: i64) -> DataError {
+        ShardError::NotATokenId {
+            path: self.path.clone(),
+            index: index as u64,
+            byte: self.byte_of(index),
+            value,
+        }
+        .into()
     }
 
     /// Checks that every token is an id below `vocab`; the error names the first that is not,
@@ -176,14 +180,8 @@ impl TokenShard {
     /// so a multi-GB shard is checked at memory (or disk) speed.
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {
         let limit = i64::try_from(vocab).unwrap_or(i64::MAX);
-        let piece = SCAN_CHUNK_TOKENS * self.width();
-        let found = with_word!(self.layout.dtype, W => self
-        .data()
-        .par_chunks(piece)
-        .enumerate()
-        .find_map_first(|(k, chunk)| {
-            first_outside::<W>(chunk, limit).map(|(i, v)| (k * SCAN_CHUNK_TOKENS + i, v))
-        }));
+        let data = self.data();
+        let found = with_word!(self.layout.dtype, W => first_outside::<W>(data, limit));
         match found {
             None => Ok(()),
             Some((index, id)) => Err(ShardError::OutOfVocabulary {
@@ -210,10 +208,7 @@ impl TokenShard {
         );
         let width = self.width();
         let bytes = &self.data()[range.start * width..range.end * width];
-        let target = i64::from(id);
-        let at = with_word!(self.layout.dtype, W => bytes
-            .chunks_exact(W::WIDTH)
-            .position(|c| W::read_wide(c) == target));
+        let at = with_word!(self.layout.dtype, W => position_of::<W>(bytes, id.into()));
         at.map(|p| range.start + p)
     }
 
