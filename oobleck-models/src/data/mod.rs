@@ -24,6 +24,7 @@ mod batches;
 mod cache_dirs;
 mod corpus;
 mod embedded;
+mod shards;
 mod tokenizer;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
@@ -31,6 +32,11 @@ pub use cache_dirs::{default_cache_dirs, shared_cache_dirs};
 pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
     open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
+};
+pub use shards::{
+    open_llmc, open_megatron, open_raw_u16, open_shard, DelimiterPlacement, DocumentBoundaries,
+    Documents, FirstWord, FormatHint, ShardError, ShardFormat, TokenDtype, TokenShard,
+    LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 
@@ -93,6 +99,9 @@ pub enum DataError {
         seq_len: usize,
         needed: usize,
     },
+    /// A pre-tokenized shard (llm.c, nanoGPT raw, Megatron) that is not what it should be.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
     #[error("invalid batch request: {0}")]
     InvalidRequest(String),
 }

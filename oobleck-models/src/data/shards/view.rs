@@ -1,0 +1,284 @@
+//! [`TokenShard`]: one memory-mapped token file, whatever its format, read as token ids.
+//!
+//! Nothing is read whole: every accessor touches only the bytes of the tokens it returns (the
+//! kernel pages them in), so a shard of any size costs address space, not memory.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::dtype::{first_outside, position_of, push_ids, with_word, TokenDtype, Word};
+use super::error::ShardError;
+use super::megatron::DocumentIndex;
+use super::ShardFormat;
+use crate::data::{DataError, Result};
+
+/// Where a shard without a document index puts the end-of-text delimiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DelimiterPlacement {
+    /// Each document starts with the delimiter (llm.c, modded-nanoGPT).
+    Before,
+    /// Each document ends with the delimiter (nanoGPT's `prepare.py`).
+    After,
+}
+
+/// How a shard's documents can be found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DocumentBoundaries {
+    /// The format indexes them (Megatron): [`TokenShard::document`] is O(1).
+    Indexed { documents: usize },
+    /// Documents are separated by the tokenizer's end-of-text id in the stream; the shard does
+    /// not know which id that is. [`TokenShard::documents`] finds them by scanning, lazily.
+    Delimited(DelimiterPlacement),
+}
+
+/// Where the tokens of a shard are and how its documents are marked: what each format's
+/// parser works out from the header.
+pub(super) struct Layout {
+    pub dtype: TokenDtype,
+    /// Byte offset of token 0 in the mapped file.
+    pub start: usize,
+    /// Number of tokens.
+    pub len: usize,
+    pub documents: DocumentLayout,
+}
+
+pub(super) enum DocumentLayout {
+    Delimited(DelimiterPlacement),
+    Indexed(DocumentIndex),
+}
+
+/// The token ids of one shard file (llm.c, raw u16, or the `.bin` of a Megatron pair),
+/// memory-mapped and validated when opened (see [`super::open_shard`]).
+///
+/// `Send + Sync`: any number of threads may read one shard. The mapping assumes nobody
+/// truncates the file while it is open (a truncated mapping faults); shards are read-only
+/// inputs, so that would be an outside mistake.
+pub struct TokenShard {
+    path: PathBuf,
+    format: ShardFormat,
+    map: Mmap,
+    layout: Layout,
+}
+
+impl std::fmt::Debug for TokenShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenShard")
+            .field("path", &self.path)
+            .field("format", &self.format)
+            .field("dtype", &self.layout.dtype)
+            .field("len", &self.layout.len)
+            .finish()
+    }
+}
+
+impl TokenShard {
+    /// A shard of the mapped file `map` at `path`, whose parser returned `layout`.
+    pub(super) fn new(path: PathBuf, format: ShardFormat, map: Mmap, layout: Layout) -> Self {
+        let end = layout.start + layout.len * layout.dtype.width();
+        assert!(
+            end <= map.len(),
+            "parsers check that the tokens lie inside the file"
+        );
+        Self {
+            path,
+            format,
+            map,
+            layout,
+        }
+    }
+
+    /// The token file (for Megatron, the `.bin`).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn format(&self) -> ShardFormat {
+        self.format
+    }
+
+    pub fn dtype(&self) -> TokenDtype {
+        self.layout.dtype
+    }
+
+    /// Bytes per token on disk: 1, 2, 4 or 8.
+    pub fn width(&self) -> usize {
+        self.layout.dtype.width()
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.layout.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layout.len == 0
+    }
+
+    /// The token bytes (`len() x width()`), without any header.
+    fn data(&self) -> &[u8] {
+        let start = self.layout.start;
+        &self.map[start..start + self.layout.len * self.width()]
+    }
+
+    /// Byte offset of token `index` in the file, for messages.
+    fn byte_of(&self, index: usize) -> u64 {
+        (self.layout.start + index * self.width()) as u64
+    }
+
+    /// Token `i`. An error only for a value that is no token id (negative, or past u32, in a
+    /// signed or 64-bit Megatron file). Panics if `i >= len()`, like slice indexing.
+    pub fn token(&self, i: usize) -> Result<u32> {
+        assert!(
+            i < self.len(),
+            "token {i} outside the {} tokens of {}",
+            self.len(),
+            self.path.display()
+        );
+        let width = self.width();
+        let bytes = &self.data()[i * width..(i + 1) * width];
+        let value = with_word!(self.layout.dtype, W => W::read_wide(bytes));
+        u32::try_from(value).map_err(|_| self.not_an_id(i, value))
+    }
+
+    /// Appends tokens `[start, end)` to `out`. On error (a value that is no token id) `out` is
+    /// left as it was. Panics unless `start <= end <= len()`, like slice indexing.
+    pub fn copy_range(&self, start: usize, end: usize, out: &mut Vec<u32>) -> Result<()> {
+        assert!(
+            start <= end && end <= self.len(),
+            "token range {start}..{end} outside the {} tokens of {}",
+            self.len(),
+            self.path.display()
+        );
+        let width = self.width();
+        let bytes = &self.data()[start * width..end * width];
+        let before = out.len();
+        out.reserve(end - start);
+        let bad = with_word!(self.layout.dtype, W => push_ids::<W>(bytes, out));
+        match bad {
+            None => Ok(()),
+            Some((offset, value)) => {
+                out.truncate(before);
+                Err(self.not_an_id(start + offset, value))
+            }
+        }
+    }
+
+    fn not_an_id(&self, index: usize, value: i64) -> DataError {
+        ShardError::NotATokenId {
+            path: self.path.clone(),
+            index: index as u64,
+            byte: self.byte_of(index),
+            value,
+        }
+        .into()
+    }
+
+    /// Checks that every token is an id below `vocab`; the error names the first that is not,
+    /// its index and byte offset. Scans the map in pieces of a million tokens on rayon's pool,
+    /// so a multi-GB shard is checked at memory (or disk) speed.
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        let limit = i64::try_from(vocab).unwrap_or(i64::MAX);
+        let data = self.data();
+        let found = with_word!(self.layout.dtype, W => first_outside::<W>(data, limit));
+        match found {
+            None => Ok(()),
+            Some((index, id)) => Err(ShardError::OutOfVocabulary {
+                path: self.path.clone(),
+                index: index as u64,
+                byte: self.byte_of(index),
+                id,
+                vocab: vocab as u64,
+            }
+            .into()),
+        }
+    }
+
+    /// The first position in `range` holding token `id`, scanning only that range. Panics
+    /// unless `range` lies inside `0..len()`.
+    pub fn find_token(&self, id: u32, range: Range<usize>) -> Option<usize> {
+        assert!(
+            range.start <= range.end && range.end <= self.len(),
+            "token range {}..{} outside the {} tokens of {}",
+            range.start,
+            range.end,
+            self.len(),
+            self.path.display()
+        );
+        let width = self.width();
+        let bytes = &self.data()[range.start * width..range.end * width];
+        let at = with_word!(self.layout.dtype, W => position_of::<W>(bytes, id.into()));
+        at.map(|p| range.start + p)
+    }
+
+    /// How this shard's documents are marked.
+    pub fn document_boundaries(&self) -> DocumentBoundaries {
+        match &self.layout.documents {
+            DocumentLayout::Indexed(index) => DocumentBoundaries::Indexed {
+                documents: index.len(),
+            },
+            DocumentLayout::Delimited(placement) => DocumentBoundaries::Delimited(*placement),
+        }
+    }
+
+    /// Token range of document `d` of an indexed shard (Megatron); `None` past the last
+    /// document or for a shard without an index (use [`Self::documents`]).
+    pub fn document(&self, d: usize) -> Option<Range<usize>> {
+        match &self.layout.documents {
+            DocumentLayout::Indexed(index) if d < index.len() => Some(index.tokens(d)),
+            _ => None,
+        }
+    }
+
+    /// The token ranges of the documents, in order, found lazily. An indexed shard reads its
+    /// index and ignores `end_of_text`; any other shard splits at `end_of_text` (GPT-2's is
+    /// [`crate::data::END_OF_TEXT_ID`], 50256) with its format's [`DelimiterPlacement`],
+    /// scanning only as far as the documents asked for. The ranges cover the shard exactly.
+    pub fn documents(&self, end_of_text: u32) -> Documents<'_> {
+        Documents {
+            shard: self,
+            end_of_text,
+            next: 0,
+        }
+    }
+}
+
+/// Iterator of [`TokenShard::documents`].
+pub struct Documents<'a> {
+    shard: &'a TokenShard,
+    end_of_text: u32,
+    /// The next document's number (indexed) or first token (delimited).
+    next: usize,
+}
+
+impl Iterator for Documents<'_> {
+    type Item = Range<usize>;
+
+    fn next(&mut self) -> Option<Range<usize>> {
+        let len = self.shard.len();
+        let start = self.next;
+        let placement = match &self.shard.layout.documents {
+            DocumentLayout::Indexed(_) => {
+                let range = self.shard.document(start)?;
+                self.next += 1;
+                return Some(range);
+            }
+            DocumentLayout::Delimited(placement) => *placement,
+        };
+        if start >= len {
+            return None;
+        }
+        let end = match placement {
+            // The delimiter at `start` opens this document; the next one opens the next.
+            DelimiterPlacement::Before => self.shard.find_token(self.end_of_text, start + 1..len),
+            DelimiterPlacement::After => self
+                .shard
+                .find_token(self.end_of_text, start..len)
+                .map(|p| p + 1),
+        }
+        .unwrap_or(len);
+        self.next = end;
+        Some(start..end)
+    }
+}
