@@ -24,6 +24,7 @@ mod batches;
 mod cache_dirs;
 mod corpus;
 mod embedded;
+mod order;
 mod tokenizer;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
@@ -32,6 +33,7 @@ pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
     open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
 };
+pub use order::EpochOrder;
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 
 use std::path::{Path, PathBuf};
