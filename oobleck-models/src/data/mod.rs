@@ -21,6 +21,7 @@
 //! microbatches, and a replayed iteration after a failure sees exactly the same samples.
 
 mod batches;
+mod blend;
 mod cache_dirs;
 mod corpus;
 mod embedded;
@@ -28,6 +29,7 @@ mod order;
 mod tokenizer;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
+pub use blend::{Blend, BlendIter, BlendPick, BLEND_RESOLUTION};
 pub use cache_dirs::{default_cache_dirs, shared_cache_dirs};
 pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
@@ -95,6 +97,15 @@ pub enum DataError {
         seq_len: usize,
         needed: usize,
     },
+    /// A blend weight that cannot be a share of the blend (see [`Blend::new`]).
+    #[error("blend weight {weight} of source {index}: {problem}")]
+    BadBlendWeight {
+        index: usize,
+        weight: f64,
+        problem: &'static str,
+    },
+    #[error("a blend needs at least one source")]
+    EmptyBlend,
     #[error("invalid batch request: {0}")]
     InvalidRequest(String),
 }
