@@ -11,14 +11,21 @@
 //!                                                          │
 //!                                split: last 5% of tokens = validation, rest = train
 //!                                                          │
-//!  (seed, epoch) ─> ChaCha20 permutation of the split's windows of seq_len + 1 tokens
-//!  iteration t  ─> samples [t*B*b, (t+1)*B*b) of that permutation
-//!  microbatch k ─> samples [k*b, (k+1)*b) of the iteration          (batches.rs)
+//!  (seed, epoch, split) ─> keyed Feistel bijection of the split's windows of seq_len + 1
+//!                          tokens, computed per position: sample = order.at(p)   (order.rs)
+//!  iteration t  ─> positions [t*B*b, (t+1)*B*b) of that epoch's order
+//!  microbatch k ─> positions [k*b, (k+1)*b) of the iteration          (batches.rs)
+//!
+//!  weighted sources ─> Megatron's blend rule as a function of the global sample index:
+//!                      i ─> (source, index within the source)             (blend.rs)
+//!                      (not yet wired into training: one source today)
 //! ```
 //!
 //! Data order depends only on `(seed, epoch, iteration, microbatch)` and the corpus/tokenizer
 //! bytes, never on which process asks (DESIGN.md section 4): every pipeline can compute its own
-//! microbatches, and a replayed iteration after a failure sees exactly the same samples.
+//! microbatches, and a replayed iteration after a failure sees exactly the same samples. The
+//! order holds nothing per sample (an epoch's order is 64 bytes), so it does not grow with the
+//! corpus.
 
 mod batches;
 mod blend;
