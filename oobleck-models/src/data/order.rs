@@ -24,8 +24,9 @@
 //!   network permutes `0..4^h`, so a value `>= n` is fed back through the network until it
 //!   lands in `0..n`. Following one cycle of a permutation from a point of `0..n` must come back
 //!   to that point, so the walk ends, and the walk restricted to `0..n` is again a bijection.
-//!   The walks from all `n` points cover the domain once, so a walk takes `4^h / n < 4` passes
-//!   on average; the worst walk is long only with vanishing probability.
+//!   A value outside `0..n` lies on at most one walk, so the `n` walks take at most `4^h <= 4n`
+//!   passes together: at most 4 per position on average, and a walk of `w` passes has
+//!   probability about `(1 - n / 4^h)^(w - 1) <= (3/4)^(w - 1)`.
 //!
 //! Six rounds: Luby and Rackoff showed that four rounds of independent random functions make
 //! a strong pseudorandom permutation; two more buy margin for the narrow halves of small
