@@ -6,24 +6,21 @@
 //! - **Samples**: sample `i` of a split is the window of `seq_len + 1` tokens starting at token
 //!   `i * seq_len` of the split: inputs are its first `seq_len` tokens, targets the last
 //!   `seq_len` (next-token prediction). A split of `n` tokens has `(n - 1) / seq_len` samples.
-//! - **Epoch order**: a Fisher-Yates shuffle of the sample indices driven by ChaCha20 whose
-//!   32-byte key is `seed (u64 LE) | epoch (u64 LE) | split (u8) | "oobleck-data" | zeros`, and
-//!   whose bounded draws use rejection sampling on `next_u64`. Both are written out here so the
-//!   order does not depend on `rand`'s internal algorithms.
+//! - **Epoch order**: the sample at position `p` of an epoch is [`EpochOrder::at`]`(p)`, a
+//!   bijection of `0..num_samples` keyed by `(seed, epoch, split)` and computed per sample
+//!   (order.rs): nothing is held per epoch, so memory does not grow with the corpus.
 //! - **Iteration `t`** uses positions `[t*B*b, (t+1)*B*b)` of the epoch order; **microbatch
 //!   `k`** is positions `[k*b, (k+1)*b)` of those. The `num_samples % (B*b)` samples left at the
 //!   end of an epoch's order are skipped in that epoch (different ones each epoch).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use rand::RngCore;
-use rand_chacha::rand_core::SeedableRng;
-use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
 
 use super::corpus::TokenCache;
+use super::order::EpochOrder;
 use super::tokenizer::Gpt2Tokenizer;
 use super::{DataError, Result};
 
@@ -121,8 +118,6 @@ pub struct Batch {
     pub sample_ids: Vec<usize>,
 }
 
-type PermKey = (Split, u64, u64, usize);
-
 /// A tokenized corpus with its splits. Cheap to share across threads (`Send + Sync`).
 #[derive(Debug)]
 pub struct Dataset {
@@ -131,8 +126,6 @@ pub struct Dataset {
     tokens: TokenCache,
     train: Range<usize>,
     validation: Range<usize>,
-    /// The last epoch order computed: every microbatch of an iteration needs the same one.
-    order: Mutex<Option<(PermKey, Arc<Vec<u32>>)>>,
 }
 
 impl Dataset {
@@ -187,7 +180,6 @@ impl Dataset {
             train: 0..n - validation_len,
             validation: n - validation_len..n,
             tokens,
-            order: Mutex::new(None),
         }
     }
 
@@ -227,19 +219,6 @@ impl Dataset {
             split,
             range,
         }
-    }
-
-    fn epoch_order(&self, key: PermKey) -> Arc<Vec<u32>> {
-        let mut slot = self.order.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((k, order)) = slot.as_ref() {
-            if *k == key {
-                return order.clone();
-            }
-        }
-        let (split, seed, epoch, n) = key;
-        let order = Arc::new(epoch_permutation(seed, epoch, split, n));
-        *slot = Some((key, order.clone()));
-        order
     }
 }
 
@@ -288,16 +267,11 @@ impl SplitData<'_> {
         Ok(samples / needed)
     }
 
-    /// The order of this split's samples in `epoch` for `seed` (a permutation of
-    /// `0..num_samples(seq_len)`).
-    pub fn epoch_order(&self, seed: u64, epoch: u64, seq_len: usize) -> Result<Arc<Vec<u32>>> {
-        let n = self.num_samples(seq_len);
-        if n > u32::MAX as usize {
-            return Err(DataError::InvalidRequest(format!(
-                "{n} samples of seq_len {seq_len} exceed the 2^32 an epoch order can index"
-            )));
-        }
-        Ok(self.ds.epoch_order((self.split, seed, epoch, n)))
+    /// The order of this split's samples in `epoch` for `seed`: a bijection of
+    /// `0..num_samples(seq_len)`, computed per position (about a microsecond to build, 64
+    /// bytes whatever the corpus).
+    pub fn epoch_order(&self, seed: u64, epoch: u64, seq_len: usize) -> EpochOrder {
+        EpochOrder::new(seed, epoch, self.split, self.num_samples(seq_len) as u64)
     }
 
     /// Microbatch `k` of iteration `iteration` of `epoch`: `b * seq_len` inputs and targets.
@@ -317,11 +291,10 @@ impl SplitData<'_> {
                 spec.num_microbatches, self.split
             )));
         }
-        let order = self.epoch_order(seed, epoch, spec.seq_len)?;
+        let order = self.epoch_order(seed, epoch, spec.seq_len);
         let start = iteration as usize * spec.global_batch_samples() + k * spec.microbatch_size;
-        let ids: Vec<usize> = order[start..start + spec.microbatch_size]
-            .iter()
-            .map(|&s| s as usize)
+        let ids: Vec<usize> = (start..start + spec.microbatch_size)
+            .map(|p| order.at(p as u64) as usize)
             .collect();
         Ok(self.gather(&ids, spec.seq_len))
     }
@@ -385,68 +358,9 @@ impl SplitData<'_> {
     }
 }
 
-/// The ChaCha20 key of an epoch's order (see the module docs).
-fn order_key(seed: u64, epoch: u64, split: Split) -> [u8; 32] {
-    let mut key = [0u8; 32];
-    key[..8].copy_from_slice(&seed.to_le_bytes());
-    key[8..16].copy_from_slice(&epoch.to_le_bytes());
-    key[16] = match split {
-        Split::Train => 0,
-        Split::Validation => 1,
-    };
-    key[17..29].copy_from_slice(b"oobleck-data");
-    key
-}
-
-/// Uniform draw from `0..n` (`n >= 1`) by rejection: accept `x < n * floor(2^64 / n)`.
-fn below(rng: &mut ChaCha20Rng, n: u64) -> u64 {
-    let limit = u64::MAX - u64::MAX % n;
-    loop {
-        let x = rng.next_u64();
-        if x < limit {
-            return x % n;
-        }
-    }
-}
-
-/// Fisher-Yates shuffle of `0..n` keyed by `(seed, epoch, split)`.
-fn epoch_permutation(seed: u64, epoch: u64, split: Split, n: usize) -> Vec<u32> {
-    let mut rng = ChaCha20Rng::from_seed(order_key(seed, epoch, split));
-    let mut order: Vec<u32> = (0..n as u32).collect();
-    for i in (1..n).rev() {
-        let j = below(&mut rng, i as u64 + 1) as usize;
-        order.swap(i, j);
-    }
-    order
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn epoch_permutation_is_a_permutation_and_keyed() {
-        let a = epoch_permutation(7, 0, Split::Train, 1000);
-        let mut sorted = a.clone();
-        sorted.sort_unstable();
-        assert_eq!(sorted, (0..1000).collect::<Vec<u32>>());
-        assert_eq!(a, epoch_permutation(7, 0, Split::Train, 1000));
-        assert_ne!(a, epoch_permutation(8, 0, Split::Train, 1000));
-        assert_ne!(a, epoch_permutation(7, 1, Split::Train, 1000));
-        assert_ne!(a, epoch_permutation(7, 0, Split::Validation, 1000));
-    }
-
-    #[test]
-    fn epoch_permutation_is_pinned() {
-        // Pins the documented algorithm: a change here changes every run's data order. The
-        // expected order was reproduced independently in Python from the module docs (IETF
-        // ChaCha20 of the `cryptography` package, zero nonce, u64 LE words, same rejection
-        // sampling and Fisher-Yates loop).
-        assert_eq!(
-            epoch_permutation(1234, 5, Split::Train, 12),
-            vec![11, 5, 9, 1, 7, 4, 2, 3, 6, 8, 0, 10]
-        );
-    }
 
     #[test]
     fn cursor_wraps_to_the_next_epoch() {
@@ -488,15 +402,5 @@ mod tests {
     fn datasets_can_be_shared_across_threads() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<Dataset>();
-    }
-
-    #[test]
-    fn below_stays_in_range() {
-        let mut rng = ChaCha20Rng::from_seed([3; 32]);
-        for n in [1u64, 2, 3, 7, 1 << 40, u64::MAX] {
-            for _ in 0..100 {
-                assert!(below(&mut rng, n) < n);
-            }
-        }
     }
 }

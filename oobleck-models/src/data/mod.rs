@@ -11,23 +11,33 @@
 //!                                                          │
 //!                                split: last 5% of tokens = validation, rest = train
 //!                                                          │
-//!  (seed, epoch) ─> ChaCha20 permutation of the split's windows of seq_len + 1 tokens
-//!  iteration t  ─> samples [t*B*b, (t+1)*B*b) of that permutation
-//!  microbatch k ─> samples [k*b, (k+1)*b) of the iteration          (batches.rs)
+//!  (seed, epoch, split) ─> keyed Feistel bijection of the split's windows of seq_len + 1
+//!                          tokens, computed per position: sample = order.at(p)   (order.rs)
+//!  iteration t  ─> positions [t*B*b, (t+1)*B*b) of that epoch's order
+//!  microbatch k ─> positions [k*b, (k+1)*b) of the iteration          (batches.rs)
+//!
+//!  weighted sources ─> Megatron's blend rule as a function of the global sample index:
+//!                      i ─> (source, index within the source)             (blend.rs)
+//!                      (not yet wired into training: one source today)
 //! ```
 //!
 //! Data order depends only on `(seed, epoch, iteration, microbatch)` and the corpus/tokenizer
 //! bytes, never on which process asks (DESIGN.md section 4): every pipeline can compute its own
-//! microbatches, and a replayed iteration after a failure sees exactly the same samples.
+//! microbatches, and a replayed iteration after a failure sees exactly the same samples. The
+//! order holds nothing per sample (an epoch's order is 64 bytes), so it does not grow with the
+//! corpus.
 
 mod batches;
+mod blend;
 mod cache_dirs;
 mod corpus;
 mod embedded;
+mod order;
 mod shards;
 mod tokenizer;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
+pub use blend::{Blend, BlendIter, BlendPick, BLEND_RESOLUTION};
 pub use cache_dirs::{default_cache_dirs, shared_cache_dirs};
 pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
@@ -38,6 +48,7 @@ pub use shards::{
     Documents, FirstWord, FormatHint, ShardError, ShardFormat, TokenDtype, TokenShard,
     LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
+pub use order::EpochOrder;
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 
 use std::path::{Path, PathBuf};
@@ -102,6 +113,15 @@ pub enum DataError {
     /// A pre-tokenized shard (llm.c, nanoGPT raw, Megatron) that is not what it should be.
     #[error(transparent)]
     Shard(#[from] ShardError),
+    /// A blend weight that cannot be a share of the blend (see [`Blend::new`]).
+    #[error("blend weight {weight} of source {index}: {problem}")]
+    BadBlendWeight {
+        index: usize,
+        weight: f64,
+        problem: &'static str,
+    },
+    #[error("a blend needs at least one source")]
+    EmptyBlend,
     #[error("invalid batch request: {0}")]
     InvalidRequest(String),
 }
