@@ -61,7 +61,7 @@ const PLAIN: &[(&str, &str, &str)] = &[
     ),
     ("oobleck-comm/src/error.rs", "name", "a blob's name, quoted"),
     (
-        "oobleck-comm/src/tcp/handshake.rs",
+        "oobleck-comm/src/tcp/handshake/accept.rs",
         "0",
         "a frame kind's name (Data)",
     ),
