@@ -200,7 +200,8 @@ pub fn shards_sha256(shards: &[TokenShard]) -> String {
 /// The byte ranges of a large shard that [`shards_sha256`] reads: the first MiB, a MiB at each
 /// multiple of 256 MiB, the last MiB (ranges may overlap in a short shard; each is hashed).
 fn sampled_ranges(len: usize) -> Vec<Range<usize>> {
-    let mut ranges = vec![0..len.min(SAMPLE_BYTES)];
+    let mut ranges = Vec::with_capacity(2 + len / SAMPLE_EVERY);
+    ranges.push(0..len.min(SAMPLE_BYTES));
     let mut at = SAMPLE_EVERY;
     while at < len {
         ranges.push(at..(at + SAMPLE_BYTES).min(len));
