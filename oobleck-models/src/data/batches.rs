@@ -242,7 +242,8 @@ impl Dataset {
         self.tokens.cache_path()
     }
 
-    /// Identifies the exact training data (checkpoints record it). A text corpus: SHA-256
+    /// Identifies the exact training data (not yet recorded in checkpoints: `--resume` compares
+    /// the `--data` path and format only). A text corpus: SHA-256
     /// (hex) of its token ids as u16 LE, as the cache header holds it. Shards: file names,
     /// formats, dtypes, token counts and token bytes, all of them under 1 GiB of tokens, else
     /// sampled at fixed places (the rule is [`super::shards_sha256`]'s).
