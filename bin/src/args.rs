@@ -82,9 +82,16 @@ pub struct TrainArgs {
     /// saved config is the starting point; flags that would change the training are refused.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Text corpus [default: the shipped corpus in datasets/].
-    #[arg(long)]
+    /// Training data: a UTF-8 text file, or pre-tokenized shards (an llm.c .bin, a Megatron
+    /// .bin/.idx or prefix, a raw u16 .bin with --data-format u16), a folder of them, or a
+    /// glob such as 'shards/train_*.bin' (files in name order). Every node needs it at this
+    /// path. --dataset is an alias [default: the shipped corpus in datasets/].
+    #[arg(long = "data", visible_alias = "dataset", value_name = "PATH")]
     pub dataset: Option<PathBuf>,
+    /// How to read token files with no header: detect (llm.c magic, Megatron .idx), or u16
+    /// (nanoGPT's raw train.bin) [default: detect].
+    #[arg(long)]
+    pub data_format: Option<crate::config::DataFormat>,
     /// GPT-2 tokenizer: tokenizer.json, or a directory with encoder.json + vocab.bpe.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -214,6 +221,7 @@ impl TrainArgs {
             data_plane,
             device,
             precision,
+            data_format,
             lease_ms
         );
         c.recompute |= self.recompute;

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
 use oobleck_core::planning::Dtype;
 use oobleck_core::runtime::{device, BatchShape, DataPlane, InjectedFailure, TrainingSpec};
+use oobleck_models::data::FormatHint;
 use oobleck_models::workload::GptWorkloadConfig;
 use serde::{Deserialize, Serialize};
 
@@ -63,8 +64,14 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Validation microbatches per evaluation (fixed, in corpus order, comparable across runs).
     pub eval_batches: usize,
-    /// Text corpus (UTF-8). Default: the shipped corpus in `datasets/`.
+    /// Training data (`--data`): a UTF-8 text file, or pre-tokenized shards (a file, a
+    /// Megatron pair or prefix, a folder, a glob), opened at this path on every node. Default:
+    /// the shipped corpus in `datasets/`.
+    #[serde(alias = "data")]
     pub dataset: Option<PathBuf>,
+    /// How token files with no header are read: `detect` (the default: llm.c magic, Megatron
+    /// `.idx`; a raw file is then an error) or `u16` (nanoGPT's raw `train.bin`).
+    pub data_format: DataFormat,
     /// GPT-2 tokenizer (`tokenizer.json`, or a directory with `encoder.json` + `vocab.bpe`).
     pub tokenizer: Option<PathBuf>,
     /// Pin the pipeline sizes in nodes (e.g. `[2, 3]`) instead of letting the planner choose.
@@ -166,6 +173,7 @@ impl Default for TrainConfig {
             eval_every: 25,
             eval_batches: 4,
             dataset: None,
+            data_format: DataFormat::Detect,
             tokenizer: None,
             pipeline_nodes: None,
             inject_failure: Vec::new(),
@@ -183,6 +191,28 @@ impl Default for TrainConfig {
             straggler_factor: 1.5,
             evict_stragglers: false,
             save_wait_s: oobleck_core::runtime::DEFAULT_SAVE_WAIT_S,
+        }
+    }
+}
+
+/// How `--data` token files with no header are read (see [`TrainConfig::data_format`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum DataFormat {
+    #[default]
+    #[serde(rename = "detect")]
+    #[value(name = "detect")]
+    Detect,
+    #[serde(rename = "u16")]
+    #[value(name = "u16")]
+    U16,
+}
+
+impl DataFormat {
+    /// The data pipeline's name for it.
+    pub fn hint(self) -> FormatHint {
+        match self {
+            DataFormat::Detect => FormatHint::Detect,
+            DataFormat::U16 => FormatHint::RawU16,
         }
     }
 }
@@ -385,7 +415,8 @@ impl TrainConfig {
             ("warmup_steps", self.warmup() != saved.warmup()),
             ("weight_decay", self.weight_decay != saved.weight_decay),
             ("grad_clip", self.grad_clip != saved.grad_clip),
-            ("dataset", self.dataset != saved.dataset),
+            ("data", self.dataset != saved.dataset),
+            ("data_format", self.data_format != saved.data_format),
             ("precision", self.precision != saved.precision),
         ];
         let changed: Vec<&str> = pairs.iter().filter(|p| p.1).map(|p| p.0).collect();
@@ -498,6 +529,7 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
         seq_len: cfg.seq_len,
         eval_batches: cfg.eval_batches,
         dataset: cfg.dataset.clone(),
+        data_format: cfg.data_format.hint(),
         tokenizer: cfg.tokenizer.clone(),
         profile: cfg.profile.clone().unwrap_or_else(|| "measured".into()),
         host_ranks: 1,

@@ -51,9 +51,14 @@ pub struct GptWorkloadConfig {
     /// Validation microbatches (of the job's `b` samples) per evaluation: the first ones in
     /// corpus order, so losses compare across steps and runs. Default 4.
     pub eval_batches: usize,
-    /// Text corpus (UTF-8), a path every node must have. Default none: the built-in corpus
-    /// (`datasets/shakespeare.txt`, compiled in).
+    /// Training data, a path every node must have: a UTF-8 text file, or pre-tokenized shards
+    /// (a file, a Megatron pair or prefix, a folder, or a glob expanded on each node; see
+    /// [`data::resolve_source`]). Default none: the built-in corpus (`datasets/shakespeare.txt`,
+    /// compiled in).
     pub dataset: Option<PathBuf>,
+    /// How to read a shard with no header (`--data-format`): `detect` (the default: headers
+    /// and `.idx` files say it) or `u16` (nanoGPT's raw `train.bin`, which has none).
+    pub data_format: data::FormatHint,
     /// GPT-2 tokenizer: `tokenizer.json`, or a directory with `encoder.json` + `vocab.bpe`.
     /// Default none: with `init_from`, the tokenizer its directory ships (see
     /// [`GptWorkloadConfig::tokenizer_path`]); else the built-in GPT-2 tokenizer.
@@ -84,6 +89,7 @@ impl Default for GptWorkloadConfig {
             seq_len: 64,
             eval_batches: 4,
             dataset: None,
+            data_format: data::FormatHint::Detect,
             tokenizer: None,
             profile: "analytical".into(),
             host_ranks: 1,
@@ -681,9 +687,10 @@ fn prepare_data(
     if cfg.eval_batches == 0 {
         return Err(DataError::InvalidRequest("--eval-batches must be at least 1".into()).into());
     }
-    let data = data::open_dataset(cfg.dataset.as_deref(), tokenizer)?;
-    // More model rows than tokenizer ids is padding (OPT's), said in the workload's name.
-    data.tokenizer().check_vocab(model_cfg.vocab_size())?;
+    let data = data::open_data(cfg.dataset.as_deref(), cfg.data_format, tokenizer)?;
+    // More model rows than tokenizer ids is padding (OPT's), said in the workload's name; a
+    // shard's ids must all be the tokenizer's.
+    data.check_vocab(model_cfg.vocab_size())?;
     let spec = BatchSpec {
         seq_len: cfg.seq_len,
         microbatch_size: batch.microbatch_size as usize,

@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
 
 use super::corpus::TokenCache;
 use super::order::EpochOrder;
+use super::shards::{open_shard, FormatHint};
 use super::tokenizer::Gpt2Tokenizer;
+use super::tokens::{ShardSet, TokenStore};
 use super::{DataError, Result};
 
 /// Validation share of the corpus in tokens, per mille (5%).
@@ -118,12 +120,12 @@ pub struct Batch {
     pub sample_ids: Vec<usize>,
 }
 
-/// A tokenized corpus with its splits. Cheap to share across threads (`Send + Sync`).
+/// A tokenized corpus (a text file's token cache, or pre-tokenized shards) with its splits. Cheap to share across threads (`Send + Sync`).
 #[derive(Debug)]
 pub struct Dataset {
     corpus: PathBuf,
     tokenizer: Arc<Gpt2Tokenizer>,
-    tokens: TokenCache,
+    tokens: TokenStore,
     train: Range<usize>,
     validation: Range<usize>,
 }
@@ -145,7 +147,11 @@ impl Dataset {
         cache_dir: Option<&Path>,
     ) -> Result<Self> {
         let tokens = TokenCache::open(corpus, &tokenizer, cache_dir)?;
-        Ok(Self::from_tokens(corpus, tokenizer, tokens))
+        Ok(Self::from_tokens(
+            corpus,
+            tokenizer,
+            TokenStore::Text(tokens),
+        ))
     }
 
     /// The corpus compiled into the library ([`super::EMBEDDED_CORPUS`]) with `tokenizer`.
@@ -155,7 +161,29 @@ impl Dataset {
         let label = Path::new(super::EMBEDDED_CORPUS_NAME);
         let bytes = super::EMBEDDED_CORPUS.as_bytes();
         let tokens = TokenCache::open_bytes(label, bytes, &tokenizer, cache_dir)?;
-        Ok(Self::from_tokens(label, tokenizer, tokens))
+        Ok(Self::from_tokens(
+            label,
+            tokenizer,
+            TokenStore::Text(tokens),
+        ))
+    }
+
+    /// Pre-tokenized `shards` (llm.c, raw u16 with [`FormatHint::RawU16`], Megatron; see
+    /// [`open_shard`]), concatenated in this order and read in place. `label` is the source
+    /// as the user named it (a folder, a glob), for messages and [`Self::corpus`]. The ids are
+    /// taken as `tokenizer`'s; [`Self::check_vocab`] checks they fit.
+    pub fn open_shards(
+        label: &Path,
+        shards: &[PathBuf],
+        hint: FormatHint,
+        tokenizer: Arc<Gpt2Tokenizer>,
+    ) -> Result<Self> {
+        let opened = shards
+            .iter()
+            .map(|path| open_shard(path, hint))
+            .collect::<Result<Vec<_>>>()?;
+        let set = ShardSet::new(label, opened)?;
+        Ok(Self::from_tokens(label, tokenizer, TokenStore::Shards(set)))
     }
 
     /// [`DataError::NotFound`] unless `corpus` exists (checked before a tokenizer is loaded,
@@ -171,7 +199,7 @@ impl Dataset {
         }
     }
 
-    fn from_tokens(corpus: &Path, tokenizer: Arc<Gpt2Tokenizer>, tokens: TokenCache) -> Self {
+    fn from_tokens(corpus: &Path, tokenizer: Arc<Gpt2Tokenizer>, tokens: TokenStore) -> Self {
         let n = tokens.len();
         let validation_len = n * VALIDATION_PER_MILLE / 1000;
         Self {
@@ -188,17 +216,37 @@ impl Dataset {
         &self.tokenizer
     }
 
-    /// The corpus file ([`super::EMBEDDED_CORPUS_NAME`] for the built-in corpus).
+    /// Checks that the model's `model_vocab` embedding rows cover the tokenizer's ids
+    /// ([`Gpt2Tokenizer::check_vocab`]) and, for shards, that every stored id is one of the
+    /// tokenizer's: below its vocabulary, which the first check bounds by the model's, so each
+    /// id has a row and decodes. The error names the shard, the id and where it is. A text
+    /// corpus's ids come from the tokenizer, so only the first check applies to it.
+    pub fn check_vocab(&self, model_vocab: usize) -> Result<()> {
+        self.tokenizer.check_vocab(model_vocab)?;
+        let vocab = self.tokenizer.vocab_size();
+        self.tokens
+            .shards()
+            .iter()
+            .try_for_each(|shard| shard.check_vocab(vocab))
+    }
+
+    /// The corpus file, or the data source as named ([`super::EMBEDDED_CORPUS_NAME`] for the
+    /// built-in corpus).
     pub fn corpus(&self) -> &Path {
         &self.corpus
     }
 
-    /// The token cache file in use; `None` when the tokens are held in memory.
+    /// The token cache file in use; `None` when the tokens are held in memory or read from
+    /// shards in place.
     pub fn cache_path(&self) -> Option<&Path> {
-        self.tokens.path()
+        self.tokens.cache_path()
     }
 
-    /// SHA-256 (hex) of the corpus's token ids as u16 LE: identifies the exact training data.
+    /// Identifies the exact training data (not yet recorded in checkpoints: `--resume` compares
+    /// the `--data` path and format only). A text corpus: SHA-256
+    /// (hex) of its token ids as u16 LE, as the cache header holds it. Shards: file names,
+    /// formats, dtypes, token counts and token bytes, all of them under 1 GiB of tokens, else
+    /// sampled at fixed places (the rule is [`super::shards_sha256`]'s).
     pub fn tokens_sha256(&self) -> &str {
         self.tokens.tokens_sha256()
     }
@@ -206,6 +254,12 @@ impl Dataset {
     /// Tokens of the whole corpus.
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Appends tokens `range` of the whole corpus (both splits, in order) to `out`: for tools
+    /// and tests that need the ids themselves. Panics if `range` ends past [`Self::num_tokens`].
+    pub fn copy_tokens(&self, range: Range<usize>, out: &mut Vec<u32>) -> Result<()> {
+        self.tokens.extend_into(range.start, range.len(), out)
     }
 
     /// One split of the corpus.
@@ -296,7 +350,7 @@ impl SplitData<'_> {
         let ids: Vec<usize> = (start..start + spec.microbatch_size)
             .map(|p| order.at(p as u64) as usize)
             .collect();
-        Ok(self.gather(&ids, spec.seq_len))
+        self.gather(&ids, spec.seq_len)
     }
 
     /// Microbatch `k` of the iteration at `cursor`.
@@ -328,7 +382,7 @@ impl SplitData<'_> {
             )));
         }
         let ids: Vec<usize> = (index * batch_size..(index + 1) * batch_size).collect();
-        Ok(self.gather(&ids, seq_len))
+        self.gather(&ids, seq_len)
     }
 
     /// Whole batches of `batch_size` samples that [`Self::sequential_batch`] can serve.
@@ -339,22 +393,22 @@ impl SplitData<'_> {
         self.num_samples(seq_len) / batch_size
     }
 
-    fn gather(&self, sample_ids: &[usize], seq_len: usize) -> Batch {
+    fn gather(&self, sample_ids: &[usize], seq_len: usize) -> Result<Batch> {
         let mut inputs = Vec::with_capacity(sample_ids.len() * seq_len);
         let mut targets = Vec::with_capacity(sample_ids.len() * seq_len);
         for &s in sample_ids {
             let at = self.range.start + s * seq_len;
             // In bounds: s < num_samples, so at + seq_len + 1 <= range.end.
-            self.ds.tokens.extend_into(at, seq_len, &mut inputs);
-            self.ds.tokens.extend_into(at + 1, seq_len, &mut targets);
+            self.ds.tokens.extend_into(at, seq_len, &mut inputs)?;
+            self.ds.tokens.extend_into(at + 1, seq_len, &mut targets)?;
         }
-        Batch {
+        Ok(Batch {
             inputs,
             targets,
             batch_size: sample_ids.len(),
             seq_len,
             sample_ids: sample_ids.to_vec(),
-        }
+        })
     }
 }
 

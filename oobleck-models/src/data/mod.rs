@@ -34,14 +34,17 @@ mod corpus;
 mod embedded;
 mod order;
 mod shards;
+mod source;
 mod tokenizer;
+mod tokens;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
 pub use blend::{Blend, BlendIter, BlendPick, BLEND_RESOLUTION};
 pub use cache_dirs::{default_cache_dirs, shared_cache_dirs};
 pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
-    open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
+    open_data, open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME,
+    EMBEDDED_TOKENIZER_NAME,
 };
 pub use order::EpochOrder;
 pub use shards::{
@@ -49,7 +52,9 @@ pub use shards::{
     Documents, FirstWord, FormatHint, ShardError, ShardFormat, TokenDtype, TokenShard,
     LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
+pub use source::{resolve_source, DataSource};
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
+pub use tokens::{shards_sha256, ShardSet, FULL_HASH_LIMIT};
 
 use std::path::{Path, PathBuf};
 
@@ -74,6 +79,9 @@ pub enum DataError {
     NotAFile { path: PathBuf },
     #[error("{path}: corpus is empty")]
     EmptyCorpus { path: PathBuf },
+    /// A `--data` glob or folder that names no file.
+    #[error("{pattern}: {why}")]
+    NoMatch { pattern: PathBuf, why: &'static str },
     #[error("{path}: bad tokenizer file: {problem}")]
     BadTokenizer { path: PathBuf, problem: String },
     #[error("tokenizer failed on {what}: {message}")]

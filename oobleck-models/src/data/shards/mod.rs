@@ -69,13 +69,16 @@ impl std::fmt::Display for ShardFormat {
     }
 }
 
-/// What the caller knows about a file's format (`--data-format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What the caller knows about a file's format (`--data-format`); in configs `"detect"` or
+/// `"u16"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum FormatHint {
     /// Detect it from the header and the files beside it.
     #[default]
+    #[serde(rename = "detect")]
     Detect,
     /// A file with no recognised header is nanoGPT's raw u16 tokens.
+    #[serde(rename = "u16")]
     RawU16,
 }
 

@@ -122,6 +122,11 @@ impl TokenShard {
         &self.map[start..start + self.layout.len * self.width()]
     }
 
+    /// The token bytes as stored (`len() x width()`, no header), for hashing a shard's identity.
+    pub fn token_bytes(&self) -> &[u8] {
+        self.data()
+    }
+
     /// Byte offset of token `index` in the file, for messages.
     fn byte_of(&self, index: usize) -> u64 {
         (self.layout.start + index * self.width()) as u64
