@@ -45,6 +45,37 @@ pub fn out_dir(cfg: &TrainConfig) -> PathBuf {
     }
 }
 
+/// Refuses to resume from `checkpoint` on data other than the data it was trained on: its
+/// `trainer.json` records the tokens' identity (`data_cursor.tokens_sha256`; checkpoints from
+/// before it was recorded are not checked).
+fn check_same_data(checkpoint: &Path, cfg: &TrainConfig, tokens_sha256: &str) -> Result<()> {
+    let path = checkpoint.join(checkpoint::TRAINER_FILE);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let Some(saved) = doc["data_cursor"]["tokens_sha256"].as_str() else {
+        return Ok(());
+    };
+    if saved == tokens_sha256 {
+        return Ok(());
+    }
+    let data = cfg
+        .dataset
+        .as_ref()
+        .map_or("the shipped corpus".to_string(), |p| {
+            p.display().to_string()
+        });
+    bail!(
+        "--resume: the data changed since {} was written: {data} now holds tokens whose \
+         identity is {}..., the checkpoint was trained on {}...; resume with the data it was \
+         trained on, or start a new run (another --out) on this data",
+        checkpoint.display(),
+        &tokens_sha256[..tokens_sha256.len().min(12)],
+        &saved[..saved.len().min(12)]
+    )
+}
+
 /// The run directory of a job and, with `resume` (`--resume PATH`), the checkpoint it goes on
 /// from and its step, checked to continue the same training. A new run gets a fresh directory
 /// holding its resolved config; one that already holds a run is refused. Checkpoints passed
@@ -52,9 +83,11 @@ pub fn out_dir(cfg: &TrainConfig) -> PathBuf {
 pub fn open_run(
     cfg: &TrainConfig,
     resume: Option<&Path>,
+    tokens_sha256: &str,
 ) -> Result<(PathBuf, Option<(PathBuf, u64)>)> {
     if let Some(path) = resume {
         let found = find_checkpoint(path)?;
+        check_same_data(&found.checkpoint, cfg, tokens_sha256)?;
         let run = found.run;
         let saved = load_resolved(&run)?;
         if let Some(changed) = cfg.trajectory_mismatch(&saved) {

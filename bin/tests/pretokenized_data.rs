@@ -143,3 +143,48 @@ fn bad_token_data_is_refused_naming_the_file_and_what_to_do() {
         &["train.bin", "--data-format u16"],
     );
 }
+
+/// A checkpoint records the identity of the tokens it was trained on; `--resume` on data whose
+/// tokens changed (one id of the shard) is refused, naming the checkpoint and the data, and
+/// the same data resumes.
+#[test]
+fn resume_refuses_data_that_changed_since_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let shard = dir.path().join("corpus.bin");
+    let mut ids = corpus_ids();
+    write_llmc(&shard, &ids);
+    let data = shard.to_str().unwrap();
+    let out = dir.path().join("run");
+    let o = run(
+        train_cmd(&out, 2, &["--nodes", "1", "--data", data]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let saved = load_checkpoint(
+        &latest_checkpoint(&out).unwrap().unwrap(),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(saved.trainer.data_cursor["tokens_sha256"].is_string());
+    let resume = [
+        "--nodes",
+        "1",
+        "--data",
+        data,
+        "--resume",
+        out.to_str().unwrap(),
+    ];
+    ids[1000] = (ids[1000] + 1) % 50000;
+    write_llmc(&shard, &ids);
+    let o = run(train_cmd(&out, 3, &resume), Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the data changed since") && stderr.contains(data),
+        "{stderr}"
+    );
+    ids[1000] = (ids[1000] + 49999) % 50000;
+    write_llmc(&shard, &ids);
+    let o = run(train_cmd(&out, 3, &resume), Duration::from_secs(120));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

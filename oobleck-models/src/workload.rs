@@ -623,8 +623,12 @@ impl Workload for GptWorkload {
         self.cfg.seq_len
     }
 
+    /// The data position and the identity of the data (`tokens_sha256`), which `--resume`
+    /// compares with the data it is given.
     fn data_cursor(&self, step: u64) -> serde_json::Value {
-        serde_json::to_value(self.cursor(step)).expect("a data cursor is two integers")
+        let mut v = serde_json::to_value(self.cursor(step)).expect("a data cursor is two integers");
+        v["tokens_sha256"] = self.data.tokens_sha256().into();
+        v
     }
 
     /// `config.json` and the tokenizer's files: the checkpoint is a Hugging Face model
