@@ -33,6 +33,7 @@ mod cache_dirs;
 mod corpus;
 mod embedded;
 mod order;
+pub mod prepare;
 mod shards;
 mod tokenizer;
 
@@ -49,6 +50,7 @@ pub use shards::{
     LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
 pub use order::EpochOrder;
+pub use prepare::{prepare, PrepareError, PrepareOptions};
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 
 use std::path::{Path, PathBuf};
