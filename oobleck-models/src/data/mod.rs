@@ -44,13 +44,12 @@ pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
 pub use embedded::{
     open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
 };
+pub use order::EpochOrder;
 pub use shards::{
     open_llmc, open_megatron, open_raw_u16, open_shard, DelimiterPlacement, DocumentBoundaries,
     Documents, FirstWord, FormatHint, ShardError, ShardFormat, TokenDtype, TokenShard,
     LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
-pub use order::EpochOrder;
-pub use prepare::{prepare, PrepareError, PrepareOptions};
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 
 use std::path::{Path, PathBuf};

@@ -79,7 +79,9 @@ pub enum PrepareError {
 /// Result of preparation.
 pub type Result<T> = std::result::Result<T, PrepareError>;
 
-pub(crate) fn write_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> PrepareError + '_ {
+pub(crate) fn write_err(
+    path: &std::path::Path,
+) -> impl FnOnce(std::io::Error) -> PrepareError + '_ {
     move |source| PrepareError::Write {
         path: path.to_path_buf(),
         source,

@@ -150,7 +150,12 @@ fn fresh_manifest(
                     .collect::<Result<Vec<_>>>()
             })
         })
-        .unwrap_or_else(|_| sources.iter().map(|s| sources::sha256_file(&s.path)).collect())?;
+        .unwrap_or_else(|_| {
+            sources
+                .iter()
+                .map(|s| sources::sha256_file(&s.path))
+                .collect()
+        })?;
     let vocab = tokenizer.vocab_size() as u64;
     let mut manifest = Manifest {
         format_version: MANIFEST_VERSION,

@@ -68,7 +68,9 @@ pub fn run(
     let permits_n = 2 * plan.workers + 2;
     let (permit_tx, permit_rx) = sync_channel::<()>(permits_n);
     for _ in 0..permits_n {
-        permit_tx.send(()).expect("the channel holds exactly permits_n");
+        permit_tx
+            .send(())
+            .expect("the channel holds exactly permits_n");
     }
     let (batch_tx, batch_rx) = sync_channel::<BatchMsg>(permits_n);
     let batch_rx = Arc::new(Mutex::new(batch_rx));
@@ -159,7 +161,12 @@ struct DocStream<'a> {
 
 impl<'a> DocStream<'a> {
     fn new(plan: &'a Plan<'a>, counter: Arc<AtomicU64>) -> Self {
-        let before: u64 = plan.sources.iter().take(plan.start.source).map(|s| s.bytes).sum();
+        let before: u64 = plan
+            .sources
+            .iter()
+            .take(plan.start.source)
+            .map(|s| s.bytes)
+            .sum();
         counter.fetch_add(before, Ordering::Relaxed);
         Self {
             plan,

@@ -58,7 +58,13 @@ impl DocReader {
     /// Opens `src`; `counter` is advanced by the bytes read from disk.
     pub fn open(src: &SourceFile, options: &ReadOptions, counter: Arc<AtomicU64>) -> Result<Self> {
         let file = File::open(&src.path).map_err(read_err(&src.path))?;
-        let raw = BufReader::with_capacity(1 << 20, Counting { inner: file, counter });
+        let raw = BufReader::with_capacity(
+            1 << 20,
+            Counting {
+                inner: file,
+                counter,
+            },
+        );
         let input: Box<dyn BufRead + Send> = match src.codec {
             Codec::Plain => Box::new(raw),
             Codec::Gzip => Box::new(BufReader::with_capacity(
@@ -66,8 +72,8 @@ impl DocReader {
                 flate2::bufread::MultiGzDecoder::new(raw),
             )),
             Codec::Zstd => {
-                let d = zstd::stream::read::Decoder::with_buffer(raw)
-                    .map_err(read_err(&src.path))?;
+                let d =
+                    zstd::stream::read::Decoder::with_buffer(raw).map_err(read_err(&src.path))?;
                 Box::new(BufReader::with_capacity(1 << 20, d))
             }
         };
@@ -98,11 +104,13 @@ impl DocReader {
                     .read_to_end(&mut bytes)
                     .map_err(|e| self.io_error(e))?;
                 self.offset = bytes.len() as u64;
-                String::from_utf8(bytes).map(Some).map_err(|e| PrepareError::NotUtf8 {
-                    path: self.path.clone(),
-                    offset: e.utf8_error().valid_up_to() as u64,
-                    at_line: String::new(),
-                })
+                String::from_utf8(bytes)
+                    .map(Some)
+                    .map_err(|e| PrepareError::NotUtf8 {
+                        path: self.path.clone(),
+                        offset: e.utf8_error().valid_up_to() as u64,
+                        at_line: String::new(),
+                    })
             }
             Layout::JsonLines => self.next_record(),
         }
@@ -172,7 +180,11 @@ fn extract(line: &str, field: &str) -> std::result::Result<String, String> {
             keys.sort_unstable();
             Err(format!(
                 "no field \"{field}\" (fields: {}; pass --text-field NAME)",
-                if keys.is_empty() { "none".to_string() } else { keys.join(", ") }
+                if keys.is_empty() {
+                    "none".to_string()
+                } else {
+                    keys.join(", ")
+                }
             ))
         }
     }

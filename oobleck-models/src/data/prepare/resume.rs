@@ -65,7 +65,10 @@ pub fn remove_stale_temps(dir: &Path) -> Result<()> {
     let entries = std::fs::read_dir(dir).map_err(super::error::read_err(dir))?;
     for entry in entries {
         let path = entry.map_err(super::error::read_err(dir))?.path();
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let ours = name.starts_with("shard-") || name.starts_with(super::manifest::MANIFEST_FILE);
         if ours && name.ends_with(super::writer::TMP_SUFFIX) {
             std::fs::remove_file(&path).map_err(super::error::write_err(&path))?;
@@ -103,14 +106,22 @@ fn check_same(dir: &Path, old: &Manifest, new: &Manifest) -> Result<()> {
         ));
     }
     if old.text_field != new.text_field {
-        return Err(differ("--text-field", old.text_field.clone(), new.text_field.clone()));
+        return Err(differ(
+            "--text-field",
+            old.text_field.clone(),
+            new.text_field.clone(),
+        ));
     }
     let n = old.sources.len().max(new.sources.len());
     for i in 0..n {
         match (old.sources.get(i), new.sources.get(i)) {
             (Some(a), Some(b)) if a == b => {}
             (Some(a), Some(b)) if a.path != b.path => {
-                return Err(differ(&format!("source #{}", i + 1), a.path.clone(), b.path.clone()))
+                return Err(differ(
+                    &format!("source #{}", i + 1),
+                    a.path.clone(),
+                    b.path.clone(),
+                ))
             }
             (Some(a), Some(b)) => {
                 return Err(differ(
@@ -119,8 +130,20 @@ fn check_same(dir: &Path, old: &Manifest, new: &Manifest) -> Result<()> {
                     format!("{} bytes, SHA-256 {}", b.bytes, b.sha256),
                 ))
             }
-            (Some(a), None) => return Err(differ(&format!("source #{}", i + 1), a.path.clone(), "none".into())),
-            (None, Some(b)) => return Err(differ(&format!("source #{}", i + 1), "none".into(), b.path.clone())),
+            (Some(a), None) => {
+                return Err(differ(
+                    &format!("source #{}", i + 1),
+                    a.path.clone(),
+                    "none".into(),
+                ))
+            }
+            (None, Some(b)) => {
+                return Err(differ(
+                    &format!("source #{}", i + 1),
+                    "none".into(),
+                    b.path.clone(),
+                ))
+            }
             (None, None) => unreachable!("i < the longer list's length"),
         }
     }

@@ -13,7 +13,11 @@ fn tok() -> Gpt2Tokenizer {
 fn jsonl(texts: &[String]) -> Vec<u8> {
     let mut out = Vec::new();
     for t in texts {
-        out.extend_from_slice(serde_json::json!({ "id": 1, "text": t }).to_string().as_bytes());
+        out.extend_from_slice(
+            serde_json::json!({ "id": 1, "text": t })
+                .to_string()
+                .as_bytes(),
+        );
         out.push(b'\n');
     }
     out
@@ -55,7 +59,12 @@ fn read_all(path: &Path, skip: bool) -> Result<(Vec<String>, u64)> {
 
 fn texts(n: usize) -> Vec<String> {
     (0..n)
-        .map(|i| format!("Document {i}: \"quoted\" text, ünïcödé and\nnew lines. {}", "word ".repeat(i % 7)))
+        .map(|i| {
+            format!(
+                "Document {i}: \"quoted\" text, ünïcödé and\nnew lines. {}",
+                "word ".repeat(i % 7)
+            )
+        })
         .collect()
 }
 
@@ -64,13 +73,20 @@ fn plain_gzip_and_zstd_jsonl_give_the_same_documents() {
     let dir = tempfile::tempdir().unwrap();
     let docs = texts(50);
     let raw = jsonl(&docs);
-    for (name, bytes) in [("a.jsonl", raw.clone()), ("b.jsonl.gz", gz(&raw)), ("c.json.zst", zst(&raw))] {
+    for (name, bytes) in [
+        ("a.jsonl", raw.clone()),
+        ("b.jsonl.gz", gz(&raw)),
+        ("c.json.zst", zst(&raw)),
+    ] {
         let (got, skipped) = read_all(&write(dir.path(), name, &bytes), false).unwrap();
         assert_eq!(got, docs, "{name}");
         assert_eq!(skipped, 0);
     }
     let text = write(dir.path(), "d.txt.gz", &gz(b"one whole\n\nfile"));
-    assert_eq!(read_all(&text, false).unwrap().0, vec!["one whole\n\nfile".to_string()]);
+    assert_eq!(
+        read_all(&text, false).unwrap().0,
+        vec!["one whole\n\nfile".to_string()]
+    );
 }
 
 #[test]
@@ -87,9 +103,16 @@ fn a_line_that_is_not_json_names_the_file_and_line() {
 #[test]
 fn a_record_without_the_field_lists_the_fields_it_has() {
     let dir = tempfile::tempdir().unwrap();
-    let path = write(dir.path(), "f.jsonl", b"{\"text\": \"ok\"}\n\n{\"body\": \"x\", \"id\": 2}\n");
+    let path = write(
+        dir.path(),
+        "f.jsonl",
+        b"{\"text\": \"ok\"}\n\n{\"body\": \"x\", \"id\": 2}\n",
+    );
     let err = read_all(&path, false).unwrap_err().to_string();
-    assert!(err.contains("f.jsonl, line 3: no field \"text\" (fields: body, id"), "{err}");
+    assert!(
+        err.contains("f.jsonl, line 3: no field \"text\" (fields: body, id"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -110,8 +133,15 @@ fn text_that_is_not_utf8_names_the_byte_offset() {
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "x.txt", b"hello \xff world");
     let err = read_all(&path, false).unwrap_err().to_string();
-    assert!(err.contains("x.txt: not UTF-8 text (invalid byte sequence at byte 6)"), "{err}");
-    let path = write(dir.path(), "x.jsonl", b"{\"text\": \"a\"}\n{\"text\": \"\xc3\"}\n");
+    assert!(
+        err.contains("x.txt: not UTF-8 text (invalid byte sequence at byte 6)"),
+        "{err}"
+    );
+    let path = write(
+        dir.path(),
+        "x.jsonl",
+        b"{\"text\": \"a\"}\n{\"text\": \"\xc3\"}\n",
+    );
     let err = read_all(&path, false).unwrap_err().to_string();
     assert!(err.contains("at byte 24, line 2"), "{err}");
 }
@@ -122,8 +152,13 @@ fn truncated_gzip_and_zstd_are_errors_not_short_corpora() {
     let raw = jsonl(&texts(400));
     for (name, bytes) in [("t.jsonl.gz", gz(&raw)), ("t.jsonl.zst", zst(&raw))] {
         let cut = &bytes[..bytes.len() * 2 / 3];
-        let err = read_all(&write(dir.path(), name, cut), false).unwrap_err().to_string();
-        assert!(err.contains(name) && err.contains("truncated or corrupt"), "{err}");
+        let err = read_all(&write(dir.path(), name, cut), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(name) && err.contains("truncated or corrupt"),
+            "{err}"
+        );
     }
 }
 
@@ -134,7 +169,9 @@ fn a_missing_source_or_unknown_extension_is_named() {
     let err = expand_sources(&[missing]).unwrap_err().to_string();
     assert!(err.contains("nope.jsonl does not exist"), "{err}");
     write(dir.path(), "data.csv", b"a,b");
-    let err = expand_sources(&[dir.path().display().to_string()]).unwrap_err().to_string();
+    let err = expand_sources(&[dir.path().display().to_string()])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("data.csv: unknown format"), "{err}");
     let glob = dir.path().join("*.parquet").display().to_string();
     let err = expand_sources(&[glob]).unwrap_err().to_string();
@@ -189,7 +226,12 @@ fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
         .collect();
     out.sort();
     out
@@ -200,7 +242,12 @@ fn shards_hold_each_document_s_ids_after_an_end_of_text_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let (src, all) = corpus(dir.path());
     let out = dir.path().join("out");
-    let s = prepare(&options(&[&src], &out, DEFAULT_SHARD_TOKENS, 2), &tok(), &mut |_| {}).unwrap();
+    let s = prepare(
+        &options(&[&src], &out, DEFAULT_SHARD_TOKENS, 2),
+        &tok(),
+        &mut |_| {},
+    )
+    .unwrap();
     let t = tok();
     let expected: Vec<Vec<u32>> = all.iter().map(|x| t.encode(x).unwrap()).collect();
     assert_eq!(shard_docs(&out, &s.manifest), expected);
@@ -208,7 +255,10 @@ fn shards_hold_each_document_s_ids_after_an_end_of_text_in_order() {
     assert!(m.complete);
     assert_eq!((m.totals.shards, m.totals.documents), (1, 300));
     assert_eq!(m.sources.len(), 4);
-    assert!(m.sources[3].path.ends_with("d.jsonl.zst"), "folders are read recursively, sorted");
+    assert!(
+        m.sources[3].path.ends_with("d.jsonl.zst"),
+        "folders are read recursively, sorted"
+    );
     assert_eq!(m.dtype, "u16");
 }
 
@@ -220,11 +270,19 @@ fn one_and_two_workers_write_identical_shards_and_small_shards_split_no_document
     let a = prepare(&options(&[&src], &one, 500, 1), &tok(), &mut |_| {}).unwrap();
     prepare(&options(&[&src], &two, 500, 2), &tok(), &mut |_| {}).unwrap();
     assert_eq!(files_of(&one), files_of(&two));
-    assert!(a.manifest.shards.len() > 5, "{} shards", a.manifest.shards.len());
+    assert!(
+        a.manifest.shards.len() > 5,
+        "{} shards",
+        a.manifest.shards.len()
+    );
     assert!(a.manifest.shards.iter().all(|s| s.tokens <= 500));
     let t = tok();
     let expected: Vec<Vec<u32>> = all.iter().map(|x| t.encode(x).unwrap()).collect();
-    assert_eq!(shard_docs(&one, &a.manifest), expected, "no document is split");
+    assert_eq!(
+        shard_docs(&one, &a.manifest),
+        expected,
+        "no document is split"
+    );
     // A document longer than a shard gets a shard of its own, whole.
     let tiny = dir.path().join("tiny");
     let s = prepare(&options(&[&src], &tiny, 5, 1), &t, &mut |_| {}).unwrap();
@@ -262,18 +320,32 @@ fn a_folder_prepared_from_other_sources_or_settings_is_refused() {
     let (src, _) = corpus(dir.path());
     let out = dir.path().join("out");
     prepare(&options(&[&src], &out, 700, 2), &tok(), &mut |_| {}).unwrap();
-    let err = prepare(&options(&[&src], &out, 800, 2), &tok(), &mut |_| {}).unwrap_err().to_string();
-    assert!(err.contains("different --shard-tokens (there: 700; now: 800)"), "{err}");
+    let err = prepare(&options(&[&src], &out, 800, 2), &tok(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("different --shard-tokens (there: 700; now: 800)"),
+        "{err}"
+    );
     write(&src, "c.txt", b"changed");
-    let err = prepare(&options(&[&src], &out, 700, 2), &tok(), &mut |_| {}).unwrap_err().to_string();
-    assert!(err.contains("different content of source") && err.contains("c.txt"), "{err}");
+    let err = prepare(&options(&[&src], &out, 700, 2), &tok(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("different content of source") && err.contains("c.txt"),
+        "{err}"
+    );
 }
 
 #[test]
 fn no_documents_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let src = write(dir.path(), "empty.jsonl", b"\n\n");
-    let err = prepare(&options(&[&src], &dir.path().join("o"), 100, 1), &tok(), &mut |_| {});
+    let err = prepare(
+        &options(&[&src], &dir.path().join("o"), 100, 1),
+        &tok(),
+        &mut |_| {},
+    );
     assert!(matches!(err, Err(PrepareError::Empty)), "{err:?}");
 }
 
@@ -291,5 +363,11 @@ fn a_bad_record_stops_the_run_after_writing_what_came_before() {
     let mut opts = options(&[&src], &out, 300, 2);
     opts.read.skip_bad_records = true;
     let s = prepare(&opts, &tok(), &mut |_| {}).unwrap();
-    assert_eq!((s.manifest.totals.documents, s.manifest.totals.skipped_records), (200, 1));
+    assert_eq!(
+        (
+            s.manifest.totals.documents,
+            s.manifest.totals.skipped_records
+        ),
+        (200, 1)
+    );
 }

@@ -87,7 +87,8 @@ impl ShardWriter {
             if wide {
                 bytes.extend_from_slice(&id.to_le_bytes());
             } else {
-                let narrow = u16::try_from(id).expect("u16 shards are chosen only for vocabularies under 65536");
+                let narrow = u16::try_from(id)
+                    .expect("u16 shards are chosen only for vocabularies under 65536");
                 bytes.extend_from_slice(&narrow.to_le_bytes());
             }
         }
@@ -123,7 +124,8 @@ impl ShardWriter {
         let tmp = self.dir.join(format!("{}{TMP_SUFFIX}", shard_name(index)));
         let file = File::create(&tmp).map_err(write_err(&tmp))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&[0u8; HEADER_BYTES]).map_err(write_err(&tmp))?;
+        out.write_all(&[0u8; HEADER_BYTES])
+            .map_err(write_err(&tmp))?;
         Ok(OpenShard {
             index,
             tmp,
@@ -135,7 +137,10 @@ impl ShardWriter {
     }
 
     fn close(&mut self) -> Result<()> {
-        let cur = self.current.take().expect("close is called with a shard open");
+        let cur = self
+            .current
+            .take()
+            .expect("close is called with a shard open");
         let count = i32::try_from(cur.tokens).map_err(|_| PrepareError::Write {
             path: cur.tmp.clone(),
             source: std::io::Error::other(format!(
@@ -144,13 +149,20 @@ impl ShardWriter {
                 i32::MAX
             )),
         })?;
-        let (magic, version) = if self.wide { (LLMC_MAGIC_U32, 7) } else { (LLMC_MAGIC_U16, 1) };
+        let (magic, version) = if self.wide {
+            (LLMC_MAGIC_U32, 7)
+        } else {
+            (LLMC_MAGIC_U16, 1)
+        };
         let mut header = [0u8; HEADER_BYTES];
         for (i, word) in [magic, version, count].into_iter().enumerate() {
             header[4 * i..4 * i + 4].copy_from_slice(&word.to_le_bytes());
         }
         let tmp = &cur.tmp;
-        let mut file = cur.out.into_inner().map_err(|e| write_err(tmp)(e.into_error()))?;
+        let mut file = cur
+            .out
+            .into_inner()
+            .map_err(|e| write_err(tmp)(e.into_error()))?;
         file.seek(SeekFrom::Start(0)).map_err(write_err(tmp))?;
         file.write_all(&header).map_err(write_err(tmp))?;
         file.sync_all().map_err(write_err(tmp))?;
