@@ -68,8 +68,12 @@ fn a_killed_preparation_resumes_to_the_same_bytes() {
 
     let mut child = prepare(&corpus, &cut, "1").spawn().unwrap();
     let first = cut.join("shard-000000.bin");
+    // The manifest is first written right after the first shard's rename, listing it: from
+    // then on that shard is finished and kept (a shard renamed but not yet listed when the
+    // kill comes is rewritten, with the same bytes).
+    let listed = cut.join("manifest.json");
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !first.exists() {
+    while !listed.exists() {
         assert!(
             child.try_wait().unwrap().is_none(),
             "prepare ended before its first shard"
