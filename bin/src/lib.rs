@@ -16,6 +16,7 @@ pub mod args;
 pub mod bench;
 pub mod cluster;
 pub mod config;
+pub mod data_cmd;
 pub mod exit;
 pub mod generate;
 pub mod logging;

@@ -45,6 +45,10 @@ enum Cmd {
     /// checkpoint-restart, redundancy, and the authors' simulators (table); throughput, where
     /// the time went, and a chart (`--plot`).
     Simulate(Box<oobleck_cli::simulate_cmd::SimulateArgs>),
+    /// Prepare training data: `oobleck data prepare SOURCE... --out DIR` tokenizes raw text
+    /// with every core into token shards that `train --data DIR` reads.
+    #[command(subcommand)]
+    Data(oobleck_cli::data_cmd::DataCmd),
     /// Benchmarks (side by side with PyTorch when it is installed).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -131,6 +135,7 @@ fn run() -> Result<()> {
         Cmd::Plan(a) => oobleck_cli::plan_cmd::run(&a),
         Cmd::Profile(a) => oobleck_cli::profile_cmd::run(&a),
         Cmd::Simulate(a) => oobleck_cli::simulate_cmd::run(&a),
+        Cmd::Data(c) => oobleck_cli::data_cmd::run(&c),
         Cmd::Bench(BenchCmd::Train(a)) => oobleck_cli::bench::train::run(&a),
         Cmd::Bench(BenchCmd::Pipeline(a)) => oobleck_cli::bench::pipeline::run(&a),
         Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench::recovery::run(&a),

@@ -33,6 +33,7 @@ mod cache_dirs;
 mod corpus;
 mod embedded;
 mod order;
+pub mod prepare;
 mod shards;
 mod source;
 mod tokenizer;
