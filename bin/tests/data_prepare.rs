@@ -111,3 +111,57 @@ fn a_killed_preparation_resumes_to_the_same_bytes() {
         assert!(x == y, "{name} differs after the resume");
     }
 }
+
+/// What `oobleck data prepare` writes is what `train --data DIR` reads: a JSONL corpus prepared
+/// into several shards trains 2 steps on a 2-node local cluster (the manifest beside the
+/// shards is not taken for one), from the first loss of an untrained model.
+#[test]
+fn a_prepared_folder_trains_on_a_local_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.jsonl");
+    write_corpus(&corpus);
+    let prepared = dir.path().join("prepared");
+    run_ok(prepare(&corpus, &prepared, "2"));
+    assert!(prepared.join("manifest.json").is_file());
+    let run = dir.path().join("run");
+    let o = Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--model", "gpt-tiny", "--nodes", "2", "--steps", "2"])
+        .args([
+            "--microbatch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--seq-len",
+            "32",
+        ])
+        .args([
+            "--eval-batches",
+            "1",
+            "--sample",
+            "0",
+            "--fault-threshold",
+            "0",
+        ])
+        .arg("--data")
+        .arg(&prepared)
+        .arg("--out")
+        .arg(&run)
+        .env("OOBLECK_BIN", OOBLECK)
+        .env("OOBLECK_PROFILE", "analytical")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let losses: Vec<f64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(losses.len(), 2, "{metrics}");
+    assert!((10.0..11.5).contains(&losses[0]), "{losses:?}");
+}

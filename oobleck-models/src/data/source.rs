@@ -71,9 +71,13 @@ fn expand_glob(pattern: &Path) -> Result<Vec<PathBuf>> {
             why: "wildcards are allowed in the file name only, not in folder names",
         });
     }
-    let files = list_files(&dir, |file| {
-        wildcard_match(name.as_bytes(), file.as_bytes())
-    })?;
+    let Ok(wanted) = glob::Pattern::new(&name) else {
+        return Err(DataError::NoMatch {
+            pattern: pattern.to_path_buf(),
+            why: "it is not a valid pattern (`*` is any run of characters, `?` any one)",
+        });
+    };
+    let files = list_files(&dir, |file| wanted.matches(file))?;
     if files.is_empty() {
         return Err(DataError::NoMatch {
             pattern: pattern.to_path_buf(),
@@ -83,9 +87,12 @@ fn expand_glob(pattern: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// The shard files of a folder, sorted by name.
+/// The shard files of a folder, sorted by name: not hidden files, and not the manifest or
+/// the unfinished shards (`.tmp`) of a folder `oobleck data prepare` writes.
 fn folder_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let files = list_files(dir, |name| !name.starts_with('.'))?;
+    let files = list_files(dir, |name| {
+        !name.starts_with('.') && name != "manifest.json" && !name.ends_with(".tmp")
+    })?;
     if files.is_empty() {
         return Err(DataError::NoMatch {
             pattern: dir.to_path_buf(),
@@ -109,17 +116,6 @@ fn list_files(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
     }
     files.sort();
     Ok(files)
-}
-
-/// Whether `name` matches `pattern`, where `*` is any run of bytes and `?` any one byte.
-fn wildcard_match(pattern: &[u8], name: &[u8]) -> bool {
-    match pattern.split_first() {
-        None => name.is_empty(),
-        Some((b'*', rest)) => (0..=name.len()).any(|i| wildcard_match(rest, &name[i..])),
-        Some((&p, rest)) => name
-            .split_first()
-            .is_some_and(|(&c, tail)| (p == b'?' || p == c) && wildcard_match(rest, tail)),
-    }
 }
 
 fn starts_with_llmc_magic(path: &Path) -> Result<bool> {
@@ -149,7 +145,7 @@ mod tests {
 
     #[test]
     fn wildcards_match_runs_and_single_bytes() {
-        let m = |p: &str, n: &str| wildcard_match(p.as_bytes(), n.as_bytes());
+        let m = |p: &str, n: &str| glob::Pattern::new(p).unwrap().matches(n);
         assert!(m("fineweb_train_*.bin", "fineweb_train_000001.bin"));
         assert!(!m("fineweb_train_*.bin", "fineweb_val_000000.bin"));
         assert!(m("a?c", "abc"));
