@@ -107,7 +107,12 @@ fn microbatches_are_the_datasets_across_an_epoch_boundary() {
     let a = w.microbatch(SEED, 0, 0, &Device::Cpu).unwrap().0;
     let b = w.microbatch(SEED + 1, 0, 0, &Device::Cpu).unwrap().0;
     assert_ne!(ids(&a), ids(&b));
-    let next = serde_json::json!({ "epoch": 1, "iteration": 1 });
+    // The position, and the identity of the data that `--resume` compares.
+    let next = serde_json::json!({
+        "epoch": 1,
+        "iteration": 1,
+        "tokens_sha256": direct.tokens_sha256(),
+    });
     assert_eq!(w.data_cursor(ipe as u64 + 1), next);
 }
 
