@@ -295,14 +295,14 @@ fn a_second_signal_stops_the_job_at_once() {
     let out = dir.path().join("run");
     let (mut g, pid) = long_job(&out);
     // Two of the same signal sent at once may arrive as one (the kernel keeps one pending), so
-    // the first is another signal.
+    // the first is another; the two may be taken in either order.
     signal(pid, "-INT");
     signal(pid, "-TERM");
     let o = g.finish(Duration::from_secs(30));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{stderr}");
     assert!(
-        stderr.contains("stopped at once by a second SIGTERM"),
+        stderr.contains("stopped at once by a second SIG"),
         "{stderr}"
     );
     assert_all_gone(&out, 4);
