@@ -288,13 +288,7 @@ fn admit(claim: Claim, cfg: &TcpConfig, deadline: Instant, got: &mut Vec<(Rank, 
         .set_write_timeout(Some(left))
         .and_then(|_| match (&cfg.key, nonces) {
             (Some(key), Some((theirs, ours))) => {
-                let hello = KeyedHello {
-                    from: cfg.rank as u32,
-                    to: from as u32,
-                    world: cfg.peers.len() as u32,
-                    nonce: ours,
-                    mac: hello_mac(cfg, key, from, &theirs, &ours),
-                };
+                let hello = keyed_hello(cfg, key, from, &theirs, ours);
                 send(&stream, cfg.generation, Kind::Hello, &hello.encode())
             }
             _ => send_plain_hello(&stream, cfg, from as u32),

@@ -269,13 +269,7 @@ fn connector_keyed(
         Reply::Failed(e) => return Err(e.into()),
     };
     let ours = key::nonce();
-    let hello = KeyedHello {
-        from: cfg.rank as u32,
-        to: j as u32,
-        world: cfg.peers.len() as u32,
-        nonce: ours,
-        mac: hello_mac(cfg, key, j, &theirs, &ours),
-    };
+    let hello = keyed_hello(cfg, key, j, &theirs, ours);
     send(s, cfg.generation, Kind::Hello, &hello.encode()).map_err(io)?;
     let p = match read_reply(s, cfg, j, deadline) {
         Reply::Frame(h, p) if h.kind == Kind::Hello => p,

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use super::TcpConfig;
 use crate::comm::Rank;
-use crate::frame::{self, Header, Kind, ReadOutcome};
+use crate::frame::{self, Header, KeyedHello, Kind, ReadOutcome};
 use crate::key::{SecretKey, KEY_BYTES};
 
 mod accept;
@@ -63,6 +63,23 @@ const ACCEPT_POLL: Duration = Duration::from_millis(5);
 const LABEL: &[u8] = b"oobleck-data-hello";
 
 type Nonce = [u8; KEY_BYTES];
+
+/// This rank's keyed Hello to `to`: our nonce and the MAC over both nonces.
+fn keyed_hello(
+    cfg: &TcpConfig,
+    key: &SecretKey,
+    to: Rank,
+    theirs: &Nonce,
+    ours: Nonce,
+) -> KeyedHello {
+    KeyedHello {
+        from: cfg.rank as u32,
+        to: to as u32,
+        world: cfg.peers.len() as u32,
+        nonce: ours,
+        mac: hello_mac(cfg, key, to, theirs, &ours),
+    }
+}
 
 /// The MAC of our keyed Hello to `to` (see [`crate::frame`] for what it covers).
 fn hello_mac(cfg: &TcpConfig, key: &SecretKey, to: Rank, theirs: &Nonce, ours: &Nonce) -> Nonce {
