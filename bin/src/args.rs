@@ -8,6 +8,7 @@ use anyhow::Result;
 
 use crate::config::{load_resolved, read_job_file, TrainConfig};
 use crate::run_dir::resumed_run;
+use oobleck_models::data::WeightedSource;
 
 /// Train a GPT/OPT model with Oobleck-rs.
 ///
@@ -86,8 +87,21 @@ pub struct TrainArgs {
     /// .bin/.idx or prefix, a raw u16 .bin with --data-format u16), a folder of them, or a
     /// glob such as 'shards/train_*.bin' (files in name order). Every node needs it at this
     /// path. --dataset is an alias [default: the shipped corpus in datasets/].
-    #[arg(long = "data", visible_alias = "dataset", value_name = "PATH")]
-    pub dataset: Option<PathBuf>,
+    ///
+    /// Repeat it to blend sources, each with a weight: --data 0.7:web/ --data 0.3:code/
+    /// (sample shares 70/30 in every prefix of the run; without weights each source weighs
+    /// its tokens).
+    #[arg(long = "data", visible_alias = "dataset", value_name = "[W:]PATH")]
+    pub data: Vec<String>,
+    /// Validation data read whole (a path like --data's); then no training document is held
+    /// out [default: --val-fraction of each --data source's documents].
+    #[arg(long, value_name = "PATH")]
+    pub val_data: Option<PathBuf>,
+    /// Share of each --data source's documents held out for validation (a source of fewer
+    /// than 200 documents at 0.05, such as one text file, holds out its last tokens instead)
+    /// [default: 0.05].
+    #[arg(long, value_name = "F")]
+    pub val_fraction: Option<f64>,
     /// How to read token files with no header: detect (llm.c magic, Megatron .idx), or u16
     /// (nanoGPT's raw train.bin) [default: detect].
     #[arg(long)]
@@ -222,6 +236,7 @@ impl TrainArgs {
             device,
             precision,
             data_format,
+            val_fraction,
             lease_ms
         );
         c.recompute |= self.recompute;
@@ -255,12 +270,15 @@ impl TrainArgs {
             min_lr,
             warmup_steps,
             out,
-            dataset,
+            val_data,
             tokenizer,
             pipeline_nodes
         );
         if !self.inject_failure.is_empty() {
             c.inject_failure = self.inject_failure.clone();
+        }
+        if !self.data.is_empty() {
+            c.data = self.data.iter().map(|s| WeightedSource::parse(s)).collect();
         }
         if self.resume.is_none() {
             c.apply_recipe(|key| in_file.contains(key) || self.sets(key));

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
 use oobleck_core::planning::Dtype;
 use oobleck_core::runtime::{device, BatchShape, DataPlane, InjectedFailure, TrainingSpec};
-use oobleck_models::data::FormatHint;
+use oobleck_models::data::{DataSpec, FormatHint, WeightedSource, DEFAULT_VAL_FRACTION};
 use oobleck_models::workload::GptWorkloadConfig;
 use serde::{Deserialize, Serialize};
 
@@ -64,11 +64,17 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Validation microbatches per evaluation (fixed, in corpus order, comparable across runs).
     pub eval_batches: usize,
-    /// Training data (`--data`): a UTF-8 text file, or pre-tokenized shards (a file, a
-    /// Megatron pair or prefix, a folder, a glob), opened at this path on every node. Default:
-    /// the shipped corpus in `datasets/`.
-    #[serde(alias = "data")]
-    pub dataset: Option<PathBuf>,
+    /// Training data (`--data`, repeatable): each a UTF-8 text file or pre-tokenized shards
+    /// (a file, a Megatron pair or prefix, a folder, a glob), opened at this path on every
+    /// node, with an optional blend weight (`0.7:web/`). Default: the shipped corpus in
+    /// `datasets/`. In a file: a path, or a list of them (`"dataset"` is an older name).
+    #[serde(alias = "dataset", deserialize_with = "one_or_many")]
+    pub data: Vec<WeightedSource>,
+    /// Validation data (`--val-data`): a source read whole for validation; then no training
+    /// document is held out.
+    pub val_data: Option<PathBuf>,
+    /// Share of each training source's documents held out for validation (`--val-fraction`).
+    pub val_fraction: f64,
     /// How token files with no header are read: `detect` (the default: llm.c magic, Megatron
     /// `.idx`; a raw file is then an error) or `u16` (nanoGPT's raw `train.bin`).
     pub data_format: DataFormat,
@@ -172,7 +178,9 @@ impl Default for TrainConfig {
             checkpoint_every: 50,
             eval_every: 25,
             eval_batches: 4,
-            dataset: None,
+            data: Vec::new(),
+            val_data: None,
+            val_fraction: DEFAULT_VAL_FRACTION,
             data_format: DataFormat::Detect,
             tokenizer: None,
             pipeline_nodes: None,
@@ -193,6 +201,23 @@ impl Default for TrainConfig {
             save_wait_s: oobleck_core::runtime::DEFAULT_SAVE_WAIT_S,
         }
     }
+}
+
+/// `data` in a config file: absent or null (the shipped corpus), one path, or a list.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<WeightedSource>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(WeightedSource),
+        Many(Vec<WeightedSource>),
+    }
+    Ok(match Option::<OneOrMany>::deserialize(d)? {
+        None => Vec::new(),
+        Some(OneOrMany::One(source)) => vec![source],
+        Some(OneOrMany::Many(sources)) => sources,
+    })
 }
 
 /// How `--data` token files with no header are read (see [`TrainConfig::data_format`]).
@@ -294,6 +319,14 @@ impl TrainConfig {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         if self.microbatch_size == 0 {
             bail!("--microbatch-size must be at least 1");
+        }
+        oobleck_models::data::fraction_millionths(self.val_fraction)?;
+        if let Some(bad) = self
+            .data
+            .iter()
+            .find_map(|s| s.weight.filter(|w| !(w.is_finite() && *w > 0.0)))
+        {
+            bail!("--data weight {bad}: a blend weight must be a number above zero (0.7:web/)");
         }
         if self.global_batch_size == 0 || self.global_batch_size % self.microbatch_size != 0 {
             bail!(
@@ -415,7 +448,9 @@ impl TrainConfig {
             ("warmup_steps", self.warmup() != saved.warmup()),
             ("weight_decay", self.weight_decay != saved.weight_decay),
             ("grad_clip", self.grad_clip != saved.grad_clip),
-            ("data", self.dataset != saved.dataset),
+            ("data", self.data != saved.data),
+            ("val_data", self.val_data != saved.val_data),
+            ("val_fraction", self.val_fraction != saved.val_fraction),
             ("data_format", self.data_format != saved.data_format),
             ("precision", self.precision != saved.precision),
         ];
@@ -528,8 +563,12 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
         init_from: cfg.init_from.clone(),
         seq_len: cfg.seq_len,
         eval_batches: cfg.eval_batches,
-        dataset: cfg.dataset.clone(),
-        data_format: cfg.data_format.hint(),
+        data: DataSpec {
+            sources: cfg.data.clone(),
+            val_data: cfg.val_data.clone(),
+            val_fraction: cfg.val_fraction,
+            format: cfg.data_format.hint(),
+        },
         tokenizer: cfg.tokenizer.clone(),
         profile: cfg.profile.clone().unwrap_or_else(|| "measured".into()),
         host_ranks: 1,

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use oobleck_core::checkpoint;
+use oobleck_models::data::Dataset;
 use serde::Serialize;
 
 use crate::config::{load_resolved, save_resolved, TrainConfig};
@@ -47,8 +48,9 @@ pub fn out_dir(cfg: &TrainConfig) -> PathBuf {
 
 /// Refuses to resume from `checkpoint` on data other than the data it was trained on: its
 /// `trainer.json` records the tokens' identity (`data_cursor.tokens_sha256`; checkpoints from
-/// before it was recorded are not checked).
-fn check_same_data(checkpoint: &Path, cfg: &TrainConfig, tokens_sha256: &str) -> Result<()> {
+/// before it was recorded are not checked) and, for a blend, each source's (`sources`), so the
+/// error names the source that changed.
+fn check_same_data(checkpoint: &Path, cfg: &TrainConfig, data: &Dataset) -> Result<()> {
     let path = checkpoint.join(checkpoint::TRAINER_FILE);
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -57,23 +59,52 @@ fn check_same_data(checkpoint: &Path, cfg: &TrainConfig, tokens_sha256: &str) ->
     let Some(saved) = doc["data_cursor"]["tokens_sha256"].as_str() else {
         return Ok(());
     };
+    let tokens_sha256 = data.tokens_sha256();
     if saved == tokens_sha256 {
         return Ok(());
     }
-    let data = cfg
-        .dataset
-        .as_ref()
-        .map_or("the shipped corpus".to_string(), |p| {
-            p.display().to_string()
-        });
+    let short = |s: &str| s[..s.len().min(12)].to_string();
+    let (what, now, then) = match changed_source(&doc["data_cursor"]["sources"], data) {
+        Some((path, now, then)) => (
+            format!("source {}", path.display()),
+            short(&now),
+            short(&then),
+        ),
+        None if cfg.data.is_empty() => (
+            "the shipped corpus".to_string(),
+            short(tokens_sha256),
+            short(saved),
+        ),
+        None => (
+            cfg.data
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(" + "),
+            short(tokens_sha256),
+            short(saved),
+        ),
+    };
     bail!(
-        "--resume: the data changed since {} was written: {data} now holds tokens whose \
-         identity is {}..., the checkpoint was trained on {}...; resume with the data it was \
-         trained on, or start a new run (another --out) on this data",
+        "--resume: the data changed since {} was written: {what} now holds tokens whose \
+         identity is {now}..., the checkpoint was trained on {then}...; resume with the data it \
+         was trained on, or start a new run (another --out) on this data",
         checkpoint.display(),
-        &tokens_sha256[..tokens_sha256.len().min(12)],
-        &saved[..saved.len().min(12)]
     )
+}
+
+/// The first source of a blend whose identity differs from the one `saved` (a checkpoint's
+/// `data_cursor.sources`) records at the same place: its path, now and then.
+fn changed_source(saved: &serde_json::Value, data: &Dataset) -> Option<(PathBuf, String, String)> {
+    let saved = saved.as_array()?;
+    let now = data.source_identities();
+    if saved.len() != now.len() {
+        return None;
+    }
+    now.into_iter().zip(saved).find_map(|((path, sha), old)| {
+        let old = old["tokens_sha256"].as_str()?;
+        (old != sha).then(|| (path, sha, old.to_string()))
+    })
 }
 
 /// The run directory of a job and, with `resume` (`--resume PATH`), the checkpoint it goes on
@@ -83,11 +114,11 @@ fn check_same_data(checkpoint: &Path, cfg: &TrainConfig, tokens_sha256: &str) ->
 pub fn open_run(
     cfg: &TrainConfig,
     resume: Option<&Path>,
-    tokens_sha256: &str,
+    data: &Dataset,
 ) -> Result<(PathBuf, Option<(PathBuf, u64)>)> {
     if let Some(path) = resume {
         let found = find_checkpoint(path)?;
-        check_same_data(&found.checkpoint, cfg, tokens_sha256)?;
+        check_same_data(&found.checkpoint, cfg, data)?;
         let run = found.run;
         let saved = load_resolved(&run)?;
         if let Some(changed) = cfg.trajectory_mismatch(&saved) {

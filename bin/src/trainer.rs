@@ -55,7 +55,7 @@ impl Trainer {
         let mut opt = cfg.optimizer()?;
         let model = workload.model();
 
-        let (out, ckpt) = open_run(&cfg, resume, workload.dataset().tokens_sha256())?;
+        let (out, ckpt) = open_run(&cfg, resume, workload.dataset())?;
         let (stage, step) = match ckpt {
             Some((ckpt, _)) => {
                 let ck = checkpoint::load_checkpoint(&ckpt, &device)?;

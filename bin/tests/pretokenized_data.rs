@@ -36,16 +36,16 @@ fn write_llmc(path: &Path, ids: &[u32]) {
 }
 
 /// Megatron's layout (`_IndexWriter`): `prefix.bin` of uint16 ids, `prefix.idx` with one
-/// sequence and one document per 4096 ids.
-fn write_megatron(prefix: &Path, ids: &[u32]) {
-    let lengths: Vec<i32> = ids.chunks(4096).map(|c| c.len() as i32).collect();
+/// sequence and one document per `doc` ids.
+fn write_megatron(prefix: &Path, ids: &[u32], doc: usize) {
+    let lengths: Vec<i32> = ids.chunks(doc).map(|c| c.len() as i32).collect();
     let mut idx = b"MMIDIDX\x00\x00".to_vec();
     idx.extend(1u64.to_le_bytes());
     idx.push(8);
     idx.extend((lengths.len() as u64).to_le_bytes());
     idx.extend((lengths.len() as u64 + 1).to_le_bytes());
     lengths.iter().for_each(|l| idx.extend(l.to_le_bytes()));
-    (0..lengths.len()).for_each(|i| idx.extend(((i * 4096 * 2) as i64).to_le_bytes()));
+    (0..lengths.len()).for_each(|i| idx.extend(((i * doc * 2) as i64).to_le_bytes()));
     (0..=lengths.len() as i64).for_each(|d| idx.extend(d.to_le_bytes()));
     std::fs::write(prefix.with_extension("bin"), u16_bytes(ids)).unwrap();
     std::fs::write(prefix.with_extension("idx"), idx).unwrap();
@@ -69,8 +69,10 @@ fn shards_of_the_corpus_ids_train_with_the_text_corpus_s_losses_on_two_nodes() {
     let ids = corpus_ids();
     let llmc = dir.path().join("shakespeare_train_000000.bin");
     write_llmc(&llmc, &ids);
+    // One document, as the text file is: validation holds out whole documents, so the same
+    // ids give the same training only when they are the same documents.
     let mega = dir.path().join("shakespeare_text_document");
-    write_megatron(&mega, &ids);
+    write_megatron(&mega, &ids, ids.len());
 
     let text = two_steps_on_two_nodes(&dir.path().join("text"), &[]);
     let glob = dir.path().join("shakespeare_train_*.bin");
@@ -94,7 +96,11 @@ fn shards_of_the_corpus_ids_train_with_the_text_corpus_s_losses_on_two_nodes() {
         .unwrap()
         .trainer;
     let config = state.config.expect("trainer.json echoes the config");
-    assert_eq!(config["dataset"].as_str(), glob.to_str(), "{config}");
+    assert_eq!(
+        config["data"]["sources"][0].as_str(),
+        glob.to_str(),
+        "{config}"
+    );
 }
 
 /// `train` with `flags` must fail before any process starts, its message holding `needles`.

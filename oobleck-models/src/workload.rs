@@ -34,7 +34,7 @@ use crate::{hf, Error, ModelConfig, Result};
 /// (`JobConfig::workload`) to every process, whose [`GptWorkload::factory`] reads it back.
 /// Missing fields take the defaults of `train` (the values below). The batch shape is not
 /// here: it is the job's ([`TrainingSpec::batch`]), given to [`GptWorkload::new`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GptWorkloadConfig {
     /// Model preset name (see [`crate::preset_names`]). With `init_from` it is only the run's
@@ -51,14 +51,12 @@ pub struct GptWorkloadConfig {
     /// Validation microbatches (of the job's `b` samples) per evaluation: the first ones in
     /// corpus order, so losses compare across steps and runs. Default 4.
     pub eval_batches: usize,
-    /// Training data, a path every node must have: a UTF-8 text file, or pre-tokenized shards
-    /// (a file, a Megatron pair or prefix, a folder, or a glob expanded on each node; see
-    /// [`data::resolve_source`]). Default none: the built-in corpus (`datasets/shakespeare.txt`,
-    /// compiled in).
-    pub dataset: Option<PathBuf>,
-    /// How to read a shard with no header (`--data-format`): `detect` (the default: headers
-    /// and `.idx` files say it) or `u16` (nanoGPT's raw `train.bin`, which has none).
-    pub data_format: data::FormatHint,
+    /// Training and validation data: paths every node must have (UTF-8 text files, or
+    /// pre-tokenized shards: a file, a Megatron pair or prefix, a folder, or a glob expanded on
+    /// each node; see [`data::resolve_source`]), blended by weight, with the held-out share or
+    /// the validation source, and how a shard with no header is read (see [`data::DataSpec`]).
+    /// Default: the built-in corpus (`datasets/shakespeare.txt`, compiled in), 5% held out.
+    pub data: data::DataSpec,
     /// GPT-2 tokenizer: `tokenizer.json`, or a directory with `encoder.json` + `vocab.bpe`.
     /// Default none: with `init_from`, the tokenizer its directory ships (see
     /// [`GptWorkloadConfig::tokenizer_path`]); else the built-in GPT-2 tokenizer.
@@ -88,8 +86,7 @@ impl Default for GptWorkloadConfig {
             init_from: None,
             seq_len: 64,
             eval_batches: 4,
-            dataset: None,
-            data_format: data::FormatHint::Detect,
+            data: data::DataSpec::default(),
             tokenizer: None,
             profile: "analytical".into(),
             host_ranks: 1,
@@ -623,11 +620,20 @@ impl Workload for GptWorkload {
         self.cfg.seq_len
     }
 
-    /// The data position and the identity of the data (`tokens_sha256`), which `--resume`
-    /// compares with the data it is given.
+    /// The data position and the identity of the data (`tokens_sha256`; a blend adds each
+    /// source's under `sources`), which `--resume` compares with the data it is given.
     fn data_cursor(&self, step: u64) -> serde_json::Value {
         let mut v = serde_json::to_value(self.cursor(step)).expect("a data cursor is two integers");
         v["tokens_sha256"] = self.data.tokens_sha256().into();
+        let sources = self.data.source_identities();
+        if sources.len() > 1 {
+            // A blend also records each source's identity, so that `--resume` can say which
+            // of them changed.
+            v["sources"] = sources
+                .iter()
+                .map(|(path, sha)| serde_json::json!({"data": path, "tokens_sha256": sha}))
+                .collect();
+        }
         v
     }
 
@@ -691,7 +697,7 @@ fn prepare_data(
     if cfg.eval_batches == 0 {
         return Err(DataError::InvalidRequest("--eval-batches must be at least 1".into()).into());
     }
-    let data = data::open_data(cfg.dataset.as_deref(), cfg.data_format, tokenizer)?;
+    let data = data::open_data(&cfg.data, tokenizer)?;
     // More model rows than tokenizer ids is padding (OPT's), said in the workload's name; a
     // shard's ids must all be the tokenizer's.
     data.check_vocab(model_cfg.vocab_size())?;

@@ -55,7 +55,7 @@ fn tiny(corpus: &std::path::Path) -> GptWorkloadConfig {
         model: "gpt-tiny".into(),
         seq_len: 16,
         eval_batches: 2,
-        dataset: Some(corpus.to_path_buf()),
+        data: crate::data::DataSpec::path(corpus),
         ..GptWorkloadConfig::default()
     }
 }

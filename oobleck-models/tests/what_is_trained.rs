@@ -33,7 +33,7 @@ fn settings(model: &str, corpus: &Path) -> GptWorkloadConfig {
         model: model.into(),
         seq_len: 16,
         eval_batches: 1,
-        dataset: Some(corpus.to_path_buf()),
+        data: oobleck_models::data::DataSpec::path(corpus),
         ..GptWorkloadConfig::default()
     }
 }

@@ -84,7 +84,7 @@ pub fn run(
     spec.device_memory_bytes = sharing.as_ref().map(|s| s.memory.per_rank(s.ranks));
     let predicted_ms = first_plan_ms(&spec, &workload, sharing.as_ref())?;
     let samples_per_step = spec.global_batch_samples() as f64;
-    let (out, resume, plans) = open_job_dir(&cfg, resume, workload.dataset().tokens_sha256())?;
+    let (out, resume, plans) = open_job_dir(&cfg, resume, workload.dataset())?;
     let params = workload.num_params();
     let (bind, token, launch, limits) = launch_settings(&cfg, launch)?;
     let opts = JobOptions {
@@ -186,9 +186,9 @@ type Resumed = Option<(PathBuf, u64)>;
 fn open_job_dir(
     cfg: &TrainConfig,
     resume: Option<&Path>,
-    tokens_sha256: &str,
+    data: &oobleck_models::data::Dataset,
 ) -> Result<(PathBuf, Resumed, Vec<serde_json::Value>)> {
-    let (out, ckpt) = open_run(cfg, resume, tokens_sha256)?;
+    let (out, ckpt) = open_run(cfg, resume, data)?;
     let abs = |p: &Path| {
         p.canonicalize()
             .with_context(|| format!("resolving {}", p.display()))

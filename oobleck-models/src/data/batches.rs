@@ -1,10 +1,11 @@
 //! Train/validation splits and deterministic batches (DESIGN.md section 4).
 //!
-//! - **Split**: the last [`VALIDATION_PER_MILLE`]/1000 of the corpus's tokens (rounded down)
-//!   are validation, the rest train. A contiguous tail keeps the two apart (no window straddles
-//!   them); with the shipped corpus it holds out the last plays in file order.
-//! - **Samples**: sample `i` of a split is the window of `seq_len + 1` tokens starting at token
-//!   `i * seq_len` of the split: inputs are its first `seq_len` tokens, targets the last
+//! - **Split**: each source's held-out documents are validation, the rest train, each read as
+//!   one stream (holdout.rs; a source with too few documents, like one text file, holds out
+//!   its last [`VALIDATION_PER_MILLE`]/1000 of tokens, rounded down: the shipped corpus's last
+//!   plays). `--val-data` makes another source the whole validation split.
+//! - **Samples**: sample `i` of a source's split is the window of `seq_len + 1` tokens starting
+//!   at token `i * seq_len` of the split's stream: inputs are its first `seq_len` tokens, targets the last
 //!   `seq_len` (next-token prediction). A split of `n` tokens has `(n - 1) / seq_len` samples.
 //! - **Epoch order**: the sample at position `p` of an epoch is [`EpochOrder::at`]`(p)`, a
 //!   bijection of `0..num_samples` keyed by `(seed, epoch, split)` and computed per sample
@@ -12,21 +13,19 @@
 //! - **Iteration `t`** uses positions `[t*B*b, (t+1)*B*b)` of the epoch order; **microbatch
 //!   `k`** is positions `[k*b, (k+1)*b)` of those. The `num_samples % (B*b)` samples left at the
 //!   end of an epoch's order are skipped in that epoch (different ones each epoch).
+//! - **Blends** of several sources draw each sample's source by the blend rule (blend.rs) and
+//!   let every source walk its own epochs ([`SplitData::microbatch`]).
 
-use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::corpus::TokenCache;
+use super::dataset::{Dataset, Mix};
 use super::order::EpochOrder;
-use super::shards::{open_shard, FormatHint};
-use super::tokenizer::Gpt2Tokenizer;
-use super::tokens::{ShardSet, TokenStore};
 use super::{DataError, Result};
 
-/// Validation share of the corpus in tokens, per mille (5%).
+/// Validation share of a source too small to hold out whole documents, in tokens, per mille
+/// (5%: [`super::DEFAULT_VAL_FRACTION`], see holdout.rs).
 pub const VALIDATION_PER_MILLE: usize = 50;
 
 /// Which part of the corpus.
@@ -120,215 +119,93 @@ pub struct Batch {
     pub sample_ids: Vec<usize>,
 }
 
-/// A tokenized corpus (a text file's token cache, or pre-tokenized shards) with its splits. Cheap to share across threads (`Send + Sync`).
-#[derive(Debug)]
-pub struct Dataset {
-    corpus: PathBuf,
-    tokenizer: Arc<Gpt2Tokenizer>,
-    tokens: TokenStore,
-    train: Range<usize>,
-    validation: Range<usize>,
-}
-
-impl Dataset {
-    /// Opens `corpus` (a UTF-8 text file) with the tokenizer at `tokenizer` (see
-    /// [`Gpt2Tokenizer::from_path`]), tokenizing it once into the cache (see [`TokenCache`]).
-    /// For "this path or the built-in one" use [`super::open_dataset`].
-    pub fn open(corpus: &Path, tokenizer: &Path, cache_dir: Option<&Path>) -> Result<Self> {
-        Self::check_corpus_exists(corpus)?;
-        let tokenizer = Gpt2Tokenizer::from_path(tokenizer)?;
-        Self::open_with(corpus, Arc::new(tokenizer), cache_dir)
-    }
-
-    /// Like [`Dataset::open`] with an already loaded tokenizer.
-    pub fn open_with(
-        corpus: &Path,
-        tokenizer: Arc<Gpt2Tokenizer>,
-        cache_dir: Option<&Path>,
-    ) -> Result<Self> {
-        let tokens = TokenCache::open(corpus, &tokenizer, cache_dir)?;
-        Ok(Self::from_tokens(
-            corpus,
-            tokenizer,
-            TokenStore::Text(tokens),
-        ))
-    }
-
-    /// The corpus compiled into the library ([`super::EMBEDDED_CORPUS`]) with `tokenizer`.
-    /// Its cache goes to `cache_dir` or the shared cache folders, else stays in memory (see
-    /// [`TokenCache::open_bytes`]); [`Self::corpus`] is [`super::EMBEDDED_CORPUS_NAME`].
-    pub fn open_embedded(tokenizer: Arc<Gpt2Tokenizer>, cache_dir: Option<&Path>) -> Result<Self> {
-        let label = Path::new(super::EMBEDDED_CORPUS_NAME);
-        let bytes = super::EMBEDDED_CORPUS.as_bytes();
-        let tokens = TokenCache::open_bytes(label, bytes, &tokenizer, cache_dir)?;
-        Ok(Self::from_tokens(
-            label,
-            tokenizer,
-            TokenStore::Text(tokens),
-        ))
-    }
-
-    /// Pre-tokenized `shards` (llm.c, raw u16 with [`FormatHint::RawU16`], Megatron; see
-    /// [`open_shard`]), concatenated in this order and read in place. `label` is the source
-    /// as the user named it (a folder, a glob), for messages and [`Self::corpus`]. The ids are
-    /// taken as `tokenizer`'s; [`Self::check_vocab`] checks they fit.
-    pub fn open_shards(
-        label: &Path,
-        shards: &[PathBuf],
-        hint: FormatHint,
-        tokenizer: Arc<Gpt2Tokenizer>,
-    ) -> Result<Self> {
-        let opened = shards
-            .iter()
-            .map(|path| open_shard(path, hint))
-            .collect::<Result<Vec<_>>>()?;
-        let set = ShardSet::new(label, opened)?;
-        Ok(Self::from_tokens(label, tokenizer, TokenStore::Shards(set)))
-    }
-
-    /// [`DataError::NotFound`] unless `corpus` exists (checked before a tokenizer is loaded,
-    /// so that a mistyped corpus path is the error reported).
-    pub(crate) fn check_corpus_exists(corpus: &Path) -> Result<()> {
-        if corpus.exists() {
-            Ok(())
-        } else {
-            Err(DataError::NotFound {
-                what: "corpus",
-                path: corpus.to_path_buf(),
-            })
-        }
-    }
-
-    fn from_tokens(corpus: &Path, tokenizer: Arc<Gpt2Tokenizer>, tokens: TokenStore) -> Self {
-        let n = tokens.len();
-        let validation_len = n * VALIDATION_PER_MILLE / 1000;
-        Self {
-            corpus: corpus.to_path_buf(),
-            tokenizer,
-            train: 0..n - validation_len,
-            validation: n - validation_len..n,
-            tokens,
-        }
-    }
-
-    /// The tokenizer the corpus was encoded with.
-    pub fn tokenizer(&self) -> &Arc<Gpt2Tokenizer> {
-        &self.tokenizer
-    }
-
-    /// Checks that the model's `model_vocab` embedding rows cover the tokenizer's ids
-    /// ([`Gpt2Tokenizer::check_vocab`]) and, for shards, that every stored id is one of the
-    /// tokenizer's: below its vocabulary, which the first check bounds by the model's, so each
-    /// id has a row and decodes. The error names the shard, the id and where it is. A text
-    /// corpus's ids come from the tokenizer, so only the first check applies to it.
-    pub fn check_vocab(&self, model_vocab: usize) -> Result<()> {
-        self.tokenizer.check_vocab(model_vocab)?;
-        let vocab = self.tokenizer.vocab_size();
-        self.tokens
-            .shards()
-            .iter()
-            .try_for_each(|shard| shard.check_vocab(vocab))
-    }
-
-    /// The corpus file, or the data source as named ([`super::EMBEDDED_CORPUS_NAME`] for the
-    /// built-in corpus).
-    pub fn corpus(&self) -> &Path {
-        &self.corpus
-    }
-
-    /// The token cache file in use; `None` when the tokens are held in memory or read from
-    /// shards in place.
-    pub fn cache_path(&self) -> Option<&Path> {
-        self.tokens.cache_path()
-    }
-
-    /// Identifies the exact training data (not yet recorded in checkpoints: `--resume` compares
-    /// the `--data` path and format only). A text corpus: SHA-256
-    /// (hex) of its token ids as u16 LE, as the cache header holds it. Shards: file names,
-    /// formats, dtypes, token counts and token bytes, all of them under 1 GiB of tokens, else
-    /// sampled at fixed places (the rule is [`super::shards_sha256`]'s).
-    pub fn tokens_sha256(&self) -> &str {
-        self.tokens.tokens_sha256()
-    }
-
-    /// Tokens of the whole corpus.
-    pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
-    }
-
-    /// Appends tokens `range` of the whole corpus (both splits, in order) to `out`: for tools
-    /// and tests that need the ids themselves. Panics if `range` ends past [`Self::num_tokens`].
-    pub fn copy_tokens(&self, range: Range<usize>, out: &mut Vec<u32>) -> Result<()> {
-        self.tokens.extend_into(range.start, range.len(), out)
-    }
-
-    /// One split of the corpus.
-    pub fn split(&self, split: Split) -> SplitData<'_> {
-        let range = match split {
-            Split::Train => self.train.clone(),
-            Split::Validation => self.validation.clone(),
-        };
-        SplitData {
-            ds: self,
-            split,
-            range,
-        }
-    }
-}
-
 /// A view of one split; all batch functions live here.
+///
+/// One source: sample `i` is the window of `seq_len + 1` tokens at `i * seq_len` of the
+/// source's split stream (see the module docs). A blend: each source's windows are numbered
+/// the same way within the source, and a sample's id ([`Batch::sample_ids`]) is its window
+/// plus the windows of the sources before it, so ids are unique across sources.
 #[derive(Debug, Clone)]
 pub struct SplitData<'a> {
     ds: &'a Dataset,
     split: Split,
-    range: Range<usize>,
+    mix: &'a Mix,
 }
 
-impl SplitData<'_> {
+impl<'a> SplitData<'a> {
+    pub(crate) fn new(ds: &'a Dataset, split: Split, mix: &'a Mix) -> Self {
+        Self { ds, split, mix }
+    }
+
     /// Which split.
     pub fn split(&self) -> Split {
         self.split
     }
 
-    /// Tokens in this split.
+    /// Tokens in this split, all sources together.
     pub fn num_tokens(&self) -> usize {
-        self.range.len()
+        self.mix.members.iter().map(|m| m.runs.len()).sum()
     }
 
-    /// Windows of `seq_len + 1` tokens (stride `seq_len`) in this split.
+    /// Windows of `seq_len + 1` tokens (stride `seq_len`) in this split, all sources together.
     pub fn num_samples(&self, seq_len: usize) -> usize {
-        if seq_len == 0 {
-            return 0;
-        }
-        self.range.len().saturating_sub(1) / seq_len
+        self.mix
+            .members
+            .iter()
+            .map(|m| windows(m.runs.len(), seq_len))
+            .sum()
     }
 
-    /// Full iterations of `spec` per epoch; an error with the numbers if not even one fits.
+    /// Full iterations of `spec` per epoch; an error with the numbers if not even one fits,
+    /// or if a source of a blend has no window at all (it names that source).
     pub fn iterations_per_epoch(&self, spec: &BatchSpec) -> Result<usize> {
         spec.validate()?;
         let samples = self.num_samples(spec.seq_len);
         let needed = spec.global_batch_samples();
+        let too_small = |label: &Path, tokens, samples, needed| DataError::TooSmall {
+            corpus: label.to_path_buf(),
+            split: self.split,
+            tokens,
+            samples,
+            seq_len: spec.seq_len,
+            needed,
+        };
         if samples < needed {
-            return Err(DataError::TooSmall {
-                corpus: self.ds.corpus.clone(),
-                split: self.split,
-                tokens: self.range.len(),
+            return Err(too_small(
+                self.ds.corpus(),
+                self.num_tokens(),
                 samples,
-                seq_len: spec.seq_len,
                 needed,
-            });
+            ));
+        }
+        if let Some(empty) = self
+            .mix
+            .members
+            .iter()
+            .find(|m| windows(m.runs.len(), spec.seq_len) == 0)
+        {
+            let label = &self.ds.parts[empty.part].label;
+            return Err(too_small(label, empty.runs.len(), 0, 1));
         }
         Ok(samples / needed)
     }
 
-    /// The order of this split's samples in `epoch` for `seed`: a bijection of
-    /// `0..num_samples(seq_len)`, computed per position (about a microsecond to build, 64
-    /// bytes whatever the corpus).
+    /// The order of this split's samples in `epoch` for `seed` (of the first source, for a
+    /// blend): a bijection of `0..num_samples(seq_len)`, computed per position (about a
+    /// microsecond to build, 64 bytes whatever the corpus).
     pub fn epoch_order(&self, seed: u64, epoch: u64, seq_len: usize) -> EpochOrder {
-        EpochOrder::new(seed, epoch, self.split, self.num_samples(seq_len) as u64)
+        let n = windows(self.mix.members[0].runs.len(), seq_len) as u64;
+        EpochOrder::new(seed, epoch, self.split, n)
     }
 
     /// Microbatch `k` of iteration `iteration` of `epoch`: `b * seq_len` inputs and targets.
+    ///
+    /// One source: positions `iteration * B * b + k * b ..` of the epoch's order. A blend:
+    /// global sample `g = (epoch * I + iteration) * B * b + k * b + r` (I: iterations per
+    /// epoch) is [`super::Blend::at`]`(g)` = (source `s`, its `j`-th sample), and source `s` walks its
+    /// own epochs: its sample is position `j mod n_s` of its order of epoch `j div n_s`
+    /// ([`EpochOrder::of_source`]). A small source with a large weight is repeated sooner than
+    /// a large one; every source's share holds for every prefix of the run.
     pub fn microbatch(
         &self,
         spec: &BatchSpec,
@@ -345,12 +222,29 @@ impl SplitData<'_> {
                 spec.num_microbatches, self.split
             )));
         }
-        let order = self.epoch_order(seed, epoch, spec.seq_len);
-        let start = iteration as usize * spec.global_batch_samples() + k * spec.microbatch_size;
-        let ids: Vec<usize> = (start..start + spec.microbatch_size)
-            .map(|p| order.at(p as u64) as usize)
+        let b = spec.microbatch_size;
+        let within = iteration as usize * spec.global_batch_samples() + k * b;
+        if self.mix.members.len() == 1 {
+            let order = self.epoch_order(seed, epoch, spec.seq_len);
+            let picks: Vec<(usize, usize)> = (within..within + b)
+                .map(|p| (0, order.at(p as u64) as usize))
+                .collect();
+            return self.gather(&picks, spec.seq_len);
+        }
+        let global = epoch * (iterations * spec.global_batch_samples()) as u64 + within as u64;
+        let picks: Vec<(usize, usize)> = self
+            .mix
+            .blend
+            .iter_from(global)
+            .take(b)
+            .map(|pick| {
+                let n = windows(self.mix.members[pick.source].runs.len(), spec.seq_len) as u64;
+                let order =
+                    EpochOrder::of_source(seed, pick.source as u32, pick.index / n, self.split, n);
+                (pick.source, order.at(pick.index % n) as usize)
+            })
             .collect();
-        self.gather(&ids, spec.seq_len)
+        self.gather(&picks, spec.seq_len)
     }
 
     /// Microbatch `k` of the iteration at `cursor`.
@@ -365,7 +259,9 @@ impl SplitData<'_> {
     }
 
     /// Samples `[index * batch_size, (index + 1) * batch_size)` in corpus order, for
-    /// evaluation (no shuffling, so validation loss is comparable across steps and runs).
+    /// evaluation (no shuffling, so validation loss is comparable across steps and runs). A
+    /// blend takes sample `i` from [`super::Blend::at`]`(i)` = (source, its `j`-th), window `j` of
+    /// that source in order (from its first again past its last).
     pub fn sequential_batch(
         &self,
         seq_len: usize,
@@ -381,35 +277,77 @@ impl SplitData<'_> {
                 self.num_samples(seq_len)
             )));
         }
-        let ids: Vec<usize> = (index * batch_size..(index + 1) * batch_size).collect();
-        self.gather(&ids, seq_len)
+        let first = index * batch_size;
+        let picks: Vec<(usize, usize)> = if self.mix.members.len() == 1 {
+            (first..first + batch_size).map(|i| (0, i)).collect()
+        } else {
+            self.mix
+                .blend
+                .iter_from(first as u64)
+                .take(batch_size)
+                .map(|pick| {
+                    let n = windows(self.mix.members[pick.source].runs.len(), seq_len) as u64;
+                    (pick.source, (pick.index % n.max(1)) as usize)
+                })
+                .collect()
+        };
+        self.gather(&picks, seq_len)
     }
 
-    /// Whole batches of `batch_size` samples that [`Self::sequential_batch`] can serve.
+    /// Whole batches of `batch_size` samples that [`Self::sequential_batch`] can serve (none
+    /// for a blend one of whose sources has no window).
     pub fn num_sequential_batches(&self, seq_len: usize, batch_size: usize) -> usize {
-        if batch_size == 0 {
+        if batch_size == 0 || seq_len == 0 {
+            return 0;
+        }
+        let some_empty = self
+            .mix
+            .members
+            .iter()
+            .any(|m| windows(m.runs.len(), seq_len) == 0);
+        if self.mix.members.len() > 1 && some_empty {
             return 0;
         }
         self.num_samples(seq_len) / batch_size
     }
 
-    fn gather(&self, sample_ids: &[usize], seq_len: usize) -> Result<Batch> {
-        let mut inputs = Vec::with_capacity(sample_ids.len() * seq_len);
-        let mut targets = Vec::with_capacity(sample_ids.len() * seq_len);
-        for &s in sample_ids {
-            let at = self.range.start + s * seq_len;
-            // In bounds: s < num_samples, so at + seq_len + 1 <= range.end.
-            self.ds.tokens.extend_into(at, seq_len, &mut inputs)?;
-            self.ds.tokens.extend_into(at + 1, seq_len, &mut targets)?;
+    /// The windows `picks` (source, window within it) as a batch; a sample's id is its window
+    /// plus the windows of the sources before its own.
+    fn gather(&self, picks: &[(usize, usize)], seq_len: usize) -> Result<Batch> {
+        let mut inputs = Vec::with_capacity(picks.len() * seq_len);
+        let mut targets = Vec::with_capacity(picks.len() * seq_len);
+        let mut sample_ids = Vec::with_capacity(picks.len());
+        for &(source, window) in picks {
+            let member = &self.mix.members[source];
+            let tokens = &self.ds.parts[member.part].tokens;
+            let at = window * seq_len;
+            // In bounds: window < its windows, so at + seq_len + 1 <= the runs' length.
+            member.runs.extend_into(tokens, at, seq_len, &mut inputs)?;
+            member
+                .runs
+                .extend_into(tokens, at + 1, seq_len, &mut targets)?;
+            let before: usize = self.mix.members[..source]
+                .iter()
+                .map(|m| windows(m.runs.len(), seq_len))
+                .sum();
+            sample_ids.push(before + window);
         }
         Ok(Batch {
             inputs,
             targets,
-            batch_size: sample_ids.len(),
+            batch_size: picks.len(),
             seq_len,
-            sample_ids: sample_ids.to_vec(),
+            sample_ids,
         })
     }
+}
+
+/// Windows of `seq_len + 1` tokens at stride `seq_len` in `tokens` tokens.
+fn windows(tokens: usize, seq_len: usize) -> usize {
+    if seq_len == 0 {
+        return 0;
+    }
+    tokens.saturating_sub(1) / seq_len
 }
 
 #[cfg(test)]

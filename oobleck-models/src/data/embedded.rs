@@ -13,9 +13,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::batches::Dataset;
-use super::shards::FormatHint;
-use super::source::{resolve_source, DataSource};
+use super::dataset::Dataset;
 use super::tokenizer::Gpt2Tokenizer;
 use super::Result;
 
@@ -54,27 +52,5 @@ pub fn open_dataset(corpus: Option<&Path>, tokenizer: Option<&Path>) -> Result<D
     match corpus {
         Some(corpus) => Dataset::open_with(corpus, tokenizer, None),
         None => Dataset::open_embedded(tokenizer, None),
-    }
-}
-
-/// `train --data PATH`: a text corpus as [`open_dataset`] opens it, or pre-tokenized shards (a
-/// file, a Megatron pair or prefix, a folder or a glob; see [`resolve_source`]), read in place
-/// with the tokenizer at `tokenizer` or the built-in one for decoding. `None`: the built-in
-/// corpus. `hint` is `--data-format`. Every node opens the same path.
-pub fn open_data(
-    data: Option<&Path>,
-    hint: FormatHint,
-    tokenizer: Option<&Path>,
-) -> Result<Dataset> {
-    let Some(path) = data else {
-        return open_dataset(None, tokenizer);
-    };
-    // Resolved before the tokenizer loads, so a mistyped data path is the error reported.
-    match resolve_source(path, hint)? {
-        DataSource::Text(text) => open_dataset(Some(&text), tokenizer),
-        DataSource::Shards(files) => {
-            let tokenizer = Arc::new(open_tokenizer(tokenizer)?);
-            Dataset::open_shards(path, &files, hint, tokenizer)
-        }
     }
 }

@@ -9,16 +9,17 @@
 //!                             ├─ tokenize once ─> <corpus>.tokens (u16 LE, header with the
 //!  datasets/gpt2-tokenizer/ ──┘   (corpus.rs)      corpus + tokenizer hashes; mmap'd)
 //!                                                          │
-//!                                split: last 5% of tokens = validation, rest = train
+//!        split: 5% of documents held out = validation (holdout.rs, runs.rs);
+//!               a single text file (one document): its last 5% of tokens
 //!                                                          │
 //!  (seed, epoch, split) ─> keyed Feistel bijection of the split's windows of seq_len + 1
 //!                          tokens, computed per position: sample = order.at(p)   (order.rs)
 //!  iteration t  ─> positions [t*B*b, (t+1)*B*b) of that epoch's order
 //!  microbatch k ─> positions [k*b, (k+1)*b) of the iteration          (batches.rs)
 //!
-//!  weighted sources ─> Megatron's blend rule as a function of the global sample index:
+//!  --data W:SRC ... ─> Megatron's blend rule as a function of the global sample index:
 //!                      i ─> (source, index within the source)             (blend.rs)
-//!                      (not yet wired into training: one source today)
+//!                      each source walks its own epochs            (dataset.rs, batches.rs)
 //! ```
 //!
 //! Data order depends only on `(seed, epoch, iteration, microbatch)` and the corpus/tokenizer
@@ -31,22 +32,27 @@ mod batches;
 mod blend;
 mod cache_dirs;
 mod corpus;
+mod dataset;
 mod embedded;
+mod holdout;
 mod order;
 pub mod prepare;
+mod runs;
 mod shards;
 mod source;
+mod spec;
 mod tokenizer;
 mod tokens;
 
-pub use batches::{Batch, BatchSpec, DataCursor, Dataset, Split, SplitData, VALIDATION_PER_MILLE};
+pub use batches::{Batch, BatchSpec, DataCursor, Split, SplitData, VALIDATION_PER_MILLE};
 pub use blend::{Blend, BlendIter, BlendPick, BLEND_RESOLUTION};
 pub use cache_dirs::{default_cache_dirs, shared_cache_dirs};
 pub use corpus::{TokenCache, CACHE_FORMAT_VERSION};
+pub use dataset::Dataset;
 pub use embedded::{
-    open_data, open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME,
-    EMBEDDED_TOKENIZER_NAME,
+    open_dataset, open_tokenizer, EMBEDDED_CORPUS, EMBEDDED_CORPUS_NAME, EMBEDDED_TOKENIZER_NAME,
 };
+pub use holdout::{fraction_millionths, HeldOut, DEFAULT_VAL_FRACTION, MIN_HELD_OUT_DOCUMENTS};
 pub use order::EpochOrder;
 pub use shards::{
     open_llmc, open_megatron, open_raw_u16, open_shard, DelimiterPlacement, DocumentBoundaries,
@@ -54,6 +60,7 @@ pub use shards::{
     LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
 pub use source::{resolve_source, DataSource};
+pub use spec::{open_data, DataSpec, WeightedSource};
 pub use tokenizer::{Gpt2Tokenizer, END_OF_TEXT, END_OF_TEXT_ID, GPT2_VOCAB_SIZE};
 pub use tokens::{shards_sha256, ShardSet, FULL_HASH_LIMIT};
 

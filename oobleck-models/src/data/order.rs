@@ -58,6 +58,13 @@ pub struct EpochOrder {
 impl EpochOrder {
     /// The order of `n` samples in `epoch` of `split` for `seed`. `n = 0` is an empty order.
     pub fn new(seed: u64, epoch: u64, split: Split, n: u64) -> Self {
+        Self::of_source(seed, 0, epoch, split, n)
+    }
+
+    /// The order of source `source` of a blend (each source has its own orders). Source 0's is
+    /// [`Self::new`]'s; another's round keys also hash `source` (u32 LE) after the round byte,
+    /// so a one-source run's order is the same whether or not it is called a blend.
+    pub fn of_source(seed: u64, source: u32, epoch: u64, split: Split, n: u64) -> Self {
         let split_byte = match split {
             Split::Train => 0u8,
             Split::Validation => 1,
@@ -67,8 +74,11 @@ impl EpochOrder {
                 .chain_update(KEY_TAG)
                 .chain_update(seed.to_le_bytes())
                 .chain_update(epoch.to_le_bytes())
-                .chain_update([split_byte, r as u8])
-                .finalize();
+                .chain_update([split_byte, r as u8]);
+            let digest = match source {
+                0 => digest.finalize(),
+                s => digest.chain_update(s.to_le_bytes()).finalize(),
+            };
             let mut word = [0u8; 8];
             word.copy_from_slice(&digest[..8]);
             u64::from_le_bytes(word)
@@ -155,7 +165,7 @@ fn half_bits(n: u64) -> u32 {
 }
 
 /// The SplitMix64 finaliser (a bijection of `u64`).
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

@@ -63,6 +63,23 @@ impl TokenStore {
         }
     }
 
+    /// Calls `f` with each document's token range, in stream order: a text corpus is one
+    /// document; a shard's documents are its index's or the spans its `end_of_text` ids mark
+    /// ([`TokenShard::documents`]), never crossing into the next shard. The ranges cover the
+    /// stream exactly.
+    pub fn for_each_document(&self, end_of_text: u32, mut f: impl FnMut(Range<usize>)) {
+        match self {
+            TokenStore::Text(cache) => f(0..cache.len()),
+            TokenStore::Shards(set) => {
+                for (shard, &start) in set.shards.iter().zip(&set.starts) {
+                    for doc in shard.documents(end_of_text) {
+                        f(start + doc.start..start + doc.end);
+                    }
+                }
+            }
+        }
+    }
+
     /// Appends tokens `[start, start + n)` to `out`. An error only for a shard value that is no
     /// token id (a corrupt signed or 64-bit Megatron file). Panics if the range is out of
     /// bounds: callers index within checked splits.
