@@ -7,8 +7,11 @@
 //! `dev/data/data_common.py::write_datafile`, Megatron-LM `_IndexWriter`, nanoGPT
 //! `prepare.py`), independently of the readers.
 
-use std::path::{Path, PathBuf};
+mod common;
 
+use std::path::Path;
+
+use common::{llmc, u16_bytes, write};
 use oobleck_models::data::{
     open_data, open_dataset, BatchSpec, DataSpec, Dataset, FormatHint, Split, GPT2_VOCAB_SIZE,
 };
@@ -29,22 +32,6 @@ fn text_corpus() -> (Dataset, Vec<u32>) {
     (ds, ids)
 }
 
-fn u16_bytes(ids: &[u32]) -> Vec<u8> {
-    ids.iter()
-        .flat_map(|&t| u16::try_from(t).unwrap().to_le_bytes())
-        .collect()
-}
-
-/// An llm.c shard of u16 tokens: 256 int32 header (magic 20240520, version 1, count).
-fn llmc(ids: &[u32]) -> Vec<u8> {
-    let mut bytes = vec![0u8; 1024];
-    bytes[0..4].copy_from_slice(&20240520i32.to_le_bytes());
-    bytes[4..8].copy_from_slice(&1i32.to_le_bytes());
-    bytes[8..12].copy_from_slice(&(ids.len() as i32).to_le_bytes());
-    bytes.extend(u16_bytes(ids));
-    bytes
-}
-
 /// A Megatron pair of uint16 tokens (dtype code 8), one document per `doc` ids.
 fn megatron(ids: &[u32], doc: usize) -> (Vec<u8>, Vec<u8>) {
     let lengths: Vec<i32> = ids.chunks(doc).map(|c| c.len() as i32).collect();
@@ -59,12 +46,6 @@ fn megatron(ids: &[u32], doc: usize) -> (Vec<u8>, Vec<u8>) {
     pointers.iter().for_each(|p| idx.extend(p.to_le_bytes()));
     documents.iter().for_each(|d| idx.extend(d.to_le_bytes()));
     (u16_bytes(ids), idx)
-}
-
-fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, bytes).unwrap();
-    path
 }
 
 /// Every train microbatch of the first iterations of two epochs, and every sequential batch
