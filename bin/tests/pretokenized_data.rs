@@ -96,11 +96,7 @@ fn shards_of_the_corpus_ids_train_with_the_text_corpus_s_losses_on_two_nodes() {
         .unwrap()
         .trainer;
     let config = state.config.expect("trainer.json echoes the config");
-    assert_eq!(
-        config["data"]["sources"][0].as_str(),
-        glob.to_str(),
-        "{config}"
-    );
+    assert_eq!(config["data"][0].as_str(), glob.to_str(), "{config}");
 }
 
 /// `train` with `flags` must fail before any process starts, its message holding `needles`.
@@ -193,4 +189,78 @@ fn resume_refuses_data_that_changed_since_the_checkpoint() {
     write_llmc(&shard, &ids);
     let o = run(train_cmd(&out, 3, &resume), Duration::from_secs(120));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Two sources blended 0.7 : 0.3 with validation from a third (`--val-data`) train 2 steps on a
+/// 2-node cluster; the checkpoint records every source with its identity, and a `--resume`
+/// after one of them changed is refused naming that one. Weights on only some sources, or a
+/// weight that is not above zero, are refused before any process starts.
+#[test]
+fn a_weighted_blend_trains_on_two_nodes_and_resume_names_the_source_that_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids = corpus_ids();
+    let (web, code, val) = (
+        dir.path().join("web.bin"),
+        dir.path().join("code.bin"),
+        dir.path().join("val.bin"),
+    );
+    write_llmc(&web, &ids[..900_000]);
+    let mut code_ids = ids[900_000..1_500_000].to_vec();
+    write_llmc(&code, &code_ids);
+    write_llmc(&val, &ids[1_500_000..]);
+    let (w, c) = (
+        format!("0.7:{}", web.display()),
+        format!("0.3:{}", code.display()),
+    );
+    let flags = [
+        "--data",
+        &w,
+        "--data",
+        &c,
+        "--val-data",
+        val.to_str().unwrap(),
+    ];
+    let out = dir.path().join("run");
+    let got = two_steps_on_two_nodes(&out, &flags);
+    assert!(got.iter().all(|(_, l)| l.is_finite()), "{got:?}");
+
+    let ckpt = latest_checkpoint(&out).unwrap().unwrap();
+    let trainer = load_checkpoint(&ckpt, &candle_core::Device::Cpu)
+        .unwrap()
+        .trainer;
+    let config = trainer.config.expect("trainer.json echoes the config");
+    assert_eq!(config["data"], serde_json::json!([w, c]), "{config}");
+    assert_eq!(config["val_data"].as_str(), val.to_str(), "{config}");
+    let sources = trainer.data_cursor["sources"].as_array().unwrap();
+    let recorded: Vec<&str> = sources
+        .iter()
+        .map(|s| s["data"].as_str().unwrap())
+        .collect();
+    assert_eq!(recorded, [web.to_str().unwrap(), code.to_str().unwrap()]);
+
+    code_ids[10] = (code_ids[10] + 1) % 50000;
+    write_llmc(&code, &code_ids);
+    let mut resume = vec!["--nodes", "2", "--resume", out.to_str().unwrap()];
+    resume.extend(flags);
+    let o = run(train_cmd(&out, 3, &resume), Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(stderr.contains("the data changed since"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("source {}", code.display())),
+        "{stderr}"
+    );
+
+    let unweighted = code.to_str().unwrap();
+    refused(
+        dir.path().join("r0"),
+        &["--data", &w, "--data", unweighted],
+        &["code.bin has no weight", "give every source a weight"],
+    );
+    let zero = format!("0:{unweighted}");
+    refused(
+        dir.path().join("r1"),
+        &["--data", &w, "--data", &zero],
+        &["--data weight 0", "above zero"],
+    );
 }

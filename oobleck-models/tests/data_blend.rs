@@ -35,8 +35,20 @@ fn shard(
 
 /// Web: 300 documents of 40 ids in 1..20000; code: 100 documents of 60 ids in 20000..40000.
 fn two_sources(dir: &Path) -> (PathBuf, PathBuf) {
-    let web = shard(dir, "web.bin", 300, |_| 40, |d, i| 1 + (d * 131 + i * 17) % 19_999);
-    let code = shard(dir, "code.bin", 100, |_| 60, |d, i| 20_000 + (d * 71 + i * 29) % 20_000);
+    let web = shard(
+        dir,
+        "web.bin",
+        300,
+        |_| 40,
+        |d, i| 1 + (d * 131 + i * 17) % 19_999,
+    );
+    let code = shard(
+        dir,
+        "code.bin",
+        100,
+        |_| 60,
+        |d, i| 20_000 + (d * 71 + i * 29) % 20_000,
+    );
     (web, code)
 }
 
@@ -57,7 +69,10 @@ fn is_web(row: &[u32]) -> bool {
     let words: Vec<u32> = row.iter().copied().filter(|&t| t != EOT).collect();
     assert!(!words.is_empty(), "a window of only end-of-text ids");
     let web = words.iter().all(|&t| t < 20_000);
-    assert!(web || words.iter().all(|&t| t >= 20_000), "a window mixes sources: {row:?}");
+    assert!(
+        web || words.iter().all(|&t| t >= 20_000),
+        "a window mixes sources: {row:?}"
+    );
     web
 }
 
@@ -74,7 +89,10 @@ fn the_blend_holds_each_share_within_one_sample_for_every_prefix() {
         num_microbatches: 3,
     };
     let train = blend.split(Split::Train);
-    let (web_train, code_train) = (web_alone.split(Split::Train), code_alone.split(Split::Train));
+    let (web_train, code_train) = (
+        web_alone.split(Split::Train),
+        code_alone.split(Split::Train),
+    );
     let web_windows = web_train.num_samples(spec.seq_len);
     let iterations = train.iterations_per_epoch(&spec).unwrap() as u64;
     let (mut samples, mut from_web) = (0u64, 0u64);
@@ -95,7 +113,10 @@ fn the_blend_holds_each_share_within_one_sample_for_every_prefix() {
                     samples += 1;
                     from_web += u64::from(web_row);
                     let behind = 0.7 * samples as f64 - from_web as f64;
-                    assert!(behind.abs() <= 1.0, "after {samples} samples {from_web} from web");
+                    assert!(
+                        behind.abs() <= 1.0,
+                        "after {samples} samples {from_web} from web"
+                    );
                 }
             }
         }
@@ -149,7 +170,13 @@ fn held_out_documents_are_whole_and_no_training_window_touches_them() {
 fn val_data_is_the_whole_validation_split_and_nothing_is_held_out_of_training() {
     let dir = tempfile::tempdir().unwrap();
     let (web, code) = two_sources(dir.path());
-    let val = shard(dir.path(), "val.bin", 20, |_| 30, |d, i| 45_000 + d * 30 + i);
+    let val = shard(
+        dir.path(),
+        "val.bin",
+        20,
+        |_| 30,
+        |d, i| 45_000 + d * 30 + i,
+    );
     let spec = DataSpec {
         val_data: Some(val),
         ..weighted(&[(0.7, &web), (0.3, &code)])
@@ -172,11 +199,21 @@ fn a_blend_s_identity_names_its_sources_and_weights() {
     let open = |w: f64| open_data(&weighted(&[(w, &web), (1.0 - w, &code)]), None).unwrap();
     let (a, again, other) = (open(0.7), open(0.7), open(0.6));
     assert_eq!(a.tokens_sha256(), again.tokens_sha256());
-    assert_ne!(a.tokens_sha256(), other.tokens_sha256(), "the weights are part of it");
+    assert_ne!(
+        a.tokens_sha256(),
+        other.tokens_sha256(),
+        "the weights are part of it"
+    );
     let ids: Vec<(PathBuf, String)> = a.source_identities();
     let alone = |p: &Path| open_data(&DataSpec::path(p), None).unwrap();
-    assert_eq!(ids[0], (web.clone(), alone(&web).tokens_sha256().to_string()));
-    assert_eq!(ids[1], (code.clone(), alone(&code).tokens_sha256().to_string()));
+    assert_eq!(
+        ids[0],
+        (web.clone(), alone(&web).tokens_sha256().to_string())
+    );
+    assert_eq!(
+        ids[1],
+        (code.clone(), alone(&code).tokens_sha256().to_string())
+    );
     assert!(a.corpus().display().to_string().contains("code.bin"));
 }
 

@@ -37,6 +37,7 @@ mod embedded;
 mod holdout;
 mod order;
 pub mod prepare;
+mod prepared;
 mod runs;
 mod shards;
 mod source;
@@ -138,6 +139,9 @@ pub enum DataError {
     },
     #[error("a blend needs at least one source")]
     EmptyBlend,
+    /// A folder `oobleck data prepare` wrote that does not agree with its manifest.
+    #[error("{dir}: {problem}")]
+    Prepared { dir: PathBuf, problem: String },
     #[error("invalid batch request: {0}")]
     InvalidRequest(String),
 }

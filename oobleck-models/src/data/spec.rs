@@ -10,6 +10,7 @@ use super::corpus::TokenCache;
 use super::dataset::{open_shard_set, Dataset, Opened, Validation};
 use super::embedded::open_tokenizer;
 use super::holdout::{fraction_millionths, DEFAULT_VAL_FRACTION};
+use super::prepared::check_prepared;
 use super::shards::FormatHint;
 use super::source::{resolve_source, DataSource};
 use super::tokenizer::Gpt2Tokenizer;
@@ -156,7 +157,10 @@ fn open_store(
 ) -> Result<TokenStore> {
     match source {
         DataSource::Text(text) => Ok(TokenStore::Text(TokenCache::open(&text, tokenizer, None)?)),
-        DataSource::Shards(files) => Ok(TokenStore::Shards(open_shard_set(label, &files, hint)?)),
+        DataSource::Shards(files) => {
+            check_prepared(label, &files, tokenizer)?;
+            Ok(TokenStore::Shards(open_shard_set(label, &files, hint)?))
+        }
     }
 }
 
