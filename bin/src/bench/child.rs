@@ -198,6 +198,46 @@ impl TrainProcess {
         }
     }
 
+    /// Waits for the exit like [`wait`](Self::wait), also reading the peak resident memory
+    /// of the process itself (its `ru_maxrss`, not its children's), in bytes.
+    pub fn wait_peak_rss(mut self, timeout: Duration) -> Result<(Exit, u64)> {
+        let pid = self.child.id() as libc::pid_t;
+        let deadline = self.started + timeout;
+        loop {
+            let mut status = 0;
+            // SAFETY: an all-zero rusage is a valid value; wait4 writes both out-parameters.
+            let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+            // SAFETY: `pid` is this process's own unreaped child; the pointers are to locals.
+            let got = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+            if got == pid {
+                self.reaped = true;
+                kill_group(self.pgid);
+                self.reaper.unregister(self.pgid);
+                let exit = Exit {
+                    status: std::os::unix::process::ExitStatusExt::from_raw(status),
+                    wall_s: self.started.elapsed().as_secs_f64(),
+                };
+                return Ok((exit, usage.ru_maxrss.max(0) as u64 * 1024));
+            }
+            if got < 0 {
+                bail!(
+                    "waiting for {}: {}",
+                    self.what,
+                    std::io::Error::last_os_error()
+                );
+            }
+            if Instant::now() >= deadline {
+                self.kill_and_reap();
+                bail!(
+                    "{} was still running after {} s; killed",
+                    self.what,
+                    timeout.as_secs()
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
     fn kill_and_reap(&mut self) {
         if self.reaped {
             return;

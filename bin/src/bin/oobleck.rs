@@ -91,6 +91,9 @@ enum BenchCmd {
     /// A small training job alone and beside a flood of `/api/status` requests to its status
     /// page, side by side: tokens/s of both and the cost (target: under 10 %).
     StatusFlood(oobleck_cli::bench::status_flood::BenchStatusFloodArgs),
+    /// The data path: tokenization MB/s of ours against tiktoken and HF tokenizers on 1 and
+    /// all cores, the loader's share of a step, and peak memory on a 100 MB and a 5 GB corpus.
+    Data(oobleck_cli::bench::data::BenchDataArgs),
 }
 
 #[derive(clap::Args)]
@@ -141,6 +144,7 @@ fn run() -> Result<()> {
         Cmd::Bench(BenchCmd::Recovery(a)) => oobleck_cli::bench::recovery::run(&a),
         Cmd::Bench(BenchCmd::Simulate(a)) => oobleck_cli::bench::simulate::run(&a),
         Cmd::Bench(BenchCmd::StatusFlood(a)) => oobleck_cli::bench::status_flood::run(&a),
+        Cmd::Bench(BenchCmd::Data(a)) => oobleck_cli::bench::data::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
         Cmd::Drain(a) => oobleck_cli::cluster::membership_cmd::drain(&a),
