@@ -12,7 +12,7 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use super::corpus::TokenCache;
-use super::shards::{ShardFormat, TokenShard};
+use super::shards::{ShardFormat, TokenShard, RELEASE_BYTES};
 use super::{DataError, Result};
 
 /// Shards whose token bytes total less than this are hashed whole (see [`shards_sha256`]).
@@ -203,12 +203,17 @@ pub fn shards_sha256(shards: &[TokenShard]) -> String {
         );
         hash.update(header.as_bytes());
         let data = shard.token_bytes();
-        if total < FULL_HASH_LIMIT {
-            hash.update(data);
+        let ranges = if total < FULL_HASH_LIMIT {
+            (0..data.len())
+                .step_by(RELEASE_BYTES)
+                .map(|at| at..(at + RELEASE_BYTES).min(data.len()))
+                .collect()
         } else {
-            for range in sampled_ranges(data.len()) {
-                hash.update(&data[range]);
-            }
+            sampled_ranges(data.len())
+        };
+        for range in ranges {
+            hash.update(&data[range.clone()]);
+            shard.release(range);
         }
     }
     hex::encode(hash.finalize())

@@ -39,7 +39,7 @@ pub use dtype::TokenDtype;
 pub use error::{FirstWord, ShardError};
 pub use llmc::{MAGIC_U16 as LLMC_MAGIC_U16, MAGIC_U32 as LLMC_MAGIC_U32};
 pub use megatron::INDEX_MAGIC as MEGATRON_INDEX_MAGIC;
-pub use view::{DelimiterPlacement, DocumentBoundaries, Documents, TokenShard};
+pub use view::{DelimiterPlacement, DocumentBoundaries, Documents, TokenShard, RELEASE_BYTES};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

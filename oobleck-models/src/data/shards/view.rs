@@ -1,18 +1,24 @@
 //! [`TokenShard`]: one memory-mapped token file, whatever its format, read as token ids.
 //!
 //! Nothing is read whole: every accessor touches only the bytes of the tokens it returns (the
-//! kernel pages them in), so a shard of any size costs address space, not memory.
+//! kernel pages them in), so a shard of any size costs address space, not memory. The scans
+//! that do read every token (the vocabulary check, the document scan, the identity hash) give
+//! the pages they read back to the kernel every [`RELEASE_BYTES`] ([`TokenShard::release`]),
+//! so opening a corpus of any size keeps the process's resident memory flat.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, UncheckedAdvice};
 
 use super::dtype::{first_outside, position_of, push_ids, with_word, TokenDtype, Word};
 use super::error::ShardError;
 use super::megatron::DocumentIndex;
 use super::ShardFormat;
 use crate::data::{DataError, Result};
+
+/// Bytes a whole-shard scan reads between two [`TokenShard::release`]s.
+pub const RELEASE_BYTES: usize = 64 << 20;
 
 /// Where a shard without a document index puts the end-of-text delimiter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,13 +186,41 @@ impl TokenShard {
         .into()
     }
 
+    /// Gives the pages of token bytes `range` (of [`Self::token_bytes`]) back to the kernel:
+    /// they leave this process's resident set and stay in the page cache, and a later read
+    /// maps them again. Whole-shard scans call it behind them.
+    pub fn release(&self, range: Range<usize>) {
+        let start = self.layout.start + range.start;
+        let len = range.end.min(self.data().len()).saturating_sub(range.start);
+        if len == 0 {
+            return;
+        }
+        // SAFETY: the map is a read-only shared mapping of a file nobody writes while it is
+        // open (see the type's docs): MADV_DONTNEED only drops this process's page-table
+        // entries, and any later read, through a slice borrowed before or after, faults the
+        // same bytes back in from the page cache. Nothing is zeroed (that happens to private
+        // anonymous mappings only). A failure only leaves the pages resident.
+        let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, len) };
+    }
+
     /// Checks that every token is an id below `vocab`; the error names the first that is not,
     /// its index and byte offset. Scans the map in pieces of a million tokens on rayon's pool,
-    /// so a multi-GB shard is checked at memory (or disk) speed.
+    /// so a multi-GB shard is checked at memory (or disk) speed, releasing what it read every
+    /// [`RELEASE_BYTES`].
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {
         let limit = i64::try_from(vocab).unwrap_or(i64::MAX);
         let data = self.data();
-        let found = with_word!(self.layout.dtype, W => first_outside::<W>(data, limit));
+        let step = RELEASE_BYTES - RELEASE_BYTES % self.width();
+        let mut found = None;
+        for at in (0..data.len()).step_by(step) {
+            let chunk = &data[at..(at + step).min(data.len())];
+            let first = with_word!(self.layout.dtype, W => first_outside::<W>(chunk, limit));
+            self.release(at..at + chunk.len());
+            if let Some((index, id)) = first {
+                found = Some((at / self.width() + index, id));
+                break;
+            }
+        }
         match found {
             None => Ok(()),
             Some((index, id)) => Err(ShardError::OutOfVocabulary {
@@ -245,16 +279,20 @@ impl TokenShard {
             shard: self,
             end_of_text,
             next: 0,
+            released: 0,
         }
     }
 }
 
-/// Iterator of [`TokenShard::documents`].
+/// Iterator of [`TokenShard::documents`]; a delimited shard's scan releases the tokens it has
+/// read every [`RELEASE_BYTES`].
 pub struct Documents<'a> {
     shard: &'a TokenShard,
     end_of_text: u32,
     /// The next document's number (indexed) or first token (delimited).
     next: usize,
+    /// Tokens before this one were released.
+    released: usize,
 }
 
 impl Iterator for Documents<'_> {
@@ -272,6 +310,7 @@ impl Iterator for Documents<'_> {
             DocumentLayout::Delimited(placement) => *placement,
         };
         if start >= len {
+            self.release_to(len);
             return None;
         }
         let end = match placement {
@@ -284,6 +323,17 @@ impl Iterator for Documents<'_> {
         }
         .unwrap_or(len);
         self.next = end;
+        if (end - self.released) * self.shard.width() >= RELEASE_BYTES {
+            self.release_to(end);
+        }
         Some(start..end)
+    }
+}
+
+impl Documents<'_> {
+    fn release_to(&mut self, token: usize) {
+        let width = self.shard.width();
+        self.shard.release(self.released * width..token * width);
+        self.released = token;
     }
 }
