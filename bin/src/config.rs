@@ -321,6 +321,17 @@ impl TrainConfig {
             bail!("--microbatch-size must be at least 1");
         }
         oobleck_models::data::fraction_millionths(self.val_fraction)?;
+        if let Some(val) = self
+            .val_data
+            .as_ref()
+            .filter(|_| self.val_fraction != DEFAULT_VAL_FRACTION)
+        {
+            bail!(
+                "--val-fraction {} and --val-data {} both say where validation comes from:                  with --val-data no training document is held out; drop one of them",
+                self.val_fraction,
+                val.display()
+            );
+        }
         if let Some(bad) = self
             .data
             .iter()

@@ -111,3 +111,52 @@ fn a_published_preset_trains_with_its_recipe_unless_told_otherwise() {
         .unwrap();
     assert_eq!((c.seq_len, c.global_batch_size, c.lr), (64, 16, 2e-3));
 }
+
+#[test]
+fn data_flags_make_a_blend_and_bad_ones_say_why() {
+    let c = TrainArgs::parse_from([
+        "train",
+        "--data",
+        "0.7:web/",
+        "--data",
+        "0.3:code/",
+        "--val-data",
+        "val/",
+    ])
+    .resolve()
+    .unwrap();
+    let shown: Vec<String> = c.data.iter().map(|s| s.to_string()).collect();
+    assert_eq!(shown, ["0.7:web/", "0.3:code/"]);
+    assert_eq!(c.val_data.as_deref(), Some(std::path::Path::new("val/")));
+    // A job file names one source as a string (or `dataset`, its old name) or several as a list.
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    for (text, want) in [
+        ("dataset = \"a.txt\"\n", vec!["a.txt"]),
+        ("data = [\"2:a/\", \"1:b/\"]\n", vec!["2:a/", "1:b/"]),
+    ] {
+        std::fs::write(&job, text).unwrap();
+        let c = TrainArgs::parse_from(["train", "--config", job.to_str().unwrap()])
+            .resolve()
+            .unwrap();
+        let shown: Vec<String> = c.data.iter().map(|s| s.to_string()).collect();
+        assert_eq!(shown, want, "{text}");
+    }
+    let err = |flags: &[&str]| {
+        let mut argv = vec!["train"];
+        argv.extend(flags);
+        format!("{:#}", TrainArgs::parse_from(argv).resolve().unwrap_err())
+    };
+    let e = err(&["--val-fraction", "1.5"]);
+    assert!(
+        e.contains("--val-fraction 1.5") && e.contains("below 1"),
+        "{e}"
+    );
+    let e = err(&["--data", "a/", "--val-data", "v/", "--val-fraction", "0.1"]);
+    assert!(e.contains("drop one of them"), "{e}");
+    let e = err(&["--data=-1:a/"]);
+    assert!(
+        e.contains("--data weight -1") && e.contains("above zero"),
+        "{e}"
+    );
+}

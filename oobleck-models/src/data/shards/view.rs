@@ -200,7 +200,10 @@ impl TokenShard {
         // entries, and any later read, through a slice borrowed before or after, faults the
         // same bytes back in from the page cache. Nothing is zeroed (that happens to private
         // anonymous mappings only). A failure only leaves the pages resident.
-        let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, len) };
+        let _ = unsafe {
+            self.map
+                .unchecked_advise_range(UncheckedAdvice::DontNeed, start, len)
+        };
     }
 
     /// Checks that every token is an id below `vocab`; the error names the first that is not,
