@@ -157,6 +157,11 @@ fn open_store(
     match source {
         DataSource::Text(text) => Ok(TokenStore::Text(TokenCache::open(&text, tokenizer, None)?)),
         DataSource::Shards(files) => Ok(TokenStore::Shards(open_shard_set(label, &files, hint)?)),
+        DataSource::Raw(files) => {
+            let dir = super::prepare::prepare_cached(label, &files, tokenizer)?;
+            let prepared = resolve_source(&dir, FormatHint::Detect)?;
+            open_store(label, prepared, FormatHint::Detect, tokenizer)
+        }
     }
 }
 

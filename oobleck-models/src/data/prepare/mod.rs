@@ -25,6 +25,9 @@
 //! document), one JSONL line or one Parquet page and batch of rows, and a write buffer, never
 //! by the corpus.
 
+mod cache;
+#[cfg(test)]
+mod cache_tests;
 mod error;
 mod manifest;
 mod parquet_reader;
@@ -38,13 +41,14 @@ mod sources;
 mod tests;
 mod writer;
 
+pub use cache::{prepare_cached, PREPARED_SUFFIX};
 pub use error::{PrepareError, Result};
 pub use manifest::{
     Manifest, Position, ShardEntry, SourceEntry, TokenizerEntry, Totals, MANIFEST_FILE,
     MANIFEST_VERSION,
 };
 pub use readers::{DocReader, ReadOptions};
-pub use sources::{expand_sources, Codec, Layout, SourceFile};
+pub use sources::{expand_sources, format_of, Codec, Layout, SourceFile};
 pub use writer::shard_name;
 
 use std::path::PathBuf;

@@ -149,15 +149,20 @@ fn expand_one(arg: &str) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Every file below `dir`; hidden files (names starting with '.') are not data.
+/// Every file below `dir`; hidden files (names starting with '.') are not data, nor are the
+/// `*.prepared` folders `train --data` prepares raw sources into (beside them, by default).
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     for entry in std::fs::read_dir(dir).map_err(read_err(dir))? {
         let entry = entry.map_err(read_err(dir))?;
         let path = entry.path();
-        if entry.file_name().to_string_lossy().starts_with('.') {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
             continue;
         }
         if path.is_dir() {
+            if name.ends_with(super::cache::PREPARED_SUFFIX) {
+                continue;
+            }
             walk(&path, out)?;
         } else {
             out.push(path);
