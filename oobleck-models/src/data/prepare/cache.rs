@@ -112,7 +112,7 @@ impl Cached<'_> {
     ) -> Result<(PathBuf, Outcome)> {
         for dir in places {
             if is_finished(dir, self.key) {
-                tracing::info!(dir = %dir.display(), "reusing the prepared data in the cache");
+                tracing::debug!(dir = %dir.display(), "reusing the prepared data in the cache");
                 return Ok((dir.clone(), Outcome::Reused));
             }
         }
@@ -136,7 +136,7 @@ impl Cached<'_> {
     /// Prepares (or resumes) `dir`, whose lock this process holds.
     fn prepare_locked(&self, dir: &Path, tokenizer: &Gpt2Tokenizer) -> Result<Outcome> {
         if is_finished(dir, self.key) {
-            tracing::info!(dir = %dir.display(), "another process prepared the data: reusing it");
+            tracing::debug!(dir = %dir.display(), "another process prepared the data: reusing it");
             return Ok(Outcome::Reused);
         }
         let key_path = dir.join(KEY_FILE);
