@@ -16,9 +16,10 @@ use oobleck_models::data::prepare::{
 /// `oobleck data ...`
 #[derive(clap::Subcommand)]
 pub enum DataCmd {
-    /// Tokenize raw text (.txt, .md, .jsonl, .json, each optionally .gz or .zst; .parquet) with every
-    /// core into llm.c token shards plus manifest.json in --out. Run it again after an
-    /// interrupt: finished shards are kept and the output is the same as an uninterrupted run.
+    /// Tokenize raw text (.txt, .md, .jsonl, .json, each optionally .gz or .zst; .parquet)
+    /// with every core into llm.c token shards plus manifest.json in --out. Run it again after
+    /// an interrupt: finished shards are kept and the output is the same as an uninterrupted
+    /// run.
     Prepare(PrepareArgs),
 }
 

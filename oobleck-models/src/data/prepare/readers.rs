@@ -2,9 +2,9 @@
 //!
 //! A text file is read whole (it is one document); a JSONL file a line at a time, so its
 //! memory is one line; a Parquet file a batch of rows of one row group at a time
-//! (parquet_reader.rs). Every error names the file and the place: the line number of a JSONL record,
-//! the row of a Parquet record, the byte offset (in the decompressed text) of a bad UTF-8
-//! sequence, how far a truncated `.gz`/`.zst` stream decoded.
+//! (parquet_reader.rs). Every error names the file and the place: the line number of a JSONL
+//! record, the row of a Parquet record, the byte offset (in the decompressed text) of a bad
+//! UTF-8 sequence, how far a truncated `.gz`/`.zst` stream decoded.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
