@@ -84,9 +84,13 @@ pub struct TrainArgs {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Training data: a UTF-8 text file, or pre-tokenized shards (an llm.c .bin, a Megatron
-    /// .bin/.idx or prefix, a raw u16 .bin with --data-format u16), a folder of them, or a
-    /// glob such as 'shards/train_*.bin' (files in name order). Every node needs it at this
-    /// path. --dataset is an alias [default: the shipped corpus in datasets/].
+    /// .bin/.idx or prefix, a raw u16 .bin with --data-format u16, a folder `oobleck data
+    /// prepare` wrote), a folder of them, or a glob such as 'shards/train_*.bin' (files in
+    /// name order). Raw documents (.jsonl, .json, .parquet, .txt.gz, ...; a file, folder or
+    /// glob of them) are prepared once into the data cache (beside them, or
+    /// $OOBLECK_CACHE_DIR) as `oobleck data prepare` would, and reused by later runs. Every
+    /// node needs it at this path. --dataset is an alias [default: the shipped corpus in
+    /// datasets/].
     ///
     /// Repeat it to blend sources, each with a weight: --data 0.7:web/ --data 0.3:code/
     /// (sample shares 70/30 in every prefix of the run; without weights each source weighs

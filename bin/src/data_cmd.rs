@@ -16,16 +16,18 @@ use oobleck_models::data::prepare::{
 /// `oobleck data ...`
 #[derive(clap::Subcommand)]
 pub enum DataCmd {
-    /// Tokenize raw text (.txt, .md, .jsonl, .json, each optionally .gz or .zst) with every
-    /// core into llm.c token shards plus manifest.json in --out. Run it again after an
-    /// interrupt: finished shards are kept and the output is the same as an uninterrupted run.
+    /// Tokenize raw text (.txt, .md, .jsonl, .json, each optionally .gz or .zst; .parquet)
+    /// with every core into llm.c token shards plus manifest.json in --out. Run it again after
+    /// an interrupt: finished shards are kept and the output is the same as an uninterrupted
+    /// run.
     Prepare(PrepareArgs),
 }
 
 #[derive(clap::Args)]
 pub struct PrepareArgs {
     /// Files, folders (every file below, recursively, sorted by path) or globs, read in this
-    /// order. A .txt/.md file is one document; a .jsonl/.json file has one JSON object a line.
+    /// order. A .txt/.md file is one document; a .jsonl/.json file has one JSON object a line;
+    /// a .parquet file has one document a row, in a string column.
     #[arg(required = true)]
     pub sources: Vec<String>,
     /// Output folder: shard-000000.bin, ... and manifest.json.
@@ -38,11 +40,11 @@ pub struct PrepareArgs {
     /// Tokenizing threads (default: every core). The output does not depend on it.
     #[arg(long)]
     pub workers: Option<usize>,
-    /// JSON field holding the text of a JSONL record.
+    /// JSON field holding the text of a JSONL record, or the Parquet column holding it.
     #[arg(long, default_value = DEFAULT_TEXT_FIELD)]
     pub text_field: String,
-    /// Skip (and count) JSONL records that are not JSON or lack the text field, instead of
-    /// stopping at the first.
+    /// Skip (and count) JSONL records that are not JSON or lack the text field, and Parquet
+    /// rows whose text is null, instead of stopping at the first.
     #[arg(long)]
     pub skip_bad_records: bool,
     /// Tokenizer folder (encoder.json + vocab.bpe, or vocab.json + merges.txt) or

@@ -137,6 +137,14 @@ pub enum DataError {
         weight: f64,
         problem: &'static str,
     },
+    /// Raw documents (`--data corpus.jsonl`) that could not be prepared into the data cache.
+    #[error("preparing {path} for training: {error}{hint}")]
+    Prepare {
+        path: PathBuf,
+        error: Box<prepare::PrepareError>,
+        /// How to prepare with other settings, after an error about a record or the column.
+        hint: &'static str,
+    },
     #[error("a blend needs at least one source")]
     EmptyBlend,
     /// A folder `oobleck data prepare` wrote that does not agree with its manifest.
@@ -144,6 +152,26 @@ pub enum DataError {
     Prepared { dir: PathBuf, problem: String },
     #[error("invalid batch request: {0}")]
     InvalidRequest(String),
+}
+
+impl DataError {
+    /// [`DataError::Prepare`] of the raw source `path`.
+    pub fn prepare(path: &Path, error: prepare::PrepareError) -> Self {
+        use prepare::PrepareError as E;
+        let hint = match error {
+            E::BadRecord { .. } | E::BadRow { .. } | E::NoColumn { .. } => {
+                ". `train --data` prepares with the defaults (the text in field or column \
+                 \"text\", a bad record stops it); for others run `oobleck data prepare SOURCE \
+                 --out DIR` with --text-field or --skip-bad-records, then train with --data DIR"
+            }
+            _ => "",
+        };
+        Self::Prepare {
+            path: path.to_path_buf(),
+            error: Box::new(error),
+            hint,
+        }
+    }
 }
 
 /// Result of the data pipeline.

@@ -1,18 +1,26 @@
-//! What `--data PATH` names: a text corpus, or pre-tokenized token shards, found from the path.
+//! What `--data PATH` names: a text corpus, raw documents to prepare, or pre-tokenized token
+//! shards, found from the path.
 //!
 //! - A path with `*` or `?` in its file name is a glob over one folder (`shards/train_*.bin`):
 //!   the matching files, sorted by name; matching nothing is an error naming the pattern.
-//! - A folder: its files, sorted by name (hidden files skipped).
+//! - A folder: its files, sorted by name (hidden files skipped). A folder `oobleck data
+//!   prepare` wrote (it holds `manifest.json`) is shards.
 //! - A Megatron prefix (`data/corpus_text_document`, whose `.idx` exists): that pair.
 //! - A file: token shards when it ends in `.bin` or `.idx`, starts with an llm.c magic, or the
-//!   caller said `--data-format u16`; otherwise a UTF-8 text corpus.
+//!   caller said `--data-format u16`; raw documents when `oobleck data prepare` reads its
+//!   extension and it is not a plain `.txt`/`.md` (`.jsonl`, `.json`, `.parquet`, `.txt.gz`,
+//!   ...); otherwise a UTF-8 text corpus.
 //!
-//! In a folder or glob every file is a shard (text corpora are one file for now), and a `.idx`
-//! is skipped: its pair is opened by its `.bin`. The expansion is done here, not by a shell,
-//! so every node of a cluster expands the same config string the same way.
+//! A glob whose files are all raw documents, or a folder whose files below it (recursively,
+//! as `data prepare` reads a folder; `*.prepared` cache folders skipped) all are, is raw
+//! documents: prepared once into the data cache ([`super::prepare::prepare_cached`]). Any
+//! other folder or glob is shards, and a `.idx` is skipped: its pair is opened by its `.bin`.
+//! The expansion is done here, not by a shell, so every node of a cluster expands the same
+//! config string the same way.
 
 use std::path::{Path, PathBuf};
 
+use super::prepare::{expand_sources, format_of, Codec, Layout, MANIFEST_FILE};
 use super::shards::{FormatHint, LLMC_MAGIC_U16, LLMC_MAGIC_U32};
 use super::{io_err, DataError, Result};
 
@@ -23,12 +31,19 @@ pub enum DataSource {
     Text(PathBuf),
     /// Token shards, concatenated in this order.
     Shards(Vec<PathBuf>),
+    /// Raw documents (JSONL, Parquet, compressed or several text files) in reading order,
+    /// prepared into the data cache before training reads them.
+    Raw(Vec<PathBuf>),
 }
 
 /// Resolves `path` (see the module docs). `hint` is `--data-format`.
 pub fn resolve_source(path: &Path, hint: FormatHint) -> Result<DataSource> {
     if is_glob(path) {
-        return expand_glob(path).map(DataSource::Shards);
+        let files = expand_glob(path)?;
+        if files.iter().all(|f| raw_format(f)) {
+            return Ok(DataSource::Raw(files));
+        }
+        return Ok(DataSource::Shards(files));
     }
     if !path.exists() {
         if with_suffix(path, ".idx").exists() {
@@ -40,14 +55,39 @@ pub fn resolve_source(path: &Path, hint: FormatHint) -> Result<DataSource> {
         });
     }
     if path.is_dir() {
+        if let Some(files) = raw_folder_files(path)? {
+            return Ok(DataSource::Raw(files));
+        }
         return folder_files(path).map(DataSource::Shards);
     }
     let by_name = path.extension().is_some_and(|e| e == "bin" || e == "idx");
     if by_name || hint == FormatHint::RawU16 || starts_with_llmc_magic(path)? {
         Ok(DataSource::Shards(vec![path.to_path_buf()]))
+    } else if raw_format(path) && !matches!(format_of(path), Ok((Layout::Text, Codec::Plain))) {
+        Ok(DataSource::Raw(vec![path.to_path_buf()]))
     } else {
         Ok(DataSource::Text(path.to_path_buf()))
     }
+}
+
+/// Whether `oobleck data prepare` reads `path` (by its extension).
+fn raw_format(path: &Path) -> bool {
+    format_of(path).is_ok()
+}
+
+/// The files below `dir` in `data prepare`'s reading order, when it is not a prepared folder
+/// and every one is a format `data prepare` reads; `None` otherwise (then it is shards).
+fn raw_folder_files(dir: &Path) -> Result<Option<Vec<PathBuf>>> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return Ok(None);
+    }
+    let Ok(mut files) = expand_sources(&[dir.display().to_string()]) else {
+        return Ok(None); // an unknown extension: a shard folder
+    };
+    if files.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(files.drain(..).map(|f| f.path).collect()))
 }
 
 fn is_glob(path: &Path) -> bool {
@@ -164,7 +204,7 @@ mod tests {
                 .iter()
                 .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
                 .collect::<Vec<_>>(),
-            DataSource::Text(p) => panic!("text {}", p.display()),
+            other => panic!("not shards: {other:?}"),
         };
         let folder = resolve_source(dir.path(), FormatHint::Detect).unwrap();
         assert_eq!(names(folder), ["a.bin", "b.bin", "notes.txt"]);
@@ -172,5 +212,45 @@ mod tests {
         assert_eq!(names(glob), ["a.bin", "b.bin"]);
         let text = resolve_source(&dir.path().join("notes.txt"), FormatHint::Detect).unwrap();
         assert_eq!(text, DataSource::Text(dir.path().join("notes.txt")));
+    }
+
+    #[test]
+    fn jsonl_parquet_and_compressed_text_are_raw_and_so_is_a_folder_or_glob_of_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::create_dir_all(d.join("web/sub")).unwrap();
+        std::fs::create_dir_all(d.join("web/old.jsonl.prepared")).unwrap();
+        for name in [
+            "web/b.parquet",
+            "web/a.jsonl.zst",
+            "web/sub/c.txt",
+            "web/.hidden",
+            "web/old.jsonl.prepared/shard-000000.bin",
+            "plain.txt",
+            "book.txt.gz",
+        ] {
+            std::fs::write(d.join(name), b"x").unwrap();
+        }
+        let resolve = |p: &str| resolve_source(&d.join(p), FormatHint::Detect).unwrap();
+        let raw = |names: &[&str]| DataSource::Raw(names.iter().map(|n| d.join(n)).collect());
+        assert_eq!(resolve("plain.txt"), DataSource::Text(d.join("plain.txt")));
+        assert_eq!(resolve("book.txt.gz"), raw(&["book.txt.gz"]));
+        assert_eq!(resolve("web/b.parquet"), raw(&["web/b.parquet"]));
+        assert_eq!(
+            resolve("web"),
+            raw(&["web/a.jsonl.zst", "web/b.parquet", "web/sub/c.txt"]),
+            "recursive, sorted, hidden files and *.prepared caches skipped"
+        );
+        assert_eq!(
+            resolve("web/?.*"),
+            raw(&["web/a.jsonl.zst", "web/b.parquet"])
+        );
+        // A folder `data prepare` wrote is shards, whatever else it holds.
+        let prepared = d.join("web/old.jsonl.prepared");
+        std::fs::write(prepared.join("manifest.json"), b"{}").unwrap();
+        assert_eq!(
+            resolve_source(&prepared, FormatHint::Detect).unwrap(),
+            DataSource::Shards(vec![prepared.join("shard-000000.bin")])
+        );
     }
 }

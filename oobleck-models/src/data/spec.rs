@@ -161,6 +161,18 @@ fn open_store(
             check_prepared(label, &files, tokenizer)?;
             Ok(TokenStore::Shards(open_shard_set(label, &files, hint)?))
         }
+        DataSource::Raw(files) => {
+            let dir = super::prepare::prepare_cached(label, &files, tokenizer)?;
+            let DataSource::Shards(shards) = resolve_source(&dir, FormatHint::Detect)? else {
+                return Err(super::DataError::Prepared {
+                    dir,
+                    problem: "holds no token shards; remove it to prepare again".into(),
+                });
+            };
+            check_prepared(&dir, &shards, tokenizer)?;
+            let set = open_shard_set(label, &shards, FormatHint::Detect)?;
+            Ok(TokenStore::Shards(set))
+        }
     }
 }
 

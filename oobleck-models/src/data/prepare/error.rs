@@ -15,7 +15,7 @@ pub enum PrepareError {
     BadPattern { pattern: String, problem: String },
     #[error(
         "{path}: unknown format (expected .txt, .md, .jsonl or .json, each optionally \
-         compressed as .gz or .zst)"
+         compressed as .gz or .zst, or .parquet)"
     )]
     UnknownFormat { path: PathBuf },
     /// A source that could not be opened or read (gone, unreadable, an I/O error).
@@ -50,6 +50,25 @@ pub enum PrepareError {
         line: u64,
         problem: String,
     },
+    /// A Parquet row whose text is null or not UTF-8; `--skip-bad-records` skips it.
+    #[error(
+        "{path}, row {row} (counting from 0): {problem} (pass --skip-bad-records to skip such \
+         records)"
+    )]
+    BadRow {
+        path: PathBuf,
+        row: u64,
+        problem: String,
+    },
+    #[error("{path}: no column \"{column}\" (columns: {columns}); pass --text-field NAME")]
+    NoColumn {
+        path: PathBuf,
+        column: String,
+        columns: String,
+    },
+    /// A Parquet file that does not decode (corrupt, truncated, a codec not built in).
+    #[error("{path}: cannot read as Parquet: {problem}")]
+    Parquet { path: PathBuf, problem: String },
     #[error("the sources hold no documents: nothing to prepare")]
     Empty,
     /// The output folder holds a preparation of something else; resuming would mix the two.

@@ -28,7 +28,7 @@ pub struct Manifest {
     pub dtype: String,
     /// Most tokens a shard holds, unless one document alone is longer.
     pub shard_tokens: u64,
-    /// JSONL field read as the text.
+    /// JSONL field (or Parquet column) read as the text.
     pub text_field: String,
     pub sources: Vec<SourceEntry>,
     pub shards: Vec<ShardEntry>,

@@ -4,13 +4,15 @@
 //! ```text
 //!  SOURCE... ─ sources.rs: files, folders (recursive, sorted), globs; format by extension
 //!      │        (.txt .md: a file is a document; .jsonl .json: field `text` of each line;
-//!      │         either also .gz or .zst); each source's size and SHA-256
+//!      │         either also .gz or .zst; .parquet: column `text` of each row); each
+//!      │        source's size and SHA-256
 //!      v
 //!  resume.rs: same sources, tokenizer and settings as DIR/manifest.json? keep its shards
 //!      │       and start after the last one; different? refuse, naming what differs
 //!      v
 //!  pipeline.rs: reader ─ batches ─> N tokenizing workers ─> writer, in order, M in flight
-//!      v        (readers.rs streams each source's documents)
+//!      v        (readers.rs streams each source's documents; parquet_reader.rs a row
+//!               group's batch of rows at a time)
 //!  writer.rs: DIR/shard-000000.bin ... (llm.c: 256 x int32 header, u16 or u32 tokens, the
 //!             end-of-text id before every document), each renamed into place when full,
 //!             then manifest.json (manifest.rs) rewritten to list it
@@ -20,10 +22,17 @@
 //! only: documents keep their order, and a shard closes before the first document that
 //! would overflow it (a document is never split; one longer than a shard gets a shard of its
 //! own). Memory is bounded by the batches in flight, one text file (a text file is one
-//! document) or one JSONL line, and a write buffer, never by the corpus.
+//! document), one JSONL line or one Parquet page and batch of rows, and a write buffer, never
+//! by the corpus.
 
+mod cache;
+#[cfg(test)]
+mod cache_tests;
 mod error;
 mod manifest;
+mod parquet_reader;
+#[cfg(test)]
+mod parquet_tests;
 mod pipeline;
 mod readers;
 mod resume;
@@ -32,13 +41,14 @@ mod sources;
 mod tests;
 mod writer;
 
+pub use cache::{prepare_cached, PREPARED_SUFFIX};
 pub use error::{PrepareError, Result};
 pub use manifest::{
     Manifest, Position, ShardEntry, SourceEntry, TokenizerEntry, Totals, MANIFEST_FILE,
     MANIFEST_VERSION,
 };
 pub use readers::{DocReader, ReadOptions};
-pub use sources::{expand_sources, Codec, Layout, SourceFile};
+pub use sources::{expand_sources, format_of, Codec, Layout, SourceFile};
 pub use writer::shard_name;
 
 use std::path::PathBuf;
@@ -49,7 +59,7 @@ use crate::data::{Gpt2Tokenizer, END_OF_TEXT_ID};
 
 /// Default `--shard-tokens`: 100 million tokens, 200 MB of u16 (llm.c's FineWeb shards).
 pub const DEFAULT_SHARD_TOKENS: u64 = 100_000_000;
-/// Default JSONL text field.
+/// Default JSONL text field and Parquet text column.
 pub const DEFAULT_TEXT_FIELD: &str = "text";
 
 /// What to prepare, and how.

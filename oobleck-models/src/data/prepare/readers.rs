@@ -1,9 +1,10 @@
 //! Streams one source's documents in order: decompression, records, UTF-8 and field checks.
 //!
 //! A text file is read whole (it is one document); a JSONL file a line at a time, so its
-//! memory is one line. Every error names the file and the place: the line number of a JSONL
-//! record, the byte offset (in the decompressed text) of a bad UTF-8 sequence, how far a
-//! truncated `.gz`/`.zst` stream decoded.
+//! memory is one line; a Parquet file a batch of rows of one row group at a time
+//! (parquet_reader.rs). Every error names the file and the place: the line number of a JSONL
+//! record, the row of a Parquet record, the byte offset (in the decompressed text) of a bad
+//! UTF-8 sequence, how far a truncated `.gz`/`.zst` stream decoded.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::error::{read_err, PrepareError, Result};
+use super::parquet_reader::{ParquetDocs, Row};
 use super::sources::{Codec, Layout, SourceFile};
 
 /// Counts the bytes read from disk (before decompression) into a shared counter: the progress
@@ -32,18 +34,27 @@ impl<R: Read> Read for Counting<R> {
 /// What a reader needs besides the file.
 #[derive(Debug, Clone)]
 pub struct ReadOptions {
-    /// JSONL field holding the text.
+    /// JSONL field, or Parquet column, holding the text.
     pub text_field: String,
-    /// Skip (and count) JSONL records that are not JSON or lack the field, instead of failing.
+    /// Skip (and count) records that are not JSON, lack the field or (Parquet) are null,
+    /// instead of failing.
     pub skip_bad_records: bool,
+}
+
+/// Where the documents come from: a (decompressed) byte stream, or a Parquet file's column.
+enum Input {
+    /// A whole text file, one document.
+    Text(Box<dyn BufRead + Send>),
+    /// One JSON object a line.
+    Lines(Box<dyn BufRead + Send>),
+    Parquet(Box<ParquetDocs>),
 }
 
 /// The documents of one source, in file order.
 pub struct DocReader {
     path: PathBuf,
-    layout: Layout,
     codec: Codec,
-    input: Box<dyn BufRead + Send>,
+    input: Input,
     options: ReadOptions,
     /// Records skipped as bad so far (only with `skip_bad_records`).
     pub skipped: u64,
@@ -57,29 +68,17 @@ pub struct DocReader {
 impl DocReader {
     /// Opens `src`; `counter` is advanced by the bytes read from disk.
     pub fn open(src: &SourceFile, options: &ReadOptions, counter: Arc<AtomicU64>) -> Result<Self> {
-        let file = File::open(&src.path).map_err(read_err(&src.path))?;
-        let raw = BufReader::with_capacity(
-            1 << 20,
-            Counting {
-                inner: file,
+        let input = match src.layout {
+            Layout::Text => Input::Text(open_bytes(src, counter)?),
+            Layout::JsonLines => Input::Lines(open_bytes(src, counter)?),
+            Layout::Parquet => Input::Parquet(Box::new(ParquetDocs::open(
+                &src.path,
+                &options.text_field,
                 counter,
-            },
-        );
-        let input: Box<dyn BufRead + Send> = match src.codec {
-            Codec::Plain => Box::new(raw),
-            Codec::Gzip => Box::new(BufReader::with_capacity(
-                1 << 20,
-                flate2::bufread::MultiGzDecoder::new(raw),
-            )),
-            Codec::Zstd => {
-                let d =
-                    zstd::stream::read::Decoder::with_buffer(raw).map_err(read_err(&src.path))?;
-                Box::new(BufReader::with_capacity(1 << 20, d))
-            }
+            )?)),
         };
         Ok(Self {
             path: src.path.clone(),
-            layout: src.layout,
             codec: src.codec,
             input,
             options: options.clone(),
@@ -96,13 +95,13 @@ impl DocReader {
         if self.done {
             return Ok(None);
         }
-        match self.layout {
-            Layout::Text => {
+        match &mut self.input {
+            Input::Text(input) => {
                 self.done = true;
                 let mut bytes = Vec::new();
-                self.input
-                    .read_to_end(&mut bytes)
-                    .map_err(|e| self.io_error(e))?;
+                if let Err(e) = input.read_to_end(&mut bytes) {
+                    return Err(self.io_error(e));
+                }
                 self.offset = bytes.len() as u64;
                 String::from_utf8(bytes)
                     .map(Some)
@@ -112,18 +111,22 @@ impl DocReader {
                         at_line: String::new(),
                     })
             }
-            Layout::JsonLines => self.next_record(),
+            Input::Lines(_) => self.next_record(),
+            Input::Parquet(_) => self.next_row(),
         }
     }
 
     fn next_record(&mut self) -> Result<Option<String>> {
+        let Input::Lines(input) = &mut self.input else {
+            unreachable!("next_record is called for JSONL input only");
+        };
         loop {
             self.buf.clear();
             let start = self.offset;
-            let n = self
-                .input
-                .read_until(b'\n', &mut self.buf)
-                .map_err(|e| self.io_error(e))?;
+            let n = match input.read_until(b'\n', &mut self.buf) {
+                Ok(n) => n,
+                Err(e) => return Err(io_error(&self.path, self.codec, self.offset, e)),
+            };
             if n == 0 {
                 self.done = true;
                 return Ok(None);
@@ -152,16 +155,67 @@ impl DocReader {
         }
     }
 
-    fn io_error(&self, e: std::io::Error) -> PrepareError {
-        match self.codec {
-            Codec::Plain => read_err(&self.path)(e),
-            codec => PrepareError::Decompress {
-                path: self.path.clone(),
-                codec: codec.name(),
-                offset: self.offset,
-                source: e,
-            },
+    fn next_row(&mut self) -> Result<Option<String>> {
+        let Input::Parquet(rows) = &mut self.input else {
+            unreachable!("next_row is called for Parquet input only");
+        };
+        loop {
+            match rows.next_row()? {
+                None => {
+                    self.done = true;
+                    return Ok(None);
+                }
+                Some(Row::Text(text)) => return Ok(Some(text)),
+                Some(Row::Bad(_)) if self.options.skip_bad_records => self.skipped += 1,
+                Some(Row::Bad(problem)) => {
+                    return Err(PrepareError::BadRow {
+                        path: self.path.clone(),
+                        row: rows.last_row(),
+                        problem,
+                    })
+                }
+            }
         }
+    }
+
+    fn io_error(&self, e: std::io::Error) -> PrepareError {
+        io_error(&self.path, self.codec, self.offset, e)
+    }
+}
+
+/// The decompressed bytes of a text or JSONL source.
+fn open_bytes(src: &SourceFile, counter: Arc<AtomicU64>) -> Result<Box<dyn BufRead + Send>> {
+    let file = File::open(&src.path).map_err(read_err(&src.path))?;
+    let raw = BufReader::with_capacity(
+        1 << 20,
+        Counting {
+            inner: file,
+            counter,
+        },
+    );
+    Ok(match src.codec {
+        Codec::Plain => Box::new(raw),
+        Codec::Gzip => Box::new(BufReader::with_capacity(
+            1 << 20,
+            flate2::bufread::MultiGzDecoder::new(raw),
+        )),
+        Codec::Zstd => {
+            let d = zstd::stream::read::Decoder::with_buffer(raw).map_err(read_err(&src.path))?;
+            Box::new(BufReader::with_capacity(1 << 20, d))
+        }
+    })
+}
+
+/// An I/O error at decompressed byte `offset`: a read error, or a broken compressed stream.
+fn io_error(path: &std::path::Path, codec: Codec, offset: u64, e: std::io::Error) -> PrepareError {
+    match codec {
+        Codec::Plain => read_err(path)(e),
+        codec => PrepareError::Decompress {
+            path: path.to_path_buf(),
+            codec: codec.name(),
+            offset,
+            source: e,
+        },
     }
 }
 

@@ -4,7 +4,8 @@
 //! a glob (`data/*.jsonl.zst`, matches sorted by path). Arguments keep the order they were
 //! given; a file named twice is read once, where it first appears. The format comes from the
 //! extension: `.txt`/`.md` (one file is one document) or `.jsonl`/`.json` (one JSON object a
-//! line), each optionally `.gz` or `.zst`.
+//! line), each optionally `.gz` or `.zst`, or `.parquet` (one string column; Parquet compresses
+//! its own pages).
 
 use std::fs::File;
 use std::io::Read;
@@ -21,6 +22,8 @@ pub enum Layout {
     Text,
     /// One JSON object a line; the document is one string field.
     JsonLines,
+    /// A Parquet file; the document is one string column's value in each row.
+    Parquet,
 }
 
 /// How a source's bytes are compressed.
@@ -64,6 +67,9 @@ pub fn format_of(path: &Path) -> Result<(Layout, Codec)> {
     } else {
         (name.as_str(), Codec::Plain)
     };
+    if name.ends_with(".parquet") {
+        return Ok((Layout::Parquet, Codec::Plain));
+    }
     let layout = if stem.ends_with(".txt") || stem.ends_with(".md") {
         Layout::Text
     } else if stem.ends_with(".jsonl") || stem.ends_with(".json") {
@@ -143,15 +149,20 @@ fn expand_one(arg: &str) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Every file below `dir`; hidden files (names starting with '.') are not data.
+/// Every file below `dir`; hidden files (names starting with '.') are not data, nor are the
+/// `*.prepared` folders `train --data` prepares raw sources into (beside them, by default).
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     for entry in std::fs::read_dir(dir).map_err(read_err(dir))? {
         let entry = entry.map_err(read_err(dir))?;
         let path = entry.path();
-        if entry.file_name().to_string_lossy().starts_with('.') {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
             continue;
         }
         if path.is_dir() {
+            if name.ends_with(super::cache::PREPARED_SUFFIX) {
+                continue;
+            }
             walk(&path, out)?;
         } else {
             out.push(path);

@@ -10,7 +10,7 @@ fn tok() -> Gpt2Tokenizer {
     Gpt2Tokenizer::embedded()
 }
 
-fn jsonl(texts: &[String]) -> Vec<u8> {
+pub(super) fn jsonl(texts: &[String]) -> Vec<u8> {
     let mut out = Vec::new();
     for t in texts {
         out.extend_from_slice(
@@ -39,7 +39,7 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     path
 }
 
-fn read_opts(skip: bool) -> ReadOptions {
+pub(super) fn read_opts(skip: bool) -> ReadOptions {
     ReadOptions {
         text_field: "text".into(),
         skip_bad_records: skip,
@@ -57,7 +57,7 @@ fn read_all(path: &Path, skip: bool) -> Result<(Vec<String>, u64)> {
     Ok((docs, r.skipped))
 }
 
-fn texts(n: usize) -> Vec<String> {
+pub(super) fn texts(n: usize) -> Vec<String> {
     (0..n)
         .map(|i| {
             format!(

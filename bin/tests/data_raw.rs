@@ -1,0 +1,127 @@
+//! `train --data corpus.jsonl` prepares the raw corpus once into the data cache and trains on
+//! it exactly as on `oobleck data prepare corpus.jsonl --out DIR` then `train --data DIR`, on
+//! a 2-node local cluster; a second run reuses the cache without writing to it.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, SystemTime};
+
+use common::{losses, run, train_cmd, OOBLECK};
+
+/// The shipped corpus cut into ~2 KB documents, as JSONL (about 550 records).
+fn write_corpus(path: &Path) {
+    let text = std::fs::read_to_string(oobleck_models::data::default_corpus_path()).unwrap();
+    let mut out = String::new();
+    for (i, piece) in text.as_bytes().chunks(2000).enumerate() {
+        let piece = String::from_utf8_lossy(piece);
+        let doc = serde_json::json!({ "id": i, "text": piece });
+        out.push_str(&doc.to_string());
+        out.push('\n');
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+/// Trains 2 steps on 2 nodes on `data`, the data cache in `cache`; the per-step losses and
+/// what the job printed.
+fn two_steps(out: &Path, data: &Path, cache: &Path) -> (Vec<(u64, f64)>, String) {
+    let mut cmd = train_cmd(out, 2, &["--nodes", "2", "--data", data.to_str().unwrap()]);
+    cmd.env("OOBLECK_CACHE_DIR", cache);
+    let o = run(cmd, Duration::from_secs(300));
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{}: {stderr}", data.display());
+    let got = losses(out);
+    assert_eq!(got.len(), 2, "{got:?}");
+    (got, stderr)
+}
+
+/// The one `*.prepared` folder in `cache`.
+fn prepared_folder(cache: &Path) -> PathBuf {
+    let found: Vec<PathBuf> = std::fs::read_dir(cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".prepared"))
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    found[0].clone()
+}
+
+/// Name, bytes, inode and modification time of each file of a prepared folder.
+type Stamp = Vec<(String, Vec<u8>, u64, SystemTime)>;
+
+fn stamp(dir: &Path) -> Stamp {
+    let mut out: Stamp = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "bin" || e == "json"))
+        .map(|p| {
+            let m = std::fs::metadata(&p).unwrap();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (
+                name,
+                std::fs::read(&p).unwrap(),
+                m.ino(),
+                m.modified().unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn raw_jsonl_trains_like_its_prepared_folder_and_a_second_run_reuses_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.jsonl");
+    write_corpus(&corpus);
+    let prepared = dir.path().join("prepared");
+    let o = Command::new(OOBLECK)
+        .args(["data", "prepare"])
+        .arg(&corpus)
+        .arg("--out")
+        .arg(&prepared)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cache = dir.path().join("cache");
+
+    let (from_dir, _) = two_steps(&dir.path().join("dir"), &prepared, &cache);
+    let (first, log) = two_steps(&dir.path().join("raw1"), &corpus, &cache);
+    assert!(
+        log.contains("preparing the raw data once into the cache"),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("prepared the raw data").count(),
+        1,
+        "one process prepares: {log}"
+    );
+    assert_eq!(
+        first, from_dir,
+        "train --data corpus.jsonl vs its prepared folder"
+    );
+    let cached = prepared_folder(&cache);
+    let before = stamp(&cached);
+    let shards = |s: &Stamp| -> Vec<(String, Vec<u8>)> {
+        s.iter()
+            .filter(|f| f.0.ends_with(".bin"))
+            .map(|f| (f.0.clone(), f.1.clone()))
+            .collect()
+    };
+    assert_eq!(
+        shards(&before),
+        shards(&stamp(&prepared)),
+        "the same shard bytes"
+    );
+
+    let (second, log) = two_steps(&dir.path().join("raw2"), &corpus, &cache);
+    assert_eq!(second, first);
+    assert_eq!(
+        stamp(&cached),
+        before,
+        "the second run wrote nothing to the cache"
+    );
+    eprintln!("{log}");
+}
