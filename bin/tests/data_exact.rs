@@ -59,9 +59,12 @@ fn assert_well_formed(got: &[(u64, StepData)], steps: u64) {
     );
 }
 
-/// `--inject-failure 1@3` with f = 1 on 2 nodes: node 1 dies after step 3 and node 0 goes on
-/// alone in place; then a node joins and the job spreads over two nodes again. Every step's
-/// data equals the uninterrupted 2-node run's and the single process's.
+/// An uninterrupted 3-node run (pipelines of one node and of two: a pipeline's second stage
+/// loads microbatches too, but only its first counts them) trains the single process's samples
+/// at every step. So does a 2-node run with f = 1 whose node 1 dies after step 3
+/// (`--inject-failure 1@3`): node 0 goes on alone in place, then a node joins (it restores a
+/// pipeline, so it is admitted at the next step boundary) and the job spreads over two nodes
+/// again.
 #[test]
 fn a_node_killed_and_one_joined_mid_run_leave_every_steps_samples_unchanged() {
     const STEPS: u64 = 30;
@@ -70,14 +73,29 @@ fn a_node_killed_and_one_joined_mid_run_leave_every_steps_samples_unchanged() {
     train_ok(train_cmd(&single, STEPS, &["--nodes", "1"]));
     let want = data(&single);
     assert_well_formed(&want, STEPS);
-    let two = ["--nodes", "2", "--fault-threshold", "1"];
+    let three = ["--nodes", "3", "--fault-threshold", "1"];
     let plain = dir.path().join("plain");
-    train_ok(train_cmd(&plain, STEPS, &two));
-    assert_eq!(data(&plain), want, "2 nodes vs the single process");
+    train_ok(train_cmd(&plain, STEPS, &three));
+    assert_eq!(data(&plain), want, "3 nodes vs the single process");
+    let plans: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(plain.join("plan.json")).expect("plan.json"))
+            .expect("plans");
+    let widest = plans[0]["pipelines"].as_array().expect("pipelines").iter();
+    let widest = widest
+        .map(|p| p["nodes"].as_array().map_or(0, Vec::len))
+        .max();
+    assert_eq!(widest, Some(2), "a pipeline of two stages: {}", plans[0]);
 
     let out = dir.path().join("run");
     let mut strays = Strays::default();
-    let flags = [&two[..], &["--inject-failure", "1@3"]].concat();
+    let flags = [
+        "--nodes",
+        "2",
+        "--fault-threshold",
+        "1",
+        "--inject-failure",
+        "1@3",
+    ];
     let mut g = Guard(Some(train_cmd(&out, STEPS, &flags).spawn().expect("train")));
     wait_for_events(&out, 1, WAIT, "recovery", |e| e["event"] == "resumed");
     strays.add_node(&out, &[]);
@@ -97,7 +115,7 @@ fn a_node_killed_and_one_joined_mid_run_leave_every_steps_samples_unchanged() {
     assert!(nodes.iter().any(|&(_, n)| n == 1.0), "{nodes:?}");
     assert_eq!(nodes.last().map(|l| l.1), Some(2.0), "{nodes:?}");
     assert_eq!(data(&out), want, "killed and joined vs uninterrupted");
-    // 2 agents, 3 workers (node 0's, node 1's, the joined node's); the joined agent is a stray.
+    // 2 agents, 3 workers (one per node, the joined one's too); the joined agent is a stray.
     assert_all_gone(&out, 5);
     strays.assert_gone();
 }
