@@ -121,7 +121,7 @@ impl Trainer {
         let mut samples = SampleHash::default();
         for k in 0..nb {
             let batch = self.workload.train_batch(self.cfg.seed, self.step, k)?;
-            samples = samples.add(SampleHash::of(batch.sample_ids.iter().map(|&i| i as u64)));
+            samples = samples + SampleHash::of(batch.sample_ids.iter().map(|&i| i as u64));
             let (inp, tgt) = to_tensors(&batch, &self.device)?;
             let ctx = ForwardCtx {
                 targets: Some(&tgt),

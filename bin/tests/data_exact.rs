@@ -226,7 +226,7 @@ fn steps_across_epoch_boundaries_train_every_window_once_per_epoch() {
         let steps = &got[epoch * 3..(epoch + 1) * 3];
         let sum = steps
             .iter()
-            .fold(SampleHash::default(), |h, (_, d)| h.add(hash(d)));
+            .fold(SampleHash::default(), |h, (_, d)| h + hash(d));
         assert_eq!(sum, every_window, "epoch {epoch}: {steps:?}");
     }
     assert_ne!(got[0].1.samples, got[3].1.samples, "epoch 1 is reshuffled");

@@ -105,7 +105,7 @@ impl JobMachine {
                 if let Some(g) = self.gen.as_mut() {
                     g.read.extend(microbatches);
                     if let Some(h) = samples {
-                        g.samples = Some(g.samples.unwrap_or_default().add(SampleHash(h)));
+                        g.samples = Some(g.samples.unwrap_or_default() + SampleHash(h));
                     }
                     if let Some(t) = times {
                         g.times.insert(rank, t);

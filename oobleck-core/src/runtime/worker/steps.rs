@@ -133,7 +133,7 @@ impl Generation<'_> {
             // Each microbatch counted once, by the one rank that reads it for its pipeline.
             if lead_of_first_stage && read.insert(mb) {
                 if let Some(ids) = workload.sample_ids(seed, step, mb).map_err(failed)? {
-                    samples = Some(samples.unwrap_or_default().add(SampleHash::of(ids)));
+                    samples = Some(samples.unwrap_or_default() + SampleHash::of(ids));
                 }
             }
             workload.microbatch(seed, step, mb, &device).map_err(failed)

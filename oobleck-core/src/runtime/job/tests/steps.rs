@@ -141,7 +141,7 @@ fn the_commit_carries_the_sum_of_the_ranks_sample_hashes() {
     assert_eq!(first_ranks, [0, 1], "the pipelines' first ranks read");
     let got = commit(&mut h, 1, [Some(a), Some(b), None]);
     assert_eq!(got, Some(SampleHash(3)), "wrapping: (2^64 - 2) + 5");
-    assert_eq!(got, Some(a.add(b)));
+    assert_eq!(got, Some(a + b));
     // The next step starts from nothing: no rank said a hash, none is written.
     assert_eq!(commit(&mut h, 2, [None, None, None]), None);
     assert_eq!(commit(&mut h, 3, [None, Some(b), None]), Some(b));

@@ -77,14 +77,18 @@ impl SampleHash {
         )
     }
 
-    /// The hash of both multisets together.
-    pub fn add(self, other: SampleHash) -> SampleHash {
-        SampleHash(self.0.wrapping_add(other.0))
-    }
-
     /// 16 lower-case hex digits, as `metrics.jsonl` writes it.
     pub fn hex(self) -> String {
         format!("{:016x}", self.0)
+    }
+}
+
+/// The hash of both multisets together.
+impl std::ops::Add for SampleHash {
+    type Output = SampleHash;
+
+    fn add(self, other: SampleHash) -> SampleHash {
+        SampleHash(self.0.wrapping_add(other.0))
     }
 }
 
@@ -192,7 +196,7 @@ mod tests {
         // SplitMix64 of the seed 0 stream: its first output is splitmix64(0).
         assert_eq!(splitmix64(0), 0xe220_a839_7b1d_cdaf);
         let h = SampleHash::of([3, 1, 2]);
-        assert_eq!(h, SampleHash::of([1, 2]).add(SampleHash::of([3])));
+        assert_eq!(h, SampleHash::of([1, 2]) + SampleHash::of([3]));
         assert_ne!(h, SampleHash::of([1, 2, 2]), "a repeated sample shows");
         assert_ne!(h, SampleHash::of([1, 2]), "a missing sample shows");
         assert_eq!(SampleHash::of([]).hex(), "0000000000000000");
