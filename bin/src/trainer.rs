@@ -14,7 +14,7 @@ use oobleck_core::checkpoint::space::{self, SaveFailure};
 use oobleck_core::checkpoint::{self, TrainerState};
 use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, ParamSource, Stage};
 use oobleck_core::optim::{clip_grad_norm, AdamW, LrSchedule};
-use oobleck_core::runtime::wire::records::StartInfo;
+use oobleck_core::runtime::wire::records::{SampleHash, StartInfo, StepData};
 use oobleck_core::runtime::{Event, Workload};
 use oobleck_models::workload::{to_tensors, GptWorkload};
 
@@ -111,14 +111,17 @@ impl Trainer {
         writeln!(self.events, "{line}").context("writing events.jsonl")
     }
 
-    /// One optimizer step over the global batch. Returns (mean loss, pre-clip grad norm, lr).
-    pub fn train_step(&mut self) -> Result<(f64, f64, f64)> {
+    /// One optimizer step over the global batch. Returns (mean loss, pre-clip grad norm, lr,
+    /// the step's data: what a cluster job writes for the same step).
+    pub fn train_step(&mut self) -> Result<(f64, f64, f64, StepData)> {
         let nb = self.workload.batch_spec().num_microbatches;
         let dtype = self.compute_dtype();
         let mut grads = HashMap::new();
         let mut loss = 0.0;
+        let mut samples = SampleHash::default();
         for k in 0..nb {
             let batch = self.workload.train_batch(self.cfg.seed, self.step, k)?;
+            samples = samples + SampleHash::of(batch.sample_ids.iter().map(|&i| i as u64));
             let (inp, tgt) = to_tensors(&batch, &self.device)?;
             let ctx = ForwardCtx {
                 targets: Some(&tgt),
@@ -150,8 +153,14 @@ impl Trainer {
         };
         let lr = self.sched.lr_at(self.step);
         self.opt.step(&self.stage.params(), &grads, lr)?;
+        let cursor = self.workload.cursor(self.step);
+        let data = StepData {
+            epoch: Some(cursor.epoch),
+            iteration: Some(cursor.iteration),
+            samples: samples.hex(),
+        };
         self.step += 1;
-        Ok((loss, norm, lr))
+        Ok((loss, norm, lr, data))
     }
 
     /// What the forward passes compute in: `--precision bf16` is mixed precision (bf16
@@ -295,7 +304,7 @@ impl Trainer {
         }
         while self.step < self.cfg.steps {
             let t0 = Instant::now();
-            let (loss, grad_norm, lr) = self.train_step()?;
+            let (loss, grad_norm, lr, data) = self.train_step()?;
             let dt = t0.elapsed().as_secs_f64().max(1e-9);
             total_tokens += tokens_per_step;
             first_loss.get_or_insert(loss);
@@ -325,6 +334,7 @@ impl Trainer {
                 wall_s: started.elapsed().as_secs_f64(),
                 val_loss,
                 times: Default::default(),
+                data: Some(data),
             };
             writeln!(self.metrics, "{}", serde_json::to_string(&m)?)
                 .context("writing metrics.jsonl")?;

@@ -379,6 +379,7 @@ async fn worker_reports_reach_the_driver_as_sent_and_a_report_for_another_node_i
             loss: 2.5,
             grad_norm: 0.75,
             microbatches: vec![0, 1],
+            samples: None,
             times: None,
         },
         WorkerReport::Exited {

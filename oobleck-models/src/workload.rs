@@ -590,6 +590,18 @@ impl Workload for GptWorkload {
         Ok(to_tensors(&batch, device)?)
     }
 
+    /// The windows of the microbatch, numbered within the training split (a blend's: after
+    /// the windows of the sources before its own; see [`Batch::sample_ids`]).
+    fn sample_ids(
+        &self,
+        seed: u64,
+        step: u64,
+        microbatch: u32,
+    ) -> std::result::Result<Option<Vec<u64>>, BoxError> {
+        let batch = self.train_batch(seed, step, microbatch as usize)?;
+        Ok(Some(batch.sample_ids.iter().map(|&i| i as u64).collect()))
+    }
+
     fn profile(
         &self,
         device: &DeviceSpec,

@@ -405,3 +405,40 @@ fn a_measured_profile_file_is_checked_against_the_job() {
         "{e}"
     );
 }
+
+/// The ids [`Workload::sample_ids`] gives are the windows the microbatch trains, and over two
+/// epochs each epoch trains every window of the training split exactly once, except the
+/// `n mod (B*b)` at the tail of that epoch's order, which it skips.
+#[test]
+fn sample_ids_name_the_windows_trained_and_each_epoch_trains_every_window_once() {
+    let (_dir, corpus) = small_corpus(6_000);
+    let w = GptWorkload::new(tiny(&corpus), BATCH).expect("workload");
+    let (spec, ipe) = (w.batch_spec(), w.iterations_per_epoch() as u64);
+    let train = w.dataset().split(Split::Train);
+    let n = train.num_samples(spec.seq_len) as u64;
+    let per_step = spec.global_batch_samples() as u64;
+    assert!(ipe >= 2 && n % per_step != 0, "{n} windows, {ipe} steps");
+    let mut skipped_before = None;
+    for epoch in 0..2 {
+        let mut seen = std::collections::BTreeSet::new();
+        for step in epoch * ipe..(epoch + 1) * ipe {
+            for k in 0..spec.num_microbatches as u32 {
+                let samples = w
+                    .sample_ids(SEED, step, k)
+                    .unwrap()
+                    .expect("numbered samples");
+                let rows = ids(&w.microbatch(SEED, step, k, &Device::Cpu).unwrap().0);
+                for (row, &id) in samples.iter().enumerate() {
+                    let window = train.sequential_batch(spec.seq_len, 1, id as usize);
+                    assert_eq!(rows[row], window.unwrap().inputs, "step {step} mb {k}");
+                    assert!(seen.insert(id), "window {id} twice in epoch {epoch}");
+                }
+            }
+        }
+        let order = train.epoch_order(SEED, epoch, spec.seq_len);
+        let skipped: Vec<u64> = (ipe * per_step..n).map(|p| order.at(p)).collect();
+        seen.extend(skipped.iter().copied());
+        assert_eq!(seen, (0..n).collect(), "epoch {epoch}: every window once");
+        assert_ne!(skipped_before.replace(skipped.clone()), Some(skipped));
+    }
+}

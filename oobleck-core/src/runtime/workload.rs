@@ -37,6 +37,20 @@ pub trait Workload: Send + Sync {
         microbatch: u32,
         device: &Device,
     ) -> std::result::Result<(Tensor, Tensor), BoxError>;
+    /// The ids of the samples in microbatch `microbatch` of step `step` (as
+    /// [`Workload::microbatch`] numbers them), for the step's sample hash in `metrics.jsonl`
+    /// ([`crate::runtime::wire::records::StepData`]): a run can then be checked to train the
+    /// same samples at every step, whatever its plan, failures and resumes. `None` (the
+    /// default): the workload does not number its samples, and no hash is written.
+    fn sample_ids(
+        &self,
+        seed: u64,
+        step: u64,
+        microbatch: u32,
+    ) -> std::result::Result<Option<Vec<u64>>, BoxError> {
+        let _ = (seed, step, microbatch);
+        Ok(None)
+    }
     /// What the planner needs: per-layer times and sizes for microbatches of
     /// `microbatch_size` samples on `device`, computing in `precision` (the job's
     /// [`TrainingSpec::precision`]: with bf16, activations and parameters count 2 bytes per

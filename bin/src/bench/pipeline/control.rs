@@ -80,6 +80,7 @@ async fn commit_one_step(
                 loss: 0.0,
                 grad_norm: 0.0,
                 microbatches: vec![0, 1],
+                samples: None,
                 times: None,
             },
         };

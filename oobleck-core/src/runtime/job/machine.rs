@@ -16,7 +16,7 @@ use crate::planning::{stage_leads, world_size};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::spec::TrainingSpec;
 use crate::runtime::wire::pipe::StateSource;
-use crate::runtime::wire::records::{Event, PipelineLayout, WorkerReport};
+use crate::runtime::wire::records::{Event, PipelineLayout, SampleHash, WorkerReport};
 
 /// Where the job is.
 #[derive(Debug)]
@@ -53,6 +53,9 @@ pub(super) struct Generation {
     pub ready: BTreeMap<u32, (f64, f64)>,
     /// The global microbatches the open step's first stages read.
     pub read: Vec<u32>,
+    /// The hash of their samples, the sum of what the ranks that read them said (`None`: no
+    /// rank said one; the workload does not number its samples).
+    pub samples: Option<SampleHash>,
     /// Where each rank's time of the open step went, as it said.
     pub times: BTreeMap<u32, StepTimes>,
     /// Ranks whose watchdog says they wait on their peers: `(step, what, for how long)`.
@@ -473,6 +476,7 @@ impl JobMachine {
             listening: BTreeMap::new(),
             ready: BTreeMap::new(),
             read: Vec::new(),
+            samples: None,
             times: BTreeMap::new(),
             waiting: BTreeMap::new(),
             broken: BTreeMap::new(),

@@ -42,7 +42,7 @@ pub use stragglers::StragglerRule;
 
 use super::error::RuntimeError;
 use super::wire::pipe::StateSource;
-use super::wire::records::{Event, WorkerReport};
+use super::wire::records::{Event, SampleHash, WorkerReport};
 use crate::execution::StepTimes;
 use crate::planning::{Plan, PlanError};
 use crate::reconfig::{Holdings, ReconfigPlan};
@@ -285,6 +285,8 @@ pub enum Action {
         eval_due: bool,
         /// The global microbatches it trained, sorted (each once).
         microbatches: Vec<u32>,
+        /// The hash of their samples (`None`: the workload does not number them).
+        samples: Option<SampleHash>,
         /// Where each rank's time of the step went (ranks that said).
         times: BTreeMap<u32, StepTimes>,
         /// The run ends with this step (its final one, or a stop asked for).

@@ -11,7 +11,7 @@ use crate::reconfig::Holdings;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::wire::protocol::ExitStatus;
 use crate::runtime::wire::records::Event;
-use crate::runtime::wire::records::{CorruptCopy, WorkerReport};
+use crate::runtime::wire::records::{CorruptCopy, SampleHash, WorkerReport};
 
 /// The machine's replica group: what each `(node, device)` holds of the committed step, as its
 /// workers said (`Formed`) and lost since (what a recovery in place copies from), and the
@@ -99,10 +99,14 @@ impl JobMachine {
                 loss,
                 grad_norm,
                 microbatches,
+                samples,
                 times,
             } => {
                 if let Some(g) = self.gen.as_mut() {
                     g.read.extend(microbatches);
+                    if let Some(h) = samples {
+                        g.samples = Some(g.samples.unwrap_or_default() + SampleHash(h));
+                    }
                     if let Some(t) = times {
                         g.times.insert(rank, t);
                     }

@@ -245,6 +245,7 @@ impl JobMachine {
         let ready = std::mem::take(&mut g.ready);
         let times = std::mem::take(&mut g.times);
         let mut read = std::mem::take(&mut g.read);
+        let samples = g.samples.take();
         read.sort_unstable();
         let every: Vec<u32> = (0..self.spec.global_microbatches).collect();
         if read != every {
@@ -270,6 +271,7 @@ impl JobMachine {
             nodes,
             eval_due: step < self.spec.steps && self.spec.eval_due(step),
             microbatches: read,
+            samples,
             times: times.clone(),
             last: step >= self.steps.last_step(&self.spec),
         });

@@ -21,7 +21,7 @@ use crate::runtime::job::{Action, Input, JobMachine};
 use crate::runtime::spec::{DataPlane, JobConfig, TrainingSpec};
 use crate::runtime::wire::pipe::StateSource;
 use crate::runtime::wire::protocol::{GenerationStart, Rendezvous};
-use crate::runtime::wire::records::{Event, StepMetrics};
+use crate::runtime::wire::records::{Event, SampleHash, StepData, StepMetrics};
 use crate::runtime::wire::Message;
 
 pub(super) struct Parts<'a> {
@@ -208,11 +208,16 @@ impl<'a> Driver<'a> {
                 nodes,
                 eval_due,
                 microbatches,
+                samples,
                 times,
                 last,
             } => {
                 let mut m = self.metrics(step, loss, grad_norm, generation, pipelines, nodes);
                 m.microbatches = crate::runtime::wire::records::ranges(&microbatches);
+                m.data = samples.map(|h| {
+                    let cursor = self.p.assembler.workload.data_cursor(step - 1);
+                    step_data(&cursor, h)
+                });
                 m.times = times;
                 self.commit(m, eval_due, last).await?;
             }
@@ -321,6 +326,7 @@ impl<'a> Driver<'a> {
             val_loss: None,
             microbatches: String::new(),
             times: BTreeMap::new(),
+            data: None,
         }
     }
 
@@ -504,4 +510,15 @@ fn nccl_unique_id(plane: DataPlane) -> Result<Option<Vec<u8>>> {
         ))
     })?;
     Ok(Some(id.0.to_vec()))
+}
+
+/// The `data` of a step's metrics line: the position of its data, read from the workload's
+/// cursor before it (`epoch` and `iteration`, where the workload has them: see
+/// [`crate::runtime::Workload::data_cursor`]), and the hash of its samples.
+fn step_data(cursor: &serde_json::Value, samples: SampleHash) -> StepData {
+    StepData {
+        epoch: cursor.get("epoch").and_then(serde_json::Value::as_u64),
+        iteration: cursor.get("iteration").and_then(serde_json::Value::as_u64),
+        samples: samples.hex(),
+    }
 }

@@ -204,6 +204,7 @@ mod tests {
             val_loss: None,
             microbatches: String::new(),
             times: BTreeMap::new(),
+            data: None,
         }
     }
 

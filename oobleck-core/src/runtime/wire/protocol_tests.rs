@@ -44,6 +44,7 @@ fn samples() -> Vec<Message> {
                 loss: 3.25,
                 grad_norm: 0.5,
                 microbatches: vec![0, 1],
+                samples: Some(7),
                 times: None,
             },
         },

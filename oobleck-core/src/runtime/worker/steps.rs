@@ -13,9 +13,9 @@ use super::{protocol, Flow, Generation, COMMIT_TIMEOUT};
 use crate::execution::{sync_gradients, Doing};
 use crate::planning::stage_leads;
 use crate::runtime::error::error_chain;
-use crate::runtime::error::{Context, Result, RuntimeError};
+use crate::runtime::error::{BoxError, Context, Result, RuntimeError};
 use crate::runtime::wire::pipe::{ToWorker, WorkerAssignment};
-use crate::runtime::wire::records::WorkerReport;
+use crate::runtime::wire::records::{SampleHash, WorkerReport};
 use crate::runtime::workload::Workload;
 
 pub(super) use crate::runtime::timeouts::BROKEN_WAIT;
@@ -107,6 +107,8 @@ impl Generation<'_> {
         let pos = self.runner.position();
         let lead_of_first_stage = pos.stage == 0 && pos.device == 0;
         let mut read = std::collections::BTreeSet::new();
+        // The hash of the samples of the microbatches this rank reads (see `read`).
+        let mut samples: Option<SampleHash> = None;
         let slow = hooks::slowness(node);
         // Microbatches are made where the stage computes (a CUDA worker's on its GPU).
         let device = self.runner.device().clone();
@@ -123,13 +125,17 @@ impl Generation<'_> {
             }
             let mb = u32::try_from(mb)
                 .map_err(|_| crate::Error::workload(format!("microbatch {mb} is past u32")))?;
-            if lead_of_first_stage {
-                read.insert(mb);
-            }
-            workload.microbatch(seed, step, mb, &device).map_err(|e| {
+            let failed = |e: BoxError| {
                 let why = error_chain(e.as_ref()).join(": ");
                 crate::Error::workload(format!("microbatch {mb}: {why}"))
-            })
+            };
+            // Each microbatch counted once, by the one rank that reads it for its pipeline.
+            if lead_of_first_stage && read.insert(mb) {
+                if let Some(ids) = workload.sample_ids(seed, step, mb).map_err(failed)? {
+                    samples = Some(samples.unwrap_or_default() + SampleHash::of(ids));
+                }
+            }
+            workload.microbatch(seed, step, mb, &device).map_err(failed)
         };
         let out = self
             .runner
@@ -147,6 +153,7 @@ impl Generation<'_> {
                 loss: sync.loss,
                 grad_norm: sync.grad_norm,
                 microbatches: read.into_iter().collect(),
+                samples: samples.map(|h| h.0),
                 times: Some(self.progress.step_times()),
             },
         )?;

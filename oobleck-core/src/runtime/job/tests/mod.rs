@@ -274,6 +274,7 @@ impl H {
                 loss: 2.5,
                 grad_norm: 0.5,
                 microbatches: self.first_microbatch(rank),
+                samples: None,
                 times: None,
             },
         )

@@ -74,6 +74,7 @@ fn ranks_that_disagree_on_the_loss_end_the_job() {
             loss: 9.0,
             grad_norm: 0.5,
             microbatches: vec![2, 3],
+            samples: None,
             times: None,
         },
     );
@@ -94,6 +95,7 @@ fn a_step_that_did_not_train_each_microbatch_once_ends_the_job() {
             loss: 2.5,
             grad_norm: 0.5,
             microbatches: vec![1, 2],
+            samples: None,
             times: None,
         },
     );
@@ -102,6 +104,47 @@ fn a_step_that_did_not_train_each_microbatch_once_ends_the_job() {
         e.contains("trained microbatches [0, 1, 1, 2], not each of 0..4 once"),
         "{e}"
     );
+}
+
+/// The step's sample hash is the wrapping sum of what the ranks that read microbatches said
+/// (each pipeline's first rank); ranks that read none say none and add nothing.
+#[test]
+fn the_commit_carries_the_sum_of_the_ranks_sample_hashes() {
+    let mut h = H::running(spec(3, 1, 4), plan(&[&[0], &[1, 2]]));
+    let (a, b) = (SampleHash(u64::MAX - 1), SampleHash(5));
+    let commit = |h: &mut H, step, hashes: [Option<SampleHash>; 3]| {
+        let mut last = Vec::new();
+        for (rank, samples) in hashes.into_iter().enumerate() {
+            let rank = rank as u32;
+            let report = WorkerReport::Ready {
+                rank,
+                step,
+                loss: 2.5,
+                grad_norm: 0.5,
+                microbatches: h.first_microbatch(rank),
+                samples: samples.map(|s| s.0),
+                times: None,
+            };
+            let node = h.node_of(rank);
+            last = h.worker(1.0, node, report);
+        }
+        last.iter()
+            .find_map(|a| match a {
+                Action::Commit { samples, .. } => Some(*samples),
+                _ => None,
+            })
+            .expect("a commit")
+    };
+    let first_ranks: Vec<u32> = (0..3)
+        .filter(|&r| !h.first_microbatch(r).is_empty())
+        .collect();
+    assert_eq!(first_ranks, [0, 1], "the pipelines' first ranks read");
+    let got = commit(&mut h, 1, [Some(a), Some(b), None]);
+    assert_eq!(got, Some(SampleHash(3)), "wrapping: (2^64 - 2) + 5");
+    assert_eq!(got, Some(a + b));
+    // The next step starts from nothing: no rank said a hash, none is written.
+    assert_eq!(commit(&mut h, 2, [None, None, None]), None);
+    assert_eq!(commit(&mut h, 3, [None, Some(b), None]), Some(b));
 }
 
 #[test]
@@ -429,6 +472,7 @@ fn a_report_of_a_generation_that_does_not_exist_is_ignored_with_a_note() {
                 loss: 2.5,
                 grad_norm: 0.5,
                 microbatches: vec![2, 3],
+                samples: None,
                 times: None,
             },
         },

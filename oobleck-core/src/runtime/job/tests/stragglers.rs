@@ -26,6 +26,7 @@ fn timed_step(h: &mut H, t: f64, step: u64, compute: &[f64]) -> Vec<Action> {
             loss: 2.5,
             grad_norm: 0.5,
             microbatches: h.first_microbatch(rank),
+            samples: None,
             times: Some(times),
         };
         out.extend(h.worker(t, node, report));

@@ -39,6 +39,66 @@ pub struct StepMetrics {
     /// a straggler shows. Empty in runs from before it was recorded.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub times: BTreeMap<u32, StepTimes>,
+    /// Which data the step trained: its position in the data and a hash of the multiset of
+    /// its sample ids, so two runs can be compared step by step (a kill, a join, a resume on
+    /// other nodes must not change it). `None` for workloads that do not number their samples
+    /// and in runs from before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<StepData>,
+}
+
+/// The data of one step, as `metrics.jsonl` shows it:
+/// `"data": {"epoch": 0, "iteration": 3, "samples": "9e3779b97f4a7c15"}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepData {
+    /// Epoch and iteration within it of the step's data (absent for a workload without
+    /// epochs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iteration: Option<u64>,
+    /// [`SampleHash`] of every sample the step trained, as 16 hex digits.
+    pub samples: String,
+}
+
+/// An order-independent hash of a multiset of sample ids: the wrapping sum of
+/// [`splitmix64`] of each id. Workers hash the microbatches they load and the master adds
+/// their hashes (wrapping), so the step's hash does not depend on how its microbatches were
+/// spread over pipelines; a sample trained twice, or one left out, changes it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SampleHash(pub u64);
+
+impl SampleHash {
+    /// The hash of `ids`.
+    pub fn of(ids: impl IntoIterator<Item = u64>) -> SampleHash {
+        SampleHash(
+            ids.into_iter()
+                .fold(0, |h, id| h.wrapping_add(splitmix64(id))),
+        )
+    }
+
+    /// 16 lower-case hex digits, as `metrics.jsonl` writes it.
+    pub fn hex(self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
+/// The hash of both multisets together.
+impl std::ops::Add for SampleHash {
+    type Output = SampleHash;
+
+    fn add(self, other: SampleHash) -> SampleHash {
+        SampleHash(self.0.wrapping_add(other.0))
+    }
+}
+
+/// SplitMix64's output function (Steele, Lea and Flood 2014): a bijection of `u64` whose
+/// outputs of consecutive inputs look independent, so sums of them rarely collide.
+pub fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 fn nan() -> f64 {
@@ -89,6 +149,7 @@ mod tests {
             val_loss: None,
             microbatches: "0-3".into(),
             times: BTreeMap::new(),
+            data: None,
         };
         let line = serde_json::to_string(&m).expect("json");
         assert!(line.contains("\"loss\":null"), "{line}");
@@ -128,6 +189,31 @@ mod tests {
         assert_eq!(v["times"]["2"]["compute_ms"], 310.0);
         let back: StepMetrics = serde_json::from_value(v).expect("typed");
         assert_eq!(back.times[&2], t);
+    }
+
+    #[test]
+    fn sample_hashes_are_splitmix64_sums_in_any_order_and_the_data_field_reads_back() {
+        // SplitMix64 of the seed 0 stream: its first output is splitmix64(0).
+        assert_eq!(splitmix64(0), 0xe220_a839_7b1d_cdaf);
+        let h = SampleHash::of([3, 1, 2]);
+        assert_eq!(h, SampleHash::of([1, 2]) + SampleHash::of([3]));
+        assert_ne!(h, SampleHash::of([1, 2, 2]), "a repeated sample shows");
+        assert_ne!(h, SampleHash::of([1, 2]), "a missing sample shows");
+        assert_eq!(SampleHash::of([]).hex(), "0000000000000000");
+        let data = StepData {
+            epoch: Some(1),
+            iteration: Some(0),
+            samples: h.hex(),
+        };
+        let v = serde_json::to_value(&data).expect("json");
+        assert_eq!(
+            v,
+            serde_json::json!({"epoch": 1, "iteration": 0, "samples": h.hex()})
+        );
+        assert_eq!(serde_json::from_value::<StepData>(v).expect("reads"), data);
+        let old = r#"{"step":1,"loss":9.5,"tokens_per_s":10.0,"generation":0,"wall_s":0.5}"#;
+        let old: StepMetrics = serde_json::from_str(old).expect("an older line");
+        assert_eq!(old.data, None);
     }
 
     #[test]

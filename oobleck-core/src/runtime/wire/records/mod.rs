@@ -7,5 +7,5 @@ mod metrics;
 mod report;
 
 pub use event::{Event, EventLine, EventLineError, PipelineLayout, StartInfo};
-pub use metrics::{ranges, StepMetrics};
+pub use metrics::{ranges, splitmix64, SampleHash, StepData, StepMetrics};
 pub use report::{CorruptCopy, WorkerReport, REPORT_PREFIX};

@@ -42,6 +42,11 @@ pub enum WorkerReport {
         /// every sample of the step is trained on exactly once.
         #[serde(default)]
         microbatches: Vec<u32>,
+        /// The [`super::SampleHash`] of the samples of those microbatches (none if it read
+        /// none, or the workload does not number its samples): the master adds the ranks'
+        /// hashes into the step's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        samples: Option<u64>,
         /// Where this rank's time of the step went (compute, p2p and collective waits): how
         /// the master names a straggler.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -202,6 +207,7 @@ mod tests {
             loss: 1.5,
             grad_norm: 0.25,
             microbatches: vec![0, 1],
+            samples: Some(u64::MAX),
             times: None,
         };
         let back = WorkerReport::parse(&r.line(4))
