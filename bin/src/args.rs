@@ -206,7 +206,13 @@ impl TrainArgs {
     /// file, then the flags.
     pub fn resolve(&self) -> Result<TrainConfig> {
         let base = match &self.resume {
-            Some(path) => load_resolved(&resumed_run(path)?)?,
+            Some(path) => {
+                let mut saved = load_resolved(&resumed_run(path)?)?;
+                // Failures injected into the run being resumed were its test's, at its steps:
+                // a resume injects only those it is given again.
+                saved.inject_failure.clear();
+                saved
+            }
             None => TrainConfig::default(),
         };
         let (mut c, in_file) = match &self.config {

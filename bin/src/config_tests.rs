@@ -160,3 +160,22 @@ fn data_flags_make_a_blend_and_bad_ones_say_why() {
         "{e}"
     );
 }
+
+#[test]
+fn a_resume_injects_only_the_failures_it_is_given_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = TrainConfig {
+        inject_failure: vec!["1@3".into()],
+        ..TrainConfig::default()
+    };
+    save_resolved(&first, dir.path()).unwrap();
+    let run = dir.path().to_str().unwrap();
+    let c = TrainArgs::parse_from(["train", "--resume", run])
+        .resolve()
+        .unwrap();
+    assert!(c.inject_failure.is_empty(), "{:?}", c.inject_failure);
+    let c = TrainArgs::parse_from(["train", "--resume", run, "--inject-failure", "2@9"])
+        .resolve()
+        .unwrap();
+    assert_eq!(c.inject_failure, ["2@9"]);
+}
