@@ -16,6 +16,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use rayon::prelude::*;
+
 use super::pretokenize;
 
 /// Pieces of more symbols than this are merged with a heap (O(n log n)); shorter ones by a
@@ -63,15 +65,19 @@ impl ByteLevelBpe {
         for (b, c) in chars.iter().enumerate() {
             unbyte.insert(*c, b as u8);
         }
-        let ids: HashMap<&str, u32> = vocab.clone().into_iter().collect();
+        let ids: HashMap<&str, u32, FastHash> = vocab.clone().into_iter().collect();
         let mut byte_ids = [0u32; 256];
         for (b, c) in chars.iter().enumerate() {
             byte_ids[b] = *ids.get(c.to_string().as_str())?;
         }
         // As the `tokenizers` crate builds its map: a later duplicate pair overrides.
         let mut pairs = HashMap::with_capacity_and_hasher(merges.len(), FastHash::default());
+        let mut joined = String::new();
         for (rank, (a, b)) in merges.iter().enumerate() {
-            let merged = ids.get(format!("{a}{b}").as_str())?;
+            joined.clear();
+            joined.push_str(a);
+            joined.push_str(b);
+            let merged = ids.get(joined.as_str())?;
             pairs.insert(
                 pair_key(*ids.get(a.as_str())?, *ids.get(b.as_str())?),
                 (rank as u32, *merged),
@@ -86,32 +92,33 @@ impl ByteLevelBpe {
         Some(bpe)
     }
 
-    /// The tokens of several bytes whose merges end in the token itself, by their bytes.
+    /// The tokens of several bytes whose merges end in the token itself, by their bytes (all
+    /// 50,000 of GPT-2's, but a vocabulary need not be so; checked in parallel, as it is most
+    /// of the time of building the tables).
     fn self_merging_tokens<'a>(
         &self,
         vocab: impl IntoIterator<Item = (&'a str, u32)>,
         unbyte: &HashMap<char, u8, FastHash>,
     ) -> HashMap<Box<[u8]>, u32, FastHash> {
-        let mut whole = HashMap::default();
-        let mut out = Vec::new();
-        for (token, id) in vocab {
-            let Some(bytes) = token
-                .chars()
-                .map(|c| unbyte.get(&c).copied())
-                .collect::<Option<Vec<u8>>>()
-            else {
-                continue; // Not byte-level spelled (a special token): never a merge result.
-            };
-            if bytes.len() < 2 {
-                continue;
-            }
-            out.clear();
-            self.merge(&bytes, &mut out);
-            if out == [id] {
-                whole.insert(bytes.into_boxed_slice(), id);
-            }
-        }
-        whole
+        let tokens: Vec<(&str, u32)> = vocab.into_iter().collect();
+        tokens
+            .par_chunks(4096)
+            .flat_map_iter(|chunk| {
+                let mut out = Vec::new();
+                chunk.iter().filter_map(move |&(token, id)| {
+                    // A token not spelled in bytes (a special one) is never a merge result.
+                    let bytes = token
+                        .chars()
+                        .map(|c| unbyte.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()?;
+                    out.clear();
+                    if bytes.len() >= 2 {
+                        self.merge(&bytes, &mut out);
+                    }
+                    (out == [id]).then(|| (bytes.into_boxed_slice(), id))
+                })
+            })
+            .collect()
     }
 
     /// Appends the ids of `text` (no special tokens in it) to `out`.
