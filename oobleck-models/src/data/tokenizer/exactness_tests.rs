@@ -238,3 +238,40 @@ fn a_tokenizer_json_keeps_the_tokenizers_crate() {
     assert!(tok.fast.is_none());
     assert_eq!(tok.encode("Hello world").unwrap(), vec![15496, 995]);
 }
+
+/// GPT-2's merges over GPT-2's tokens numbered backwards (as OPT renumbers them), in a folder.
+fn renumbered_gpt2(dir: &Path) -> Gpt2Tokenizer {
+    use super::super::embedded::{EMBEDDED_ENCODER_JSON, EMBEDDED_VOCAB_BPE};
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(EMBEDDED_ENCODER_JSON).unwrap();
+    let last = vocab.len() as u64 - 1;
+    let backwards: serde_json::Map<String, serde_json::Value> = vocab
+        .into_iter()
+        .map(|(token, id)| (token, (last - id.as_u64().unwrap()).into()))
+        .collect();
+    std::fs::write(
+        dir.join("vocab.json"),
+        serde_json::to_vec(&backwards).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(dir.join("merges.txt"), EMBEDDED_VOCAB_BPE).unwrap();
+    Gpt2Tokenizer::from_path(dir).unwrap()
+}
+
+#[test]
+fn another_numbering_takes_our_encoder_and_keeps_its_own_cached_pieces() {
+    let dir = tempfile::tempdir().unwrap();
+    let (gpt2, renumbered) = (shipped(), renumbered_gpt2(dir.path()));
+    assert!(renumbered.fast.is_some());
+    let last = GPT2_VOCAB_SIZE as u32 - 1;
+    let mut rng = Rng(3);
+    // Alternating on one thread: each tokenizer's cached pieces must stay its own.
+    for _ in 0..500 {
+        let text = random_text(&mut rng);
+        let ids = gpt2.encode(&text).unwrap();
+        let backwards = renumbered.encode(&text).unwrap();
+        assert_same(&renumbered, &text);
+        let mapped: Vec<u32> = ids.iter().map(|&id| last - id).collect();
+        assert_eq!(backwards, mapped, "ids of {text:?}");
+    }
+}
