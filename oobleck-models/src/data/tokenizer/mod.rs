@@ -16,9 +16,9 @@
 //! hand-written pre-tokenizer of [`pretokenize`]): id for id the `tokenizers` crate's (the
 //! exactness tests compare the two on the corpus and on fuzzed Unicode), and on
 //! `oobleck bench data`'s documents 66 MB/s on one core against tiktoken's 11 and the
-//! crate's 1-2 (from Python; 2 threads: 123 MB/s, 1.86x one). A
-//! `tokenizer.json` keeps the `tokenizers` crate's encoding, as its settings may be anything. Building the tables
-//! costs ~35 ms more per tokenizer. Decoding is always the `tokenizers` crate's.
+//! crate's 1-2 (from Python; 2 threads: 123 MB/s, 1.86x one). A `tokenizer.json` keeps the
+//! `tokenizers` crate's encoding, as its settings may be anything. Building the tables costs
+//! ~35 ms more per tokenizer. Decoding is always the `tokenizers` crate's.
 
 mod bpe;
 #[cfg(test)]
