@@ -106,7 +106,7 @@ fn ours(docs: &[String], bytes: usize, threads: usize) -> Result<Throughput> {
     let seconds = t0.elapsed().as_secs_f64();
     let (checksum, tokens) = checksum(&ids);
     Ok(Throughput {
-        who: "ours (tokenizers crate, oobleck data prepare's path)".into(),
+        who: "ours (GPT-2 BPE of oobleck-models, data prepare's path)".into(),
         threads,
         mb_per_s: Some(bytes as f64 / 1e6 / seconds),
         tokens,
