@@ -81,6 +81,14 @@ impl Reaper {
     }
 }
 
+/// `VmHWM` of a `/proc/PID/status`, in bytes; `None` once the process is gone.
+fn high_water_mark(status: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(status).ok()?;
+    let line = text.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// SIGKILL to every process of group `pgid` (gone already is fine).
 fn kill_group(pgid: u32) {
     let _ = Command::new("kill")
@@ -199,43 +207,22 @@ impl TrainProcess {
     }
 
     /// Waits for the exit like [`wait`](Self::wait), also reading the peak resident memory
-    /// of the process itself (its `ru_maxrss`, not its children's), in bytes.
-    pub fn wait_peak_rss(mut self, timeout: Duration) -> Result<(Exit, u64)> {
-        let pid = self.child.id() as libc::pid_t;
-        let deadline = self.started + timeout;
-        loop {
-            let mut status = 0;
-            // SAFETY: an all-zero rusage is a valid value; wait4 writes both out-parameters.
-            let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-            // SAFETY: `pid` is this process's own unreaped child; the pointers are to locals.
-            let got = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
-            if got == pid {
-                self.reaped = true;
-                kill_group(self.pgid);
-                self.reaper.unregister(self.pgid);
-                let exit = Exit {
-                    status: std::os::unix::process::ExitStatusExt::from_raw(status),
-                    wall_s: self.started.elapsed().as_secs_f64(),
-                };
-                return Ok((exit, usage.ru_maxrss.max(0) as u64 * 1024));
-            }
-            if got < 0 {
-                bail!(
-                    "waiting for {}: {}",
-                    self.what,
-                    std::io::Error::last_os_error()
-                );
-            }
-            if Instant::now() >= deadline {
-                self.kill_and_reap();
-                bail!(
-                    "{} was still running after {} s; killed",
-                    self.what,
-                    timeout.as_secs()
-                );
-            }
-            std::thread::sleep(POLL);
+    /// of the process itself, in bytes: its `VmHWM` (`/proc/PID/status`), read at every look
+    /// until it exits. Not `ru_maxrss`: Linux carries the parent's peak over a fork and an
+    /// exec into it, so a child of a large bench would read as large as the bench.
+    pub fn wait_peak_rss(self, timeout: Duration) -> Result<(Exit, u64)> {
+        let status = PathBuf::from(format!("/proc/{}/status", self.child.id()));
+        let mut peak = 0;
+        let exit = self.wait_with(timeout, || {
+            peak = peak.max(high_water_mark(&status).unwrap_or(0));
+        })?;
+        if peak == 0 {
+            bail!(
+                "{} read no VmHWM (it ended before the first look)",
+                status.display()
+            );
         }
+        Ok((exit, peak))
     }
 
     fn kill_and_reap(&mut self) {

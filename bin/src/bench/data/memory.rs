@@ -1,6 +1,6 @@
 //! Peak memory of a short run on prepared corpora of different sizes: llm.c shards (what
 //! `oobleck data prepare` writes) generated here, `train --nodes 1 --steps 5 --data DIR` on
-//! each, its `ru_maxrss` read when it exits.
+//! each, its peak resident memory (`VmHWM`) read while it runs.
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};

@@ -4,7 +4,8 @@
 //! kernel pages them in), so a shard of any size costs address space, not memory. The scans
 //! that do read every token (the vocabulary check, the document scan, the identity hash) give
 //! the pages they read back to the kernel every [`RELEASE_BYTES`] ([`TokenShard::release`]),
-//! so opening a corpus of any size keeps the process's resident memory flat.
+//! and so does every copy of a window, so neither opening a corpus of any size nor a long run
+//! over it grows the process's resident memory.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -18,7 +19,10 @@ use super::ShardFormat;
 use crate::data::{DataError, Result};
 
 /// Bytes a whole-shard scan reads between two [`TokenShard::release`]s.
-pub const RELEASE_BYTES: usize = 64 << 20;
+pub const RELEASE_BYTES: usize = 16 << 20;
+
+/// The largest page-cache folio a read maps at once (a PMD, 2 MiB on x86-64 and arm64).
+const FOLIO_BYTES: usize = 2 << 20;
 
 /// Where a shard without a document index puts the end-of-text delimiter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +171,7 @@ impl TokenShard {
         let before = out.len();
         out.reserve(end - start);
         let bad = with_word!(self.layout.dtype, W => push_ids::<W>(bytes, out));
+        self.release_around(start * width..end * width);
         match bad {
             None => Ok(()),
             Some((offset, value)) => {
@@ -204,6 +209,17 @@ impl TokenShard {
             self.map
                 .unchecked_advise_range(UncheckedAdvice::DontNeed, start, len)
         };
+    }
+
+    /// [`Self::release`]s the [`FOLIO_BYTES`]-aligned span of the file around token bytes
+    /// `range`: a read of a few tokens maps the whole large folio of the page cache they lie
+    /// in (up to 2 MiB), so releasing only their own pages would leave the rest mapped, and a
+    /// long run's random windows would map the whole corpus into the resident set.
+    fn release_around(&self, range: Range<usize>) {
+        let start = self.layout.start;
+        let lo = (start + range.start) / FOLIO_BYTES * FOLIO_BYTES;
+        let hi = (start + range.end).div_ceil(FOLIO_BYTES) * FOLIO_BYTES;
+        self.release(lo.saturating_sub(start)..hi.saturating_sub(start));
     }
 
     /// Checks that every token is an id below `vocab`; the error names the first that is not,
