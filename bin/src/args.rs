@@ -2,7 +2,7 @@
 //! own `config.json`), then a TOML job file, then the flags, into a [`TrainConfig`].
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
@@ -201,18 +201,20 @@ pub struct TrainArgs {
     pub token: Option<String>,
 }
 
+/// The config a `--resume` of `path` starts from: the run's own. Failures injected into that
+/// run were its test's, at its steps: a resume injects only those it is given again.
+fn resumed_config(path: &Path) -> Result<TrainConfig> {
+    let mut saved = load_resolved(&resumed_run(path)?)?;
+    saved.inject_failure.clear();
+    Ok(saved)
+}
+
 impl TrainArgs {
     /// Defaults (or, with `--resume`, the resumed run's own `config.json`), then the job
     /// file, then the flags.
     pub fn resolve(&self) -> Result<TrainConfig> {
         let base = match &self.resume {
-            Some(path) => {
-                let mut saved = load_resolved(&resumed_run(path)?)?;
-                // Failures injected into the run being resumed were its test's, at its steps:
-                // a resume injects only those it is given again.
-                saved.inject_failure.clear();
-                saved
-            }
+            Some(path) => resumed_config(path)?,
             None => TrainConfig::default(),
         };
         let (mut c, in_file) = match &self.config {

@@ -299,6 +299,25 @@ impl TrainConfig {
         }
     }
 
+    /// The data flags: the held-out share, where validation comes from, the blend weights.
+    fn validate_data(&self) -> Result<()> {
+        oobleck_models::data::fraction_millionths(self.val_fraction)?;
+        let both = self.val_fraction != DEFAULT_VAL_FRACTION;
+        if let Some(val) = self.val_data.as_ref().filter(|_| both) {
+            bail!(
+                "--val-fraction {} and --val-data {} both say where validation comes from: \
+                 with --val-data no training document is held out; drop one of them",
+                self.val_fraction,
+                val.display()
+            );
+        }
+        let bad_weight = |s: &WeightedSource| s.weight.filter(|w| !(w.is_finite() && *w > 0.0));
+        if let Some(bad) = self.data.iter().find_map(bad_weight) {
+            bail!("--data weight {bad}: a blend weight must be a number above zero (0.7:web/)");
+        }
+        Ok(())
+    }
+
     /// Rejects configurations that cannot run, saying what to change.
     pub fn validate(&self) -> Result<()> {
         if self.lease_ms <= 500 {
@@ -320,25 +339,7 @@ impl TrainConfig {
         if self.microbatch_size == 0 {
             bail!("--microbatch-size must be at least 1");
         }
-        oobleck_models::data::fraction_millionths(self.val_fraction)?;
-        if let Some(val) = self
-            .val_data
-            .as_ref()
-            .filter(|_| self.val_fraction != DEFAULT_VAL_FRACTION)
-        {
-            bail!(
-                "--val-fraction {} and --val-data {} both say where validation comes from:                  with --val-data no training document is held out; drop one of them",
-                self.val_fraction,
-                val.display()
-            );
-        }
-        if let Some(bad) = self
-            .data
-            .iter()
-            .find_map(|s| s.weight.filter(|w| !(w.is_finite() && *w > 0.0)))
-        {
-            bail!("--data weight {bad}: a blend weight must be a number above zero (0.7:web/)");
-        }
+        self.validate_data()?;
         if self.global_batch_size == 0 || self.global_batch_size % self.microbatch_size != 0 {
             bail!(
                 "--global-batch-size ({}) must be a positive multiple of --microbatch-size ({})",
