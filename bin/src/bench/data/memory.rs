@@ -66,7 +66,10 @@ fn generate(mb: u64, scratch: &Path) -> Result<Corpus> {
         header[0..4].copy_from_slice(&20240520i32.to_le_bytes());
         header[4..8].copy_from_slice(&1i32.to_le_bytes());
         header[8..12].copy_from_slice(&(n as i32).to_le_bytes());
-        out.write_all(&header)?;
+        let written_to = || {
+            format!("writing {} (the corpora need --memory-mb of free space; --scratch puts them elsewhere)", path.display())
+        };
+        out.write_all(&header).with_context(written_to)?;
         for _ in 0..n {
             let id = if left_in_doc == 0 {
                 left_in_doc = 64 + splitmix(&mut rng) % 1984;
@@ -75,10 +78,9 @@ fn generate(mb: u64, scratch: &Path) -> Result<Corpus> {
                 left_in_doc -= 1;
                 (splitmix(&mut rng) % IDS) as u16
             };
-            out.write_all(&id.to_le_bytes())?;
+            out.write_all(&id.to_le_bytes()).with_context(written_to)?;
         }
-        out.flush()
-            .with_context(|| format!("writing {}", path.display()))?;
+        out.flush().with_context(written_to)?;
         written += n;
         shard += 1;
     }

@@ -105,7 +105,7 @@ fn memory(s: &mut String, r: &Report) {
         );
     }
     let sized: Vec<_> = r.memory.iter().filter(|m| m.megabytes.is_some()).collect();
-    if let (Some(small), Some(large)) = (sized.first(), sized.last()) {
+    if let [small, .., large] = sized[..] {
         let diff = large.peak_rss_mb - small.peak_rss_mb;
         let _ = writeln!(
             s,
