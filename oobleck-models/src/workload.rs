@@ -591,15 +591,24 @@ impl Workload for GptWorkload {
     }
 
     /// The windows of the microbatch, numbered within the training split (a blend's: after
-    /// the windows of the sources before its own; see [`Batch::sample_ids`]).
+    /// the windows of the sources before its own; see [`Batch::sample_ids`]), found without
+    /// reading their tokens: the worker that calls it reads them once, in `microbatch`.
     fn sample_ids(
         &self,
         seed: u64,
         step: u64,
         microbatch: u32,
     ) -> std::result::Result<Option<Vec<u64>>, BoxError> {
-        let batch = self.train_batch(seed, step, microbatch as usize)?;
-        Ok(Some(batch.sample_ids.iter().map(|&i| i as u64).collect()))
+        let cursor = self.cursor(step);
+        let train = self.data.split(Split::Train);
+        let ids = train.microbatch_ids(
+            &self.spec,
+            seed,
+            cursor.epoch,
+            cursor.iteration,
+            microbatch as usize,
+        )?;
+        Ok(Some(ids.into_iter().map(|i| i as u64).collect()))
     }
 
     fn profile(

@@ -100,6 +100,8 @@ fn the_blend_holds_each_share_within_one_sample_for_every_prefix() {
         for iteration in 0..iterations {
             for k in 0..spec.num_microbatches {
                 let batch = train.microbatch(&spec, 7, epoch, iteration, k).unwrap();
+                let ids = train.microbatch_ids(&spec, 7, epoch, iteration, k).unwrap();
+                assert_eq!(ids, batch.sample_ids, "the ids alone are the batch's");
                 for (r, row) in batch.inputs.chunks(spec.seq_len).enumerate() {
                     let id = batch.sample_ids[r];
                     // The id says the source and the window; the window is that source's.

@@ -214,6 +214,36 @@ impl<'a> SplitData<'a> {
         iteration: u64,
         k: usize,
     ) -> Result<Batch> {
+        let picks = self.picks(spec, seed, epoch, iteration, k)?;
+        self.gather(&picks, spec.seq_len)
+    }
+
+    /// The ids of [`Self::microbatch`]'s samples ([`Batch::sample_ids`]) without reading
+    /// their tokens.
+    pub fn microbatch_ids(
+        &self,
+        spec: &BatchSpec,
+        seed: u64,
+        epoch: u64,
+        iteration: u64,
+        k: usize,
+    ) -> Result<Vec<usize>> {
+        let picks = self.picks(spec, seed, epoch, iteration, k)?;
+        Ok(picks
+            .iter()
+            .map(|&(source, window)| self.sample_id(source, window, spec.seq_len))
+            .collect())
+    }
+
+    /// (source, window within it) of each sample of microbatch `k` (see [`Self::microbatch`]).
+    fn picks(
+        &self,
+        spec: &BatchSpec,
+        seed: u64,
+        epoch: u64,
+        iteration: u64,
+        k: usize,
+    ) -> Result<Vec<(usize, usize)>> {
         let iterations = self.iterations_per_epoch(spec)?;
         if iteration >= iterations as u64 || k >= spec.num_microbatches {
             return Err(DataError::InvalidRequest(format!(
@@ -226,13 +256,12 @@ impl<'a> SplitData<'a> {
         let within = iteration as usize * spec.global_batch_samples() + k * b;
         if self.mix.members.len() == 1 {
             let order = self.epoch_order(seed, epoch, spec.seq_len);
-            let picks: Vec<(usize, usize)> = (within..within + b)
+            return Ok((within..within + b)
                 .map(|p| (0, order.at(p as u64) as usize))
-                .collect();
-            return self.gather(&picks, spec.seq_len);
+                .collect());
         }
         let global = epoch * (iterations * spec.global_batch_samples()) as u64 + within as u64;
-        let picks: Vec<(usize, usize)> = self
+        Ok(self
             .mix
             .blend
             .iter_from(global)
@@ -243,8 +272,7 @@ impl<'a> SplitData<'a> {
                     EpochOrder::of_source(seed, pick.source as u32, pick.index / n, self.split, n);
                 (pick.source, order.at(pick.index % n) as usize)
             })
-            .collect();
-        self.gather(&picks, spec.seq_len)
+            .collect())
     }
 
     /// Microbatch `k` of the iteration at `cursor`.
@@ -311,8 +339,16 @@ impl<'a> SplitData<'a> {
         self.num_samples(seq_len) / batch_size
     }
 
-    /// The windows `picks` (source, window within it) as a batch; a sample's id is its window
-    /// plus the windows of the sources before its own.
+    /// A sample's id: its window plus the windows of the sources before its own.
+    fn sample_id(&self, source: usize, window: usize, seq_len: usize) -> usize {
+        let before: usize = self.mix.members[..source]
+            .iter()
+            .map(|m| windows(m.runs.len(), seq_len))
+            .sum();
+        before + window
+    }
+
+    /// The windows `picks` (source, window within it) as a batch (ids: [`Self::sample_id`]).
     fn gather(&self, picks: &[(usize, usize)], seq_len: usize) -> Result<Batch> {
         let mut inputs = Vec::with_capacity(picks.len() * seq_len);
         let mut targets = Vec::with_capacity(picks.len() * seq_len);
@@ -326,11 +362,7 @@ impl<'a> SplitData<'a> {
             member
                 .runs
                 .extend_into(tokens, at + 1, seq_len, &mut targets)?;
-            let before: usize = self.mix.members[..source]
-                .iter()
-                .map(|m| windows(m.runs.len(), seq_len))
-                .sum();
-            sample_ids.push(before + window);
+            sample_ids.push(self.sample_id(source, window, seq_len));
         }
         Ok(Batch {
             inputs,
