@@ -81,6 +81,58 @@ impl Reaper {
     }
 }
 
+/// What a short helper process (a Python comparator) printed, and how it ended.
+#[derive(Debug)]
+pub struct Captured {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `cmd` to its end with both pipes read on threads (a chatty child cannot block on a
+/// full pipe); past `timeout` it is killed and this is an error. A program that is not there
+/// is `Ok(None)`, for the caller to report as unavailable.
+pub fn run_captured(cmd: &mut Command, timeout: Duration) -> Result<Option<Captured>> {
+    let spawned = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("starting {:?}", cmd.get_program())),
+    };
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_string(&mut s);
+            }
+            s
+        })
+    };
+    let out = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let err = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().context("waiting for a child")? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("did not finish within {} s; killed", timeout.as_secs());
+        }
+        std::thread::sleep(POLL);
+    };
+    Ok(Some(Captured {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }))
+}
+
 /// `VmHWM` of a `/proc/PID/status`, in bytes; `None` once the process is gone.
 fn high_water_mark(status: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(status).ok()?;

@@ -1,16 +1,16 @@
 //! Tokenization throughput: ours against `tiktoken` and Hugging Face `tokenizers` on the same
 //! documents and threads (`bin/benches/tokenize_bench.py` runs the Python side).
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use oobleck_models::data::{default_datasets_dir, Gpt2Tokenizer, EMBEDDED_CORPUS};
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::super::child::run_captured;
 use super::BenchDataArgs;
 
 /// A document is whole paragraphs of the corpus, at least this many bytes (web documents of
@@ -151,8 +151,13 @@ fn python(a: &BenchDataArgs, which: &str, docs: &Path, threads: usize) -> Result
         .arg(docs)
         .arg("--tokenizer-dir")
         .arg(default_datasets_dir().join("gpt2-tokenizer"));
-    let out = match run_bounded(cmd, Duration::from_secs(a.timeout_s)) {
-        Ok(out) => out,
+    let out = match run_captured(&mut cmd, Duration::from_secs(a.timeout_s)) {
+        Ok(Some(ran)) if ran.status.success() => ran.stdout,
+        Ok(Some(ran)) => {
+            let why = ran.stderr.lines().last().unwrap_or_default().to_string();
+            return Ok(unavailable(format!("{}: {why}", ran.status)));
+        }
+        Ok(None) => return Ok(unavailable(format!("{} not found (--python)", a.python))),
         Err(e) => return Ok(unavailable(format!("{e:#}"))),
     };
     let line = out.lines().last().unwrap_or_default();
@@ -173,46 +178,4 @@ fn python(a: &BenchDataArgs, which: &str, docs: &Path, threads: usize) -> Result
         checksum: v["checksum"].as_str().unwrap_or_default().to_string(),
         note: String::new(),
     })
-}
-
-/// Runs `cmd` to its end within `timeout`; its stdout, or an error with its stderr.
-fn run_bounded(mut cmd: Command, timeout: Duration) -> Result<String> {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting python (--python)")?;
-    let mut out = child.stdout.take().context("child stdout")?;
-    let mut err = child.stderr.take().context("child stderr")?;
-    let out_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("did not finish within {} s", timeout.as_secs());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let (out, err) = (
-        out_t.join().unwrap_or_default(),
-        err_t.join().unwrap_or_default(),
-    );
-    if !status.success() {
-        bail!("{status}: {}", err.lines().last().unwrap_or_default());
-    }
-    Ok(out)
 }

@@ -1,13 +1,13 @@
 //! The PyTorch side of `oobleck bench train`: `bin/benches/torch_train.py` in a child process,
 //! its JSON result read back.
 
-use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
+use super::super::child::run_captured;
 use super::{BenchTrainArgs, FrameworkResult, Shape, TorchOutcome};
 
 fn torch_script(args: &BenchTrainArgs) -> PathBuf {
@@ -40,50 +40,16 @@ pub(super) fn bench_torch(
         .args(["--warmup", &args.warmup.to_string()])
         .args(["--steps", &args.steps.to_string()])
         .args(["--seed", &args.seed.to_string()])
-        .args(["--threads", &threads.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(TorchOutcome::Unavailable {
-                unavailable: format!("{} not found", args.python),
-            })
-        }
-        Err(e) => return Err(e).with_context(|| format!("starting {}", args.python)),
+        .args(["--threads", &threads.to_string()]);
+    let timeout = Duration::from_secs(args.torch_timeout_s);
+    let ran = run_captured(&mut cmd, timeout)
+        .context("the PyTorch side (--torch-timeout-s bounds it)")?;
+    let Some(ran) = ran else {
+        return Ok(TorchOutcome::Unavailable {
+            unavailable: format!("{} not found", args.python),
+        });
     };
-    // Drain both pipes on threads so a chatty child cannot block on a full pipe.
-    let mut out = child.stdout.take().context("child stdout")?;
-    let mut err = child.stderr.take().context("child stderr")?;
-    let out_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + Duration::from_secs(args.torch_timeout_s);
-    let status = loop {
-        if let Some(st) = child.try_wait().context("waiting for the PyTorch child")? {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!(
-                "the PyTorch side did not finish within {} s (--torch-timeout-s)",
-                args.torch_timeout_s
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let stdout = out_t.join().unwrap_or_default();
-    let stderr = err_t.join().unwrap_or_default();
-    parse_torch_output(&stdout, &stderr, status.success(), &script)
+    parse_torch_output(&ran.stdout, &ran.stderr, ran.status.success(), &script)
 }
 
 /// The script's last stdout line is JSON: a [`FrameworkResult`] or `{"unavailable": why}`.
