@@ -5,27 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 
 use super::cache::{cache_key, Cached, Outcome};
-use super::tests::{jsonl, texts};
+use super::tests::{jsonl, shards_of, texts, tok};
 use super::*;
-
-fn tok() -> Gpt2Tokenizer {
-    Gpt2Tokenizer::embedded()
-}
-
-/// The `.bin` files of a folder with their bytes, by name.
-fn shards_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut out: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "bin"))
-        .map(|p| {
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&p).unwrap())
-        })
-        .collect();
-    out.sort();
-    out
-}
 
 /// Prepares `files` into the first usable of `places` with 2 threads.
 fn cached(files: &[PathBuf], places: &[PathBuf]) -> (PathBuf, Outcome) {

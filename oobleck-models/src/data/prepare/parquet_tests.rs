@@ -11,7 +11,7 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-use super::tests::{jsonl, read_opts, texts};
+use super::tests::{jsonl, read_opts, shards_of, texts};
 use super::*;
 
 /// Writes `groups` (one row group each; `None` is a null text) to `path` with an `id` column
@@ -55,21 +55,6 @@ fn opts(sources: &[&Path], out: &Path, skip: bool) -> PrepareOptions {
         workers: 2,
         read: read_opts(skip),
     }
-}
-
-/// The shard files of a prepared folder, by name (not the manifest: it names the sources).
-fn shards_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut out: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "bin"))
-        .map(|p| {
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&p).unwrap())
-        })
-        .collect();
-    out.sort();
-    out
 }
 
 /// 150 documents in two row groups of 100 and 51 rows (snappy), row 120 (the second group's

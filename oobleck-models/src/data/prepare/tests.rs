@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::data::{open_shard, FormatHint, END_OF_TEXT_ID};
 
-fn tok() -> Gpt2Tokenizer {
+pub(super) fn tok() -> Gpt2Tokenizer {
     Gpt2Tokenizer::embedded()
 }
 
@@ -220,6 +220,14 @@ fn shard_docs(dir: &Path, manifest: &Manifest) -> Vec<Vec<u32>> {
         assert_eq!(n, entry.documents);
     }
     docs
+}
+
+/// The shard files (`.bin`) of a prepared folder with their bytes, by name (not the
+/// manifest: it names the sources).
+pub(super) fn shards_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut shards = files_of(dir);
+    shards.retain(|(name, _)| name.ends_with(".bin"));
+    shards
 }
 
 fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
