@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use oobleck_core::runtime::wire::records::splitmix64;
 use serde::Serialize;
 
 use super::super::child::{Reaper, TrainProcess};
@@ -91,12 +92,11 @@ fn generate(mb: u64, scratch: &Path) -> Result<Corpus> {
     })
 }
 
+/// The next output of the SplitMix64 generator at `state`.
 fn splitmix(state: &mut u64) -> u64 {
+    let out = splitmix64(*state);
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    out
 }
 
 /// `train --nodes 1 --steps 5` on the shipped corpus and on each of `corpora`.
