@@ -58,7 +58,7 @@ pub use order::EpochOrder;
 pub use shards::{
     open_llmc, open_megatron, open_raw_u16, open_shard, DelimiterPlacement, DocumentBoundaries,
     Documents, FirstWord, FormatHint, ShardError, ShardFormat, TokenDtype, TokenShard,
-    LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
+    LLMC_HEADER_BYTES, LLMC_MAGIC_U16, LLMC_MAGIC_U32, MEGATRON_INDEX_MAGIC,
 };
 pub use source::{resolve_source, DataSource};
 pub use spec::{open_data, DataSpec, WeightedSource};

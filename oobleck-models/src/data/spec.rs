@@ -162,6 +162,7 @@ fn open_store(
             Ok(TokenStore::Shards(open_shard_set(label, &files, hint)?))
         }
         DataSource::Raw(files) => {
+            // The cache checked the folder against its manifest and this tokenizer (its key).
             let dir = super::prepare::prepare_cached(label, &files, tokenizer)?;
             let DataSource::Shards(shards) = resolve_source(&dir, FormatHint::Detect)? else {
                 return Err(super::DataError::Prepared {
@@ -169,7 +170,6 @@ fn open_store(
                     problem: "holds no token shards; remove it to prepare again".into(),
                 });
             };
-            check_prepared(&dir, &shards, tokenizer)?;
             let set = open_shard_set(label, &shards, FormatHint::Detect)?;
             Ok(TokenStore::Shards(set))
         }

@@ -240,11 +240,7 @@ fn is_finished(dir: &Path, key: &str) -> bool {
     let Ok(Some(m)) = Manifest::load(dir) else {
         return false;
     };
-    let width = if m.dtype == "u32" { 4 } else { 2 };
-    m.complete
-        && m.shards.iter().all(|s| {
-            std::fs::metadata(dir.join(&s.name)).is_ok_and(|f| f.len() == 1024 + s.tokens * width)
-        })
+    m.complete && m.shards_on_disk(dir) == m.shards.len()
 }
 
 /// Creates `dir` and takes its lock, waiting while another process holds it.

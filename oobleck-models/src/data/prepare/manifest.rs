@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::error::{write_err, PrepareError, Result};
+use crate::data::LLMC_HEADER_BYTES;
 
 /// Version of the manifest's layout; a folder of another version is refused.
 pub const MANIFEST_VERSION: u32 = 1;
@@ -98,6 +99,20 @@ impl Manifest {
             source_bytes: self.sources.iter().map(|s| s.bytes).sum(),
             skipped_records: last.skipped_records,
         };
+    }
+
+    /// How many of the listed shards, from the first, lie in `dir` at the size their token
+    /// count gives (the llm.c header and the tokens): a missing shard, or one a kill cut
+    /// short, ends the count.
+    pub fn shards_on_disk(&self, dir: &Path) -> usize {
+        let width = if self.dtype == "u32" { 4 } else { 2 };
+        self.shards
+            .iter()
+            .take_while(|s| {
+                let size = LLMC_HEADER_BYTES as u64 + s.tokens * width;
+                std::fs::metadata(dir.join(&s.name)).is_ok_and(|m| m.len() == size)
+            })
+            .count()
     }
 
     /// Writes `dir/manifest.json` atomically (temporary name, fsync, rename).

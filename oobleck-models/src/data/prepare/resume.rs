@@ -35,15 +35,10 @@ pub fn plan_resume(dir: &Path, fresh: Manifest) -> Result<Resume> {
         });
     };
     check_same(dir, &old, &fresh)?;
-    let width = if fresh.dtype == "u32" { 4 } else { 2 };
     let mut manifest = fresh;
-    for shard in &old.shards {
-        let expected = 1024 + shard.tokens * width;
-        match std::fs::metadata(dir.join(&shard.name)) {
-            Ok(m) if m.len() == expected => manifest.shards.push(shard.clone()),
-            _ => break,
-        }
-    }
+    // The same tokenizer (checked above), so the same token width.
+    let kept = old.shards_on_disk(dir);
+    manifest.shards.extend_from_slice(&old.shards[..kept]);
     let done = old.complete && manifest.shards.len() == old.shards.len();
     let start = manifest.shards.last().map(|s| s.end).unwrap_or_default();
     manifest.update_totals();

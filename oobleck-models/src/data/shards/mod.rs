@@ -37,7 +37,9 @@ mod view;
 
 pub use dtype::TokenDtype;
 pub use error::{FirstWord, ShardError};
-pub use llmc::{MAGIC_U16 as LLMC_MAGIC_U16, MAGIC_U32 as LLMC_MAGIC_U32};
+pub use llmc::{
+    HEADER_BYTES as LLMC_HEADER_BYTES, MAGIC_U16 as LLMC_MAGIC_U16, MAGIC_U32 as LLMC_MAGIC_U32,
+};
 pub use megatron::INDEX_MAGIC as MEGATRON_INDEX_MAGIC;
 pub use view::{DelimiterPlacement, DocumentBoundaries, Documents, TokenShard, RELEASE_BYTES};
 
