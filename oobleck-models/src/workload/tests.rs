@@ -1,8 +1,9 @@
-//! Tests of `workload.rs`: the GPT workload against the dataset it wraps, its refusals, its
+//! Tests of `workload/`: the GPT workload against the dataset it wraps, its refusals, its
 //! profile and checkpoint files.
 
 use super::*;
 use crate::data::{Gpt2Tokenizer, EMBEDDED_CORPUS};
+use oobleck_core::planning::analytical_profile;
 
 const SEED: u64 = 7;
 
