@@ -383,6 +383,13 @@ fn log_split(label: &Path, how: &HeldOut, train: &TokenRuns, validation: &TokenR
             train.len(),
             train.num_runs()
         ),
+        HeldOut::Blocks { held, blocks } => tracing::info!(
+            source = %label.display(),
+            "validation: {held} of {blocks} blocks of whole documents held out ({} tokens; {} train tokens in {} runs)",
+            validation.len(),
+            train.len(),
+            train.num_runs()
+        ),
         HeldOut::Tail { documents } => tracing::debug!(
             source = %label.display(),
             "validation: the last {} tokens ({documents} documents, too few to hold out whole ones)",

@@ -61,6 +61,14 @@ impl TokenRuns {
         self.starts.len()
     }
 
+    /// The stream ranges of the runs, in order.
+    pub fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.starts.len()).map(|k| {
+            let run_end = self.offsets.get(k + 1).copied().unwrap_or(self.len);
+            self.starts[k]..self.starts[k] + run_end - self.offsets[k]
+        })
+    }
+
     /// Appends split tokens `[at, at + n)` of `store`, from as many runs as the range crosses.
     /// Panics if the range ends past [`Self::len`]: callers index within checked windows.
     pub fn extend_into(
@@ -104,5 +112,6 @@ mod tests {
         assert_eq!(runs.starts, [0, 20]);
         assert_eq!(runs.offsets, [0, 15]);
         assert_eq!(TokenRuns::whole(5..5).num_runs(), 0);
+        assert_eq!(runs.ranges().collect::<Vec<_>>(), [0..15, 20..30]);
     }
 }

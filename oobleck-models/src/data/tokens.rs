@@ -149,6 +149,17 @@ impl ShardSet {
         (k, i - self.starts[k])
     }
 
+    /// The first token at or after `at` (`at <= len`) that starts a document (documents never
+    /// cross shards, so every shard's first token starts one); `len` when none does. See
+    /// [`TokenShard::first_document_start`].
+    pub fn first_document_start(&self, end_of_text: u32, at: usize) -> usize {
+        if at >= self.len {
+            return self.len;
+        }
+        let (k, offset) = self.locate(at);
+        self.starts[k] + self.shards[k].first_document_start(end_of_text, offset)
+    }
+
     /// Appends tokens `[start, start + n)`, from as many shards as the range crosses.
     pub fn extend_into(&self, start: usize, n: usize, out: &mut Vec<u32>) -> Result<()> {
         assert!(

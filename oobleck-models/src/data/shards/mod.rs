@@ -27,7 +27,7 @@
 mod dtype;
 mod error;
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
 mod llmc;
 mod megatron;
 mod raw;

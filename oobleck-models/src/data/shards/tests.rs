@@ -317,3 +317,51 @@ fn a_megatron_shard_answers_documents_by_index() {
     let got = tokens_of(&shard, shard.documents(2));
     assert_eq!(got, vec![vec![1, 2, 3], vec![], vec![4, 5, 6]]);
 }
+
+/// `first_document_start(at)` is the least document start at or after `at` (`len()` if none),
+/// by the same documents the iterator gives, for every `at` and every way documents are marked.
+#[test]
+fn the_first_document_start_after_a_token_agrees_with_the_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    const E: u32 = 9;
+    let tokens: [&[u32]; 4] = [
+        &[1, E, 2, 3, E, 4],
+        &[E, 2, E, E],
+        &[1, 2],
+        &[E, 1, E, 2, 3],
+    ];
+    let mut shards = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        let llmc = write(d, &format!("l{i}"), &llmc_bytes(20240520, 1, t));
+        shards.push(open_llmc(&llmc).unwrap());
+        let raw = write(d, &format!("r{i}"), &raw_u16_bytes(t));
+        shards.push(open_raw_u16(&raw).unwrap());
+    }
+    let docs = [
+        vec![vec![1, 2], vec![3]],
+        vec![],
+        vec![vec![4, 5, 6]],
+        vec![vec![7]],
+    ];
+    let (bin, idx) = megatron_pair(3, &docs);
+    write(d, "m.idx", &idx);
+    shards.push(open_megatron(&write(d, "m.bin", &bin)).unwrap());
+    for shard in &shards {
+        let starts: Vec<usize> = shard.documents(E).map(|r| r.start).collect();
+        for at in 0..=shard.len() {
+            let want = starts
+                .iter()
+                .copied()
+                .find(|&s| s >= at)
+                .unwrap_or(shard.len());
+            let got = shard.first_document_start(E, at);
+            assert_eq!(
+                got,
+                want,
+                "{} at {at}: starts {starts:?}",
+                shard.path().display()
+            );
+        }
+    }
+}

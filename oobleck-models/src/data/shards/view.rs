@@ -289,6 +289,47 @@ impl TokenShard {
         }
     }
 
+    /// The first token at or after `at` (`at <= len()`) that starts a document of
+    /// [`Self::documents`], or `len()` when none does: a binary search of an index, a scan
+    /// for the next `end_of_text` otherwise (reading only up to it). Token 0 always starts one.
+    pub fn first_document_start(&self, end_of_text: u32, at: usize) -> usize {
+        let len = self.len();
+        assert!(
+            at <= len,
+            "token {at} past the {len} tokens of {}",
+            self.path.display()
+        );
+        if at == 0 || at == len {
+            return at;
+        }
+        match &self.layout.documents {
+            DocumentLayout::Indexed(index) => {
+                let (mut lo, mut hi) = (0, index.len());
+                while lo < hi {
+                    let mid = lo + (hi - lo) / 2;
+                    if index.tokens(mid).start < at {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                if lo < index.len() {
+                    index.tokens(lo).start
+                } else {
+                    len
+                }
+            }
+            // A delimiter opens its document: the next one at or after `at` starts one.
+            DocumentLayout::Delimited(DelimiterPlacement::Before) => {
+                self.find_token(end_of_text, at..len).unwrap_or(len)
+            }
+            // A delimiter closes its document: the token after it starts the next.
+            DocumentLayout::Delimited(DelimiterPlacement::After) => self
+                .find_token(end_of_text, at - 1..len)
+                .map_or(len, |p| p + 1),
+        }
+    }
+
     /// The token ranges of the documents, in order, found lazily. An indexed shard reads its
     /// index and ignores `end_of_text`; any other shard splits at `end_of_text` (GPT-2's is
     /// [`crate::data::END_OF_TEXT_ID`], 50256) with its format's [`DelimiterPlacement`],
