@@ -67,6 +67,23 @@ impl CacheEnv {
     }
 }
 
+/// `flock(LOCK_EX)`: waits for the exclusive lock of `file`, held until the file is closed or
+/// its process ends (an advisory lock the OS drops when its process dies). std's `File::lock`
+/// is the same call from Rust 1.89, above our MSRV.
+pub(crate) fn flock_exclusive(file: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: flock only reads the descriptor, which `file` keeps open for the call.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,6 +25,7 @@ use super::runs::TokenRuns;
 use super::shards::{open_shard, FormatHint};
 use super::tokenizer::{Gpt2Tokenizer, END_OF_TEXT_ID};
 use super::tokens::{ShardSet, TokenStore};
+use super::vocab_checked::check_vocab_once;
 use super::{DataError, Result, Split, SplitData};
 
 /// One opened source: what the user named, its tokens and how its validation was chosen.
@@ -212,14 +213,15 @@ impl Dataset {
     /// ([`Gpt2Tokenizer::check_vocab`]) and, for shards, that every stored id is one of the
     /// tokenizer's: below its vocabulary, which the first check bounds by the model's, so each
     /// id has a row and decodes. The error names the shard, the id and where it is. A text
-    /// corpus's ids come from the tokenizer, so only the first check applies to it.
+    /// corpus's ids come from the tokenizer, so only the first check applies to it. A shard
+    /// is scanned once per machine (vocab_checked.rs), not by every process.
     pub fn check_vocab(&self, model_vocab: usize) -> Result<()> {
         self.tokenizer.check_vocab(model_vocab)?;
         let vocab = self.tokenizer.vocab_size();
         self.parts
             .iter()
             .flat_map(|p| p.tokens.shards())
-            .try_for_each(|shard| shard.check_vocab(vocab))
+            .try_for_each(|shard| check_vocab_once(shard, vocab))
     }
 
     /// The data source as named: the corpus file, the shards' path, or for a blend

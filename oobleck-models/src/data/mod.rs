@@ -44,6 +44,7 @@ mod source;
 mod spec;
 mod tokenizer;
 mod tokens;
+mod vocab_checked;
 
 pub use batches::{Batch, BatchSpec, DataCursor, Split, SplitData, VALIDATION_PER_MILLE};
 pub use blend::{Blend, BlendIter, BlendPick, BLEND_RESOLUTION};

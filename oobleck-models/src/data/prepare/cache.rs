@@ -33,6 +33,7 @@ use super::error::{read_err, write_err, PrepareError, Result};
 use super::manifest::{Manifest, MANIFEST_FILE, MANIFEST_VERSION};
 use super::{prepare, PrepareOptions, Progress, ReadOptions};
 use super::{DEFAULT_SHARD_TOKENS, DEFAULT_TEXT_FIELD};
+use crate::data::cache_dirs::flock_exclusive;
 use crate::data::{default_cache_dirs, DataError, Gpt2Tokenizer};
 
 /// Ends the name of a folder that `train --data` prepares raw sources into; a folder source
@@ -253,22 +254,6 @@ fn lock(dir: &Path) -> std::io::Result<File> {
         .open(dir.join(LOCK_FILE))?;
     flock_exclusive(&file)?;
     Ok(file)
-}
-
-/// `flock(LOCK_EX)`: waits for the exclusive lock of `file`, held until the file is closed or
-/// its process ends. (std's `File::lock` is the same call from Rust 1.89, above our MSRV.)
-fn flock_exclusive(file: &File) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    loop {
-        // SAFETY: flock only reads the descriptor, which `file` keeps open for the call.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(());
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
 }
 
 /// Removes a preparation of other sources from `dir` (its shards, manifest and key; nothing
