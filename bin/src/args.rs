@@ -110,6 +110,14 @@ pub struct TrainArgs {
     /// (nanoGPT's raw train.bin) [default: detect].
     #[arg(long)]
     pub data_format: Option<crate::config::DataFormat>,
+    /// Raw JSONL or Parquet --data: the JSON field or column holding the text, as `oobleck
+    /// data prepare --text-field` [default: text].
+    #[arg(long, value_name = "NAME")]
+    pub text_field: Option<String>,
+    /// Raw --data: skip (and count) JSONL records that are not JSON or lack the text field,
+    /// and Parquet rows whose text is null, instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad_records: bool,
     /// GPT-2 tokenizer: tokenizer.json, or a directory with encoder.json + vocab.bpe.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -248,10 +256,12 @@ impl TrainArgs {
             device,
             precision,
             data_format,
+            text_field,
             val_fraction,
             lease_ms
         );
         c.recompute |= self.recompute;
+        c.skip_bad_records |= self.skip_bad_records;
         if let Some(p) = &self.profile {
             c.profile = Some(p.clone());
         }

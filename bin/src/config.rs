@@ -78,6 +78,10 @@ pub struct TrainConfig {
     /// How token files with no header are read: `detect` (the default: llm.c magic, Megatron
     /// `.idx`; a raw file is then an error) or `u16` (nanoGPT's raw `train.bin`).
     pub data_format: DataFormat,
+    /// Raw JSONL and Parquet sources: the field or column holding the text (`--text-field`).
+    pub text_field: String,
+    /// Raw sources: skip and count bad records instead of stopping (`--skip-bad-records`).
+    pub skip_bad_records: bool,
     /// GPT-2 tokenizer (`tokenizer.json`, or a directory with `encoder.json` + `vocab.bpe`).
     pub tokenizer: Option<PathBuf>,
     /// Pin the pipeline sizes in nodes (e.g. `[2, 3]`) instead of letting the planner choose.
@@ -182,6 +186,8 @@ impl Default for TrainConfig {
             val_data: None,
             val_fraction: DEFAULT_VAL_FRACTION,
             data_format: DataFormat::Detect,
+            text_field: oobleck_models::data::prepare::DEFAULT_TEXT_FIELD.into(),
+            skip_bad_records: false,
             tokenizer: None,
             pipeline_nodes: None,
             inject_failure: Vec::new(),
@@ -464,6 +470,11 @@ impl TrainConfig {
             ("val_data", self.val_data != saved.val_data),
             ("val_fraction", self.val_fraction != saved.val_fraction),
             ("data_format", self.data_format != saved.data_format),
+            ("text_field", self.text_field != saved.text_field),
+            (
+                "skip_bad_records",
+                self.skip_bad_records != saved.skip_bad_records,
+            ),
             ("precision", self.precision != saved.precision),
         ];
         let changed: Vec<&str> = pairs.iter().filter(|p| p.1).map(|p| p.0).collect();
@@ -580,6 +591,8 @@ pub fn workload_config(cfg: &TrainConfig) -> GptWorkloadConfig {
             val_data: cfg.val_data.clone(),
             val_fraction: cfg.val_fraction,
             format: cfg.data_format.hint(),
+            text_field: cfg.text_field.clone(),
+            skip_bad_records: cfg.skip_bad_records,
         },
         tokenizer: cfg.tokenizer.clone(),
         profile: cfg.profile.clone().unwrap_or_else(|| "measured".into()),

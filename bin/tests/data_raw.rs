@@ -125,3 +125,44 @@ fn raw_jsonl_trains_like_its_prepared_folder_and_a_second_run_reuses_the_cache()
     );
     eprintln!("{log}");
 }
+
+/// `train --text-field` and `--skip-bad-records` read raw records as `oobleck data prepare`'s
+/// flags do: a bad line stops the run (naming the file, the line and the flag) unless it is
+/// skipped, and the text comes from the named field.
+#[test]
+fn train_reads_the_named_text_field_and_skips_bad_records_when_told() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(oobleck_models::data::default_corpus_path()).unwrap();
+    let mut lines: Vec<String> = text
+        .as_bytes()
+        .chunks(2000)
+        .map(|piece| serde_json::json!({ "body": String::from_utf8_lossy(piece) }).to_string())
+        .collect();
+    lines.insert(3, "{not json".into());
+    let corpus = dir.path().join("bodies.jsonl");
+    std::fs::write(&corpus, lines.join("\n") + "\n").unwrap();
+    let cache = dir.path().join("cache");
+    let train = |name: &str, extra: &[&str]| {
+        let mut args = vec!["--nodes", "1", "--data", corpus.to_str().unwrap()];
+        args.extend(extra);
+        let mut cmd = train_cmd(&dir.path().join(name), 1, &args);
+        cmd.env("OOBLECK_CACHE_DIR", &cache);
+        run(cmd, Duration::from_secs(300))
+    };
+    let strict = train("strict", &["--text-field", "body"]);
+    let err = String::from_utf8_lossy(&strict.stderr);
+    assert!(!strict.status.success());
+    assert!(
+        err.contains("bodies.jsonl")
+            && err.contains("line 4")
+            && err.contains("--skip-bad-records"),
+        "{err}"
+    );
+    let wrong_field = train("field", &["--skip-bad-records"]);
+    assert!(!wrong_field.status.success(), "no record has `text`");
+    let ok = train("ok", &["--text-field", "body", "--skip-bad-records"]);
+    let log = String::from_utf8_lossy(&ok.stderr);
+    assert!(ok.status.success(), "{log}");
+    assert!(log.contains("skipped_records=1"), "{log}");
+    assert_eq!(losses(&dir.path().join("ok")).len(), 1);
+}

@@ -62,6 +62,7 @@ impl TokenRuns {
     }
 
     /// The stream ranges of the runs, in order.
+    #[cfg(test)]
     pub fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
         (0..self.starts.len()).map(|k| {
             let run_end = self.offsets.get(k + 1).copied().unwrap_or(self.len);

@@ -10,6 +10,7 @@ use super::corpus::TokenCache;
 use super::dataset::{open_shard_set, Dataset, Opened, Validation};
 use super::embedded::open_tokenizer;
 use super::holdout::{fraction_millionths, DEFAULT_VAL_FRACTION};
+use super::prepare::{ReadOptions, DEFAULT_TEXT_FIELD};
 use super::prepared::check_prepared;
 use super::shards::FormatHint;
 use super::source::{resolve_source, DataSource};
@@ -77,6 +78,16 @@ pub struct DataSpec {
     pub val_fraction: f64,
     /// How a shard with no header is read (`--data-format`).
     pub format: FormatHint,
+    /// Raw JSONL and Parquet sources: the field or column holding the text (`--text-field`).
+    #[serde(skip_serializing_if = "is_default_text_field")]
+    pub text_field: String,
+    /// Raw sources: skip and count bad records instead of failing (`--skip-bad-records`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skip_bad_records: bool,
+}
+
+fn is_default_text_field(field: &str) -> bool {
+    field == DEFAULT_TEXT_FIELD
 }
 
 impl Default for DataSpec {
@@ -86,6 +97,8 @@ impl Default for DataSpec {
             val_data: None,
             val_fraction: DEFAULT_VAL_FRACTION,
             format: FormatHint::Detect,
+            text_field: DEFAULT_TEXT_FIELD.to_string(),
+            skip_bad_records: false,
         }
     }
 }
@@ -99,6 +112,14 @@ impl DataSpec {
                 path: path.into(),
             }],
             ..Self::default()
+        }
+    }
+
+    /// How raw sources' records are read.
+    fn read_options(&self) -> ReadOptions {
+        ReadOptions {
+            text_field: self.text_field.clone(),
+            skip_bad_records: self.skip_bad_records,
         }
     }
 }
@@ -133,14 +154,14 @@ pub fn open_data(spec: &DataSpec, tokenizer: Option<&Path>) -> Result<Dataset> {
     for (source, resolved) in resolved {
         sources.push(Opened {
             label: source.path.clone(),
-            tokens: open_store(&source.path, resolved, spec.format, &tokenizer)?,
+            tokens: open_store(&source.path, resolved, spec, &tokenizer)?,
             weight: source.weight,
         });
     }
     let validation = match val {
         Some((path, resolved)) => Validation::Source(Opened {
             label: path.clone(),
-            tokens: open_store(path, resolved, spec.format, &tokenizer)?,
+            tokens: open_store(path, resolved, spec, &tokenizer)?,
             weight: None,
         }),
         None => Validation::HeldOut(millionths),
@@ -152,18 +173,23 @@ pub fn open_data(spec: &DataSpec, tokenizer: Option<&Path>) -> Result<Dataset> {
 fn open_store(
     label: &Path,
     source: DataSource,
-    hint: FormatHint,
+    spec: &DataSpec,
     tokenizer: &Gpt2Tokenizer,
 ) -> Result<TokenStore> {
     match source {
         DataSource::Text(text) => Ok(TokenStore::Text(TokenCache::open(&text, tokenizer, None)?)),
         DataSource::Shards(files) => {
             check_prepared(label, &files, tokenizer)?;
-            Ok(TokenStore::Shards(open_shard_set(label, &files, hint)?))
+            Ok(TokenStore::Shards(open_shard_set(
+                label,
+                &files,
+                spec.format,
+            )?))
         }
         DataSource::Raw(files) => {
             // The cache checked the folder against its manifest and this tokenizer (its key).
-            let dir = super::prepare::prepare_cached(label, &files, tokenizer)?;
+            let read = spec.read_options();
+            let dir = super::prepare::prepare_cached(label, &files, tokenizer, &read)?;
             let DataSource::Shards(shards) = resolve_source(&dir, FormatHint::Detect)? else {
                 return Err(super::DataError::Prepared {
                     dir,

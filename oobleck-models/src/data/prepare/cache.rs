@@ -31,8 +31,8 @@ use sha2::{Digest, Sha256};
 
 use super::error::{read_err, write_err, PrepareError, Result};
 use super::manifest::{Manifest, MANIFEST_FILE, MANIFEST_VERSION};
+use super::DEFAULT_SHARD_TOKENS;
 use super::{prepare, PrepareOptions, Progress, ReadOptions};
-use super::{DEFAULT_SHARD_TOKENS, DEFAULT_TEXT_FIELD};
 use crate::data::cache_dirs::flock_exclusive;
 use crate::data::{default_cache_dirs, DataError, Gpt2Tokenizer};
 
@@ -60,6 +60,7 @@ pub fn prepare_cached(
     label: &Path,
     files: &[PathBuf],
     tokenizer: &Gpt2Tokenizer,
+    read: &ReadOptions,
 ) -> crate::data::Result<PathBuf> {
     let wrap = |error: PrepareError| match error {
         PrepareError::Data(e) => e,
@@ -70,7 +71,7 @@ pub fn prepare_cached(
         .map(|f| std::fs::canonicalize(f).map_err(read_err(f)))
         .collect::<Result<Vec<_>>>()
         .map_err(wrap)?;
-    let key = cache_key(&files, tokenizer).map_err(wrap)?;
+    let key = cache_key(&files, tokenizer, read).map_err(wrap)?;
     let name = base_name(label);
     let places: Vec<PathBuf> = default_cache_dirs(label)
         .into_iter()
@@ -87,6 +88,7 @@ pub fn prepare_cached(
         files: &files,
         key: &key,
         workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        read,
     };
     cached
         .prepare_in(&places, tokenizer)
@@ -95,12 +97,14 @@ pub fn prepare_cached(
 }
 
 /// One preparation request: the source as the user named it, the absolute paths of its files
-/// in order, their key, tokenizing threads.
+/// in order, their key, tokenizing threads, how records are read (`--text-field`,
+/// `--skip-bad-records`).
 pub(crate) struct Cached<'a> {
     pub label: &'a Path,
     pub files: &'a [PathBuf],
     pub key: &'a str,
     pub workers: usize,
+    pub read: &'a ReadOptions,
 }
 
 impl Cached<'_> {
@@ -157,7 +161,7 @@ impl Cached<'_> {
             out: dir.to_path_buf(),
             shard_tokens: DEFAULT_SHARD_TOKENS,
             workers: self.workers,
-            read: default_read(),
+            read: self.read.clone(),
         };
         let started = Instant::now();
         let mut last_log = started;
@@ -178,6 +182,7 @@ impl Cached<'_> {
             tokens = t.tokens,
             documents = t.documents,
             shards = t.shards,
+            skipped_records = t.skipped_records,
             seconds = format!("{:.1}", started.elapsed().as_secs_f64()),
             "prepared the raw data"
         );
@@ -185,17 +190,12 @@ impl Cached<'_> {
     }
 }
 
-/// How `train` reads raw sources: `oobleck data prepare`'s defaults.
-fn default_read() -> ReadOptions {
-    ReadOptions {
-        text_field: DEFAULT_TEXT_FIELD.to_string(),
-        skip_bad_records: false,
-    }
-}
-
 /// The key of a preparation of `files` (absolute paths) with `tokenizer` (see the module docs).
-pub(crate) fn cache_key(files: &[PathBuf], tokenizer: &Gpt2Tokenizer) -> Result<String> {
-    let read = default_read();
+pub(crate) fn cache_key(
+    files: &[PathBuf],
+    tokenizer: &Gpt2Tokenizer,
+    read: &ReadOptions,
+) -> Result<String> {
     let mut h = Sha256::new();
     h.update(format!(
         "oobleck prepared data, manifest v{MANIFEST_VERSION}\n"

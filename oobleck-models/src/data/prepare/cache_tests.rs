@@ -14,14 +14,20 @@ fn cached(files: &[PathBuf], places: &[PathBuf]) -> (PathBuf, Outcome) {
         .iter()
         .map(|f| std::fs::canonicalize(f).unwrap())
         .collect();
-    let key = cache_key(&files, &tok()).unwrap();
+    let key = cache_key(&files, &tok(), &read()).unwrap();
     let c = Cached {
         label: Path::new("src"),
         files: &files,
         key: &key,
         workers: 2,
+        read: &read(),
     };
     c.prepare_in(places, &tok()).unwrap()
+}
+
+/// `oobleck data prepare`'s defaults: the `text` field, bad records an error.
+fn read() -> ReadOptions {
+    super::tests::read_opts(false)
 }
 
 fn manifest_stamp(dir: &Path) -> (std::time::SystemTime, u64) {
@@ -110,16 +116,59 @@ fn a_place_that_cannot_be_created_gives_way_to_the_next() {
     assert_eq!((got, outcome), (next.clone(), Outcome::Prepared));
     // With no usable place the error names what was tried.
     let files = [std::fs::canonicalize(&src).unwrap()];
-    let key = cache_key(&files, &tok()).unwrap();
+    let key = cache_key(&files, &tok(), &read()).unwrap();
     let c = Cached {
         label: Path::new("a.jsonl"),
         files: &files,
         key: &key,
         workers: 1,
+        read: &read(),
     };
     let err = c.prepare_in(&[blocked], &tok()).unwrap_err().to_string();
     assert!(
         err.contains("no writable cache location") && err.contains("under-a-file.prepared"),
         "{err}"
     );
+}
+
+#[test]
+fn the_text_field_and_skipping_are_part_of_the_key_and_reach_the_reader() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("b.jsonl");
+    let lines = "{\"body\": \"one doc\"}\nnot json\n{\"body\": \"two docs\"}\n";
+    std::fs::write(&src, lines).unwrap();
+    let files = [std::fs::canonicalize(&src).unwrap()];
+    let body = ReadOptions {
+        text_field: "body".into(),
+        skip_bad_records: true,
+    };
+    let key = cache_key(&files, &tok(), &body).unwrap();
+    assert_ne!(key, cache_key(&files, &tok(), &read()).unwrap());
+    let place = dir.path().join("b.prepared");
+    let c = Cached {
+        label: Path::new("b.jsonl"),
+        files: &files,
+        key: &key,
+        workers: 1,
+        read: &body,
+    };
+    assert_eq!(
+        c.prepare_in(std::slice::from_ref(&place), &tok())
+            .unwrap()
+            .1,
+        Outcome::Prepared
+    );
+    let totals = Manifest::load(&place).unwrap().unwrap().totals;
+    assert_eq!((totals.documents, totals.skipped_records), (2, 1));
+    // With the defaults the same file is an error naming the line.
+    let key = cache_key(&files, &tok(), &read()).unwrap();
+    let strict = Cached {
+        key: &key,
+        read: &read(),
+        ..c
+    };
+    let err = strict
+        .prepare_in(&[dir.path().join("c.prepared")], &tok())
+        .unwrap_err();
+    assert!(err.to_string().contains("line 1"), "{err}");
 }

@@ -69,8 +69,18 @@ pub enum PrepareError {
     /// A Parquet file that does not decode (corrupt, truncated, a codec not built in).
     #[error("{path}: cannot read as Parquet: {problem}")]
     Parquet { path: PathBuf, problem: String },
-    #[error("the sources hold no documents: nothing to prepare")]
-    Empty,
+    #[error(
+        "the sources hold no documents: nothing to prepare{}",
+        if *skipped_records > 0 {
+            format!(
+                " (all {skipped_records} records were bad and skipped by --skip-bad-records: \
+                 is the text under another field? pass --text-field NAME)"
+            )
+        } else {
+            String::new()
+        }
+    )]
+    Empty { skipped_records: u64 },
     /// The output folder holds a preparation of something else; resuming would mix the two.
     #[error(
         "{dir} was prepared with a different {what} (there: {was}; now: {now}); pass another \

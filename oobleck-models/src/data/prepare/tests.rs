@@ -354,7 +354,19 @@ fn no_documents_is_an_error() {
         &tok(),
         &mut |_| {},
     );
-    assert!(matches!(err, Err(PrepareError::Empty)), "{err:?}");
+    assert!(
+        matches!(err, Err(PrepareError::Empty { skipped_records: 0 })),
+        "{err:?}"
+    );
+    // Every record skipped: the message says so and names the flag that may fix it.
+    let src = write(dir.path(), "body.jsonl", b"{\"body\": \"x\"}\n");
+    let mut opts = options(&[&src], &dir.path().join("p"), 100, 1);
+    opts.read.skip_bad_records = true;
+    let err = prepare(&opts, &tok(), &mut |_| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("all 1 records were bad") && err.contains("--text-field"),
+        "{err}"
+    );
 }
 
 #[test]

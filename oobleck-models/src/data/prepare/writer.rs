@@ -109,7 +109,9 @@ impl ShardWriter {
             self.close()?;
         }
         if self.manifest.shards.is_empty() {
-            return Err(PrepareError::Empty);
+            return Err(PrepareError::Empty {
+                skipped_records: self.skipped_records,
+            });
         }
         self.manifest.complete = true;
         self.manifest.update_totals();
