@@ -240,9 +240,10 @@ impl Dataset {
     /// One source: its tokens' identity (a text corpus: SHA-256 (hex) of its token ids as u16
     /// LE, as the cache header holds it; shards: file names, formats, dtypes, token counts and
     /// token bytes, all of them under 1 GiB of tokens, else sampled at fixed places, the rule
-    /// of [`super::shards_sha256`]). A blend: SHA-256 of `oobleck blend v1`, then each source's
-    /// integer blend part and identity, one line each. `--val-data` is not part of it: it
-    /// changes no training sample.
+    /// of [`super::shards_sha256`]). A blend: SHA-256 of `oobleck blend v2` (v1 was
+    /// Megatron's rule, whose samples differ, so `--resume` refuses a checkpoint of it), then
+    /// each source's integer blend part and identity, one line each. `--val-data` is not part
+    /// of it: it changes no training sample.
     pub fn tokens_sha256(&self) -> &str {
         &self.identity
     }
@@ -358,7 +359,7 @@ fn identity(parts: &[Part], blend_parts: &[u64]) -> String {
         return parts[0].tokens.tokens_sha256().to_string();
     }
     let mut hash = Sha256::new();
-    hash.update(b"oobleck blend v1\n");
+    hash.update(b"oobleck blend v2\n");
     for (part, share) in parts.iter().zip(blend_parts) {
         hash.update(format!("{share} {}\n", part.tokens.tokens_sha256()).as_bytes());
     }
