@@ -24,9 +24,9 @@ use super::dataset::{Dataset, Mix};
 use super::order::EpochOrder;
 use super::{DataError, Result};
 
-/// Validation share of a source too small to hold out whole documents, in tokens, per mille
-/// (5%: [`super::DEFAULT_VAL_FRACTION`], see holdout.rs).
-pub const VALIDATION_PER_MILLE: usize = 50;
+/// Validation share of a source too small to hold out whole documents, in tokens, per mille:
+/// [`super::DEFAULT_VAL_FRACTION`] (5%) in the unit the tail rule of holdout.rs rounds in.
+pub const VALIDATION_PER_MILLE: usize = (super::DEFAULT_VAL_FRACTION * 1000.0) as usize;
 
 /// Which part of the corpus.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

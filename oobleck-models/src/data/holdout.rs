@@ -132,11 +132,19 @@ fn hold_out_blocks(
     let (mut train, mut validation) = (TokenRuns::default(), TokenRuns::default());
     let (mut from, mut held) = (0usize, 0u64);
     let mut was_held = drawn(0, millionths);
+    // The last lookup: the first document start at or after `asked` is `found`, so it is also
+    // the answer for any later edge up to `found` (a corpus with few delimiters is scanned
+    // once, not once per edge).
+    let (mut asked, mut found) = (0usize, 0usize);
     for b in 0..blocks as u64 {
         let is_held = drawn(b, millionths);
         held += u64::from(is_held);
         if b > 0 && is_held != was_held {
-            let edge = set.first_document_start(end_of_text, b as usize * block_tokens);
+            let at = b as usize * block_tokens;
+            if !(asked..=found).contains(&at) {
+                (asked, found) = (at, set.first_document_start(end_of_text, at));
+            }
+            let edge = found;
             let split = if was_held {
                 &mut validation
             } else {

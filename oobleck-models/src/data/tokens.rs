@@ -224,7 +224,9 @@ pub fn shards_sha256(shards: &[TokenShard]) -> String {
         };
         for range in ranges {
             hash.update(&data[range.clone()]);
-            shard.release(range);
+            // The folio around it too: the header's and the last page's folios would stay
+            // mapped otherwise (1.6 MB a shard, 41 MB for a 5 GB corpus of 200 MB shards).
+            shard.release_around(range);
         }
     }
     hex::encode(hash.finalize())
