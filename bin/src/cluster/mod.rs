@@ -23,6 +23,7 @@
 //! Outputs: workers upload their state to the master over the network, and the master writes
 //! the checkpoints under its own `--out`; no shared file system is needed.
 
+pub mod discover;
 pub mod hostfile;
 pub mod job;
 pub mod membership_cmd;
