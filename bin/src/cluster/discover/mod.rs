@@ -6,13 +6,18 @@
 //! | source | this node's index | nodes | node 0's host (the master) | devices |
 //! |---|---|---|---|---|
 //! | `OOBLECK_MASTER` | `OOBLECK_NODE_INDEX` | `OOBLECK_NUM_NODES` | its `HOST` | - |
-//! | Slurm (`SLURM_JOB_ID`) | `SLURM_NODEID` | `SLURM_STEP_NUM_NODES`, `SLURM_NNODES` | first of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST` | `SLURM_GPUS_ON_NODE` |
+//! | Slurm (`SLURM_JOB_ID` and `SLURM_STEP_ID`: a task `srun` started) | `SLURM_PROCID` | `SLURM_STEP_NUM_TASKS`, `SLURM_NTASKS` | first of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST` | `SLURM_GPUS_ON_NODE` |
 //! | LeaderWorkerSet (`LWS_LEADER_ADDRESS`) | `LWS_WORKER_INDEX` | `LWS_GROUP_SIZE` | `LWS_LEADER_ADDRESS` | - |
 //! | JobSet (`JOBSET_NAME`) | `JOB_COMPLETION_INDEX` | `OOBLECK_NUM_NODES` | `<jobset>-<replicated job>-0-0.<jobset>` | - |
 //! | SkyPilot (`SKYPILOT_NODE_RANK`) | `SKYPILOT_NODE_RANK` | `SKYPILOT_NUM_NODES` | first of `SKYPILOT_NODE_IPS` | `SKYPILOT_NUM_GPUS_PER_NODE` |
 //!
 //! The master listens on `OOBLECK_MASTER_PORT` ([`DEFAULT_MASTER_PORT`] unless set) of node 0.
 //! Node 0 runs the master and its own agent; every node runs one agent.
+//!
+//! A Slurm "node" of the job is a task: with one task per node (`--ntasks-per-node=1`, the
+//! recipe's) they are the same; several tasks on one machine each play a node (how a test
+//! runs a multi-node job on one host). Task 0 runs on the first host of the node list, as
+//! Slurm's block and cyclic distributions both place it.
 //!
 //! Failures are loud and name what to fix, before anything starts ([`check`]): a multi-node
 //! job whose master host resolves to a loopback address (each node would rendezvous with
@@ -60,6 +65,9 @@ pub struct Placement {
     pub node_index: usize,
     /// Nodes of the allocation, when the environment says (a JobSet does not).
     pub num_nodes: Option<usize>,
+    /// Distinct hosts of the allocation, where the environment lists them (Slurm's node
+    /// list, SkyPilot's IPs); pods of a LeaderWorkerSet or JobSet are one host each.
+    pub hosts: Option<usize>,
     /// Node 0's host name or IP, and the variable it came from (for errors).
     pub master_host: String,
     pub master_from: &'static str,
@@ -195,6 +203,8 @@ fn oobleck(env: &Env) -> Result<Option<Placement>, String> {
         source: Source::Oobleck,
         node_index: env.number("OOBLECK_NODE_INDEX")?.unwrap_or(usize::MAX),
         num_nodes: env.number("OOBLECK_NUM_NODES")?,
+        // The user named the master: trusted, loopback included (one machine's test jobs).
+        hosts: Some(1),
         master_host: host
             .trim_start_matches('[')
             .trim_end_matches(']')
@@ -206,8 +216,8 @@ fn oobleck(env: &Env) -> Result<Option<Placement>, String> {
 }
 
 fn slurm(env: &Env, port: u16) -> Result<Option<Placement>, String> {
-    if env.get("SLURM_JOB_ID").is_none() {
-        return Ok(None);
+    if env.get("SLURM_JOB_ID").is_none() || env.get("SLURM_STEP_ID").is_none() {
+        return Ok(None); // not a task of a job step: the batch script itself, or no Slurm
     }
     let (list_var, list) = match env.get("SLURM_STEP_NODELIST") {
         Some(l) => ("SLURM_STEP_NODELIST", l),
@@ -223,24 +233,30 @@ fn slurm(env: &Env, port: u16) -> Result<Option<Placement>, String> {
         ))?,
         (Err(e), None) => return Err(format!("{list_var}={list:?}: {e}")),
     };
-    let index = env.required("SLURM_NODEID", Source::Slurm)?;
+    let index = env.required("SLURM_PROCID", Source::Slurm)?;
     let node_index = index
         .parse()
-        .map_err(|_| format!("SLURM_NODEID={index:?} is not a whole number"))?;
-    let said = match env.number("SLURM_STEP_NUM_NODES")? {
-        Some(n) => Some(("SLURM_STEP_NUM_NODES", n)),
-        None => env.number("SLURM_NNODES")?.map(|n| ("SLURM_NNODES", n)),
+        .map_err(|_| format!("SLURM_PROCID={index:?} is not a whole number"))?;
+    let tasks = match env.number("SLURM_STEP_NUM_TASKS")? {
+        Some(n) => n,
+        None => env
+            .number("SLURM_NTASKS")?
+            .ok_or("Slurm is set up but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is")?,
     };
-    if let Some((var, n)) = said.filter(|(_, n)| *n != hosts.len()) {
+    if let Some(n) = env
+        .number("SLURM_STEP_NUM_NODES")?
+        .filter(|&n| n != hosts.len())
+    {
         return Err(format!(
-            "{var}={n} but {list_var}={list:?} lists {} hosts",
+            "SLURM_STEP_NUM_NODES={n} but {list_var}={list:?} lists {} hosts",
             hosts.len()
         ));
     }
     Ok(Some(Placement {
         source: Source::Slurm,
         node_index,
-        num_nodes: Some(hosts.len()),
+        num_nodes: Some(tasks),
+        hosts: Some(hosts.len()),
         master_host: hosts[0].clone(),
         master_from: list_var,
         master_port: port,
@@ -259,6 +275,7 @@ fn leader_worker_set(env: &Env, port: u16) -> Result<Option<Placement>, String> 
             .parse()
             .map_err(|_| format!("LWS_WORKER_INDEX={index:?} is not a whole number"))?,
         num_nodes: env.number("LWS_GROUP_SIZE")?,
+        hosts: None,
         master_host: leader.to_string(),
         master_from: "LWS_LEADER_ADDRESS",
         master_port: port,
@@ -278,6 +295,7 @@ fn jobset(env: &Env, port: u16) -> Result<Option<Placement>, String> {
             .parse()
             .map_err(|_| format!("JOB_COMPLETION_INDEX={index:?} is not a whole number"))?,
         num_nodes: env.number("OOBLECK_NUM_NODES")?,
+        hosts: None,
         // JobSet's stable DNS names: pod <jobset>-<job>-<job index>-<pod index> in the
         // headless service named after the JobSet (`network.enableDNSHostnames`).
         master_host: format!("{name}-{job}-0-0.{name}"),
@@ -306,6 +324,7 @@ fn skypilot(env: &Env, port: u16) -> Result<Option<Placement>, String> {
             .parse()
             .map_err(|_| format!("SKYPILOT_NODE_RANK={rank:?} is not a whole number"))?,
         num_nodes: Some(ips.len()),
+        hosts: Some(ips.iter().collect::<std::collections::BTreeSet<_>>().len()),
         master_host: ips[0].to_string(),
         master_from: "SKYPILOT_NODE_IPS",
         master_port: port,
@@ -333,8 +352,8 @@ fn check_index(p: &Placement) -> Result<(), String> {
 }
 
 /// The checks that need the caller's flags and the resolver (DNS is I/O, so it is passed in):
-/// the node count against `--expect-nodes`, and a multi-node job's master host that resolves
-/// to a loopback address.
+/// the node count against `--expect-nodes`, and a master host that resolves to a loopback
+/// address in an allocation of several hosts (an `OOBLECK_MASTER` the user set is trusted).
 pub fn check(
     p: &Placement,
     expect_nodes: Option<usize>,
@@ -350,8 +369,8 @@ pub fn check(
         }
     }
     let nodes = p.num_nodes.or(expect_nodes).unwrap_or(2);
-    if nodes < 2 {
-        return Ok(());
+    if p.hosts.unwrap_or(nodes) < 2 {
+        return Ok(()); // one machine: the master is on it, loopback included
     }
     let ips = resolve(&p.master_host).map_err(|e| {
         format!(

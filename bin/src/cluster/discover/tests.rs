@@ -112,6 +112,32 @@ fn each_scheduler_says_the_node_the_nodes_and_the_master() {
         discover(&Env::from_pairs([("HOME", "/root")])).unwrap(),
         None
     );
+    // The batch script itself (no srun step): not a task, nothing discovered.
+    let batch = with(SLURM, &[("SLURM_STEP_ID", "")]);
+    assert_eq!(
+        discover(&Env::from_pairs(batch.iter().copied())).unwrap(),
+        None
+    );
+}
+
+#[test]
+fn slurm_tasks_on_one_host_each_play_a_node() {
+    let one_host = with(
+        SLURM,
+        &[
+            ("SLURM_STEP_NODELIST", "localhost"),
+            ("SLURM_JOB_NODELIST", "localhost"),
+            ("SLURM_STEP_NUM_NODES", "1"),
+            ("SLURM_NNODES", "1"),
+            ("SLURM_STEP_NUM_TASKS", "3"),
+            ("SLURM_PROCID", "1"),
+        ],
+    );
+    let p = found(&one_host);
+    assert_eq!((p.node_index, p.num_nodes, p.hosts), (1, Some(3), Some(1)));
+    // One host: its loopback master is right.
+    let loopback = |_: &str| Ok(vec![IpAddr::V4(Ipv4Addr::LOCALHOST)]);
+    check(&p, Some(3), loopback).unwrap();
 }
 
 #[test]
@@ -134,7 +160,7 @@ fn oobleck_variables_come_first_and_the_port_is_settable() {
 #[test]
 fn missing_and_malformed_variables_are_named() {
     for (vars, says) in [
-        (with(SLURM, &[("SLURM_NODEID", "")]), "SLURM_NODEID is not"),
+        (with(SLURM, &[("SLURM_PROCID", "")]), "SLURM_PROCID is not"),
         (
             with(
                 SLURM,
@@ -150,7 +176,7 @@ fn missing_and_malformed_variables_are_named() {
             "SLURM_STEP_NUM_NODES=3 but",
         ),
         (
-            with(SLURM, &[("SLURM_NODEID", "4")]),
+            with(SLURM, &[("SLURM_PROCID", "4")]),
             "index 4 is outside the job's 4 nodes",
         ),
         (
@@ -211,6 +237,7 @@ fn a_loopback_master_and_a_count_against_expect_nodes_are_loud() {
     // One node: the master is this machine; loopback is right.
     let mut one = p.clone();
     one.num_nodes = Some(1);
+    one.hosts = Some(1);
     one.node_index = 0;
     check(&one, None, hosts_file).unwrap();
     let gone = |_: &str| Err(std::io::Error::other("no such host"));
