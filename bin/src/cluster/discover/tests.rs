@@ -192,6 +192,10 @@ fn missing_and_malformed_variables_are_named() {
             "SKYPILOT_NUM_NODES=3 but",
         ),
         (
+            with(SLURM, &[("SLURM_STEP_NUM_TASKS", ""), ("SLURM_NTASKS", "")]),
+            "neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS",
+        ),
+        (
             vec![("OOBLECK_MASTER", "host-without-port")],
             "not HOST:PORT",
         ),
