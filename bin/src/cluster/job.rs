@@ -245,6 +245,7 @@ fn launch_settings(
             Token::random(),
             master::Launch::Local {
                 exe: hostfile::agent_binary()?,
+                master_wait: Duration::from_secs(cfg.master_wait_s),
             },
         ),
         LaunchMode::Listen { addr, token } => (addr, token, master::Launch::Listen),

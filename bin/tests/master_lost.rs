@@ -1,0 +1,177 @@
+//! The master of a local job is SIGKILLed: its agents keep their workers (and the trained
+//! state they hold) and look for a master for `--master-wait`, saying so; none comes, and they
+//! stop their workers and exit, leaving no process and no shared-memory segment behind. And
+//! `--master-wait` refuses a value that is no wait.
+
+mod common;
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The agents' wait for a master in the test: long enough that the check that they still run
+/// (made as soon as both said they lost the master) cannot race it on a loaded machine.
+const MASTER_WAIT_S: u64 = 6;
+/// After the wait, how long the agents may take to stop their workers (5 s grace each at
+/// most) and exit: a bound, not a timing.
+const STOP_BOUND: Duration = Duration::from_secs(30);
+
+/// Kills every listed process still alive when the test ends, also on failure.
+struct KillOnDrop(Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in self.0.iter().filter(|&&p| alive(p)) {
+            let _ = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Reads the child's stderr to its end on a thread (the agents and workers write there after
+/// the master is gone: a pipe nobody reads would block them). The end comes when every
+/// process holding it, the agents and workers included, has exited.
+fn drain_stderr(child: &mut Child) -> (Arc<Mutex<String>>, JoinHandle<()>) {
+    let mut pipe = child.stderr.take().expect("stderr piped");
+    let text = Arc::new(Mutex::new(String::new()));
+    let sink = Arc::clone(&text);
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = pipe.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock()
+                .expect("stderr buffer")
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    (text, reader)
+}
+
+/// Waits (at most `limit`) until `text` holds `n` lines containing `needle`.
+fn wait_for_lines(text: &Mutex<String>, needle: &str, n: usize, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let seen = text.lock().expect("stderr buffer").matches(needle).count();
+        if seen >= n {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{seen} of {n} lines with {needle:?} within {limit:?}; stderr:\n{}",
+            text.lock().expect("stderr buffer")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pids of the run's agents and workers once both of each were recorded.
+fn agents_and_workers(run: &Path) -> Vec<u32> {
+    let start = Instant::now();
+    loop {
+        let pids = child_pids(run);
+        if pids.len() >= 4 {
+            return pids;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "only {pids:?} recorded"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let wait = MASTER_WAIT_S.to_string();
+    // Far more steps than the test lets it run: the master dies in the middle.
+    let mut cmd = train_cmd(&out, 100_000, &["--nodes", "2", "--master-wait", &wait]);
+    let mut master = cmd.spawn().expect("start train");
+    let (stderr, reader) = drain_stderr(&mut master);
+    let mut guard = Guard(Some(master));
+    wait_for_step(&out, 2, Duration::from_secs(180));
+    let pids = agents_and_workers(&out);
+    let _strays = KillOnDrop(pids.clone());
+
+    let mut master = guard.0.take().expect("train runs");
+    master.kill().expect("SIGKILL the master");
+    let status = master.wait().expect("reap the master");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+
+    // Both agents say they lost it and look for it, and every process still runs.
+    wait_for_lines(&stderr, "master lost at step", 2, Duration::from_secs(30));
+    let gone: Vec<u32> = pids.iter().copied().filter(|&p| !alive(p)).collect();
+    assert!(
+        gone.is_empty(),
+        "processes gone within the {MASTER_WAIT_S} s wait: {gone:?} of {pids:?}; stderr:\n{}",
+        stderr.lock().expect("stderr buffer")
+    );
+
+    // No master comes: each agent gives up, stops its workers and exits.
+    let bound = Duration::from_secs(MASTER_WAIT_S) + STOP_BOUND;
+    let gave_up = format!("no master within --master-wait {MASTER_WAIT_S} s; stopping workers");
+    wait_for_lines(&stderr, &gave_up, 2, bound);
+    let start = Instant::now();
+    while pids.iter().any(|&p| alive(p)) && start.elapsed() < STOP_BOUND {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    // Every holder of the stderr pipe exited: no process this test does not know of is left.
+    reader.join().expect("stderr reader");
+    assert_no_segments(&out);
+    let text = stderr.lock().expect("stderr buffer").clone();
+    assert!(
+        text.contains(&format!("for {MASTER_WAIT_S} s (--master-wait)")),
+        "{text}"
+    );
+}
+
+/// `train` (and `train agent`) with `--master-wait VALUE`: refused, saying what it takes.
+fn refused(args: &[&str]) -> String {
+    let o = Command::new(TRAIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run train");
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{args:?} was accepted: {stderr}");
+    stderr
+}
+
+#[test]
+fn a_master_wait_that_is_no_wait_is_refused_with_what_it_takes() {
+    for bad in ["0", "soon", "1.5"] {
+        for cmd in [
+            &["--master-wait", bad][..],
+            &[
+                "agent",
+                "--master",
+                "127.0.0.1:1",
+                "--token",
+                "t",
+                "--master-wait",
+                bad,
+            ][..],
+        ] {
+            let e = refused(cmd);
+            assert!(
+                e.contains("--master-wait") && e.contains("at least 1"),
+                "{cmd:?}: {e}"
+            );
+        }
+    }
+}
