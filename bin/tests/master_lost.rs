@@ -1,6 +1,7 @@
-//! The master of a local job is SIGKILLed: its agents keep their workers (and the trained
-//! state they hold) and look for a master for `--master-wait`, saying so; none comes, and they
-//! stop their workers and exit, leaving no process and no shared-memory segment behind. And
+//! The master of a job is SIGKILLed: its agents keep their workers (and the trained state they
+//! hold) and look for a master for `--master-wait`, saying so. When none comes they stop their
+//! workers and exit, leaving no process and no shared-memory segment behind; when one comes
+//! back at the address in time it takes them as new nodes and its job runs to its end. And
 //! `--master-wait` refuses a value that is no wait.
 
 mod common;
@@ -39,9 +40,15 @@ impl Drop for KillOnDrop {
 /// the master is gone: a pipe nobody reads would block them). The end comes when every
 /// process holding it, the agents and workers included, has exited.
 fn drain_stderr(child: &mut Child) -> (Arc<Mutex<String>>, JoinHandle<()>) {
-    let mut pipe = child.stderr.take().expect("stderr piped");
     let text = Arc::new(Mutex::new(String::new()));
-    let sink = Arc::clone(&text);
+    let reader = drain_into(child, &text);
+    (text, reader)
+}
+
+/// [`drain_stderr`] into a buffer shared with other processes.
+fn drain_into(child: &mut Child, text: &Arc<Mutex<String>>) -> JoinHandle<()> {
+    let mut pipe = child.stderr.take().expect("stderr piped");
+    let sink = Arc::clone(text);
     let reader = std::thread::spawn(move || {
         let mut buf = [0u8; 4096];
         while let Ok(n) = pipe.read(&mut buf) {
@@ -53,7 +60,7 @@ fn drain_stderr(child: &mut Child) -> (Arc<Mutex<String>>, JoinHandle<()>) {
                 .push_str(&String::from_utf8_lossy(&buf[..n]));
         }
     });
-    (text, reader)
+    reader
 }
 
 /// Waits (at most `limit`) until `text` holds `n` lines containing `needle`.
@@ -73,12 +80,13 @@ fn wait_for_lines(text: &Mutex<String>, needle: &str, n: usize, limit: Duration)
     }
 }
 
-/// The pids of the run's agents and workers once both of each were recorded.
-fn agents_and_workers(run: &Path) -> Vec<u32> {
+/// The pids of the processes the run recorded (a local job's agents, and the workers), once
+/// `want` were.
+fn recorded_pids(run: &Path, want: usize) -> Vec<u32> {
     let start = Instant::now();
     loop {
         let pids = child_pids(run);
-        if pids.len() >= 4 {
+        if pids.len() >= want {
             return pids;
         }
         assert!(
@@ -100,7 +108,8 @@ fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
     let (stderr, reader) = drain_stderr(&mut master);
     let mut guard = Guard(Some(master));
     wait_for_step(&out, 2, Duration::from_secs(180));
-    let pids = agents_and_workers(&out);
+    // 2 agents and their 2 workers.
+    let pids = recorded_pids(&out, 4);
     let _strays = KillOnDrop(pids.clone());
 
     let mut master = guard.0.take().expect("train runs");
@@ -138,6 +147,119 @@ fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
         text.contains(&format!("for {MASTER_WAIT_S} s (--master-wait)")),
         "{text}"
     );
+}
+
+/// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A `train --listen ADDR --expect-nodes 2` master of `steps` steps writing to `out`.
+fn listening_master(out: &Path, steps: u64, addr: &str) -> Child {
+    let mut cmd = train_cmd(out, steps, &["--listen", addr, "--expect-nodes", "2"]);
+    cmd.env("OOBLECK_TOKEN", TOKEN).stdout(Stdio::null());
+    cmd.spawn().expect("start the master")
+}
+
+const TOKEN: &str = "master-lost-test-secret";
+
+#[test]
+fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let first = dir.path().join("first");
+    let mut procs = Guards::default();
+    let mut master = listening_master(&first, 100_000, &addr);
+    let (master_log, master_reader) = drain_stderr(&mut master);
+    procs.0.push(master);
+    let agents_log = Arc::new(Mutex::new(String::new()));
+    let mut readers = vec![master_reader];
+    for _ in 0..2 {
+        let mut agent = Command::new(TRAIN)
+            .args(["agent", "--master", &addr, "--master-wait", "120"])
+            .env("OOBLECK_TOKEN", TOKEN)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start an agent");
+        readers.push(drain_into(&mut agent, &agents_log));
+        procs.0.push(agent);
+    }
+    wait_for_step(&first, 2, Duration::from_secs(180));
+    // The 2 workers (the agents, started here, are not the master's to record).
+    let first_pids = recorded_pids(&first, 2);
+    let _strays = KillOnDrop(first_pids.clone());
+    procs.0[0].kill().expect("SIGKILL the master");
+    procs.0[0].wait().expect("reap the master");
+    wait_for_lines(
+        &agents_log,
+        "master lost at step",
+        2,
+        Duration::from_secs(30),
+    );
+
+    // A master comes back at the address, with a job of its own: the agents join it.
+    let second = dir.path().join("second");
+    let mut again = listening_master(&second, 3, &addr);
+    let (again_log, again_reader) = drain_stderr(&mut again);
+    readers.push(again_reader);
+    procs.0.push(again);
+    wait_for_lines(&agents_log, "found a master at", 2, Duration::from_secs(60));
+    let limit = Duration::from_secs(180);
+    let start = Instant::now();
+    for p in procs.0.iter_mut().skip(1) {
+        let left = limit.saturating_sub(start.elapsed());
+        let st = wait_exit(p, left);
+        assert!(
+            st.success(),
+            "{st}; master:\n{}\nagents:\n{}",
+            again_log.lock().expect("log"),
+            agents_log.lock().expect("log")
+        );
+    }
+    assert_eq!(losses(&second).len(), 3, "the second job ran every step");
+    // The first job's workers were stopped when their agents joined the second master.
+    let all: Vec<u32> = first_pids.into_iter().chain(child_pids(&second)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while all.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = all.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    for r in readers {
+        r.join().expect("stderr reader");
+    }
+    drop(master_log);
+}
+
+/// Kills every child it holds when dropped (also when the test fails).
+#[derive(Default)]
+struct Guards(Vec<Child>);
+
+impl Drop for Guards {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for `child` to exit within `limit`; returns its status.
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().expect("poll") {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "process ran past {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// `train` (and `train agent`) with `--master-wait VALUE`: refused, saying what it takes.
