@@ -110,11 +110,12 @@ impl NodeAgent {
         loop {
             let tick = (Instant::now() + POLL).min(until);
             tokio::select! {
-                ev = local_rx.recv() => match ev {
-                    Some(Local::Leave(reason)) => return Some(reason),
+                ev = local_rx.recv() => {
                     // Reports and beats reach no master; stdin closing says nothing new.
-                    Some(_) | None => {}
-                },
+                    if let Some(Local::Leave(reason)) = ev {
+                        return Some(reason);
+                    }
+                }
                 _ = tokio::time::sleep_until(tick) => {}
             }
             self.forget_exited().await;

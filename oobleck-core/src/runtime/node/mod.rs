@@ -404,7 +404,7 @@ impl NodeAgent {
             reason,
             deadline: Instant::now() + self.drain_wait,
         });
-        self.to_master(drain).await;
+        self.tell_master(drain).await;
         Ok(())
     }
 
@@ -414,12 +414,12 @@ impl NodeAgent {
             generation: self.generation,
             report,
         };
-        self.to_master(msg).await
+        self.tell_master(msg).await
     }
 
     /// Sends `msg` to the master. A send that fails means the master is gone (its
     /// connection's writer ended, or it stopped reading): noted, and the loop ends.
-    async fn to_master(&mut self, msg: Message) {
+    async fn tell_master(&mut self, msg: Message) {
         if self.lost.is_some() {
             return;
         }
