@@ -147,11 +147,11 @@ pub struct TrainArgs {
     /// heartbeats go every 500 ms [default: 3000].
     #[arg(long)]
     pub lease_ms: Option<u64>,
-    /// Seconds the local agents keep their workers (and their trained state, in memory) and
-    /// look for a master if this process (the master) is lost, e.g. killed: no master at its
-    /// address within the wait, and they stop their workers and exit, leaving nothing behind.
-    /// At least 1. Agents started with `train agent` take their own --master-wait
-    /// [default: 60].
+    /// Seconds the agents this process starts (local, or over ssh with --hostfile) keep their
+    /// workers (and their trained state, in memory) and look for a master if this process
+    /// (the master) is lost, e.g. killed: no master at its address within the wait, and they
+    /// stop their workers and exit, leaving nothing behind. At least 1. Agents started by hand
+    /// (`train agent`) take their own --master-wait [default: 60].
     #[arg(long, value_name = "SECS", value_parser = parse_master_wait_s)]
     pub master_wait: Option<u64>,
     /// Seconds a joining node that adds no pipeline waits for more joins before it is
