@@ -97,12 +97,23 @@ fn recorded_pids(run: &Path, want: usize) -> Vec<u32> {
     }
 }
 
-#[test]
-fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
+/// Sends `signal` (`KILL`, `STOP`) to `pid`.
+fn signal(signal: &str, pid: u32) {
+    let st = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success(), "kill -{signal} {pid}");
+}
+
+/// Runs a local 2-node job with a short `--master-wait`, takes its master away with `sig`,
+/// and checks that both agents say they lost it (`why` in their line) while every agent and
+/// worker still runs, then give up, and that nothing is left once they did.
+fn outlive_the_master(sig: &str, why: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let wait = MASTER_WAIT_S.to_string();
-    // Far more steps than the test lets it run: the master dies in the middle.
+    // Far more steps than the test lets it run: the master goes in the middle.
     let mut cmd = train_cmd(&out, 100_000, &["--nodes", "2", "--master-wait", &wait]);
     let mut master = cmd.spawn().expect("start train");
     let (stderr, reader) = drain_stderr(&mut master);
@@ -111,14 +122,7 @@ fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
     // 2 agents and their 2 workers.
     let pids = recorded_pids(&out, 4);
     let _strays = KillOnDrop(pids.clone());
-
-    let mut master = guard.0.take().expect("train runs");
-    master.kill().expect("SIGKILL the master");
-    let status = master.wait().expect("reap the master");
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&status),
-        Some(9)
-    );
+    signal(sig, guard.0.as_ref().expect("train runs").id());
 
     // Both agents say they lost it and look for it, and every process still runs.
     wait_for_lines(&stderr, "master lost at step", 2, Duration::from_secs(30));
@@ -128,6 +132,7 @@ fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
         "processes gone within the {MASTER_WAIT_S} s wait: {gone:?} of {pids:?}; stderr:\n{}",
         stderr.lock().expect("stderr buffer")
     );
+    wait_for_lines(&stderr, why, 2, Duration::from_secs(5));
 
     // No master comes: each agent gives up, stops its workers and exits.
     let bound = Duration::from_secs(MASTER_WAIT_S) + STOP_BOUND;
@@ -139,6 +144,14 @@ fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
     }
     let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
+    // A stopped master goes now (SIGKILL ends a stopped process too).
+    let mut master = guard.0.take().expect("train");
+    let _ = master.kill();
+    let status = master.wait().expect("reap the master");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
     // Every holder of the stderr pipe exited: no process this test does not know of is left.
     reader.join().expect("stderr reader");
     assert_no_segments(&out);
@@ -147,6 +160,18 @@ fn agents_keep_their_workers_for_the_master_wait_then_leave_nothing_behind() {
         text.contains(&format!("for {MASTER_WAIT_S} s (--master-wait)")),
         "{text}"
     );
+}
+
+#[test]
+fn agents_outlive_a_killed_master_for_the_master_wait_then_leave_nothing_behind() {
+    // Its connections close, and (a local job) the agents' stdin: either says so first.
+    outlive_the_master("KILL", "master lost at step");
+}
+
+#[test]
+fn agents_take_a_master_silent_for_a_lease_for_lost() {
+    // SIGSTOP: the connections stay open, the heartbeats stop.
+    outlive_the_master("STOP", "silent for its lease of 3000 ms");
 }
 
 /// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).
