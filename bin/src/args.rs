@@ -155,6 +155,13 @@ pub struct TrainArgs {
     /// heartbeats go every 500 ms [default: 3000].
     #[arg(long)]
     pub lease_ms: Option<u64>,
+    /// Seconds the agents this process starts (local, or over ssh with --hostfile) keep their
+    /// workers (and their trained state, in memory) and look for a master if this process
+    /// (the master) is lost, e.g. killed: no master at its address within the wait, and they
+    /// stop their workers and exit, leaving nothing behind. At least 1. Agents started by hand
+    /// (`train agent`) take their own --master-wait [default: 60].
+    #[arg(long, value_name = "SECS", value_parser = parse_master_wait_s)]
+    pub master_wait: Option<u64>,
     /// Seconds a joining node that adds no pipeline waits for more joins before it is
     /// admitted; one that adds a pipeline is admitted at the next step [default: 30].
     #[arg(long)]
@@ -260,6 +267,9 @@ impl TrainArgs {
             val_fraction,
             lease_ms
         );
+        if let Some(s) = self.master_wait {
+            c.master_wait_s = s;
+        }
         c.recompute |= self.recompute;
         c.skip_bad_records |= self.skip_bad_records;
         if let Some(p) = &self.profile {
@@ -309,6 +319,11 @@ impl TrainArgs {
         c.validate()?;
         Ok(c)
     }
+}
+
+/// `--master-wait` in whole seconds (the agents' own rule, `parse_master_wait`).
+fn parse_master_wait_s(text: &str) -> std::result::Result<u64, String> {
+    oobleck_core::runtime::node::parse_master_wait(text).map(|d| d.as_secs())
 }
 
 /// A size in bytes: a number with an optional binary unit, `K`, `M`, `G` or `T` (also `KiB`,

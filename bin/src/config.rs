@@ -121,6 +121,11 @@ pub struct TrainConfig {
     /// 3000 lets 5 heartbeats in a row go missing (an agent on a saturated 2-core machine is
     /// late by tens of ms, never seconds) while a hang is still acted on within about 3 s.
     pub lease_ms: u64,
+    /// How long (s) the agents of a local job look for a master after losing this one (its
+    /// process killed) before they stop their workers and exit
+    /// (`oobleck_core::runtime::node::DEFAULT_MASTER_WAIT`: a restarted master is back within
+    /// a minute, and a minute of idle workers costs less than the steps since a checkpoint).
+    pub master_wait_s: u64,
     /// The longest (s) a node that joins the running job but adds no pipeline waits for more
     /// joins before it is admitted. A join that adds a pipeline (and so restores fault
     /// tolerance a failure lowered) is taken at the next step boundary whatever this says.
@@ -199,6 +204,7 @@ impl Default for TrainConfig {
             profile: None,
             host_memory: None,
             lease_ms: 3000,
+            master_wait_s: oobleck_core::runtime::node::DEFAULT_MASTER_WAIT.as_secs(),
             join_after_s: 30.0,
             hang_timeout_s: 1.5,
             hang_factor: 3.0,
@@ -331,6 +337,12 @@ impl TrainConfig {
                 "--lease-ms {} must exceed the agents' 500 ms heartbeat interval (3000 is the \
                  default; below about 1500 a busy machine may be declared lost)",
                 self.lease_ms
+            );
+        }
+        if self.master_wait_s == 0 {
+            bail!(
+                "master_wait_s 0 (--master-wait): must be at least 1 second, how long agents \
+                 that lost their master look for one (60 is the default)"
             );
         }
         if !(self.join_after_s.is_finite() && self.join_after_s >= 0.0) {

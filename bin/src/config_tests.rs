@@ -179,3 +179,20 @@ fn a_resume_injects_only_the_failures_it_is_given_again() {
         .unwrap();
     assert_eq!(c.inject_failure, ["2@9"]);
 }
+
+#[test]
+fn the_master_wait_reaches_the_job_and_a_job_file_cannot_make_it_zero() {
+    let c = TrainArgs::parse_from(["train"]).resolve().unwrap();
+    assert_eq!(c.master_wait_s, 60);
+    let c = TrainArgs::parse_from(["train", "--master-wait", "7"])
+        .resolve()
+        .unwrap();
+    assert_eq!(c.master_wait_s, 7);
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, "master_wait_s = 0\n").unwrap();
+    let e = TrainArgs::parse_from(["train", "--config", job.to_str().unwrap()])
+        .resolve()
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("at least 1 second"), "{e:#}");
+}

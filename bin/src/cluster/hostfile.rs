@@ -18,10 +18,11 @@
 //!   a key given twice, an empty host, a bad port and a file without hosts.
 //!
 //! Launch: for each host, `ssh -o BatchMode=yes ... [-p PORT] [user@]host -- 'oobleck' 'agent'
-//! '--master' HOST:PORT ['--host' IP] '--token-stdin' '--exit-with-parent'`. The job token is the
-//! first line written to ssh's stdin, so it is never in any argv nor in the remote shell's
-//! command line; ssh's stdin then stays open for as long as the caller holds [`Launched::stdin`],
-//! and the agent exits when it reaches EOF (the master closed it, or the connection died).
+//! '--master' HOST:PORT ['--host' IP] '--master-wait' S '--token-stdin' '--exit-with-parent'`. The
+//! job token is the first line written to ssh's stdin, so it is never in any argv nor in the
+//! remote shell's command line; ssh's stdin then stays open for as long as the caller holds
+//! [`Launched::stdin`], and at EOF (the master closed it, or the connection died) the agent takes
+//! its master for lost: it looks for one for `--master-wait` seconds, then exits.
 //! `$OOBLECK_SSH` replaces `ssh` (a wrapper, or a fake one in tests).
 
 use std::collections::HashMap;
@@ -194,13 +195,27 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
+/// Where the remote agents find their master, and how long they look for it once it is lost
+/// (`--master-wait`, which ssh's end counts as).
+#[derive(Debug, Clone, Copy)]
+pub struct MasterAt<'a> {
+    pub addr: &'a str,
+    pub wait_s: u64,
+}
+
 /// The command line the remote shell runs: the agent, quoted word by word. It carries no secret.
-pub fn remote_command(entry: &HostEntry, remote_oobleck: &str, master: &str) -> String {
-    let mut words = vec![remote_oobleck, "agent", "--master", master];
+pub fn remote_command(entry: &HostEntry, remote_oobleck: &str, master: MasterAt) -> String {
+    let wait = master.wait_s.to_string();
+    let mut words = vec![remote_oobleck, "agent", "--master", master.addr];
     if let Some(d) = &entry.data_host {
         words.extend(["--host", d.as_str()]);
     }
-    words.extend(["--token-stdin", "--exit-with-parent"]);
+    words.extend([
+        "--master-wait",
+        &wait,
+        "--token-stdin",
+        "--exit-with-parent",
+    ]);
     let quoted: Vec<String> = words.into_iter().map(shell_quote).collect();
     // `exec`: the agent replaces the remote shell, so ssh's stdin is the agent's own.
     format!("exec {}", quoted.join(" "))
@@ -217,7 +232,12 @@ pub fn ssh_program() -> OsString {
 /// writes the token line and keeps it open); stdout is piped because the agent's report lines
 /// travel on it as in local mode (the caller must read it, or the agent blocks once the pipe
 /// fills); stderr is inherited so ssh's own errors and the agent's logs reach the terminal.
-pub fn ssh_command(ssh: &OsStr, entry: &HostEntry, remote_oobleck: &str, master: &str) -> Command {
+pub fn ssh_command(
+    ssh: &OsStr,
+    entry: &HostEntry,
+    remote_oobleck: &str,
+    master: MasterAt,
+) -> Command {
     let mut cmd = Command::new(ssh);
     cmd.args(["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"])
         // A dead link is noticed within about a minute, so ssh exits and the master sees it.
@@ -285,7 +305,7 @@ pub struct Launched {
 /// killed and the error names the host.
 pub async fn launch(
     entries: &[HostEntry],
-    master: &str,
+    master: MasterAt<'_>,
     token: &str,
     timeout: Duration,
 ) -> Result<Vec<Launched>> {
@@ -295,7 +315,7 @@ pub async fn launch(
 async fn launch_with(
     ssh: &OsStr,
     entries: &[HostEntry],
-    master: &str,
+    master: MasterAt<'_>,
     token: &str,
     timeout: Duration,
 ) -> Result<Vec<Launched>> {
@@ -328,7 +348,7 @@ async fn spawn_one(
     ssh: &OsStr,
     entry: &HostEntry,
     remote: &str,
-    master: &str,
+    master: MasterAt<'_>,
     token: &str,
     timeout: Duration,
 ) -> Result<Launched> {
@@ -375,6 +395,11 @@ async fn kill_all(started: Vec<Launched>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The master at `addr`, looked for 60 s once lost.
+    fn at(addr: &str) -> MasterAt<'_> {
+        MasterAt { addr, wait_s: 60 }
+    }
 
     fn parse(text: &str) -> Result<Vec<HostEntry>> {
         parse_hostfile(text, Path::new("hosts.txt"))
@@ -521,13 +546,13 @@ mod tests {
             ..entry("h")
         };
         assert_eq!(
-            remote_command(&e, "/opt/my dir/oobleck", "10.0.0.1:4242"),
+            remote_command(&e, "/opt/my dir/oobleck", at("10.0.0.1:4242")),
             "exec '/opt/my dir/oobleck' agent --master 10.0.0.1:4242 --host 10.0.0.2 \
-             --token-stdin --exit-with-parent"
+             --master-wait 60 --token-stdin --exit-with-parent"
         );
         assert_eq!(
-            remote_command(&entry("h"), "oobleck", "m:1"),
-            "exec oobleck agent --master m:1 --token-stdin --exit-with-parent"
+            remote_command(&entry("h"), "oobleck", at("m:1")),
+            "exec oobleck agent --master m:1 --master-wait 60 --token-stdin --exit-with-parent"
         );
     }
 
@@ -538,7 +563,7 @@ mod tests {
             port: Some(2222),
             ..entry("gpu-02")
         };
-        let cmd = ssh_command(OsStr::new("my-ssh"), &e, "/o", "m:1");
+        let cmd = ssh_command(OsStr::new("my-ssh"), &e, "/o", at("m:1"));
         let std = cmd.as_std();
         assert_eq!(std.get_program(), "my-ssh");
         let args: Vec<&OsStr> = std.get_args().collect();
@@ -556,10 +581,10 @@ mod tests {
             "2222",
             "alice@gpu-02",
             "--",
-            "exec /o agent --master m:1 --token-stdin --exit-with-parent",
+            "exec /o agent --master m:1 --master-wait 60 --token-stdin --exit-with-parent",
         ];
         assert_eq!(args, want);
-        let plain = ssh_command(OsStr::new("ssh"), &entry("h"), "/o", "m:1");
+        let plain = ssh_command(OsStr::new("ssh"), &entry("h"), "/o", at("m:1"));
         let args: Vec<&OsStr> = plain.as_std().get_args().collect();
         assert_eq!(&args[8..11], ["-T", "h", "--"]);
     }
@@ -615,7 +640,7 @@ mod tests {
         let mut launched = launch_with(
             ssh.as_os_str(),
             &entries,
-            "127.0.0.1:4242",
+            at("127.0.0.1:4242"),
             token,
             Duration::from_secs(5),
         )
@@ -628,7 +653,8 @@ mod tests {
         assert_eq!(stdin_part, format!("stdin:{token}"));
         assert_eq!(
             argv_part.trim_end(),
-            "agent --master 127.0.0.1:4242 --host 10.0.0.7 --token-stdin --exit-with-parent"
+            "agent --master 127.0.0.1:4242 --host 10.0.0.7 --master-wait 60 --token-stdin \
+             --exit-with-parent"
         );
         let ssh_argv = std::fs::read_to_string(dir.join("ssh-argv")).unwrap();
         assert!(!ssh_argv.contains(token), "{ssh_argv}");
@@ -667,7 +693,7 @@ mod tests {
         let e = launch_with(
             OsStr::new("/nonexistent/ssh-for-oobleck-tests"),
             &entries,
-            "m:1",
+            at("m:1"),
             "t",
             Duration::from_secs(5),
         )
@@ -685,7 +711,7 @@ mod tests {
             let e = launch_with(
                 OsStr::new("ssh"),
                 &entries,
-                "m:1",
+                at("m:1"),
                 t,
                 Duration::from_secs(1),
             )

@@ -245,6 +245,7 @@ fn launch_settings(
             Token::random(),
             master::Launch::Local {
                 exe: hostfile::agent_binary()?,
+                master_wait: Duration::from_secs(cfg.master_wait_s),
             },
         ),
         LaunchMode::Listen { addr, token } => (addr, token, master::Launch::Listen),
@@ -253,7 +254,7 @@ fn launch_settings(
             (
                 addr,
                 token,
-                master::Launch::Custom(ssh_launcher(hosts, secret)),
+                master::Launch::Custom(ssh_launcher(hosts, secret, cfg.master_wait_s)),
             )
         }
     };
@@ -262,7 +263,7 @@ fn launch_settings(
 
 /// Starts one agent per host over ssh once the master listens, and passes on whatever each
 /// prints on stdout so its pipe never fills.
-fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> master::LaunchFn {
+fn ssh_launcher(hosts: Vec<HostEntry>, token: String, master_wait_s: u64) -> master::LaunchFn {
     Box::new(move |addr: SocketAddr| {
         Box::pin(async move {
             let addr = addr.to_string();
@@ -270,7 +271,11 @@ fn ssh_launcher(hosts: Vec<HostEntry>, token: String) -> master::LaunchFn {
                 "master listening on {addr}; starting {} agents over ssh",
                 hosts.len()
             );
-            let launched = hostfile::launch(&hosts, &addr, &token, SSH_TIMEOUT)
+            let at = hostfile::MasterAt {
+                addr: &addr,
+                wait_s: master_wait_s,
+            };
+            let launched = hostfile::launch(&hosts, at, &token, SSH_TIMEOUT)
                 .await
                 .map_err(|e| format!("{e:#}"))
                 .ctx("starting the agents over ssh")?;

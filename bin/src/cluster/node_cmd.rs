@@ -5,7 +5,7 @@ use std::io::BufRead;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::runtime::node::{run_agent, AgentOptions};
+use oobleck_core::runtime::node::{parse_master_wait, run_agent, AgentOptions};
 
 /// How long `--token-stdin` waits for the token line.
 const TOKEN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -35,6 +35,15 @@ pub struct AgentArgs {
     /// Seconds to keep retrying while the master cannot be reached (it may start later).
     #[arg(long, default_value_t = 120)]
     pub wait: u64,
+    /// Seconds to keep this node's workers (and their trained state, in memory) and look for
+    /// a master after losing the one it serves (its process killed, its connection cut, or
+    /// silent for a lease; with --exit-with-parent, stdin closing counts as the master lost):
+    /// the master's address is tried again with growing pauses (0.25 s doubling to 4 s). No
+    /// master within the wait: the workers are stopped and the agent exits (status 1). A
+    /// master that comes back in time takes this agent as a new node. At least 1; above 180
+    /// the workers stop waiting for their step's commit first, and exit with their state.
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_master_wait)]
+    pub master_wait: Duration,
     /// Drain this node (leave at the next step boundary, no step lost) when FILE appears, or
     /// when the http:// URL answers with a notice, as cloud metadata services do: GCP
     /// `http://metadata.google.internal/computeMetadata/v1/instance/preempted`, AWS (IMDSv1)
@@ -77,6 +86,7 @@ pub fn run(args: &AgentArgs) -> Result<()> {
         host: args.host.clone(),
         exit_with_parent: args.exit_with_parent,
         wait: Duration::from_secs(args.wait),
+        master_wait: args.master_wait,
         preemption_notice: args.preemption_notice.clone(),
         notice_interval: Duration::from_secs_f64(args.notice_interval),
         drain_wait: Duration::from_secs(args.drain_wait),

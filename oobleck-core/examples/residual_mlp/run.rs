@@ -133,6 +133,7 @@ fn job_options(
         token: Token::random(),
         launch: Launch::Local {
             exe: std::env::current_exe()?,
+            master_wait: oobleck_core::runtime::node::DEFAULT_MASTER_WAIT,
         },
         limits,
     })

@@ -15,11 +15,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use super::error::{error_chain, BoxError, Result, RuntimeError};
-use super::node::{run_agent, AgentOptions};
+use super::node::{parse_master_wait, run_agent, AgentOptions};
 use super::spec::TrainingSpec;
 use super::wire::env::{
-    AGENT, AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, RANK_ENV, ROLE_ENV,
-    TOKEN_ENV, WORKER,
+    AGENT, AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_ENV, MASTER_ENV, MASTER_WAIT_ENV, RANK_ENV,
+    ROLE_ENV, TOKEN_ENV, WORKER,
 };
 use super::wire::pipe::ERROR_TAG;
 use super::worker::run_worker;
@@ -76,13 +76,15 @@ where
     }
 }
 
-/// The command that starts a local agent of the master at `master` from binary `exe`: it
-/// exits when its stdin (piped) closes, and is killed when the returned child is dropped.
+/// The command that starts a local agent of the master at `master` from binary `exe`: when
+/// its stdin (piped) closes, the master is lost, and it looks for one for `master_wait` before
+/// it stops its workers and exits; it is killed when the returned child is dropped.
 pub fn agent_command(
     exe: &Path,
     master: SocketAddr,
     token: &Token,
     wait_s: u64,
+    master_wait: Duration,
 ) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(exe);
     cmd.env(ROLE_ENV, AGENT)
@@ -90,6 +92,7 @@ pub fn agent_command(
         .env(TOKEN_ENV, token.expose())
         .env(AGENT_WAIT_ENV, wait_s.to_string())
         .env(EXIT_WITH_PARENT_ENV, "1")
+        .env(MASTER_WAIT_ENV, master_wait.as_secs().to_string())
         .env_remove(RANK_ENV)
         .env_remove(HOST_ENV)
         .stdin(Stdio::piped())
@@ -157,10 +160,16 @@ fn agent_options_from_env() -> Result<AgentOptions> {
             ))
         }
     };
+    let master_wait = match env_var(MASTER_WAIT_ENV, AGENT)? {
+        None => super::node::DEFAULT_MASTER_WAIT,
+        Some(s) => parse_master_wait(&s)
+            .map_err(|e| bad_env(AGENT, format!("{MASTER_WAIT_ENV}={s:?}: {e}")))?,
+    };
     Ok(AgentOptions {
         host: env_var(HOST_ENV, AGENT)?.filter(|h| !h.trim().is_empty()),
         exit_with_parent,
         wait: Duration::from_secs(wait_s),
+        master_wait,
         ..AgentOptions::new(required(MASTER_ENV, AGENT)?, required(TOKEN_ENV, AGENT)?)
     })
 }
@@ -221,7 +230,13 @@ mod tests {
     fn the_agent_command_names_the_role_and_everything_the_agent_reads() {
         let token = Token::new("s3cret").expect("token");
         let master: SocketAddr = "127.0.0.1:7000".parse().expect("literal");
-        let cmd = agent_command(Path::new("/bin/true"), master, &token, 10);
+        let cmd = agent_command(
+            Path::new("/bin/true"),
+            master,
+            &token,
+            10,
+            Duration::from_secs(7),
+        );
         let envs: Vec<(String, Option<String>)> = cmd
             .as_std()
             .get_envs()
@@ -238,6 +253,7 @@ mod tests {
         assert_eq!(get(TOKEN_ENV).as_deref(), Some("s3cret"));
         assert_eq!(get(AGENT_WAIT_ENV).as_deref(), Some("10"));
         assert_eq!(get(EXIT_WITH_PARENT_ENV).as_deref(), Some("1"));
+        assert_eq!(get(MASTER_WAIT_ENV).as_deref(), Some("7"));
         assert_eq!(cmd.as_std().get_args().count(), 0);
     }
 }

@@ -28,6 +28,11 @@
 //!  5 job stall (Limits::stall)  no report at all from any worker   = COMMIT_TIMEOUT  -
 //!  6 a broken worker's wait   nobody tells it what comes next      2 x DATA_TIMEOUT  -
 //!    (BROKEN_WAIT)
+//!  - an agent's master wait   the master lost: the agent keeps its     60 s              --master-wait
+//!    (node::DEFAULT_MASTER_WAIT)  workers and looks for a master; the
+//!                             workers wait for their commit
+//!                             (COMMIT_TIMEOUT) meanwhile, so a wait
+//!                             beyond it outlives their state
 //! ```
 //!
 //! The invariants, checked by the test below: the watchdog's first-step limit and the lease
@@ -87,5 +92,7 @@ mod tests {
         assert!(limits.stall >= COMMIT_TIMEOUT);
         // A broken worker outwaits the master's settling and decision.
         assert!(BROKEN_WAIT > limits.ranks_wait + limits.loss_wait);
+        // Workers still hold their state when the default master wait runs out.
+        assert!(crate::runtime::node::DEFAULT_MASTER_WAIT < COMMIT_TIMEOUT);
     }
 }

@@ -44,17 +44,19 @@ impl AgentSet {
         self.procs.is_empty()
     }
 
-    /// Starts `n` agents of this very binary on this machine, pointed at `master`.
+    /// Starts `n` agents of this very binary on this machine, pointed at `master`; each looks
+    /// for a master for `master_wait` if this one is lost.
     pub fn spawn_local(
         &mut self,
         n: usize,
         exe: &Path,
         master: std::net::SocketAddr,
         token: &Token,
+        master_wait: Duration,
     ) -> Result<Vec<Option<u32>>> {
         let mut pids = Vec::with_capacity(n);
         for i in 0..n {
-            let mut child = crate::runtime::agent_command(exe, master, token, 10)
+            let mut child = crate::runtime::agent_command(exe, master, token, 10, master_wait)
                 .env(crate::runtime::wire::env::HOST_AGENTS_ENV, n.to_string())
                 .spawn()
                 .with_ctx(|| format!("starting agent {i} ({})", exe.display()))?;

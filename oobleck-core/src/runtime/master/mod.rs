@@ -60,8 +60,9 @@ pub type LaunchFn = Box<
 
 /// How a job's agents come to be.
 pub enum Launch {
-    /// `spec.nodes` agent processes of `exe` (this binary) on this machine.
-    Local { exe: PathBuf },
+    /// `spec.nodes` agent processes of `exe` (this binary) on this machine, each of which
+    /// looks for a master for `master_wait` if this one is lost.
+    Local { exe: PathBuf, master_wait: Duration },
     /// Agents started by hand (`oobleck agent --master ADDR`) with the same token.
     Listen,
     /// Agents the caller starts, e.g. over ssh.
@@ -208,8 +209,8 @@ async fn launch(
 ) -> Result<()> {
     let addr = master.local_addr();
     match launch {
-        Launch::Local { exe } => {
-            for pid in agents.spawn_local(nodes as usize, &exe, addr, token)? {
+        Launch::Local { exe, master_wait } => {
+            for pid in agents.spawn_local(nodes as usize, &exe, addr, token, master_wait)? {
                 files.event(&process("agent", pid, None))?;
             }
         }

@@ -114,7 +114,8 @@ impl Agent {
     }
 
     /// The next message from the master. [`WireError::Timeout`] when none came within
-    /// `timeout`; [`WireError::Closed`] (or the reader's error) once the master is gone.
+    /// `timeout`; [`WireError::Closed`] (or the reader's error) once the master is gone, or
+    /// was silent for a lease.
     pub async fn recv(&mut self, timeout: Duration) -> WireResult<Message> {
         match tokio::time::timeout(timeout, self.inbox.recv()).await {
             Ok(Some(res)) => res,
@@ -203,6 +204,10 @@ async fn read_loop(mut r: OwnedReadHalf, tx: mpsc::Sender<WireResult<Message>>, 
             Ok(Some(Message::Heartbeat { .. })) => continue,
             Ok(Some(m)) => Ok(m),
             Ok(None) => return,
+            // Said as what it means, and never taken for [`Agent::recv`]'s own timeout.
+            Err(WireError::Timeout { .. }) => Err(WireError::Closed {
+                peer: format!("master (silent for its lease of {} ms)", lease.as_millis()),
+            }),
             Err(e) => Err(e),
         };
         let fatal = item.is_err();

@@ -1,8 +1,9 @@
 //! The node agent (`OOBLECK_ROLE=agent`): one node's supervisor, whatever the workload.
 //! Registers with the master, receives the job and each generation's plan, starts one worker
 //! per device of the plan on this node, relays between the workers' pipes and the control
-//! protocol, and stops its workers on `Shutdown`, when the master goes away, or (with
-//! `exit_with_parent`) when its stdin closes.
+//! protocol, and stops its workers on `Shutdown`. When the master goes away (or, with
+//! `exit_with_parent`, its stdin closes) it keeps its workers and looks for a master for
+//! `--master-wait` (`lost.rs`, on the schedule of `lookup.rs`) before it stops them.
 //!
 //! ```text
 //!  master ──Job, PlanAssignment, RendezvousList, StepCommitted──► agent
@@ -15,6 +16,8 @@
 
 mod leave;
 pub mod link;
+mod lookup;
+mod lost;
 mod notice;
 mod spawn;
 mod watchdog;
@@ -27,8 +30,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 pub use self::link::Agent;
+pub use self::lookup::parse_master_wait;
 
 use self::leave::{watch_notice, watch_sigterm, Leaving, SIGTERM};
+use self::lost::Search;
 use self::spawn::{spawn_worker, stop_workers, tell_all, Worker};
 use self::watchdog::Watch;
 use super::error::{Context, Result, RuntimeError};
@@ -48,6 +53,11 @@ const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(20);
 /// How long finished workers get to exit after `Shutdown` before they are killed.
 const GRACE: Duration = Duration::from_secs(5);
+/// How long an agent that lost its master looks for one before it stops its workers
+/// (`--master-wait`): a supervised master (systemd, a Kubernetes Deployment) is back within
+/// seconds to tens of seconds, and a minute of idle workers costs less than replaying the
+/// steps since the last checkpoint.
+pub const DEFAULT_MASTER_WAIT: Duration = Duration::from_secs(60);
 
 /// How a node agent finds and joins its job.
 #[derive(Clone)]
@@ -65,6 +75,9 @@ pub struct AgentOptions {
     pub exit_with_parent: bool,
     /// How long to keep retrying while the master cannot be reached (it may start later).
     pub wait: Duration,
+    /// After the master is lost, how long to look for one (keeping the workers) before
+    /// stopping the workers and exiting. Never zero.
+    pub master_wait: Duration,
     /// A file that appears, or an `http://` endpoint, that says this machine will be taken
     /// away (`notice.rs`): the node then drains, as at SIGTERM.
     pub preemption_notice: Option<String>,
@@ -84,6 +97,7 @@ impl AgentOptions {
             host: None,
             exit_with_parent: false,
             wait: Duration::from_secs(120),
+            master_wait: DEFAULT_MASTER_WAIT,
             preemption_notice: None,
             notice_interval: Duration::from_secs(5),
             drain_wait: Duration::from_secs(60),
@@ -99,6 +113,7 @@ impl std::fmt::Debug for AgentOptions {
             .field("host", &self.host)
             .field("exit_with_parent", &self.exit_with_parent)
             .field("wait", &self.wait)
+            .field("master_wait", &self.master_wait)
             .field("preemption_notice", &self.preemption_notice)
             .field("notice_interval", &self.notice_interval)
             .field("drain_wait", &self.drain_wait)
@@ -147,6 +162,11 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
     tracing::info!(node, %master, data_host = %host, "agent registered");
     let mut agent = NodeAgent {
         master,
+        masters: vec![opts.master.clone()],
+        token,
+        master_wait: opts.master_wait,
+        committed: 0,
+        lost: None,
         node,
         host,
         conn,
@@ -161,7 +181,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         watch: Default::default(),
         limits_told: false,
     };
-    let result = agent.serve(&mut local_rx).await;
+    let result = agent.run(&mut local_rx).await;
     let grace = if result.is_ok() {
         GRACE
     } else {
@@ -231,10 +251,28 @@ enum Flow {
     Shutdown,
 }
 
+/// How serving one master ended.
+enum Served {
+    /// It shut this node down, or released it (or the node left without being released).
+    Shutdown,
+    /// It is gone, and why.
+    MasterLost(String),
+}
+
 /// A registered agent and its workers.
 struct NodeAgent {
     /// The master's control address: its host also takes the workers' state uploads.
     master: SocketAddr,
+    /// Where to look for a master after losing one, the one it was given first (standby
+    /// masters will follow it).
+    masters: Vec<String>,
+    token: Token,
+    /// How long to look for a master after losing one (`--master-wait`).
+    master_wait: Duration,
+    /// The last step the master committed.
+    committed: u64,
+    /// The master was found gone (a send failed, stdin closed), and why: the loop ends.
+    lost: Option<String>,
     node: u32,
     /// The IP its workers bind their data-plane ports on.
     host: String,
@@ -265,9 +303,32 @@ impl NodeAgent {
         }
     }
 
-    /// The agent's loop: local events first, then exits, then the master or a worker,
-    /// whichever speaks first.
-    async fn serve(&mut self, local_rx: &mut mpsc::UnboundedReceiver<Local>) -> Result<()> {
+    /// Serves masters until one shuts this node down, or none is found within
+    /// `--master-wait` after one was lost.
+    async fn run(&mut self, local_rx: &mut mpsc::UnboundedReceiver<Local>) -> Result<()> {
+        loop {
+            let why = match self.serve(local_rx).await? {
+                Served::Shutdown => return Ok(()),
+                Served::MasterLost(why) => why,
+            };
+            match self.outlive_master(&why, local_rx).await {
+                Search::Found(conn, at) => self.start_over(conn, at).await,
+                Search::Left(reason) => {
+                    eprintln!(
+                        "oobleck agent: node {} leaves ({reason}) while it has no master: \
+                         stopping workers now",
+                        self.node
+                    );
+                    return Ok(());
+                }
+                Search::GaveUp(what) => return Err(self.give_up(what).await),
+            }
+        }
+    }
+
+    /// The agent's loop with one master: local events first, then exits, then the master or a
+    /// worker, whichever speaks first.
+    async fn serve(&mut self, local_rx: &mut mpsc::UnboundedReceiver<Local>) -> Result<Served> {
         // A local event that woke the loop below, handled first on the next turn.
         let mut woke: Option<Local> = None;
         loop {
@@ -275,9 +336,10 @@ impl NodeAgent {
                 self.on_local(ev).await?;
             }
             for report in std::mem::take(&mut self.exited) {
-                self.send_report(report)
-                    .await
-                    .ctx("reporting a worker exit")?;
+                self.send_report(report).await;
+            }
+            if let Some(why) = self.lost.take() {
+                return Ok(Served::MasterLost(why));
             }
             self.reap_workers().await?;
             self.watch_workers().await?;
@@ -293,7 +355,7 @@ impl NodeAgent {
                     l.reason,
                     self.drain_wait.as_secs()
                 );
-                return Ok(());
+                return Ok(Served::Shutdown);
             }
             // A worker's `Ready` goes out at once: every rank's commit waits for the slowest
             // report.
@@ -307,13 +369,11 @@ impl NodeAgent {
             match incoming {
                 Ok(msg) => {
                     if let Flow::Shutdown = self.on_message(msg).await? {
-                        return Ok(());
+                        return Ok(Served::Shutdown);
                     }
                 }
                 Err(WireError::Timeout { .. }) => {}
-                Err(e) => {
-                    return Err(e).with_ctx(|| format!("node {}: the master connection", self.node))
-                }
+                Err(e) => return Ok(Served::MasterLost(e.to_string())),
             }
         }
     }
@@ -344,25 +404,37 @@ impl NodeAgent {
             reason,
             deadline: Instant::now() + self.drain_wait,
         });
-        self.conn
-            .send(drain, CONTROL_TIMEOUT)
-            .await
-            .with_ctx(|| format!("node {}: asking the master to drain it", self.node))
+        self.tell_master(drain).await;
+        Ok(())
     }
 
-    async fn send_report(&self, report: WorkerReport) -> std::result::Result<(), WireError> {
+    async fn send_report(&mut self, report: WorkerReport) {
         let msg = Message::Worker {
             node: self.node,
             generation: self.generation,
             report,
         };
-        self.conn.send(msg, CONTROL_TIMEOUT).await
+        self.tell_master(msg).await
+    }
+
+    /// Sends `msg` to the master. A send that fails means the master is gone (its
+    /// connection's writer ended, or it stopped reading): noted, and the loop ends.
+    async fn tell_master(&mut self, msg: Message) {
+        if self.lost.is_some() {
+            return;
+        }
+        if let Err(e) = self.conn.send(msg, CONTROL_TIMEOUT).await {
+            self.lost = Some(e.to_string());
+        }
     }
 
     async fn on_local(&mut self, ev: Local) -> Result<()> {
         match ev {
             Local::StdinClosed => {
-                Err(self.error("the process that started this agent is gone".into()))
+                // The master (or the ssh session to it) that started this agent is gone.
+                self.lost
+                    .get_or_insert_with(|| "the process that started this agent is gone".into());
+                Ok(())
             }
             Local::Leave(reason) => self.leave(reason).await,
             Local::Beat(device, beat) => {
@@ -404,9 +476,8 @@ impl NodeAgent {
                     );
                     return Ok(());
                 }
-                self.send_report(report)
-                    .await
-                    .ctx("relaying a worker's report to the master")
+                self.send_report(report).await;
+                Ok(())
             }
         }
     }
@@ -428,6 +499,7 @@ impl NodeAgent {
                 generation,
                 last,
             } if generation == self.generation => {
+                self.committed = step;
                 let commit = ToWorker::Commit { step, last };
                 tell_all(self.node, &mut self.workers, &commit).await?;
             }

@@ -18,8 +18,8 @@ use super::{Local, CONTROL_TIMEOUT, GRACE};
 use crate::profiler;
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::wire::env::{
-    AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV, RANK_ENV,
-    ROLE_ENV, TOKEN_ENV, WORKER,
+    AGENT_WAIT_ENV, EXIT_WITH_PARENT_ENV, HOST_AGENTS_ENV, HOST_ENV, MASTER_ENV, MASTER_WAIT_ENV,
+    RANK_ENV, ROLE_ENV, TOKEN_ENV, WORKER,
 };
 use crate::runtime::wire::pipe::ERROR_TAG;
 use crate::runtime::wire::pipe::{parse_progress, ToWorker, WorkerAssignment};
@@ -36,8 +36,8 @@ pub(super) struct Worker {
     /// Its rank in the running generation.
     pub(super) rank: u32,
     pub(super) child: Child,
-    /// The worker's stdin: its messages, and it exits when this closes.
-    stdin: ChildStdin,
+    /// The worker's stdin: its messages, and it exits when this closes (`None`: closed).
+    stdin: Option<ChildStdin>,
     /// Relays its stdout; done once the worker closed it.
     pub(super) relay: tokio::task::JoinHandle<()>,
     /// Relays its stderr and returns its last lines; done once the worker closed it.
@@ -62,10 +62,16 @@ fn json_line(v: &impl serde::Serialize, what: &str) -> Result<String> {
 async fn send_line(
     node: u32,
     rank: u32,
-    stdin: &mut ChildStdin,
+    stdin: Option<&mut ChildStdin>,
     line: &str,
     what: &str,
 ) -> Result<()> {
+    let Some(stdin) = stdin else {
+        return Err(RuntimeError::Protocol {
+            who: format!("node {node}"),
+            what: format!("worker rank {rank} is being stopped and takes no {what}"),
+        });
+    };
     tokio::time::timeout(CONTROL_TIMEOUT, stdin.write_all(line.as_bytes()))
         .await
         .map_err(|_| RuntimeError::Protocol {
@@ -79,7 +85,7 @@ impl Worker {
     /// Writes `msg` to this worker's stdin.
     pub(super) async fn tell(&mut self, node: u32, msg: &ToWorker) -> Result<()> {
         let line = json_line(msg, "a message for a worker")?;
-        send_line(node, self.rank, &mut self.stdin, &line, "a message").await
+        send_line(node, self.rank, self.stdin.as_mut(), &line, "a message").await
     }
 }
 
@@ -87,7 +93,7 @@ impl Worker {
 pub(super) async fn tell_all(node: u32, workers: &mut [Worker], msg: &ToWorker) -> Result<()> {
     let line = json_line(msg, "a message for the workers")?;
     for w in workers.iter_mut() {
-        send_line(node, w.rank, &mut w.stdin, &line, "a message").await?;
+        send_line(node, w.rank, w.stdin.as_mut(), &line, "a message").await?;
     }
     Ok(())
 }
@@ -130,6 +136,7 @@ pub(super) async fn spawn_worker(
         HOST_ENV,
         AGENT_WAIT_ENV,
         EXIT_WITH_PARENT_ENV,
+        MASTER_WAIT_ENV,
         HOST_AGENTS_ENV,
     ] {
         cmd.env_remove(var);
@@ -155,7 +162,7 @@ pub(super) async fn spawn_worker(
     let mut stdin = child.stdin.take().ctx("worker stdin")?;
     let stdout = child.stdout.take().ctx("worker stdout")?;
     let line = json_line(a, "a worker's assignment")?;
-    send_line(a.node, a.rank, &mut stdin, &line, "its assignment").await?;
+    send_line(a.node, a.rank, Some(&mut stdin), &line, "its assignment").await?;
     let rank = a.rank;
     // Relay the worker's reports; anything else it prints goes to our stderr.
     let relay = tokio::spawn(async move {
@@ -179,7 +186,7 @@ pub(super) async fn spawn_worker(
         device,
         rank,
         child,
-        stdin,
+        stdin: Some(stdin),
         relay,
         errors,
         kill_at: None,
@@ -217,9 +224,14 @@ pub(super) fn error_lines(tail: Vec<String>) -> Vec<String> {
         .collect()
 }
 
-/// Waits up to `grace` for the workers to exit by themselves, then kills the rest.
+/// Closes the workers' stdin (a worker exits when it closes: after `Done` it is on its way
+/// already, otherwise it stops where it is), waits up to `grace` for them to exit, then kills
+/// the rest.
 pub(super) async fn stop_workers(workers: &mut Vec<Worker>, grace: Duration) {
     let deadline = tokio::time::Instant::now() + grace;
+    for w in workers.iter_mut() {
+        w.stdin = None;
+    }
     for w in workers.iter_mut() {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if tokio::time::timeout(left, w.child.wait()).await.is_err() {

@@ -30,7 +30,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::execution::Snapshot;
-use crate::runtime::error::{Context, Result};
+use crate::runtime::error::Result;
 use crate::runtime::spec::WatchSpec;
 use crate::runtime::wire::pipe::IDLE_BEAT;
 use crate::runtime::wire::records::WorkerReport;
@@ -281,9 +281,7 @@ impl super::NodeAgent {
             }
         }
         for report in waiting {
-            self.send_report(report)
-                .await
-                .ctx("telling the master a worker waits on its peers")?;
+            self.send_report(report).await;
         }
         for (i, h) in hung {
             let rank = self.workers[i].rank;
@@ -304,9 +302,7 @@ impl super::NodeAgent {
                 limit_s: h.limit_s,
                 stopped: h.stopped,
             };
-            self.send_report(report)
-                .await
-                .ctx("reporting a hung worker to the master")?;
+            self.send_report(report).await;
         }
         Ok(())
     }

@@ -10,7 +10,8 @@
 //! | `OOBLECK_TOKEN`            | agent  | the job's shared secret                           |
 //! | `OOBLECK_HOST`             | agent  | optional: the IP its workers bind their data plane on |
 //! | `OOBLECK_AGENT_WAIT`       | agent  | optional: seconds to wait for the master (120)    |
-//! | `OOBLECK_EXIT_WITH_PARENT` | agent  | `1`: exit when stdin closes                        |
+//! | `OOBLECK_EXIT_WITH_PARENT` | agent  | `1`: stdin closing means the master is lost        |
+//! | `OOBLECK_MASTER_WAIT`      | agent  | optional: seconds to look for a lost master (60)  |
 //! | `OOBLECK_RANK`             | worker | the worker's global rank                          |
 
 /// The job's shared secret of the control plane.
@@ -23,8 +24,10 @@ pub const MASTER_ENV: &str = "OOBLECK_MASTER";
 pub const HOST_ENV: &str = "OOBLECK_HOST";
 /// Seconds an agent waits for its master.
 pub const AGENT_WAIT_ENV: &str = "OOBLECK_AGENT_WAIT";
-/// `1`: the agent exits when its stdin closes.
+/// `1`: the agent takes its stdin closing for the master lost (it looks for one, then exits).
 pub const EXIT_WITH_PARENT_ENV: &str = "OOBLECK_EXIT_WITH_PARENT";
+/// Seconds an agent that lost its master looks for one before it stops its workers.
+pub const MASTER_WAIT_ENV: &str = "OOBLECK_MASTER_WAIT";
 /// A worker's global rank.
 pub const RANK_ENV: &str = "OOBLECK_RANK";
 /// Agents of the job on this agent's machine (a local cluster's: all of them); default 1. Its

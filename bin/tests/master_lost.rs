@@ -1,0 +1,324 @@
+//! The master of a job is SIGKILLed: its agents keep their workers (and the trained state they
+//! hold) and look for a master for `--master-wait`, saying so. When none comes they stop their
+//! workers and exit, leaving no process and no shared-memory segment behind; when one comes
+//! back at the address in time it takes them as new nodes and its job runs to its end. And
+//! `--master-wait` refuses a value that is no wait.
+
+mod common;
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The agents' wait for a master in the test: long enough that the check that they still run
+/// (made as soon as both said they lost the master) cannot race it on a loaded machine.
+const MASTER_WAIT_S: u64 = 6;
+/// After the wait, how long the agents may take to stop their workers (5 s grace each at
+/// most) and exit: a bound, not a timing.
+const STOP_BOUND: Duration = Duration::from_secs(30);
+
+/// Kills every listed process still alive when the test ends, also on failure.
+struct KillOnDrop(Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in self.0.iter().filter(|&&p| alive(p)) {
+            let _ = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Reads the child's stderr to its end on a thread (the agents and workers write there after
+/// the master is gone: a pipe nobody reads would block them). The end comes when every
+/// process holding it, the agents and workers included, has exited.
+fn drain_stderr(child: &mut Child) -> (Arc<Mutex<String>>, JoinHandle<()>) {
+    let text = Arc::new(Mutex::new(String::new()));
+    let reader = drain_into(child, &text);
+    (text, reader)
+}
+
+/// [`drain_stderr`] into a buffer shared with other processes.
+fn drain_into(child: &mut Child, text: &Arc<Mutex<String>>) -> JoinHandle<()> {
+    let mut pipe = child.stderr.take().expect("stderr piped");
+    let sink = Arc::clone(text);
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = pipe.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock()
+                .expect("stderr buffer")
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    reader
+}
+
+/// Waits (at most `limit`) until `text` holds `n` lines containing `needle`.
+fn wait_for_lines(text: &Mutex<String>, needle: &str, n: usize, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let seen = text.lock().expect("stderr buffer").matches(needle).count();
+        if seen >= n {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{seen} of {n} lines with {needle:?} within {limit:?}; stderr:\n{}",
+            text.lock().expect("stderr buffer")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pids of the processes the run recorded (a local job's agents, and the workers), once
+/// `want` were.
+fn recorded_pids(run: &Path, want: usize) -> Vec<u32> {
+    let start = Instant::now();
+    loop {
+        let pids = child_pids(run);
+        if pids.len() >= want {
+            return pids;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "only {pids:?} recorded"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends `signal` (`KILL`, `STOP`) to `pid`.
+fn signal(signal: &str, pid: u32) {
+    let st = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success(), "kill -{signal} {pid}");
+}
+
+/// Runs a local 2-node job with a short `--master-wait`, takes its master away with `sig`,
+/// and checks that both agents say they lost it (`why` in their line) while every agent and
+/// worker still runs, then give up, and that nothing is left once they did.
+fn outlive_the_master(sig: &str, why: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let wait = MASTER_WAIT_S.to_string();
+    // Far more steps than the test lets it run: the master goes in the middle.
+    let mut cmd = train_cmd(&out, 100_000, &["--nodes", "2", "--master-wait", &wait]);
+    let mut master = cmd.spawn().expect("start train");
+    let (stderr, reader) = drain_stderr(&mut master);
+    let mut guard = Guard(Some(master));
+    wait_for_step(&out, 2, Duration::from_secs(180));
+    // 2 agents and their 2 workers.
+    let pids = recorded_pids(&out, 4);
+    let _strays = KillOnDrop(pids.clone());
+    signal(sig, guard.0.as_ref().expect("train runs").id());
+
+    // Both agents say they lost it and look for it, and every process still runs.
+    wait_for_lines(&stderr, "master lost at step", 2, Duration::from_secs(30));
+    let gone: Vec<u32> = pids.iter().copied().filter(|&p| !alive(p)).collect();
+    assert!(
+        gone.is_empty(),
+        "processes gone within the {MASTER_WAIT_S} s wait: {gone:?} of {pids:?}; stderr:\n{}",
+        stderr.lock().expect("stderr buffer")
+    );
+    wait_for_lines(&stderr, why, 2, Duration::from_secs(5));
+
+    // No master comes: each agent gives up, stops its workers and exits.
+    let bound = Duration::from_secs(MASTER_WAIT_S) + STOP_BOUND;
+    let gave_up = format!("no master within --master-wait {MASTER_WAIT_S} s; stopping workers");
+    wait_for_lines(&stderr, &gave_up, 2, bound);
+    let start = Instant::now();
+    while pids.iter().any(|&p| alive(p)) && start.elapsed() < STOP_BOUND {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    // A stopped master goes now (SIGKILL ends a stopped process too).
+    let mut master = guard.0.take().expect("train");
+    let _ = master.kill();
+    let status = master.wait().expect("reap the master");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    // Every holder of the stderr pipe exited: no process this test does not know of is left.
+    reader.join().expect("stderr reader");
+    assert_no_segments(&out);
+    let text = stderr.lock().expect("stderr buffer").clone();
+    assert!(
+        text.contains(&format!("for {MASTER_WAIT_S} s (--master-wait)")),
+        "{text}"
+    );
+}
+
+#[test]
+fn agents_outlive_a_killed_master_for_the_master_wait_then_leave_nothing_behind() {
+    // Its connections close, and (a local job) the agents' stdin: either says so first.
+    outlive_the_master("KILL", "master lost at step");
+}
+
+#[test]
+fn agents_take_a_master_silent_for_a_lease_for_lost() {
+    // SIGSTOP: the connections stay open, the heartbeats stop.
+    outlive_the_master("STOP", "silent for its lease of 3000 ms");
+}
+
+/// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A `train --listen ADDR --expect-nodes 2` master of `steps` steps writing to `out`.
+fn listening_master(out: &Path, steps: u64, addr: &str) -> Child {
+    let mut cmd = train_cmd(out, steps, &["--listen", addr, "--expect-nodes", "2"]);
+    cmd.env("OOBLECK_TOKEN", TOKEN).stdout(Stdio::null());
+    cmd.spawn().expect("start the master")
+}
+
+const TOKEN: &str = "master-lost-test-secret";
+
+#[test]
+fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let first = dir.path().join("first");
+    let mut procs = Guards::default();
+    let mut master = listening_master(&first, 100_000, &addr);
+    let (master_log, master_reader) = drain_stderr(&mut master);
+    procs.0.push(master);
+    let agents_log = Arc::new(Mutex::new(String::new()));
+    let mut readers = vec![master_reader];
+    for _ in 0..2 {
+        let mut agent = Command::new(TRAIN)
+            .args(["agent", "--master", &addr, "--master-wait", "120"])
+            .env("OOBLECK_TOKEN", TOKEN)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start an agent");
+        readers.push(drain_into(&mut agent, &agents_log));
+        procs.0.push(agent);
+    }
+    wait_for_step(&first, 2, Duration::from_secs(180));
+    // The 2 workers (the agents, started here, are not the master's to record).
+    let first_pids = recorded_pids(&first, 2);
+    let _strays = KillOnDrop(first_pids.clone());
+    procs.0[0].kill().expect("SIGKILL the master");
+    procs.0[0].wait().expect("reap the master");
+    wait_for_lines(
+        &agents_log,
+        "master lost at step",
+        2,
+        Duration::from_secs(30),
+    );
+
+    // A master comes back at the address, with a job of its own: the agents join it.
+    let second = dir.path().join("second");
+    let mut again = listening_master(&second, 3, &addr);
+    let (again_log, again_reader) = drain_stderr(&mut again);
+    readers.push(again_reader);
+    procs.0.push(again);
+    wait_for_lines(&agents_log, "found a master at", 2, Duration::from_secs(60));
+    let limit = Duration::from_secs(180);
+    let start = Instant::now();
+    for p in procs.0.iter_mut().skip(1) {
+        let left = limit.saturating_sub(start.elapsed());
+        let st = wait_exit(p, left);
+        assert!(
+            st.success(),
+            "{st}; master:\n{}\nagents:\n{}",
+            again_log.lock().expect("log"),
+            agents_log.lock().expect("log")
+        );
+    }
+    assert_eq!(losses(&second).len(), 3, "the second job ran every step");
+    // The first job's workers were stopped when their agents joined the second master.
+    let all: Vec<u32> = first_pids.into_iter().chain(child_pids(&second)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while all.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = all.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    for r in readers {
+        r.join().expect("stderr reader");
+    }
+    drop(master_log);
+}
+
+/// Kills every child it holds when dropped (also when the test fails).
+#[derive(Default)]
+struct Guards(Vec<Child>);
+
+impl Drop for Guards {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for `child` to exit within `limit`; returns its status.
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().expect("poll") {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "process ran past {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `train` (and `train agent`) with `--master-wait VALUE`: refused, saying what it takes.
+fn refused(args: &[&str]) -> String {
+    let o = Command::new(TRAIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run train");
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{args:?} was accepted: {stderr}");
+    stderr
+}
+
+#[test]
+fn a_master_wait_that_is_no_wait_is_refused_with_what_it_takes() {
+    for bad in ["0", "soon", "1.5"] {
+        for cmd in [
+            &["--master-wait", bad][..],
+            &[
+                "agent",
+                "--master",
+                "127.0.0.1:1",
+                "--token",
+                "t",
+                "--master-wait",
+                bad,
+            ][..],
+        ] {
+            let e = refused(cmd);
+            assert!(
+                e.contains("--master-wait") && e.contains("at least 1"),
+                "{cmd:?}: {e}"
+            );
+        }
+    }
+}
