@@ -6,6 +6,7 @@ use oobleck_cli::args::TrainArgs;
 use oobleck_cli::cluster::hostfile::parse_hostfile;
 use oobleck_cli::cluster::job::LaunchMode;
 use oobleck_cli::cluster::resolve;
+use oobleck_cli::cluster::scheduled;
 use oobleck_cli::config::TrainConfig;
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -43,6 +44,18 @@ fn run() -> Result<()> {
     }
     let args = TrainArgs::parse();
     let mut cfg = args.resolve()?;
+    // Started by a scheduler on every node of an allocation: its environment says the role.
+    let env = oobleck_cli::cluster::discover::Env::of_process();
+    if let Some((placement, role)) = scheduled::from_env(&args, &cfg, &env)? {
+        eprintln!("{}", scheduled::describe(&placement, &role));
+        return match role {
+            scheduled::Role::Agent(agent) => oobleck_cli::cluster::node_cmd::run(&agent),
+            scheduled::Role::Master { launch, nodes } => {
+                cfg.nodes = nodes;
+                train_cluster(cfg, launch, &args)
+            }
+        };
+    }
     let launch = match (&args.listen, &args.hostfile) {
         (Some(addr), hostfile) => {
             let addr = resolve(addr)?;

@@ -43,6 +43,15 @@ pub enum LaunchMode {
         token: Token,
         hosts: Vec<HostEntry>,
     },
+    /// Node 0 of a job a scheduler started on every node (`cluster::scheduled`): the master
+    /// listens on `addr` (all interfaces) and starts this node's own agent, which reaches it
+    /// at `own` (node 0's address as the other nodes see it, so its workers bind there too);
+    /// the other nodes' agents come by themselves.
+    Scheduled {
+        addr: SocketAddr,
+        token: Token,
+        own: SocketAddr,
+    },
 }
 
 /// [`workload_config`] for a cluster job started as `launch`: its measured profile is timed as
@@ -233,7 +242,7 @@ fn launch_settings(
         ..Limits::default()
     };
     let limits = match launch {
-        LaunchMode::Listen { .. } => Limits {
+        LaunchMode::Listen { .. } | LaunchMode::Scheduled { .. } => Limits {
             join: Duration::from_secs(600),
             ..ours
         },
@@ -257,8 +266,35 @@ fn launch_settings(
                 master::Launch::Custom(ssh_launcher(hosts, secret, cfg.master_wait_s)),
             )
         }
+        LaunchMode::Scheduled { addr, token, own } => {
+            let own = own_agent(own, token.clone(), Duration::from_secs(cfg.master_wait_s));
+            (addr, token, master::Launch::Custom(own))
+        }
     };
     Ok((bind, token, launch, limits))
+}
+
+/// Starts this node's own agent (node 0 of a scheduled job) once the master listens: a child
+/// of `train`, as a local cluster's agents are, pointed at `own`.
+fn own_agent(own: SocketAddr, token: Token, master_wait: Duration) -> master::LaunchFn {
+    Box::new(move |_listening: SocketAddr| {
+        Box::pin(async move {
+            let exe = hostfile::agent_binary()
+                .map_err(|e| format!("{e:#}"))
+                .ctx("locating this binary for node 0's agent")?;
+            let mut child =
+                oobleck_core::runtime::agent_command(&exe, own, &token, 120, master_wait)
+                    .spawn()
+                    .map_err(|e| format!("{e}"))
+                    .ctx("starting node 0's agent")?;
+            let stdin = child.stdin.take();
+            Ok(vec![Started {
+                child,
+                stdin,
+                host: None,
+            }])
+        })
+    })
 }
 
 /// Starts one agent per host over ssh once the master listens, and passes on whatever each

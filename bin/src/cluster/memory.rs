@@ -25,7 +25,9 @@ pub(super) fn host_memory(cfg: &TrainConfig) -> Option<HostMemory> {
 pub(super) fn host_ranks(cfg: &TrainConfig, launch: &LaunchMode) -> usize {
     let ranks = match launch {
         LaunchMode::Local => cfg.nodes * cfg.devices_per_node,
-        LaunchMode::Listen { .. } | LaunchMode::Hostfile { .. } => cfg.devices_per_node,
+        LaunchMode::Listen { .. } | LaunchMode::Hostfile { .. } | LaunchMode::Scheduled { .. } => {
+            cfg.devices_per_node
+        }
     };
     ranks.max(1)
 }

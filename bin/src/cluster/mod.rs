@@ -29,6 +29,7 @@ pub mod job;
 pub mod membership_cmd;
 pub mod memory;
 pub mod node_cmd;
+pub mod scheduled;
 pub mod status;
 
 pub use oobleck_core::runtime::net::resolve;

@@ -14,9 +14,11 @@ const TOKEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// multi-machine job (see `train --listen`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentArgs {
-    /// The master's control address (`train --listen` prints it).
+    /// The master's control address (`train --listen` prints it). Default: from the
+    /// environment, as `train` on a scheduler's nodes finds it (OOBLECK_MASTER, Slurm,
+    /// LeaderWorkerSet, JobSet, SkyPilot; see README "On a cluster").
     #[arg(long)]
-    pub master: String,
+    pub master: Option<String>,
     /// The job's shared secret (never sent over the network; the master checks it by
     /// challenge-response).
     #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
@@ -82,6 +84,13 @@ pub fn run(args: &AgentArgs) -> Result<()> {
             args.notice_interval
         );
     }
+    let master = match &args.master {
+        Some(m) => m.clone(),
+        None => {
+            let env = super::discover::Env::of_process();
+            super::discover::master_from_env(&env).map_err(|e| anyhow::anyhow!(e))?
+        }
+    };
     let opts = AgentOptions {
         host: args.host.clone(),
         exit_with_parent: args.exit_with_parent,
@@ -90,7 +99,7 @@ pub fn run(args: &AgentArgs) -> Result<()> {
         preemption_notice: args.preemption_notice.clone(),
         notice_interval: Duration::from_secs_f64(args.notice_interval),
         drain_wait: Duration::from_secs(args.drain_wait),
-        ..AgentOptions::new(args.master.clone(), token)
+        ..AgentOptions::new(master, token)
     };
     Ok(run_agent(&opts)?)
 }

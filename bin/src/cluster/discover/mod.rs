@@ -389,6 +389,23 @@ pub fn check(
     Ok(())
 }
 
+/// The addresses `host` resolves to (for [`check`]'s loopback rule).
+pub fn lookup(host: &str) -> std::io::Result<Vec<IpAddr>> {
+    use std::net::ToSocketAddrs;
+    Ok((host, 0).to_socket_addrs()?.map(|a| a.ip()).collect())
+}
+
+/// The master's `HOST:PORT` for an agent given no `--master`: from the environment, checked.
+pub fn master_from_env(env: &Env) -> Result<String, String> {
+    let p = discover(env)?.ok_or(
+        "no --master, and nothing in the environment says where the master is: set \
+         OOBLECK_MASTER=HOST:PORT (with OOBLECK_NODE_INDEX), or run it as a task of a Slurm \
+         step, a LeaderWorkerSet or JobSet pod, or a SkyPilot task",
+    )?;
+    check(&p, None, lookup)?;
+    Ok(p.master_addr())
+}
+
 /// `scontrol show hostnames LIST`, if Slurm's tools are installed and answer within 10 s.
 fn scontrol_hostnames(list: &str) -> Option<Vec<String>> {
     use std::io::Read;

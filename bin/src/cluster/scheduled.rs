@@ -1,0 +1,119 @@
+//! `train` started by a scheduler on every node of an allocation (`srun train ...`, a SkyPilot
+//! task, a pod of a LeaderWorkerSet): the same command everywhere. Where this process is comes
+//! from its environment (`discover`); node 0 runs the master and its own agent, every other
+//! node one agent of that master. Flags that say how to launch (`--nodes`, `--listen`,
+//! `--hostfile`) win: with any of them the environment is not read.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use anyhow::{anyhow, Result};
+use clap::Parser;
+use oobleck_core::runtime::wire::Token;
+
+use super::discover::{self, Env, Placement};
+use super::job::LaunchMode;
+use super::node_cmd::{AgentArgs, TrainAgentCli};
+use super::resolve;
+use crate::args::TrainArgs;
+use crate::config::TrainConfig;
+
+/// How long an agent of a scheduled job waits for node 0's master to listen: node 0 may first
+/// prepare data and measure the model's profile (the master's own join limit is as long).
+const MASTER_START_WAIT_S: u64 = 600;
+
+/// What this `train` process is in a scheduled job.
+pub enum Role {
+    /// Node 0: the master of a job of `nodes` nodes, with this node's agent.
+    Master { launch: LaunchMode, nodes: usize },
+    /// Any other node: one agent of node 0's master.
+    Agent(Box<AgentArgs>),
+}
+
+/// This process's place and role when the environment places it in a job of several nodes
+/// and no flag chose the launch; `None` otherwise (train as the flags say).
+pub fn from_env(
+    args: &TrainArgs,
+    cfg: &TrainConfig,
+    env: &Env,
+) -> Result<Option<(Placement, Role)>> {
+    if args.nodes.is_some() || args.listen.is_some() || args.hostfile.is_some() {
+        return Ok(None);
+    }
+    let Some(p) = discover::discover(env).map_err(|e| anyhow!(e))? else {
+        return Ok(None);
+    };
+    if p.num_nodes == Some(1) {
+        return Ok(None); // an allocation of one: train here as without a scheduler
+    }
+    discover::check(&p, args.expect_nodes, discover::lookup).map_err(|e| anyhow!(e))?;
+    let nodes = p.num_nodes.or(args.expect_nodes).ok_or_else(|| {
+        anyhow!(
+            "{} does not say how many nodes the job has: set OOBLECK_NUM_NODES (or pass \
+             --expect-nodes N) on every node",
+            p.source.name()
+        )
+    })?;
+    let secret = args.token.clone().ok_or_else(|| {
+        anyhow!(
+            "a job of {nodes} nodes ({}) needs its shared secret: export OOBLECK_TOKEN with the \
+             same value on every node (e.g. `export OOBLECK_TOKEN=$(openssl rand -hex 16)` in \
+             the job script)",
+            p.source.name()
+        )
+    })?;
+    let role = if p.is_master_node() {
+        master_role(&p, nodes, Token::new(&secret)?)?
+    } else {
+        Role::Agent(Box::new(agent_args(&p, secret, cfg.master_wait_s)?))
+    };
+    Ok(Some((p, role)))
+}
+
+/// The line `train` prints first: what the environment said.
+pub fn describe(p: &Placement, role: &Role) -> String {
+    let nodes = p.num_nodes.map_or("?".into(), |n| n.to_string());
+    let what = match role {
+        Role::Master { .. } => "the master (listening on port".to_string(),
+        Role::Agent(_) => "an agent of the master at".to_string(),
+    };
+    let at = match role {
+        Role::Master { .. } => format!("{}) and its agent", p.master_port),
+        Role::Agent(_) => format!(" {}; the job's settings are the master's", p.master_addr()),
+    };
+    format!(
+        "{}: node {} of {nodes}; this process is {what}{at} (--nodes, --listen or --hostfile \
+         choose otherwise)",
+        p.source.name(),
+        p.node_index
+    )
+}
+
+fn master_role(p: &Placement, nodes: usize, token: Token) -> Result<Role> {
+    let own = resolve(&p.master_addr())?;
+    let any: IpAddr = match own.ip() {
+        IpAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        IpAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let addr = SocketAddr::new(any, p.master_port);
+    Ok(Role::Master {
+        launch: LaunchMode::Scheduled { addr, token, own },
+        nodes,
+    })
+}
+
+fn agent_args(p: &Placement, token: String, master_wait_s: u64) -> Result<AgentArgs> {
+    let wait = MASTER_START_WAIT_S.to_string();
+    let master_wait = master_wait_s.to_string();
+    let argv = [
+        "train agent",
+        "--master",
+        &p.master_addr(),
+        "--wait",
+        &wait,
+        "--master-wait",
+        &master_wait,
+    ];
+    let mut args = TrainAgentCli::try_parse_from(argv)?.args;
+    args.token = Some(token);
+    Ok(args)
+}
