@@ -129,6 +129,17 @@ fn a_loopback_master_of_several_hosts_and_a_missing_token_stop_at_once() {
         err.contains("localhost (SLURM_STEP_NODELIST) resolves to") && err.contains("loopback"),
         "{err}"
     );
+    // OOBLECK_MASTER alone says where the master is, not which node this is.
+    let o = common::run(
+        node(
+            &dir.path().join("c"),
+            &vars(&[("OOBLECK_MASTER", "10.0.0.1:29400")]),
+        ),
+        Duration::from_secs(30),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("OOBLECK_NODE_INDEX is not"), "{err}");
     let sky = vars(&[
         ("SKYPILOT_NODE_RANK", "1"),
         ("SKYPILOT_NODE_IPS", "10.0.0.1\n10.0.0.2"),

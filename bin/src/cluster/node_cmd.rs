@@ -50,7 +50,7 @@ pub struct AgentArgs {
     /// when the http:// URL answers with a notice, as cloud metadata services do: GCP
     /// `http://metadata.google.internal/computeMetadata/v1/instance/preempted`, AWS (IMDSv1)
     /// `http://169.254.169.254/latest/meta-data/spot/instance-action`. SIGTERM drains too.
-    #[arg(long, value_name = "FILE|URL")]
+    #[arg(long, value_name = "FILE|URL", env = "OOBLECK_PREEMPTION_NOTICE")]
     pub preemption_notice: Option<String>,
     /// Seconds between looks at the preemption notice (GCP gives about 30 s of notice).
     #[arg(long, default_value_t = 1.0)]

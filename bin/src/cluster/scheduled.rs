@@ -6,7 +6,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use clap::Parser;
 use oobleck_core::runtime::wire::Token;
 
@@ -42,6 +42,12 @@ pub fn from_env(
     let Some(p) = discover::discover(env).map_err(|e| anyhow!(e))? else {
         return Ok(None);
     };
+    if p.node_index == discover::UNKNOWN_INDEX {
+        bail!(
+            "OOBLECK_MASTER is set but OOBLECK_NODE_INDEX is not: set it to this node's index \
+             (0 runs the master), or run `train agent` on the nodes and `train --listen` on the master"
+        );
+    }
     if p.num_nodes == Some(1) {
         return Ok(None); // an allocation of one: train here as without a scheduler
     }

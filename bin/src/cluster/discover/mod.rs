@@ -32,6 +32,10 @@ mod tests;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+/// [`Placement::node_index`] of an `OOBLECK_MASTER` without `OOBLECK_NODE_INDEX`: enough for an
+/// agent (`train agent`), not for `train`, which must know whether it is node 0.
+pub const UNKNOWN_INDEX: usize = usize::MAX;
+
 /// The master's port when `OOBLECK_MASTER_PORT` is not set.
 pub const DEFAULT_MASTER_PORT: u16 = 29_400;
 
@@ -201,7 +205,7 @@ fn oobleck(env: &Env) -> Result<Option<Placement>, String> {
         .map_err(|_| format!("OOBLECK_MASTER={master:?}: {port:?} is not a port"))?;
     Ok(Some(Placement {
         source: Source::Oobleck,
-        node_index: env.number("OOBLECK_NODE_INDEX")?.unwrap_or(usize::MAX),
+        node_index: env.number("OOBLECK_NODE_INDEX")?.unwrap_or(UNKNOWN_INDEX),
         num_nodes: env.number("OOBLECK_NUM_NODES")?,
         // The user named the master: trusted, loopback included (one machine's test jobs).
         hosts: Some(1),
@@ -334,12 +338,8 @@ fn skypilot(env: &Env, port: u16) -> Result<Option<Placement>, String> {
 
 /// The node's index must be inside the allocation.
 fn check_index(p: &Placement) -> Result<(), String> {
-    if p.node_index == usize::MAX {
-        return Err(
-            "OOBLECK_MASTER is set but OOBLECK_NODE_INDEX is not: set it to this \
-                    node's index (0 runs the master)"
-                .into(),
-        );
+    if p.node_index == UNKNOWN_INDEX {
+        return Ok(()); // an agent told only where its master is; `train` asks for the index
     }
     match p.num_nodes {
         Some(n) if p.node_index >= n => Err(format!(

@@ -199,7 +199,6 @@ fn missing_and_malformed_variables_are_named() {
             vec![("OOBLECK_MASTER", "host-without-port")],
             "not HOST:PORT",
         ),
-        (vec![("OOBLECK_MASTER", "h:1")], "OOBLECK_NODE_INDEX is not"),
         (
             with(SKYPILOT, &[("OOBLECK_MASTER_PORT", "99999")]),
             "OOBLECK_MASTER_PORT",
@@ -248,4 +247,13 @@ fn a_loopback_master_and_a_count_against_expect_nodes_are_loud() {
     assert!(check(&p, None, gone)
         .unwrap_err()
         .contains("does not resolve"));
+}
+
+#[test]
+fn an_agent_needs_only_where_its_master_is() {
+    let env = Env::from_pairs([("OOBLECK_MASTER", "oobleck-master:29400")]);
+    assert_eq!(master_from_env(&env).unwrap(), "oobleck-master:29400");
+    assert_eq!(discover(&env).unwrap().unwrap().node_index, UNKNOWN_INDEX);
+    let none = master_from_env(&Env::from_pairs([("HOME", "/root")])).unwrap_err();
+    assert!(none.contains("OOBLECK_MASTER=HOST:PORT"), "{none}");
 }
