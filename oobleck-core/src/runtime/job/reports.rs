@@ -2,6 +2,7 @@
 //! `steps.rs`; here the book-keeping of stages built, failed, corrupted copies and exits, and
 //! the decision whether a failure can be recovered from.
 
+use crate::execution::StepTimes;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -89,6 +90,11 @@ impl JobMachine {
             }
             return;
         }
+        self.on_current_report(now, node, report);
+    }
+
+    /// A report of the current generation, handed to its handler.
+    fn on_current_report(&mut self, now: Duration, node: u32, report: WorkerReport) {
         match report {
             WorkerReport::Listening { rank, addr, pid } => {
                 self.on_listening(now, node, rank, addr, pid)
@@ -102,15 +108,7 @@ impl JobMachine {
                 samples,
                 times,
             } => {
-                if let Some(g) = self.gen.as_mut() {
-                    g.read.extend(microbatches);
-                    if let Some(h) = samples {
-                        g.samples = Some(g.samples.unwrap_or_default() + SampleHash(h));
-                    }
-                    if let Some(t) = times {
-                        g.times.insert(rank, t);
-                    }
-                }
+                self.note_step_reads(rank, microbatches, samples, times);
                 self.on_step_ready(now, rank, step, loss, grad_norm)
             }
             WorkerReport::Saved {
@@ -208,6 +206,26 @@ impl JobMachine {
     }
 
     /// Book-keeping of a broken worker, in any phase.
+    /// What a rank's `Ready` says of the step besides its loss: the microbatches it read, the
+    /// hash of their sample ids, its phase times.
+    fn note_step_reads(
+        &mut self,
+        rank: u32,
+        microbatches: Vec<u32>,
+        samples: Option<u64>,
+        times: Option<StepTimes>,
+    ) {
+        if let Some(g) = self.gen.as_mut() {
+            g.read.extend(microbatches);
+            if let Some(h) = samples {
+                g.samples = Some(g.samples.unwrap_or_default() + SampleHash(h));
+            }
+            if let Some(t) = times {
+                g.times.insert(rank, t);
+            }
+        }
+    }
+
     pub(super) fn on_worker_broken(
         &mut self,
         node: u32,
