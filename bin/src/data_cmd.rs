@@ -21,6 +21,18 @@ pub enum DataCmd {
     /// an interrupt: finished shards are kept and the output is the same as an uninterrupted
     /// run.
     Prepare(PrepareArgs),
+    /// List what `train --data RAW` prepared into the shared cache folders ($OOBLECK_CACHE_DIR,
+    /// else ~/.cache/oobleck-rs and the temp folder): each preparation's size and whether its
+    /// sources are still as they were. --prune removes the stale ones (a source gone or
+    /// changed) and unfinished ones nobody is preparing.
+    Cache(CacheArgs),
+}
+
+#[derive(clap::Args)]
+pub struct CacheArgs {
+    /// Remove the stale and unfinished preparations (never one in use).
+    #[arg(long)]
+    pub prune: bool,
 }
 
 #[derive(clap::Args)]
@@ -59,7 +71,49 @@ pub struct PrepareArgs {
 pub fn run(cmd: &DataCmd) -> Result<()> {
     match cmd {
         DataCmd::Prepare(a) => run_prepare(a),
+        DataCmd::Cache(a) => run_cache(a),
     }
+}
+
+fn run_cache(args: &CacheArgs) -> Result<()> {
+    let places = oobleck_models::data::shared_cache_dirs();
+    let entries = prepare::inventory(&places);
+    let shown: Vec<String> = places.iter().map(|p| p.display().to_string()).collect();
+    println!("prepared data in {}:", shown.join(", "));
+    if entries.is_empty() {
+        println!("  (none)");
+    }
+    for e in &entries {
+        let state = match &e.state {
+            prepare::CacheState::Current => "current".to_string(),
+            prepare::CacheState::Stale(why) => format!("stale: {why}"),
+            prepare::CacheState::Unfinished => "unfinished".to_string(),
+            prepare::CacheState::InUse => "in use (being prepared)".to_string(),
+        };
+        println!("  {:>10}  {}  {state}", mb(e.bytes), e.dir.display());
+    }
+    let removable: u64 = entries
+        .iter()
+        .filter(|e| e.state.removable())
+        .map(|e| e.bytes)
+        .sum();
+    if args.prune {
+        let freed = prepare::prune(&entries)?;
+        println!(
+            "removed the stale and unfinished preparations: {} freed",
+            mb(freed)
+        );
+    } else if removable > 0 {
+        println!(
+            "{} in stale or unfinished preparations: `oobleck data cache --prune` removes them",
+            mb(removable)
+        );
+    }
+    Ok(())
+}
+
+fn mb(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
 }
 
 fn run_prepare(args: &PrepareArgs) -> Result<()> {

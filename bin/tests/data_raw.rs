@@ -166,3 +166,52 @@ fn train_reads_the_named_text_field_and_skips_bad_records_when_told() {
     assert!(log.contains("skipped_records=1"), "{log}");
     assert_eq!(losses(&dir.path().join("ok")).len(), 1);
 }
+
+/// `oobleck data cache` says which preparations in the cache are stale (their source changed)
+/// and `--prune` removes those, keeping the current one.
+#[test]
+fn the_cache_lists_a_stale_preparation_and_prune_removes_only_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let (old, kept) = (dir.path().join("old.jsonl"), dir.path().join("kept.jsonl"));
+    for (i, src) in [&old, &kept].into_iter().enumerate() {
+        write_corpus(src);
+        let mut cmd = train_cmd(&dir.path().join(format!("r{i}")), 1, &["--nodes", "1"]);
+        cmd.args(["--data", src.to_str().unwrap()])
+            .env("OOBLECK_CACHE_DIR", &cache);
+        let o = run(cmd, Duration::from_secs(300));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    std::fs::write(&old, "{\"text\": \"edited\"}\n").unwrap();
+    let cache_cmd = |extra: &[&str]| {
+        let o = Command::new(OOBLECK)
+            .args(["data", "cache"])
+            .args(extra)
+            .env("OOBLECK_CACHE_DIR", &cache)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let listed = cache_cmd(&[]);
+    let line = |name: &str| {
+        listed
+            .lines()
+            .find(|l| l.contains(name))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(
+        line("old.jsonl-").contains("stale: ") && line("old.jsonl-").contains("changed"),
+        "{listed}"
+    );
+    assert!(line("kept.jsonl-").ends_with("current"), "{listed}");
+    assert!(listed.contains("--prune"), "{listed}");
+    let pruned = cache_cmd(&["--prune"]);
+    assert!(pruned.contains("freed"), "{pruned}");
+    let after = cache_cmd(&[]);
+    assert!(
+        !after.contains("old.jsonl-") && after.contains("kept.jsonl-"),
+        "{after}"
+    );
+}

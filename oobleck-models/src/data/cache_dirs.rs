@@ -84,6 +84,24 @@ pub(crate) fn flock_exclusive(file: &std::fs::File) -> std::io::Result<()> {
     }
 }
 
+/// `flock(LOCK_EX | LOCK_NB)`: takes the exclusive lock of `file` if nobody holds it (`true`),
+/// or says someone does (`false`) without waiting.
+pub(crate) fn try_flock_exclusive(file: &std::fs::File) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: flock only reads the descriptor, which `file` keeps open for the call.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(true);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock => return Ok(false),
+            std::io::ErrorKind::Interrupted => continue,
+            _ => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,7 +41,7 @@ use crate::data::{default_cache_dirs, DataError, Gpt2Tokenizer};
 pub const PREPARED_SUFFIX: &str = ".prepared";
 /// Inside a prepared folder: the key of the sources it holds, and the lock file.
 const KEY_FILE: &str = ".key";
-const LOCK_FILE: &str = ".lock";
+pub(crate) const LOCK_FILE: &str = ".lock";
 /// Hex digits of the key in a shared place's folder name (64 bits: no two sources meet).
 const NAME_KEY_DIGITS: usize = 16;
 /// How often a long preparation logs its progress.

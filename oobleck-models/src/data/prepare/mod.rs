@@ -29,6 +29,7 @@ mod cache;
 #[cfg(test)]
 mod cache_tests;
 mod error;
+mod inventory;
 mod manifest;
 mod parquet_reader;
 #[cfg(test)]
@@ -43,6 +44,7 @@ mod writer;
 
 pub use cache::{prepare_cached, PREPARED_SUFFIX};
 pub use error::{PrepareError, Result};
+pub use inventory::{inventory, prune, CacheEntry, CacheState};
 pub use manifest::{
     Manifest, Position, ShardEntry, SourceEntry, TokenizerEntry, Totals, MANIFEST_FILE,
     MANIFEST_VERSION,
