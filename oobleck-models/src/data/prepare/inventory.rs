@@ -216,12 +216,12 @@ mod tests {
             .map(|e| e.bytes)
             .sum();
         assert_eq!(freed, stale);
-        let left: Vec<CacheState> = inventory(&[cache.clone()])
+        let left: Vec<CacheState> = inventory(std::slice::from_ref(&cache))
             .into_iter()
             .map(|e| e.state)
             .collect();
         assert_eq!(left, [CacheState::Unfinished, CacheState::Current]);
-        prune(&inventory(&[cache.clone()])).unwrap();
+        prune(&inventory(std::slice::from_ref(&cache))).unwrap();
         assert_eq!(inventory(&[cache]).len(), 1);
     }
 }
