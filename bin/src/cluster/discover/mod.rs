@@ -398,9 +398,9 @@ pub fn lookup(host: &str) -> std::io::Result<Vec<IpAddr>> {
 /// The master's `HOST:PORT` for an agent given no `--master`: from the environment, checked.
 pub fn master_from_env(env: &Env) -> Result<String, String> {
     let p = discover(env)?.ok_or(
-        "no --master, and nothing in the environment says where the master is: set \
-         OOBLECK_MASTER=HOST:PORT (with OOBLECK_NODE_INDEX), or run it as a task of a Slurm \
-         step, a LeaderWorkerSet or JobSet pod, or a SkyPilot task",
+        "no --master, and nothing in the environment says where the master is: pass --master \
+         HOST:PORT or set OOBLECK_MASTER=HOST:PORT, or run it as a task of a Slurm step, a \
+         LeaderWorkerSet or JobSet pod, or a SkyPilot task",
     )?;
     check(&p, None, lookup)?;
     Ok(p.master_addr())

@@ -232,6 +232,16 @@ async fn register(master: std::net::SocketAddr, token: &Token, wait: Duration) -
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
+            Err(e @ (WireError::Io { .. } | WireError::Timeout { .. })) => {
+                return Err(e).with_ctx(|| {
+                    format!(
+                        "no master answered at {master} within the agent's wait of {} s: is the \
+                         master started, and is {master} the address it listens on (`train \
+                         --listen`)? `--wait SECS` waits longer",
+                        wait.as_secs()
+                    )
+                })
+            }
             Err(e) => {
                 return Err(e).with_ctx(|| format!("registering with the master at {master}"))
             }
