@@ -27,7 +27,9 @@
 //!   costs a few thousand short reads at 300B tokens and the splits keep one run per change:
 //!   about 29 thousand runs, under 1 MB per process, where single documents would be 15
 //!   million runs (480 MB) in every process. Below the threshold the document draw above
-//!   scans at most `16 * 2^20 / fraction` tokens and keeps at most a few MB of runs.
+//!   scans at most `16 * 2^20 / fraction` tokens and keeps at most a few MB of runs. A corpus
+//!   that grows across the threshold changes how it is drawn, and so its held-out set (as a
+//!   changed `--val-fraction` does); growing on either side of it keeps the set.
 //!
 //! The fraction is taken in millionths, so `0.05` splits exactly where `5 / 100` of the tokens
 //! does, on every machine.
