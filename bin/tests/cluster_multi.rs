@@ -3,28 +3,17 @@
 //! ssh stand-in, and the bad inputs of a multi-machine job (a wrong token, a data-plane address
 //! a worker cannot bind) ending every process with a clear error.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const TRAIN: &str = env!("CARGO_BIN_EXE_train");
-const OOBLECK: &str = env!("CARGO_BIN_EXE_oobleck");
+use common::{Children, OOBLECK, TRAIN};
+
 const TOKEN: &str = "multi-machine-test-secret";
-
-/// Kills every child it holds when dropped (also when the test fails).
-#[derive(Default)]
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn job_args(out: &Path) -> Vec<String> {
     [
@@ -161,7 +150,7 @@ fn agents_started_by_hand_on_other_addresses_train_with_a_listening_master() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let master = format!("127.0.0.1:{}", free_port());
-    let mut procs = Procs::default();
+    let mut procs = Children::default();
     // One agent starts before the master is up: it waits for it.
     procs.0.push(agent(&master, TOKEN, "127.0.0.2"));
     std::thread::sleep(Duration::from_millis(500));
@@ -236,7 +225,7 @@ fn a_multi_machine_job_with_a_failure_needs_no_shared_file_system() {
         .map(String::from),
     );
     let (train, rx) = start_train(&args, &[("OOBLECK_TOKEN", TOKEN)]);
-    let mut procs = Procs(vec![train]);
+    let mut procs = Children(vec![train]);
     let mut log = String::new();
     wait_line(
         &rx,
@@ -329,7 +318,7 @@ fn hostfile_starts_one_agent_per_host_over_ssh() {
         "--hostfile".into(),
         hostfile.display().to_string(),
     ]);
-    let mut procs = Procs::default();
+    let mut procs = Children::default();
     let (train, rx) = start_train(&args, &[("OOBLECK_SSH", ssh.to_str().expect("utf-8"))]);
     procs.0.push(train);
     let st = wait_exit(&mut procs.0[0], Duration::from_secs(120));
@@ -381,7 +370,7 @@ fn a_worker_that_cannot_bind_its_data_plane_address_ends_the_job_clearly() {
     let out = dir.path().join("run");
     let mut args = job_args(&out);
     args.extend(["--listen", "127.0.0.1:0", "--expect-nodes", "2"].map(String::from));
-    let mut procs = Procs::default();
+    let mut procs = Children::default();
     let (train, rx) = start_train(&args, &[("OOBLECK_TOKEN", TOKEN)]);
     procs.0.push(train);
     let mut log = String::new();

@@ -23,6 +23,11 @@ const SKYPILOT_SETS: &[&str] = &[
     "SKYPILOT_SETUP_NODE_IPS",
 ];
 
+/// What a checking tool printed, stdout then stderr.
+fn printed(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+}
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -54,8 +59,7 @@ fn the_kubernetes_manifests_validate_against_the_schemas() {
         .args(&files)
         .output()
         .expect("run kubernetes-validate");
-    let said =
-        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    let said = printed(&o);
     assert!(o.status.success(), "{said}");
     // Every resource of both files was checked, none skipped for an unknown kind.
     assert_eq!(said.matches(" passed for resource ").count(), 4, "{said}");
@@ -93,8 +97,7 @@ fn the_skypilot_task_parses_and_names_only_variables_skypilot_sets() {
         .arg(&path)
         .output()
         .expect("run python");
-    let said =
-        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    let said = printed(&o);
     assert!(o.status.success(), "{said}");
     assert!(
         said.contains("'envs'") && said.contains("'setup'"),

@@ -22,20 +22,6 @@ const MASTER_WAIT_S: u64 = 6;
 /// most) and exit: a bound, not a timing.
 const STOP_BOUND: Duration = Duration::from_secs(30);
 
-/// Kills every listed process still alive when the test ends, also on failure.
-struct KillOnDrop(Vec<u32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in self.0.iter().filter(|&&p| alive(p)) {
-            let _ = Command::new("kill")
-                .args(["-9", &pid.to_string()])
-                .stderr(Stdio::null())
-                .status();
-        }
-    }
-}
-
 /// Reads the child's stderr to its end on a thread (the agents and workers write there after
 /// the master is gone: a pipe nobody reads would block them). The end comes when every
 /// process holding it, the agents and workers included, has exited.
@@ -121,7 +107,7 @@ fn outlive_the_master(sig: &str, why: &str) {
     wait_for_step(&out, 2, Duration::from_secs(180));
     // 2 agents and their 2 workers.
     let pids = recorded_pids(&out, 4);
-    let _strays = KillOnDrop(pids.clone());
+    let _strays = Strays(pids.clone());
     signal(sig, guard.0.as_ref().expect("train runs").id());
 
     // Both agents say they lost it and look for it, and every process still runs.
@@ -197,7 +183,7 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let addr = format!("127.0.0.1:{}", free_port());
     let first = dir.path().join("first");
-    let mut procs = Guards::default();
+    let mut procs = Children::default();
     let mut master = listening_master(&first, 100_000, &addr);
     let (master_log, master_reader) = drain_stderr(&mut master);
     procs.0.push(master);
@@ -218,7 +204,7 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     wait_for_step(&first, 2, Duration::from_secs(180));
     // The 2 workers (the agents, started here, are not the master's to record).
     let first_pids = recorded_pids(&first, 2);
-    let _strays = KillOnDrop(first_pids.clone());
+    let _strays = Strays(first_pids.clone());
     procs.0[0].kill().expect("SIGKILL the master");
     procs.0[0].wait().expect("reap the master");
     wait_for_lines(
@@ -260,19 +246,6 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
         r.join().expect("stderr reader");
     }
     drop(master_log);
-}
-
-/// Kills every child it holds when dropped (also when the test fails).
-#[derive(Default)]
-struct Guards(Vec<Child>);
-
-impl Drop for Guards {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Waits for `child` to exit within `limit`; returns its status.

@@ -319,6 +319,20 @@ pub fn oobleck_tool(args: &[&str]) -> Output {
     run(c, Duration::from_secs(15))
 }
 
+/// Child processes a test started itself (masters and agents of a multi-machine job): each
+/// killed and reaped when the test ends, also on failure.
+#[derive(Default)]
+pub struct Children(pub Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Processes a test started outside `train` (agents of `oobleck add-node`): killed when the
 /// test ends, also on failure.
 #[derive(Default)]

@@ -378,26 +378,23 @@ fn corpus_label(parts: &[Part], sources: usize) -> PathBuf {
 }
 
 fn log_split(label: &Path, how: &HeldOut, train: &TokenRuns, validation: &TokenRuns) {
-    match how {
-        HeldOut::Documents { held, documents } => tracing::info!(
-            source = %label.display(),
-            "validation: {held} of {documents} documents held out ({} tokens; {} train tokens in {} runs)",
-            validation.len(),
-            train.len(),
-            train.num_runs()
-        ),
-        HeldOut::Blocks { held, blocks } => tracing::info!(
-            source = %label.display(),
-            "validation: {held} of {blocks} blocks of whole documents held out ({} tokens; {} train tokens in {} runs)",
-            validation.len(),
-            train.len(),
-            train.num_runs()
-        ),
-        HeldOut::Tail { documents } => tracing::debug!(
-            source = %label.display(),
-            "validation: the last {} tokens ({documents} documents, too few to hold out whole ones)",
-            validation.len()
-        ),
-        HeldOut::Nothing => {}
-    }
+    let (held, of, what) = match *how {
+        HeldOut::Documents { held, documents } => (held, documents, "documents"),
+        HeldOut::Blocks { held, blocks } => (held, blocks, "blocks of whole documents"),
+        HeldOut::Tail { documents } => {
+            return tracing::debug!(
+                source = %label.display(),
+                "validation: the last {} tokens ({documents} documents, too few to hold out whole ones)",
+                validation.len()
+            );
+        }
+        HeldOut::Nothing => return,
+    };
+    tracing::info!(
+        source = %label.display(),
+        "validation: {held} of {of} {what} held out ({} tokens; {} train tokens in {} runs)",
+        validation.len(),
+        train.len(),
+        train.num_runs()
+    );
 }
