@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Children, OOBLECK, TRAIN};
+use common::{wait_exit, Children, OOBLECK, TRAIN};
 
 const TOKEN: &str = "multi-machine-test-secret";
 
@@ -103,18 +103,6 @@ fn wait_line(
             }
             Err(_) => panic!("no line with {needle:?} within {limit:?}; stderr so far:\n{log}"),
         }
-    }
-}
-
-/// Waits for `child` to exit within `limit`; returns its status.
-fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(st) = child.try_wait().expect("poll") {
-            return st;
-        }
-        assert!(Instant::now() < deadline, "process ran past {limit:?}");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

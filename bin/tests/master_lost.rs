@@ -248,18 +248,6 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     drop(master_log);
 }
 
-/// Waits for `child` to exit within `limit`; returns its status.
-fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(st) = child.try_wait().expect("poll") {
-            return st;
-        }
-        assert!(Instant::now() < deadline, "process ran past {limit:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// `train` (and `train agent`) with `--master-wait VALUE`: refused, saying what it takes.
 fn refused(args: &[&str]) -> String {
     let o = Command::new(TRAIN)

@@ -319,6 +319,18 @@ pub fn oobleck_tool(args: &[&str]) -> Output {
     run(c, Duration::from_secs(15))
 }
 
+/// Waits for `child` to exit within `limit`; returns its status.
+pub fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().expect("poll") {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "process ran past {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Child processes a test started itself (masters and agents of a multi-machine job): each
 /// killed and reaped when the test ends, also on failure.
 #[derive(Default)]
