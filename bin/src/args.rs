@@ -27,7 +27,10 @@ pub struct TrainArgs {
     /// found in the local Hugging Face cache.
     #[arg(long)]
     pub init_from: Option<String>,
-    /// Nodes of the cluster; 1 trains in this one process [default: 4].
+    /// Nodes of the cluster; 1 trains in this one process [default: 4]. Without --nodes,
+    /// --listen and --hostfile, a `train` that a scheduler started on each node of a job
+    /// (an srun task, a SkyPilot task, a LeaderWorkerSet pod, or OOBLECK_MASTER and
+    /// OOBLECK_NODE_INDEX set) is one node of it: node 0 runs the master and its agent.
     #[arg(long)]
     pub nodes: Option<usize>,
     /// Devices (worker processes) per node [default: 1].
