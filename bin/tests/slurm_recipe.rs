@@ -3,7 +3,9 @@
 //! root, and stops them by PID when it ends, also when it fails. This Slurm build supports
 //! several slurmd on one host, but their node names would then have to resolve to distinct
 //! non-loopback addresses (`train` refuses a loopback master in an allocation of several hosts),
-//! so the job runs on one node with 2 tasks, each task playing a node.
+//! so the job runs on one node with 2 tasks, each task playing a node; a join job adds a third.
+//! The jobs' ends are `sbatch --wait`'s, which polls at growing intervals: most of each test's
+//! time is that wait.
 //!
 //! Without slurmctld the tests fail, saying what to install: `.ci/run` installs it.
 
@@ -61,7 +63,7 @@ impl Slurm {
                     .arg(bin)
                     .output()
                     .is_ok_and(|o| o.status.success()),
-                "{bin} is not installed: `apt-get install slurm-wlm munge` (Debian's packages; \
+                "{bin} is not installed (or not on PATH): `apt-get install slurm-wlm munge` (Debian's packages; \
                  .ci/run installs them)"
             );
         }
@@ -71,6 +73,7 @@ impl Slurm {
             "0",
             "slurmd runs jobs as root here: run this test as root"
         );
+        let start = Instant::now();
         let dir = tempfile::tempdir().unwrap();
         let mut slurm = Slurm {
             dir,
@@ -79,6 +82,10 @@ impl Slurm {
         slurm.write_configs();
         slurm.start_daemons();
         slurm.wait_idle();
+        eprintln!(
+            "slurm: node idle {:.1} s after the start",
+            start.elapsed().as_secs_f64()
+        );
         slurm
     }
 
@@ -100,7 +107,8 @@ impl Slurm {
         std::fs::write(d.join("munge.key"), key).unwrap();
         std::fs::set_permissions(d.join("munge.key"), std::fs::Permissions::from_mode(0o600))
             .unwrap();
-        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
+        // 2 tasks of a job and 1 of a join job (config_overrides: declared, not detected).
+        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get().max(4));
         let (ctld, slurmd) = (free_port(), free_port());
         let d = d.display();
         // cred_expire=5: a requeued job may start 6 s later (120 s by default).
@@ -206,29 +214,69 @@ impl Slurm {
         })
     }
 
-    /// `sbatch --wait` of the shipped train.sbatch training `steps` steps into `run`.
-    fn submit(&self, run: &Path, steps: u64) -> Guard {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/slurm/train.sbatch");
+    /// `sbatch --wait` of the shipped train.sbatch training `steps` steps into `run` on
+    /// master port `port`, with `env` set too.
+    fn submit(&self, run: &Path, steps: u64, port: u16, env: &[(&str, &str)]) -> Guard {
+        let mut c = self.sbatch("train.sbatch", run, port, &JOB);
+        c.env("MODEL", "gpt-tiny")
+            .env("STEPS", steps.to_string())
+            .env("TRAIN_FLAGS", FLAGS)
+            .env("OOBLECK_PROFILE", "analytical")
+            .envs(env.iter().copied());
+        Guard(Some(c.spawn().expect("starting sbatch")))
+    }
+
+    /// `sbatch --wait` of the shipped join.sbatch: one more node for job `id`.
+    fn join(&self, id: &str, run: &Path, port: u16) -> Guard {
+        let mut c = self.sbatch("join.sbatch", run, port, &["--nodes=1", "--ntasks=1"]);
+        c.arg(id);
+        Guard(Some(c.spawn().expect("starting sbatch")))
+    }
+
+    fn sbatch(&self, script: &str, run: &Path, port: u16, size: &[&str]) -> Command {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/slurm")
+            .join(script);
         let mut c = self.cmd("sbatch");
         c.args(["--wait", "--parsable"])
-            .args(JOB)
+            .args(size)
             .arg(format!("--output={}/job-%j.out", self.dir.path().display()))
             .arg(format!("--chdir={}", self.dir.path().display()))
             .arg(script)
-            .env("MODEL", "gpt-tiny")
-            .env("STEPS", steps.to_string())
             .env("RUN_DIR", run)
-            .env("TRAIN_FLAGS", FLAGS)
             .env("TRAIN_BIN", TRAIN)
             .env("OOBLECK_BIN", OOBLECK)
-            .env("OOBLECK_PROFILE", "analytical")
-            .env("OOBLECK_MASTER_PORT", free_port().to_string())
+            .env("OOBLECK_MASTER_PORT", port.to_string())
             .env("RUST_BACKTRACE", "0")
             .env_remove("OOBLECK_TOKEN")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        Guard(Some(c.spawn().expect("starting sbatch")))
+        c
+    }
+
+    /// The id of the one job in the queue.
+    fn the_job(&self) -> String {
+        let jobs = self.jobs().expect("squeue");
+        assert_eq!(jobs.len(), 1, "{jobs:?}");
+        jobs[0].clone()
+    }
+
+    /// `scancel --signal=USR1 --batch id`: what Slurm sends before a time limit.
+    fn usr1(&self, id: &str) {
+        let o = self
+            .cmd("scancel")
+            .args(["--signal=USR1", "--batch", id])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "scancel: {o:?}");
+    }
+
+    /// Polls until `run` has committed `n` steps.
+    fn wait_steps(&self, run: &Path, n: usize) {
+        self.wait_for(&format!("{n} committed steps"), || {
+            std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= n)
+        });
     }
 
     /// The job's output file (both runs of a requeued job: the script appends).
@@ -248,7 +296,9 @@ fn train_sbatch_trains_a_job_of_two_tasks_that_each_play_a_node() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
     let slurm = Slurm::start();
     let run = slurm.path("run");
-    let out = slurm.submit(&run, 6).finish(Duration::from_secs(180));
+    let out = slurm
+        .submit(&run, 6, free_port(), &[])
+        .finish(Duration::from_secs(180));
     let log = slurm.job_output(&out);
     assert!(out.status.success(), "sbatch: {out:?}\n{log}");
     assert!(
@@ -276,18 +326,9 @@ fn usr1_to_the_batch_script_stops_with_a_checkpoint_and_the_requeued_job_resumes
     let slurm = Slurm::start();
     let run = slurm.path("run");
     let total = 40;
-    let mut sbatch = slurm.submit(&run, total);
-    slurm.wait_for("two committed steps", || {
-        std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2)
-    });
-    let jobs = slurm.jobs().expect("squeue");
-    assert_eq!(jobs.len(), 1, "{jobs:?}");
-    let o = slurm
-        .cmd("scancel")
-        .args(["--signal=USR1", "--batch", &jobs[0]])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "scancel: {o:?}");
+    let mut sbatch = slurm.submit(&run, total, free_port(), &[]);
+    slurm.wait_steps(&run, 2);
+    slurm.usr1(&slurm.the_job());
     let out = sbatch.finish(Duration::from_secs(300));
     let log = slurm.job_output(&out);
     assert!(out.status.success(), "sbatch: {out:?}\n{log}");
@@ -312,4 +353,41 @@ fn usr1_to_the_batch_script_stops_with_a_checkpoint_and_the_requeued_job_resumes
     assert!(log.contains(&format!("done: {total} steps")), "{log}");
     // No step lost or repeated: the committed steps are 1..=total, in order.
     assert_eq!(steps(&run), (1..=total).collect::<Vec<_>>());
+}
+
+#[test]
+fn join_sbatch_adds_a_node_of_another_allocation_to_the_running_job() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
+    let slurm = Slurm::start();
+    let run = slurm.path("run");
+    let port = free_port();
+    // Many steps: the job ends when USR1 stops it (without a requeue), after the join.
+    let mut train = slurm.submit(&run, 100_000, port, &[("REQUEUE_ON_USR1", "0")]);
+    slurm.wait_steps(&run, 2);
+    let id = slurm.the_job();
+    let mut join = slurm.join(&id, &run, port);
+    let train_log = slurm.path(&format!("job-{id}.out"));
+    slurm.wait_for("the joined node's admission", || {
+        std::fs::read_to_string(&train_log).is_ok_and(|l| l.contains("] join"))
+    });
+    slurm.usr1(&id);
+    let out = train.finish(Duration::from_secs(120));
+    let log = slurm.job_output(&out);
+    assert!(out.status.success(), "sbatch: {out:?}\n{log}");
+    let joined = join.finish(Duration::from_secs(120));
+    let join_log = slurm.job_output(&joined);
+    assert!(joined.status.success(), "join: {joined:?}\n{join_log}");
+    assert!(
+        join_log.contains(&format!(
+            "oobleck: joining job {id}, master localhost:{port}"
+        )),
+        "{join_log}"
+    );
+    assert!(log.contains("reconfigured: node(s) [2] join"), "{log}");
+    let steps = steps(&run);
+    assert_eq!(
+        steps,
+        (1..=steps.len() as u64).collect::<Vec<_>>(),
+        "no step lost"
+    );
 }
