@@ -79,7 +79,7 @@ pub fn from_env(
 pub fn describe(p: &Placement, role: &Role) -> String {
     let nodes = p.num_nodes.map_or("?".into(), |n| n.to_string());
     let what = match role {
-        Role::Master { .. } => "the master (listening on port".to_string(),
+        Role::Master { .. } => "the master (listening on port ".to_string(),
         Role::Agent(_) => "an agent of the master at".to_string(),
     };
     let at = match role {
