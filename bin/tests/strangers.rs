@@ -10,10 +10,19 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::*;
+
+/// The two storms run one at a time: the control-port storm's tens of thousands of sockets
+/// fill the machine's `/proc/net/tcp`, which the data-port storm reads to find the workers'
+/// ports, and a slow read can miss a short rendezvous (no stranger met, none recorded).
+static ONE_STORM: Mutex<()> = Mutex::new(());
+
+fn one_storm() -> MutexGuard<'static, ()> {
+    ONE_STORM.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 const STEPS: u64 = 8;
 /// Idle connections the storm keeps open to each port it knows.
@@ -152,6 +161,7 @@ fn stderr_lines_with(stderr: &str, what: &str) -> usize {
 /// within seconds, and records the refusals (with the worker's rank) in `events.jsonl`.
 #[test]
 fn idle_strangers_on_the_workers_data_ports_do_not_disturb_the_job() {
+    let _one = one_storm();
     let dir = tempfile::tempdir().expect("tempdir");
     let (want, want_params) = single_process(dir.path(), STEPS);
     let out: PathBuf = dir.path().join("run");
@@ -211,6 +221,7 @@ fn idle_strangers_on_the_workers_data_ports_do_not_disturb_the_job() {
 /// connection, and `events.jsonl` has the count.
 #[test]
 fn a_storm_on_the_control_port_leaves_status_answering_and_the_log_short() {
+    let _one = one_storm();
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let mut cmd = train_cmd(&out, 10_000, &["--nodes", "2", "--eval-every", "0"]);

@@ -243,9 +243,33 @@ fn status_from_page(url: &str, a: &StatusArgs) -> Result<ClusterStatus> {
         .with_context(|| format!("{url}api/status: `cluster` is not a status"))
 }
 
+/// How often `oobleck status` asks the page again when the master has not answered it yet,
+/// and the pause between: the master refuses a newcomer only while every handshake slot is
+/// younger than 250 ms (a storm of strangers), so a second try a moment later gets through.
+const PAGE_TRIES: usize = 5;
+const PAGE_PAUSE: Duration = Duration::from_millis(300);
+
+/// [`status_from_page`], asked again (up to [`PAGE_TRIES`] times) while the page has no answer
+/// from the master yet.
+fn status_from_page_retrying(url: &str, a: &StatusArgs) -> Result<ClusterStatus> {
+    let mut tries = 1;
+    loop {
+        match status_from_page(url, a) {
+            Err(e)
+                if tries < PAGE_TRIES
+                    && e.to_string().contains("no answer from the master yet") =>
+            {
+                tries += 1;
+                std::thread::sleep(PAGE_PAUSE);
+            }
+            other => return other,
+        }
+    }
+}
+
 pub fn run(a: &StatusArgs) -> Result<()> {
     let status = match page_url(a) {
-        Some(url) => status_from_page(&url, a)?,
+        Some(url) => status_from_page_retrying(&url, a)?,
         None => ask(a, "for its status", |addr, token, t| async move {
             request_status(addr, &token, t).await
         })?,
