@@ -25,7 +25,7 @@
 //!   from one block to the next is the first document start after the block's edge looked up
 //!   (a search of a Megatron index, a scan to the next end-of-text id otherwise), so opening
 //!   costs a few thousand short reads at 300B tokens and the splits keep one run per change:
-//!   about 29 thousand runs, under 1 MB per process, where single documents would be 15
+//!   about 27 thousand runs, under 1 MB per process, where single documents would be 15
 //!   million runs (480 MB) in every process. Below the threshold the document draw above
 //!   scans at most `16 * 2^20 / fraction` tokens and keeps at most a few MB of runs. A corpus
 //!   that grows across the threshold changes how it is drawn, and so its held-out set (as a
