@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{wait_exit, Children, OOBLECK, TRAIN};
+use common::{free_port, wait_exit, Children, OOBLECK, TRAIN};
 
 const TOKEN: &str = "multi-machine-test-secret";
 
@@ -259,15 +259,6 @@ fn a_multi_machine_job_with_a_failure_needs_no_shared_file_system() {
         .expect("list")
         .expect("a checkpoint");
     assert!(ck.ends_with("step-000008"));
-}
-
-/// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
 }
 
 /// An `ssh` stand-in: skips options up to `--`, then runs the remote command with `sh -c`, as

@@ -160,15 +160,6 @@ fn agents_take_a_master_silent_for_a_lease_for_lost() {
     outlive_the_master("STOP", "silent for its lease of 3000 ms");
 }
 
-/// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
 /// A `train --listen ADDR --expect-nodes 2` master of `steps` steps writing to `out`.
 fn listening_master(out: &Path, steps: u64, addr: &str) -> Child {
     let mut cmd = train_cmd(out, steps, &["--listen", addr, "--expect-nodes", "2"]);

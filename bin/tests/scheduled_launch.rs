@@ -11,13 +11,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{losses, train_cmd, Guard};
-
-/// A free TCP port of this machine (bound, then released for the master to take).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
+use common::{free_port, losses, train_cmd, Guard};
 
 /// `train` for node `index` of a 2-step job in `out` with `env` set (no launch flag).
 fn node(out: &Path, env: &[(String, String)]) -> Command {

@@ -16,7 +16,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{losses, Guard, OOBLECK, TRAIN};
+use common::{free_port, losses, Guard, OOBLECK, TRAIN};
 
 /// One Slurm cluster at a time: each test starts its own, and 2 cores train one job well.
 static ONE_CLUSTER: Mutex<()> = Mutex::new(());
@@ -25,11 +25,6 @@ static ONE_CLUSTER: Mutex<()> = Mutex::new(());
 const JOB: [&str; 3] = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2"];
 const FLAGS: &str = "--microbatch-size 2 --global-batch-size 8 --seq-len 32 --eval-batches 1 \
                      --sample 0 --seed 7 --fault-threshold 0";
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
 
 /// A private Slurm of this host: its daemons (killed on drop, after its jobs) and its files.
 struct Slurm {

@@ -331,6 +331,15 @@ pub fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus
     }
 }
 
+/// A free port on 127.0.0.1 (bound and released: a small window, fine for a test).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
 /// Child processes a test started itself (masters and agents of a multi-machine job): each
 /// killed and reaped when the test ends, also on failure.
 #[derive(Default)]
