@@ -86,6 +86,12 @@ pub struct TrainArgs {
     /// saved config is the starting point; flags that would change the training are refused.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// With --resume RUN: the run's master was lost (killed, its machine restarted) while its
+    /// agents still look for one (--master-wait, 60 s by default): this master listens where
+    /// the lost one did (the run's master.json, or --listen) and takes them back with their
+    /// workers, going on from the last committed step with no checkpoint loaded.
+    #[arg(long, requires = "resume")]
+    pub reattach: bool,
     /// Training data: a UTF-8 text file, or pre-tokenized shards (an llm.c .bin, a Megatron
     /// .bin/.idx or prefix, a raw u16 .bin with --data-format u16, a folder `oobleck data
     /// prepare` wrote), a folder of them, or a glob such as 'shards/train_*.bin' (files in

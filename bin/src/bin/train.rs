@@ -56,6 +56,18 @@ fn run() -> Result<()> {
             }
         };
     }
+    if args.reattach {
+        let run = args
+            .resume
+            .as_deref()
+            .context("--reattach needs --resume RUN")?;
+        let launch = oobleck_cli::cluster::reattach::launch(
+            run,
+            args.listen.as_deref(),
+            args.token.as_deref(),
+        )?;
+        return train_cluster(cfg, launch, &args);
+    }
     let launch = match (&args.listen, &args.hostfile) {
         (Some(addr), hostfile) => {
             let addr = resolve(addr)?;

@@ -52,6 +52,10 @@ pub enum LaunchMode {
         token: Token,
         own: SocketAddr,
     },
+    /// `--resume RUN --reattach`: the master of a run whose master was lost listens on `addr`
+    /// (where the lost one did) and takes back the agents that still wait for one
+    /// (`cluster::reattach`).
+    Reattach { addr: SocketAddr, token: Token },
 }
 
 /// [`workload_config`] for a cluster job started as `launch`: its measured profile is timed as
@@ -93,7 +97,17 @@ pub fn run(
     spec.device_memory_bytes = sharing.as_ref().map(|s| s.memory.per_rank(s.ranks));
     let predicted_ms = first_plan_ms(&spec, &workload, sharing.as_ref())?;
     let samples_per_step = spec.global_batch_samples() as f64;
-    let (out, resume, plans) = open_job_dir(&cfg, resume, workload.dataset())?;
+    let (out, resume, plans, reattach) = match (&launch, resume) {
+        (LaunchMode::Reattach { .. }, Some(run)) => {
+            let (out, reattach, plans) = super::reattach::open(&cfg, run)?;
+            (out, None, plans, Some(reattach))
+        }
+        (LaunchMode::Reattach { .. }, None) => bail!("--reattach needs --resume RUN"),
+        _ => {
+            let (out, resume, plans) = open_job_dir(&cfg, resume, workload.dataset())?;
+            (out, resume, plans, None)
+        }
+    };
     let params = workload.num_params();
     let (bind, token, launch, limits) = launch_settings(&cfg, launch)?;
     let opts = JobOptions {
@@ -111,8 +125,12 @@ pub fn run(
         token,
         launch,
         limits,
+        reattach,
     };
-    let start = opts.resume.as_ref().map_or(0, |r| r.1);
+    let start = match &opts.reattach {
+        Some(r) => r.committed,
+        None => opts.resume.as_ref().map_or(0, |r| r.1),
+    };
     let mut watch = Watch {
         progress: Progress::new(cfg.steps, start),
         run: out.clone(),
@@ -246,6 +264,11 @@ fn launch_settings(
             join: Duration::from_secs(600),
             ..ours
         },
+        // The agents look for a master for their --master-wait after they lost it.
+        LaunchMode::Reattach { .. } => Limits {
+            join: Duration::from_secs(cfg.master_wait_s + 10),
+            ..ours
+        },
         _ => ours,
     };
     let (bind, token, launch) = match launch {
@@ -257,7 +280,9 @@ fn launch_settings(
                 master_wait: Duration::from_secs(cfg.master_wait_s),
             },
         ),
-        LaunchMode::Listen { addr, token } => (addr, token, master::Launch::Listen),
+        LaunchMode::Listen { addr, token } | LaunchMode::Reattach { addr, token } => {
+            (addr, token, master::Launch::Listen)
+        }
         LaunchMode::Hostfile { addr, token, hosts } => {
             let secret = token.expose().to_string();
             (

@@ -25,6 +25,11 @@ pub(super) fn host_memory(cfg: &TrainConfig) -> Option<HostMemory> {
 pub(super) fn host_ranks(cfg: &TrainConfig, launch: &LaunchMode) -> usize {
     let ranks = match launch {
         LaunchMode::Local => cfg.nodes * cfg.devices_per_node,
+        // A local job's master restarted: its agents run on this machine.
+        LaunchMode::Reattach { addr, .. } if addr.ip().is_loopback() => {
+            cfg.nodes * cfg.devices_per_node
+        }
+        LaunchMode::Reattach { .. } => cfg.devices_per_node,
         LaunchMode::Listen { .. } | LaunchMode::Hostfile { .. } | LaunchMode::Scheduled { .. } => {
             cfg.devices_per_node
         }

@@ -17,6 +17,8 @@
 //! - [`memory`]: whether a job fits this machine's memory, decided before it is measured.
 //! - [`node_cmd`]: `train agent` / `oobleck agent`, one node of a multi-machine job.
 //! - [`hostfile`]: agents started over ssh from a host file.
+//! - [`reattach`]: `train --resume RUN --reattach`, a master restarted on the run directory of
+//!   a job whose agents wait for one.
 //! - [`status`], [`membership_cmd`]: the tools that talk to a running job (`oobleck status`,
 //!   `kill-node`, `drain`, `add-node`).
 //!
@@ -29,6 +31,7 @@ pub mod job;
 pub mod membership_cmd;
 pub mod memory;
 pub mod node_cmd;
+pub mod reattach;
 pub mod scheduled;
 pub mod status;
 

@@ -136,6 +136,7 @@ fn job_options(
             master_wait: oobleck_core::runtime::node::DEFAULT_MASTER_WAIT,
         },
         limits,
+        reattach: None,
     })
 }
 

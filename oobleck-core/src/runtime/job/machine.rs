@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use super::membership::Membership;
+use super::reattach::Returns;
 use super::recovery::{Recoveries, Recovery};
 use super::reports::Replicas;
 use super::steps::Steps;
@@ -93,6 +94,47 @@ pub(super) struct Generation {
 }
 
 impl Generation {
+    /// A generation of `plan` that nothing has been heard from yet.
+    pub fn of(plan: Plan, membership: &Membership, steps_run: u64) -> Generation {
+        let nodes: Vec<u32> = plan
+            .nodes()
+            .into_iter()
+            .collect::<BTreeSet<u32>>()
+            .into_iter()
+            .collect();
+        let world = world_size(&plan) as usize;
+        // Stage leads, not one rank per node: a node may run several stages.
+        let savers = stage_leads(&plan, 0);
+        Generation {
+            plan,
+            nodes,
+            world,
+            savers,
+            listening: BTreeMap::new(),
+            ready: BTreeMap::new(),
+            read: Vec::new(),
+            samples: None,
+            times: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            broken: BTreeMap::new(),
+            exited: BTreeSet::new(),
+            done: BTreeMap::new(),
+            states: BTreeMap::new(),
+            formed: false,
+            killed: false,
+            stopping: BTreeSet::new(),
+            built: BTreeSet::new(),
+            connect_s: 0.0,
+            copy_s: 0.0,
+            copy_bytes: 0,
+            lost_before: membership.lost_count(),
+            steps_before: steps_run,
+            agents_dead_before: membership.dead_agents(),
+            donors: Vec::new(),
+            donated: BTreeSet::new(),
+        }
+    }
+
     /// `rank` built its stage and confirmed it is stopping: it holds the committed step while
     /// it finishes the microbatch it is in.
     pub fn computing(&self, rank: u32) -> bool {
@@ -136,6 +178,9 @@ pub struct JobMachine {
     /// When a rank is a straggler, and the recent steps' computes (`stragglers.rs`).
     pub(super) stragglers: Stragglers,
     actions: VecDeque<Action>,
+    /// The agents of a lost master that came back, while a restarted master waits for them
+    /// (`reattach.rs`).
+    pub(super) returns: Returns,
     /// When the job last heard from any process.
     last_progress: Duration,
     /// When the agents must have registered by.
@@ -161,11 +206,17 @@ impl JobMachine {
             replicas,
             recoveries: Recoveries::default(),
             stragglers: Stragglers::default(),
+            returns: Returns::default(),
             actions: VecDeque::new(),
             last_progress: now,
             join_deadline: now + limits.join,
             planning_error: None,
         }
+    }
+
+    /// When the agents must have registered by.
+    pub(super) fn join_deadline(&self) -> Duration {
+        self.join_deadline
     }
 
     /// Names stragglers (and drains their nodes, if asked) by `rule`, not the default.
@@ -246,9 +297,13 @@ impl JobMachine {
             self.recovering(now, input);
             return;
         }
+        if self.reattaching() {
+            return self.while_reattaching(now, input);
+        }
         match input {
             Input::Tick => self.on_tick(now),
             Input::Joined { node, addr } => self.on_joined(now, node, addr),
+            Input::Returned { node, addr, back } => self.on_returned(now, node, addr, back),
             Input::Lost { node, reason } => self.on_node_lost(now, node, reason),
             Input::AgentExited { which, status } => self.on_agent_exited(now, which, status),
             Input::Worker {
@@ -399,7 +454,7 @@ impl JobMachine {
         }
     }
 
-    fn on_kill_requested(&mut self, node: u32) {
+    pub(super) fn on_kill_requested(&mut self, node: u32) {
         self.record(Event::KillRequested { node });
         self.note(format!("killing node {node}, as requested"));
         self.push(Action::KillNode { node });
@@ -442,15 +497,6 @@ impl JobMachine {
         }
         // Its ranks are numbered afresh.
         self.stragglers.new_generation();
-        let nodes: Vec<u32> = plan
-            .nodes()
-            .into_iter()
-            .collect::<BTreeSet<u32>>()
-            .into_iter()
-            .collect();
-        let world = world_size(&plan) as usize;
-        // Stage leads, not one rank per node: a node may run several stages.
-        let savers = stage_leads(&plan, 0);
         self.record(Event::Plan {
             generation: plan.generation,
             pipelines: plan
@@ -468,37 +514,11 @@ impl JobMachine {
             plan: Box::new(plan.clone()),
             source: source.clone(),
         });
-        self.gen = Some(Generation {
-            plan,
-            nodes,
-            world,
-            savers,
-            listening: BTreeMap::new(),
-            ready: BTreeMap::new(),
-            read: Vec::new(),
-            samples: None,
-            times: BTreeMap::new(),
-            waiting: BTreeMap::new(),
-            broken: BTreeMap::new(),
-            exited: BTreeSet::new(),
-            done: BTreeMap::new(),
-            states: BTreeMap::new(),
-            formed: false,
-            killed: false,
-            stopping: BTreeSet::new(),
-            built: BTreeSet::new(),
-            connect_s: 0.0,
-            copy_s: 0.0,
-            copy_bytes: 0,
-            lost_before: self.membership.lost_count(),
-            steps_before: self.steps_run(),
-            agents_dead_before: self.membership.dead_agents(),
-            donors: match &source {
-                StateSource::Peers { donors, .. } => donors.clone(),
-                _ => Vec::new(),
-            },
-            donated: BTreeSet::new(),
-        });
+        let mut gen = Generation::of(plan, &self.membership, self.steps_run());
+        if let StateSource::Peers { donors, .. } = &source {
+            gen.donors = donors.clone();
+        }
+        self.gen = Some(gen);
         self.phase = Phase::Rendezvous;
         if self.membership.shown() {
             // What status showed of joins and drains is about the plan before this one.

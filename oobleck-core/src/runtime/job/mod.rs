@@ -27,6 +27,7 @@
 mod hangs;
 mod machine;
 pub mod membership;
+mod reattach;
 mod recovery;
 mod reports;
 mod steps;
@@ -38,6 +39,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 pub use machine::JobMachine;
+pub use reattach::Reattach;
 pub use stragglers::StragglerRule;
 
 use super::error::RuntimeError;
@@ -103,6 +105,9 @@ pub struct JobStart {
     pub starts_agents: bool,
     /// Say each join in a progress note (agents started by hand).
     pub announce_joins: bool,
+    /// A master restarted on the run directory of a job whose agents wait for one: it
+    /// re-adopts them and their workers instead of starting the job (`reattach.rs`).
+    pub reattach: Option<Reattach>,
 }
 
 /// The state after `step` could not be saved (`bytes`: its size at a rank, 0 where the
@@ -143,6 +148,13 @@ pub enum Input {
     Joined {
         node: u32,
         addr: String,
+    },
+    /// An agent of the job's lost master came back to this restarted one with its old id
+    /// (`--reattach`): what its workers hold.
+    Returned {
+        node: u32,
+        addr: String,
+        back: crate::runtime::wire::protocol::Return,
     },
     /// A node's connection closed or its lease ran out.
     Lost {
@@ -292,6 +304,15 @@ pub enum Action {
         /// The run ends with this step (its final one, or a stop asked for).
         last: bool,
     },
+    /// Tell `node` again that `step` of `generation` is committed: the lost master's commit
+    /// did not reach it (a restarted master re-adopting the workers).
+    Recommit {
+        node: u32,
+        step: u64,
+        generation: u64,
+    },
+    /// Re-adopting is over: an agent of the lost master that comes now is a new node.
+    EndReturns,
     /// Generation `generation` failed: tell its workers to stop their step now.
     Abort { generation: u64 },
     /// Tell `node` to kill its processes, as a crash would.

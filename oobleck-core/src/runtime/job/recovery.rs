@@ -200,6 +200,7 @@ impl JobMachine {
             Input::StopRequested { signal } => self.on_stop_requested(signal),
             Input::Refused { .. } => {} // recorded by `handle`
             Input::Joined { node, addr } => self.on_join_running(now, node, addr),
+            Input::Returned { node, addr, back } => self.on_returned(now, node, addr, back),
             Input::DrainRequested {
                 node,
                 reason,

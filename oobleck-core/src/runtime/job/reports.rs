@@ -45,6 +45,11 @@ impl Replicas {
         self.holdings = Holdings::empty(devices_per_node);
     }
 
+    /// The devices hold `holdings` (a restarted master re-adopting the workers).
+    pub(super) fn seed(&mut self, holdings: Holdings) {
+        self.holdings = holdings;
+    }
+
     /// `node` is lost or leaves: nothing on it can be copied from.
     pub(super) fn drop_node(&mut self, node: u32) {
         self.holdings.drop_node(node);

@@ -80,6 +80,12 @@ impl Steps {
         self.newest.clone()
     }
 
+    /// The newest checkpoint in the run directory, `(path, step)`, for a job that did not
+    /// start from it (a restarted master re-adopting the workers at a later step).
+    pub(super) fn knows_checkpoint(&mut self, newest: Option<(String, u64)>) {
+        self.newest = newest;
+    }
+
     /// A checkpoint or evaluation is being assembled.
     pub(super) fn assembling(&self) -> bool {
         self.assembling > 0

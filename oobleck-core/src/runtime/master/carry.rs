@@ -221,6 +221,21 @@ impl<'a> Driver<'a> {
                 m.times = times;
                 self.commit(m, eval_due, last).await?;
             }
+            Action::Recommit {
+                node,
+                step,
+                generation,
+            } => {
+                let commit = Message::StepCommitted {
+                    step,
+                    generation,
+                    last: false,
+                };
+                if let Err(e) = self.p.master.send_to(node, commit).await {
+                    self.unreachable(node, format!("the commit of step {step} again: {e}"));
+                }
+            }
+            Action::EndReturns => self.p.master.end_returns(),
             Action::Abort { generation } => {
                 let abort = Message::AbortGeneration { generation };
                 // Nodes that do not hear it find out from their peers' aborted connections.
@@ -333,6 +348,8 @@ impl<'a> Driver<'a> {
     /// Tells every rank to apply the step, and records it.
     async fn commit(&mut self, m: StepMetrics, eval_due: bool, last: bool) -> Result<()> {
         let started = Instant::now();
+        // On disk before any agent hears of it: a restarted master knows every step applied.
+        self.p.files.record_commit(&m)?;
         let missed = self
             .p
             .master

@@ -20,7 +20,7 @@ use crate::runtime::job::LossReason;
 use crate::runtime::wire::auth;
 use crate::runtime::wire::protocol::BINARY_VERSION;
 use crate::runtime::wire::protocol::{
-    self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, RankStatus,
+    self, ClusterStatus, Message, NodeStatus, PeerRole, PipelineStatus, RankStatus, Return,
     PROTOCOL_VERSION,
 };
 use crate::runtime::wire::records::WorkerReport;
@@ -61,6 +61,8 @@ pub(super) struct Shared {
     pub(super) nodes: Mutex<BTreeMap<u32, NodeEntry>>,
     pub(super) job: Mutex<JobState>,
     pub(super) next_node: AtomicU32,
+    /// Old node ids still to give back to returning agents (`MasterConfig::returning`).
+    pub(super) returning: Mutex<std::collections::BTreeSet<u32>>,
     pub(super) refused: AtomicU64,
     /// Set by `Master::shutdown`: nodes that leave from then on are expected to.
     pub(super) closing: AtomicBool,
@@ -77,11 +79,14 @@ pub(super) struct Shared {
 impl Shared {
     pub(super) fn new(config: MasterConfig, events: mpsc::UnboundedSender<MasterEvent>) -> Shared {
         let pending = Pending::new(config.max_pending_handshakes);
+        let returning = config.returning.clone();
+        let first_node = config.first_node;
         Shared {
             config,
             nodes: Mutex::new(BTreeMap::new()),
             job: Mutex::new(JobState::default()),
-            next_node: AtomicU32::new(0),
+            next_node: AtomicU32::new(first_node),
+            returning: Mutex::new(returning),
             refused: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             released: Mutex::new(Default::default()),
@@ -96,6 +101,10 @@ impl Shared {
         // A panic while holding this lock is a bug elsewhere; the map itself stays consistent
         // (every mutation is a single insert/remove), so keep serving.
         self.nodes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn returns(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<u32>> {
+        self.returning.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn job(&self) -> std::sync::MutexGuard<'_, JobState> {
@@ -132,6 +141,11 @@ impl Shared {
             spare: job.spare.clone(),
             ranks: job.ranks.clone(),
         }
+    }
+
+    /// A node id never given before.
+    pub(super) fn new_node(&self) -> u32 {
+        self.next_node.fetch_add(1, Ordering::Relaxed)
     }
 
     pub(super) fn touch(&self, node: u32) {
@@ -215,6 +229,8 @@ async fn refuse(w: &mut OwnedWriteHalf, peer: SocketAddr, shared: &Shared, reaso
 struct Admitted {
     node: Option<u32>,
     devices: u32,
+    /// A returning agent given its old id back, and what it holds.
+    back: Option<Return>,
 }
 
 /// Runs the handshake. `Err(reason)` means refuse with that reason; `Ok(None)` means the peer
@@ -245,15 +261,20 @@ async fn handshake(
             "binary version {binary_version} differs from the master's {BINARY_VERSION}"
         ));
     }
-    let (node, devices) = match role {
+    let (node, devices, back) = match role {
         PeerRole::Agent { devices: 0 } => {
             return Err("an agent must offer at least one device".into())
         }
-        PeerRole::Agent { devices } => (
-            Some(shared.next_node.fetch_add(1, Ordering::Relaxed)),
-            devices,
-        ),
-        PeerRole::Client => (None, 0),
+        PeerRole::Returning(Return { devices: 0, .. }) => {
+            return Err("an agent must offer at least one device".into())
+        }
+        PeerRole::Agent { devices } => (Some(shared.new_node()), devices, None),
+        // Its old id, if this master expects it back; a new one otherwise.
+        PeerRole::Returning(r) if shared.returns().contains(&r.node) => {
+            (Some(r.node), r.devices, Some(r))
+        }
+        PeerRole::Returning(r) => (Some(shared.new_node()), r.devices, None),
+        PeerRole::Client => (None, 0, None),
     };
     let nonce = auth::nonce();
     let challenge = Message::Challenge {
@@ -276,7 +297,20 @@ async fn handshake(
     {
         return Err("authentication failed: wrong token".into());
     }
-    Ok(Some(Admitted { node, devices }))
+    // Taken only now, by an agent that proved the token: once, whoever came first.
+    if let Some(b) = &back {
+        if !shared.returns().remove(&b.node) {
+            return Err(format!(
+                "node {} came back twice: its id was given back already",
+                b.node
+            ));
+        }
+    }
+    Ok(Some(Admitted {
+        node,
+        devices,
+        back,
+    }))
 }
 
 async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
@@ -324,13 +358,16 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
         node: admitted.node,
         heartbeat_ms: shared.config.heartbeat_interval.as_millis() as u64,
         lease_ms: shared.config.lease.as_millis() as u64,
+        adopted: admitted.back.is_some(),
     };
     if let Err(e) = protocol::write_frame(&mut w, &welcome, shared.config.write_timeout).await {
         warn!(%peer, error = %e, "could not welcome peer");
         return;
     }
     match admitted.node {
-        Some(node) => serve_agent(r, w, peer, node, admitted.devices, shared).await,
+        Some(node) => {
+            serve_agent(r, w, peer, (node, admitted.devices, admitted.back), shared).await
+        }
         None => serve_client(r, w, peer, shared).await,
     }
 }
@@ -339,8 +376,7 @@ async fn serve_agent(
     mut r: OwnedReadHalf,
     w: OwnedWriteHalf,
     peer: SocketAddr,
-    node: u32,
-    devices: u32,
+    (node, devices, back): (u32, u32, Option<Return>),
     shared: Arc<Shared>,
 ) {
     let (tx, rx) = mpsc::channel(OUTBOX);
@@ -362,6 +398,7 @@ async fn serve_agent(
         node,
         addr: peer,
         devices,
+        back,
     });
     let writer = tokio::spawn(write_loop(
         w,

@@ -14,6 +14,7 @@ mod admission;
 mod agents;
 mod assemble;
 mod carry;
+mod commits;
 mod conn;
 mod plan;
 mod rundir;
@@ -28,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use agents::Started;
+pub use commits::{CommitRecord, COMMIT_FILE};
 pub use plan::{pinned_pipelines, plan_for, planned_profile};
 pub use rundir::truncate_metrics_after;
 pub use server::{Master, MasterConfig, MasterEvent};
@@ -38,7 +40,7 @@ use self::agents::{AgentSet, EXIT_GRACE};
 use self::assemble::Assembler;
 use self::rundir::RunFiles;
 use super::error::{Context, Result, RuntimeError};
-use super::job::{Input, JobMachine, JobStart, Limits, StragglerRule};
+use super::job::{Input, JobMachine, JobStart, Limits, Reattach, StragglerRule};
 use super::spec::{JobConfig, TrainingSpec};
 use super::wire::records::{Event, StartInfo, StepMetrics};
 use super::workload::Workload;
@@ -85,6 +87,9 @@ pub struct JobOptions {
     pub token: Token,
     pub launch: Launch,
     pub limits: Limits,
+    /// A master restarted on `run_dir` (`--reattach`): it re-adopts the lost master's agents,
+    /// which must come back to `bind`, instead of launching any.
+    pub reattach: Option<Reattach>,
 }
 
 /// Whoever watches the job: progress lines, the plan, the status files of `oobleck status`.
@@ -159,6 +164,10 @@ async fn drive(
     .with_ctx(|| format!("starting the state upload port on {}", opts.bind.ip()))?;
     let mut control = MasterConfig::new(opts.token.clone(), spec.nodes);
     control.lease = opts.limits.lease;
+    if let Some(r) = &opts.reattach {
+        control.returning = r.plans.iter().flat_map(|p| p.nodes()).collect();
+        control.first_node = rundir::next_node_id(&opts.run_dir, &r.plans);
+    }
     let mut master = Master::bind_with(opts.bind, control)
         .await
         .with_ctx(|| format!("starting the master on {}", opts.bind))?;
@@ -242,6 +251,16 @@ fn process(role: &str, pid: Option<u32>, host: Option<String>) -> Event {
 /// The machine's view of a membership event.
 fn input_of(ev: MasterEvent) -> Input {
     match ev {
+        MasterEvent::Joined {
+            node,
+            addr,
+            back: Some(back),
+            ..
+        } => Input::Returned {
+            node,
+            addr: addr.to_string(),
+            back,
+        },
         MasterEvent::Joined { node, addr, .. } => Input::Joined {
             node,
             addr: addr.to_string(),
@@ -296,15 +315,24 @@ async fn start_agents(
     observer: &mut dyn Observer,
 ) -> Result<JobStart> {
     let nodes = opts.config.training.nodes;
-    let announce_joins = matches!(opts.launch, Launch::Listen);
+    let announce_joins = matches!(opts.launch, Launch::Listen) || opts.reattach.is_some();
     let how = std::mem::replace(&mut opts.launch, Launch::Listen);
-    let launched = launch(how, agents, files, master, &opts.token, nodes, observer).await;
-    if let Err(e) = launched {
+    if opts.reattach.is_some() {
+        observer.note(&format!(
+            "waiting at {} for the agents of the lost master to come back (`train agent` looks \
+             for its master for --master-wait, 60 s by default)",
+            master.local_addr()
+        ));
+    } else if let Err(e) = launch(how, agents, files, master, &opts.token, nodes, observer).await {
         agents.kill_all().await;
         return Err(e);
     }
+    let reattach = opts.reattach.clone();
     Ok(JobStart {
-        step: opts.resume.as_ref().map_or(0, |r| r.1),
+        step: match &reattach {
+            Some(r) => r.committed,
+            None => opts.resume.as_ref().map_or(0, |r| r.1),
+        },
         checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
         generation: opts
             .plans
@@ -314,6 +342,7 @@ async fn start_agents(
             .map_or(0, |g| g + 1),
         starts_agents: !agents.is_empty(),
         announce_joins,
+        reattach,
     })
 }
 
@@ -347,7 +376,10 @@ fn announce(
     let spec = &opts.config.training;
     let layers = workload.model().num_layers();
     let info = StartInfo {
-        step: opts.resume.as_ref().map_or(0, |r| r.1),
+        step: match &opts.reattach {
+            Some(r) => r.committed,
+            None => opts.resume.as_ref().map_or(0, |r| r.1),
+        },
         checkpoint: opts.resume.as_ref().map(|r| r.0.display().to_string()),
         model: Some(workload.name()),
         params: Some(workload.num_params()),
@@ -355,9 +387,10 @@ fn announce(
         master: Some(master.local_addr().to_string()),
         pid: Some(std::process::id()),
     };
-    files.event(&match opts.resume {
-        Some(_) => Event::Resume(info),
-        None => Event::Start(info),
+    files.event(&match (&opts.reattach, &opts.resume) {
+        (Some(_), _) => Event::Reattach(info),
+        (None, Some(_)) => Event::Resume(info),
+        (None, None) => Event::Start(info),
     })?;
     observer.listening(master.local_addr(), &opts.token)?;
     let local = matches!(opts.launch, Launch::Local { .. });

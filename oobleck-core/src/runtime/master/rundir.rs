@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use super::commits::CommitRecord;
 use crate::checkpoint::{checkpoint_dirs, checkpoint_step, load_checkpoint, newest_valid};
 use crate::planning::Plan;
 use crate::runtime::error::{Context, Result};
@@ -90,6 +91,18 @@ impl RunFiles {
         std::fs::write(self.dir.join("plan.json"), text).ctx("writing plan.json")
     }
 
+    /// Records that `m.step` is committed, with every metrics line not yet written
+    /// ([`CommitRecord`]): before any agent is told.
+    pub fn record_commit(&mut self, m: &StepMetrics) -> Result<()> {
+        let unwritten = self.held.iter().map(|(h, _)| h.clone());
+        CommitRecord {
+            step: m.step,
+            generation: m.generation,
+            unwritten: unwritten.chain(std::iter::once(m.clone())).collect(),
+        }
+        .write(&self.dir)
+    }
+
     /// A committed step's metrics; with `wait`, held until its validation loss comes.
     pub fn metrics(&mut self, m: StepMetrics, wait: bool) -> Result<()> {
         self.held.push_back((m, wait));
@@ -142,9 +155,23 @@ impl RunFiles {
         self.held.retain(|(m, _)| m.step <= step);
         self.flush()?;
         truncate_metrics_after(&self.dir, step)?;
+        CommitRecord::rewind(&self.dir, step)?;
         self.metrics = append(&self.dir.join("metrics.jsonl"))?;
         Ok(())
     }
+}
+
+/// The first node id a master restarted on `run` may give a new agent: past every id its
+/// plans and `events.jsonl` name (ids are never reused within a run).
+pub(super) fn next_node_id(run: &Path, plans: &[Plan]) -> u32 {
+    let events = std::fs::read_to_string(run.join("events.jsonl")).unwrap_or_default();
+    let in_events = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["node"].as_u64())
+        .filter_map(|n| u32::try_from(n).ok());
+    let in_plans = plans.iter().flat_map(|p| p.nodes());
+    in_events.chain(in_plans).max().map_or(0, |n| n + 1)
 }
 
 /// Keeps the lines of `<run>/metrics.jsonl` up to `step`.

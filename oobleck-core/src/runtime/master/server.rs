@@ -22,7 +22,8 @@ use crate::planning::Plan;
 use crate::runtime::job::LossReason;
 use crate::runtime::wire::auth::Token;
 use crate::runtime::wire::protocol::{
-    ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, RankStatus, StageStatus,
+    ClusterStatus, GenerationStart, Message, NodeStatus, PipelineStatus, RankStatus, Return,
+    StageStatus,
 };
 use crate::runtime::wire::records::WorkerReport;
 use crate::runtime::wire::{WireError, WireResult};
@@ -46,6 +47,12 @@ pub struct MasterConfig {
     /// far above any real burst of agents joining, low enough that a flood of silent
     /// connections cannot pin a task and a socket each for a handshake timeout.
     pub max_pending_handshakes: usize,
+    /// Node ids a master restarted on the run directory (`--reattach`) gives back to
+    /// returning agents (each once), until [`Master::end_returns`].
+    pub returning: std::collections::BTreeSet<u32>,
+    /// The first id given to a new agent: past every id the run has used (ids are never
+    /// reused).
+    pub first_node: u32,
 }
 
 impl MasterConfig {
@@ -58,6 +65,8 @@ impl MasterConfig {
             handshake_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(5),
             max_pending_handshakes: 256,
+            returning: Default::default(),
+            first_node: 0,
         }
     }
 }
@@ -69,6 +78,8 @@ pub enum MasterEvent {
         node: u32,
         addr: SocketAddr,
         devices: u32,
+        /// A returning agent given its old id back: what it holds.
+        back: Option<Return>,
     },
     Lost {
         node: u32,
@@ -243,6 +254,11 @@ impl Master {
                 }
             })
             .collect();
+    }
+
+    /// No more returning agents are re-adopted: one that comes from now on gets a new id.
+    pub fn end_returns(&self) {
+        self.shared.returns().clear();
     }
 
     /// Tells `node` to stop its workers and exit: it was drained or is not needed, so its

@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 
 use crate::runtime::wire::auth::Token;
 use crate::runtime::wire::client::{open, timeout_err};
-use crate::runtime::wire::protocol::{self, ExitStatus, Message, PeerRole};
+use crate::runtime::wire::protocol::{self, ExitStatus, Message, PeerRole, Return};
 use crate::runtime::wire::records::WorkerReport;
 use crate::runtime::wire::{WireError, WireResult};
 
@@ -29,6 +29,8 @@ const INBOX: usize = 64;
 /// A registered node agent. Dropping it closes the connection; the master reports the node lost.
 pub struct Agent {
     node: u32,
+    /// It came back to a restarted master, which gave it its old node id and its workers.
+    adopted: bool,
     local: SocketAddr,
     heartbeat: Duration,
     lease: Duration,
@@ -63,7 +65,28 @@ impl Agent {
         devices: u32,
         timeout: Duration,
     ) -> WireResult<Agent> {
-        let (r, w, welcomed) = open(master, token, PeerRole::Agent { devices }, timeout).await?;
+        Agent::connect_as(master, token, PeerRole::Agent { devices }, timeout).await
+    }
+
+    /// Registers an agent that lost its master and comes back with what it holds: a master
+    /// restarted on the job's run directory re-adopts it ([`Agent::adopted`]), any other
+    /// takes it as a new node.
+    pub async fn reconnect(
+        master: SocketAddr,
+        token: &Token,
+        back: Return,
+        timeout: Duration,
+    ) -> WireResult<Agent> {
+        Agent::connect_as(master, token, PeerRole::Returning(back), timeout).await
+    }
+
+    async fn connect_as(
+        master: SocketAddr,
+        token: &Token,
+        role: PeerRole,
+        timeout: Duration,
+    ) -> WireResult<Agent> {
+        let (r, w, welcomed) = open(master, token, role, timeout).await?;
         let local = r.local_addr().map_err(|source| WireError::Io {
             op: "agent address",
             source,
@@ -87,6 +110,7 @@ impl Agent {
         debug!(node, %master, "agent registered");
         Ok(Agent {
             node,
+            adopted: welcomed.adopted,
             local,
             heartbeat: welcomed.heartbeat,
             lease: welcomed.lease,
@@ -100,6 +124,12 @@ impl Agent {
     /// The node id the master assigned.
     pub fn node(&self) -> u32 {
         self.node
+    }
+
+    /// A restarted master gave this returning agent its old node id back: its workers and
+    /// their state go on in the job.
+    pub fn adopted(&self) -> bool {
+        self.adopted
     }
 
     /// This end of the control connection: its IP is the address the master's network reaches

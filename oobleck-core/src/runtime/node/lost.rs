@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::lookup::{Lookup, Next};
 use super::spawn::stop_workers;
 use super::{Agent, Local, NodeAgent, CONTROL_TIMEOUT, GRACE, POLL};
+use crate::runtime::wire::protocol::Return;
 use crate::runtime::wire::{Token, WireError};
 
 /// How a search for a master ended.
@@ -65,7 +66,7 @@ impl NodeAgent {
                 }
                 Next::Try { addr, .. } => {
                     let limit = lookup.try_limit(start.elapsed(), CONTROL_TIMEOUT);
-                    match reach(&addr, &self.token, limit).await {
+                    match reach(&addr, &self.token, self.holding(), limit).await {
                         Reach::Found(conn, at) => return Search::Found(conn, at),
                         Reach::Absent => {}
                         Reach::Refused(e) => {
@@ -111,9 +112,12 @@ impl NodeAgent {
             let tick = (Instant::now() + POLL).min(until);
             tokio::select! {
                 ev = local_rx.recv() => {
-                    // Reports and beats reach no master; stdin closing says nothing new.
-                    if let Some(Local::Leave(reason)) = ev {
-                        return Some(reason);
+                    // Reports and beats reach no master; stdin closing says nothing new. A stage
+                    // built is remembered: it is what a restarted master re-adopts.
+                    match ev {
+                        Some(Local::Leave(reason)) => return Some(reason),
+                        Some(Local::Report(_, Ok((g, report)))) => self.note_formed(g, &report),
+                        _ => {}
                     }
                 }
                 _ = tokio::time::sleep_until(tick) => {}
@@ -139,12 +143,44 @@ impl NodeAgent {
         }
     }
 
+    /// What this agent tells a master it comes back to: its id, and the workers of its
+    /// generation that built their stage and still run.
+    fn holding(&self) -> Return {
+        Return {
+            node: self.node,
+            devices: 1,
+            generation: self.generation,
+            committed: self.committed,
+            ranks: self
+                .workers
+                .iter()
+                .map(|w| w.rank)
+                .filter(|r| self.formed.contains(r))
+                .collect(),
+        }
+    }
+
+    /// A master restarted on the job's run directory gave this agent its old id back: it
+    /// keeps its workers, which go on from the committed step they hold.
+    pub(super) fn carry_on(&mut self, conn: Agent, at: SocketAddr) {
+        eprintln!(
+            "oobleck agent: node {}: the master at {at} re-adopts this node and its {} \
+             worker(s) at committed step {}",
+            self.node,
+            self.workers.len(),
+            self.committed
+        );
+        self.conn = conn;
+        self.master = at;
+    }
+
     /// A master found after a loss takes this agent as a new node: the lost master's workers
-    /// go (their state cannot be adopted yet), and the agent starts over with `conn`.
+    /// go (a master that is not the lost one restarted on its run directory cannot adopt
+    /// them), and the agent starts over with `conn`.
     pub(super) async fn start_over(&mut self, conn: Agent, at: SocketAddr) {
         eprintln!(
             "oobleck agent: node {}: found a master at {at}; it takes this agent as node {} \
-             (the lost master's workers are stopped: a master cannot adopt them yet)",
+             (the lost master's workers are stopped: this master does not re-adopt them)",
             self.node,
             conn.node()
         );
@@ -157,6 +193,7 @@ impl NodeAgent {
         self.committed = 0;
         self.exited.clear();
         self.ranks.clear();
+        self.formed.clear();
         self.watch.clear();
         self.limits_told = false;
     }
@@ -172,7 +209,7 @@ impl NodeAgent {
 
 /// One try at `addr`, bounded by `limit`: resolved at each try, so that a name that moves to
 /// another machine (a restarted VM, a Kubernetes Service) is followed.
-async fn reach(addr: &str, token: &Token, limit: Duration) -> Reach {
+async fn reach(addr: &str, token: &Token, back: Return, limit: Duration) -> Reach {
     let resolved = tokio::time::timeout(limit, tokio::net::lookup_host(addr)).await;
     let Some(at) = resolved
         .ok()
@@ -181,7 +218,7 @@ async fn reach(addr: &str, token: &Token, limit: Duration) -> Reach {
     else {
         return Reach::Absent;
     };
-    match Agent::connect(at, token, limit).await {
+    match Agent::reconnect(at, token, back, limit).await {
         Ok(conn) => Reach::Found(conn, at),
         Err(e @ (WireError::Refused { .. } | WireError::UnsupportedVersion { .. })) => {
             Reach::Refused(e.to_string())

@@ -176,6 +176,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         workers: Vec::new(),
         exited: Vec::new(),
         ranks: Default::default(),
+        formed: Default::default(),
         leaving: None,
         drain_wait: opts.drain_wait,
         watch: Default::default(),
@@ -296,6 +297,9 @@ struct NodeAgent {
     exited: Vec<WorkerReport>,
     /// The rank of each device of this node in the running generation.
     ranks: std::collections::BTreeMap<u32, u32>,
+    /// The ranks of the running generation whose workers built their stage (`Formed`): they
+    /// hold a committed step, which a restarted master re-adopts.
+    formed: std::collections::BTreeSet<u32>,
     /// It asked the master to let it go.
     leaving: Option<Leaving>,
     drain_wait: Duration,
@@ -322,6 +326,7 @@ impl NodeAgent {
                 Served::MasterLost(why) => why,
             };
             match self.outlive_master(&why, local_rx).await {
+                Search::Found(conn, at) if conn.adopted() => self.carry_on(conn, at),
                 Search::Found(conn, at) => self.start_over(conn, at).await,
                 Search::Left(reason) => {
                     eprintln!(
@@ -461,6 +466,7 @@ impl NodeAgent {
                 if g != self.generation {
                     return Ok(());
                 }
+                self.note_formed(g, &report);
                 // Not looked up in `workers`: a worker's last reports can arrive after it
                 // was reaped.
                 let rank = self.ranks.get(&device).copied();
@@ -607,6 +613,7 @@ impl NodeAgent {
         }
         self.exited.clear();
         self.generation = g;
+        self.formed.clear();
         self.ranks = assignments.iter().map(|(d, a)| (*d, a.rank)).collect();
         self.rewatch(assignments.iter().map(|(d, _)| *d));
         for (device, a) in assignments {
@@ -627,6 +634,16 @@ impl NodeAgent {
             }
         }
         Ok(())
+    }
+
+    /// A worker of the running generation `g` that says it built its stage holds a
+    /// committed step from now on (until the next generation).
+    fn note_formed(&mut self, g: u64, report: &WorkerReport) {
+        if let WorkerReport::Formed { rank, .. } = report {
+            if g == self.generation {
+                self.formed.insert(*rank);
+            }
+        }
     }
 
     async fn on_rendezvous(&mut self, rendezvous: Vec<Rendezvous>) -> Result<()> {

@@ -23,6 +23,8 @@ pub(crate) fn timeout_err(op: &'static str, t: Duration) -> WireError {
 
 pub(crate) struct Welcomed {
     pub node: Option<u32>,
+    /// A returning agent was given its old node id back.
+    pub adopted: bool,
     pub heartbeat: Duration,
     pub lease: Duration,
 }
@@ -60,11 +62,13 @@ pub(crate) async fn open(
                 node: n,
                 heartbeat_ms,
                 lease_ms,
+                adopted,
             } if n == node && heartbeat_ms > 0 && lease_ms > heartbeat_ms => Ok((
                 r,
                 w,
                 Welcomed {
                     node,
+                    adopted,
                     heartbeat: Duration::from_millis(heartbeat_ms),
                     lease: Duration::from_millis(lease_ms),
                 },

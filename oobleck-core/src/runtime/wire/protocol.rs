@@ -42,7 +42,7 @@ use crate::runtime::wire::records::WorkerReport;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// The binary version peers must match.
 pub const BINARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Header size in bytes.
@@ -57,8 +57,28 @@ pub const MAX_FRAME_BYTES: u32 = 16 << 20;
 pub enum PeerRole {
     /// A node agent offering `devices` devices; it gets a node id.
     Agent { devices: u32 },
+    /// A node agent that lost its master and comes back with its workers: a master
+    /// restarted on the job's run directory (`--reattach`) gives it its old node id back
+    /// and re-adopts its workers; any other master takes it as a new agent.
+    Returning(Return),
     /// A tool (`oobleck status`, `oobleck kill-node`): authenticated, but not a member.
     Client,
+}
+
+/// What a returning agent holds: who it was and what its workers have.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Return {
+    /// The node id its lost master gave it.
+    pub node: u32,
+    pub devices: u32,
+    /// The plan generation its workers run.
+    pub generation: u64,
+    /// The last step its master told it committed.
+    pub committed: u64,
+    /// The ranks of its workers that built their stage of that generation and still run:
+    /// they hold the state of a committed step.
+    pub ranks: Vec<u32>,
 }
 
 /// One data-plane endpoint: where global rank `rank` listens.
@@ -201,6 +221,9 @@ pub enum Message {
         node: Option<u32>,
         heartbeat_ms: u64,
         lease_ms: u64,
+        /// A returning agent got its old node id back: its workers are re-adopted.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        adopted: bool,
     },
     /// Master -> peer, then close.
     Refused { reason: String },

@@ -2,6 +2,7 @@
 //! the harness; `steps.rs` has the commit protocol's cases, `recovery.rs` the failures'.
 
 mod membership;
+mod reattach;
 mod recovery;
 mod steps;
 mod stragglers;
@@ -139,6 +140,7 @@ impl H {
             generation: 0,
             starts_agents: true,
             announce_joins: false,
+            reattach: None,
         };
         H {
             m: JobMachine::new(spec, start, Limits::default(), Duration::ZERO),
@@ -387,6 +389,8 @@ pub(super) fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Rendezvous { .. } => "rendezvous".into(),
             Action::Commit { step, .. } => format!("commit:{step}"),
             Action::Abort { generation } => format!("abort:{generation}"),
+            Action::Recommit { node, step, .. } => format!("recommit:{node}:{step}"),
+            Action::EndReturns => "end_returns".into(),
             Action::KillNode { node } => format!("kill:{node}"),
             Action::Fence { node } => format!("fence:{node}"),
             Action::Reconfigure {

@@ -39,6 +39,19 @@ pub struct PipelineLayout {
 pub enum Event {
     Start(StartInfo),
     Resume(StartInfo),
+    /// A master restarted on the run directory (`train --resume RUN --reattach`) that
+    /// re-adopts the lost master's agents; `step` is the committed step it found recorded.
+    Reattach(StartInfo),
+    /// An agent of the lost master came back to the restarted one with its old id: its
+    /// workers run `generation` and it last heard of committed step `step`.
+    Returned {
+        node: u32,
+        addr: String,
+        generation: u64,
+        step: u64,
+        /// Its workers that hold a committed step.
+        ranks: Vec<u32>,
+    },
     /// A process of the job started: `role` is `agent`, `ssh` or `worker`.
     Process {
         role: String,
