@@ -239,6 +239,98 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     drop(master_log);
 }
 
+/// `train --resume RUN --reattach`, the master restarted on the run directory, its stdout
+/// dropped and its stderr captured.
+fn reattach_cmd(run: &Path) -> Command {
+    let mut c = Command::new(TRAIN);
+    c.arg("--resume")
+        .arg(run)
+        .arg("--reattach")
+        .env("OOBLECK_PROFILE", "analytical")
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// The events of `run` of kind `kind`.
+fn events_of(run: &Path, kind: &str) -> Vec<serde_json::Value> {
+    events(run)
+        .into_iter()
+        .filter(|e| e["event"] == kind)
+        .collect()
+}
+
+#[test]
+fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_no_step() {
+    const STEPS: u64 = 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let out = dir.path().join("run");
+    let mut cmd = train_cmd(&out, STEPS, &["--nodes", "2", "--master-wait", "60"]);
+    // Node 0's workers sleep 100 ms per microbatch: the master goes mid-run, not at its end.
+    cmd.env("OOBLECK_TEST_SLOW", "0:100");
+    let mut first = cmd.spawn().expect("start train");
+    let (log, reader) = drain_stderr(&mut first);
+    let mut guard = Guard(Some(first));
+    wait_for_step(&out, 4, Duration::from_secs(180));
+    let pids = recorded_pids(&out, 4);
+    let _strays = Strays(pids.clone());
+    let workers_before: Vec<u64> = events_of(&out, "process")
+        .iter()
+        .filter(|e| e["role"] == "worker")
+        .filter_map(|e| e["pid"].as_u64())
+        .collect();
+    let mut first = guard.0.take().expect("train");
+    first.kill().expect("SIGKILL the master");
+    first.wait().expect("reap the master");
+    wait_for_lines(&log, "master lost at step", 2, Duration::from_secs(30));
+
+    let mut again = reattach_cmd(&out).spawn().expect("restart the master");
+    let (again_log, again_reader) = drain_stderr(&mut again);
+    let mut guard = Guard(Some(again));
+    let st = wait_exit(guard.0.as_mut().expect("train"), Duration::from_secs(180));
+    assert!(
+        st.success(),
+        "{st}; restarted master:\n{}\nagents:\n{}",
+        again_log.lock().expect("log"),
+        log.lock().expect("log")
+    );
+    again_reader.join().expect("stderr reader");
+    wait_for_lines(&log, "re-adopts this node", 2, Duration::from_secs(5));
+
+    // Every step once, as one process trains them; nothing loaded, nothing replayed.
+    assert_same_training(&out, &want, &want_params);
+    assert_eq!(events_of(&out, "reattach").len(), 1);
+    assert!(events_of(&out, "resume").is_empty());
+    assert_eq!(events_of(&out, "returned").len(), 2);
+    let reconfig = events_of(&out, "reconfig");
+    let last = reconfig
+        .last()
+        .expect("a reconfiguration after the re-adoption");
+    assert_eq!(last["in_place"], true, "{last}");
+    assert_eq!(last["replayed_steps"], 0, "{last}");
+    assert!(last["checkpoint"].is_null(), "{last}");
+    // The same worker processes trained on: none was started again.
+    let workers_after: std::collections::BTreeSet<u64> = events_of(&out, "process")
+        .iter()
+        .filter(|e| e["role"] == "worker")
+        .filter_map(|e| e["pid"].as_u64())
+        .collect();
+    let before: std::collections::BTreeSet<u64> = workers_before.into_iter().collect();
+    assert_eq!(workers_after, before);
+    // The restarted master shut the agents down: nothing is left.
+    let deadline = Instant::now() + STOP_BOUND;
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    reader.join().expect("stderr reader");
+    assert_no_segments(&out);
+}
+
 /// `train` (and `train agent`) with `--master-wait VALUE`: refused, saying what it takes.
 fn refused(args: &[&str]) -> String {
     let o = Command::new(TRAIN)

@@ -116,10 +116,12 @@ impl JobMachine {
             generation: back.generation,
             step: back.committed,
             ranks: back.ranks.clone(),
+            without_master_s: back.without_master_ms as f64 / 1e3,
         });
         self.note(format!(
-            "node {node} came back from {addr}: generation {}, committed step {}, {} worker(s) \
-             holding their state",
+            "node {node} came back from {addr} after {:.1} s without a master: generation {}, \
+             committed step {}, {} worker(s) holding their state",
+            back.without_master_ms as f64 / 1e3,
             back.generation,
             back.committed,
             back.ranks.len()
@@ -225,12 +227,7 @@ impl JobMachine {
             plan.generation
         ));
         self.phase = Phase::Stepping;
-        let failure = Failure::new(
-            "the master was restarted (--reattach)".into(),
-            now,
-            committed,
-        );
-        self.begin_recovery(now, failure);
+        self.begin_recovery(now, Failure::master_restarted(now, committed));
     }
 
     /// What the returned devices hold of committed step `committed` under `plan`, and the

@@ -27,6 +27,8 @@ pub(super) struct Failure {
     pub planned: bool,
     /// ...the first of them asked for (a drain) or registered (a join) then.
     pub asked: Duration,
+    /// Not a failure of the job's nodes: its master was restarted (`reattach.rs`).
+    pub master: bool,
 }
 
 impl Failure {
@@ -37,6 +39,16 @@ impl Failure {
             failed_at,
             planned: false,
             asked: detected,
+            master: false,
+        }
+    }
+
+    /// The master was restarted at `now` and re-adopts the running generation at committed
+    /// step `step`.
+    pub fn master_restarted(now: Duration, step: u64) -> Failure {
+        Failure {
+            master: true,
+            ..Failure::new("the master was restarted (--reattach)".into(), now, step)
         }
     }
 
@@ -565,7 +577,7 @@ fn summary(
     replayed: u64,
 ) -> String {
     let lost = match lost {
-        _ if failure.planned => failure.reason.clone(),
+        _ if failure.planned || failure.master => failure.reason.clone(),
         [] => "a worker failed".to_string(),
         [n] => format!("node {n} lost"),
         many => format!("nodes {many:?} lost"),

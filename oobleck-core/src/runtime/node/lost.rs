@@ -66,7 +66,8 @@ impl NodeAgent {
                 }
                 Next::Try { addr, .. } => {
                     let limit = lookup.try_limit(start.elapsed(), CONTROL_TIMEOUT);
-                    match reach(&addr, &self.token, self.holding(), limit).await {
+                    let back = self.holding(start.elapsed());
+                    match reach(&addr, &self.token, back, limit).await {
                         Reach::Found(conn, at) => return Search::Found(conn, at),
                         Reach::Absent => {}
                         Reach::Refused(e) => {
@@ -114,9 +115,12 @@ impl NodeAgent {
                 ev = local_rx.recv() => {
                     // Reports and beats reach no master; stdin closing says nothing new. A stage
                     // built is remembered: it is what a restarted master re-adopts.
+                    // Beats keep the watchdog's view current, so that a re-adopting master
+                    // does not find it stale.
                     match ev {
                         Some(Local::Leave(reason)) => return Some(reason),
                         Some(Local::Report(_, Ok((g, report)))) => self.note_formed(g, &report),
+                        Some(Local::Beat(device, Ok(s))) => self.on_beat(device, s),
                         _ => {}
                     }
                 }
@@ -145,8 +149,9 @@ impl NodeAgent {
 
     /// What this agent tells a master it comes back to: its id, and the workers of its
     /// generation that built their stage and still run.
-    fn holding(&self) -> Return {
+    fn holding(&self, without_master: Duration) -> Return {
         Return {
+            without_master_ms: without_master.as_millis() as u64,
             node: self.node,
             devices: 1,
             generation: self.generation,
@@ -172,6 +177,9 @@ impl NodeAgent {
         );
         self.conn = conn;
         self.master = at;
+        // The time without a master is no worker's hang: the watches start over.
+        let devices: Vec<u32> = self.watch.keys().copied().collect();
+        self.rewatch(devices.into_iter());
     }
 
     /// A master found after a loss takes this agent as a new node: the lost master's workers

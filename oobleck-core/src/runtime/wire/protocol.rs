@@ -79,6 +79,8 @@ pub struct Return {
     /// The ranks of its workers that built their stage of that generation and still run:
     /// they hold the state of a committed step.
     pub ranks: Vec<u32>,
+    /// How long it has been without a master.
+    pub without_master_ms: u64,
 }
 
 /// One data-plane endpoint: where global rank `rank` listens.

@@ -51,6 +51,8 @@ pub enum Event {
         step: u64,
         /// Its workers that hold a committed step.
         ranks: Vec<u32>,
+        /// How long it had been without a master.
+        without_master_s: f64,
     },
     /// A process of the job started: `role` is `agent`, `ssh` or `worker`.
     Process {
