@@ -331,6 +331,113 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     assert_no_segments(&out);
 }
 
+/// The parent of process `pid` (`/proc/PID/stat`, field 4).
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // The name (field 2) is in parentheses and may hold spaces: fields follow its `)`.
+    let rest = &stat[stat.rfind(')').expect("a stat line") + 2..];
+    rest.split(' ')
+        .nth(1)
+        .expect("ppid")
+        .parse()
+        .expect("a pid")
+}
+
+#[test]
+fn a_master_and_a_node_killed_at_once_cost_one_reattach_and_one_recovery_in_place() {
+    const STEPS: u64 = 16;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let out = dir.path().join("run");
+    let mut procs = Children::default();
+    let mut cmd = train_cmd(
+        &out,
+        STEPS,
+        &[
+            "--listen",
+            &addr,
+            "--expect-nodes",
+            "3",
+            "--fault-threshold",
+            "1",
+        ],
+    );
+    cmd.env("OOBLECK_TOKEN", TOKEN).stdout(Stdio::null());
+    let mut master = cmd.spawn().expect("start the master");
+    let (master_log, master_reader) = drain_stderr(&mut master);
+    procs.0.push(master);
+    let agents_log = Arc::new(Mutex::new(String::new()));
+    let mut readers = vec![master_reader];
+    for _ in 0..3 {
+        let mut agent = Command::new(TRAIN)
+            .args(["agent", "--master", &addr, "--master-wait", "60"])
+            .env("OOBLECK_TOKEN", TOKEN)
+            .env("OOBLECK_TEST_SLOW", "0:100")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start an agent");
+        readers.push(drain_into(&mut agent, &agents_log));
+        procs.0.push(agent);
+    }
+    wait_for_step(&out, 4, Duration::from_secs(180));
+    let workers = recorded_pids(&out, 3);
+    let _strays = Strays(workers.clone());
+    let worker_of_2 = events_of(&out, "process")
+        .iter()
+        .find(|e| e["role"] == "worker" && e["node"] == 2)
+        .and_then(|e| e["pid"].as_u64())
+        .expect("node 2's worker") as u32;
+    let agent_of_2 = parent_of(worker_of_2);
+    // The master, node 2's agent and its worker, as one machine's crash and another's.
+    for pid in [procs.0[0].id(), agent_of_2, worker_of_2] {
+        signal("KILL", pid);
+    }
+    procs.0[0].wait().expect("reap the master");
+    wait_for_lines(
+        &agents_log,
+        "master lost at step",
+        2,
+        Duration::from_secs(30),
+    );
+
+    let mut again = reattach_cmd(&out)
+        .env("OOBLECK_TOKEN", TOKEN)
+        .spawn()
+        .expect("restart the master");
+    let (again_log, again_reader) = drain_stderr(&mut again);
+    readers.push(again_reader);
+    let st = wait_exit(&mut again, Duration::from_secs(180));
+    procs.0.push(again);
+    assert!(
+        st.success(),
+        "{st}; restarted master:\n{}\nagents:\n{}",
+        again_log.lock().expect("log"),
+        agents_log.lock().expect("log")
+    );
+    let text = again_log.lock().expect("log").clone();
+    assert!(text.contains("re-adopting 2 of 3 nodes"), "{text}");
+    assert_same_training(&out, &want, &want_params);
+    let last = reconfig_events(&out).pop().expect("a reconfiguration");
+    assert_eq!(last["in_place"], true, "{last}");
+    assert_eq!(last["lost_nodes"], serde_json::json!([2]), "{last}");
+    assert_eq!(last["replayed_steps"], 0, "{last}");
+    // The two agents left stopped when the job ended; the killed node's are gone.
+    for p in procs.0.iter_mut().skip(1) {
+        if let Ok(None) = p.try_wait() {
+            wait_exit(p, STOP_BOUND);
+        }
+    }
+    let left: Vec<u32> = workers.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    for r in readers {
+        r.join().expect("stderr reader");
+    }
+    drop(master_log);
+}
+
 /// `train` (and `train agent`) with `--master-wait VALUE`: refused, saying what it takes.
 fn refused(args: &[&str]) -> String {
     let o = Command::new(TRAIN)
