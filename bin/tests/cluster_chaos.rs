@@ -1,7 +1,8 @@
 //! Chaos on a local cluster (issue 11, elastic membership): while a job trains, a seeded RNG
 //! picks a sequence of failures and membership changes (SIGKILL of an agent or a worker,
 //! SIGSTOP of an agent, `oobleck kill-node`, `oobleck add-node`, `oobleck drain`, SIGTERM of
-//! an agent, and two of them at once), each from what the current membership allows, and
+//! an agent, two of them at once, and SIGKILL of the master, restarted with `train --resume
+//! RUN --reattach`), each from what the current membership allows, and
 //! waits for the job to settle before the next. The job must finish with every step once,
 //! every sample of every step trained once, the losses and parameters of an uninterrupted
 //! run, and no process left behind.
@@ -38,7 +39,7 @@ struct Storm {
     params_see_a_step: bool,
 }
 
-/// The CI run. 16 events, because every kind once needs about that many: the joins that make
+/// The CI run. 17 events, because every kind once needs about that many: the joins that make
 /// up for the leaves included (`the_picker_does_every_kind_within_the_bounds_for_any_seed`).
 /// Its tolerance: fault-free runs of 300 steps on 2, 3, 4 and 5 nodes end 2.0e-6, 1.1e-6,
 /// 1.4e-6 and 1.2e-6 from one process (`fault_free_layouts_differ_by_rounding_only`), the
@@ -46,7 +47,7 @@ struct Storm {
 /// 1.04e-4: 1e-5 is five times the largest rounding and a tenth of a step.
 const CI: Storm = Storm {
     steps: 300,
-    events: 16,
+    events: 17,
     tol_params: 1e-5,
     params_see_a_step: true,
 };
@@ -133,6 +134,9 @@ struct Chaos {
     train: Guard,
     added: Vec<u32>,
     stopped: Vec<u32>,
+    /// The master was restarted (`--reattach`): the agents are no children of `train` any
+    /// more, so it cannot fence a stopped one.
+    reattached: bool,
     log: Vec<String>,
 }
 
@@ -287,6 +291,7 @@ impl Chaos {
             Kind::KillAgent => "KILL",
             Kind::StopAgent => "STOP",
             Kind::TermAgent => "TERM",
+            Kind::KillMaster => return self.kill_master(expect),
             Kind::KillWorker => {
                 let pid = self.worker(node);
                 signal("-KILL", pid);
@@ -325,12 +330,39 @@ impl Chaos {
             Kind::TermAgent => expect.push(Expect::Drained(node)),
             _ => expect.push(Expect::Lost(node)),
         }
-        if kind == Kind::StopAgent && self.added.contains(&pid) {
+        if kind == Kind::StopAgent && (self.added.contains(&pid) || self.reattached) {
             self.stopped.push(pid);
         } else if kind == Kind::StopAgent {
             expect.push(Expect::Fenced(pid));
         }
         format!("SIG{sig} the agent of node {node} (pid {pid})")
+    }
+
+    /// SIGKILLs `train`, the master, and starts `train --resume RUN --reattach` at once, which
+    /// takes the waiting agents back and goes on from the last committed step.
+    fn kill_master(&mut self, expect: &mut Vec<Expect>) -> String {
+        let mut old = self.train.0.take().expect("train runs");
+        let pid = old.id();
+        signal("-KILL", pid);
+        let _ = old.wait();
+        let mut c = Command::new(TRAIN);
+        c.arg("--resume")
+            .arg(&self.out)
+            .arg("--reattach")
+            .env("RUST_BACKTRACE", "0")
+            .env("RAYON_NUM_THREADS", "1")
+            .env(MARK, &self.out)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.out.with_extension("stderr"))
+            .expect("train's log");
+        c.stderr(log);
+        self.train = Guard(Some(c.spawn().expect("restart train")));
+        self.reattached = true;
+        expect.push(Expect::Reattached);
+        format!("SIGKILL the master (pid {pid}), then train --resume --reattach")
     }
 
     /// Does `kind` to nodes the RNG picks from the running plan (distinct ones).
@@ -416,7 +448,7 @@ impl Chaos {
             self.check_reconfigs(kind, &ev);
             for pid in std::mem::take(&mut self.stopped) {
                 signal("-KILL", pid);
-                self.say(format!("  SIGKILL the stopped added agent {pid}"));
+                self.say(format!("  SIGKILL the stopped agent {pid}"));
             }
             let (step, generation) = (settled.step, settled.generation);
             self.say(format!(
@@ -464,6 +496,7 @@ fn chaos(storm: &Storm, seed: u64) {
         train: Guard(Some(train)),
         added: Vec::new(),
         stopped: Vec::new(),
+        reattached: false,
         log: Vec::new(),
     };
     c.say(format!(

@@ -63,21 +63,23 @@ pub(crate) enum Kind {
     TwoDrains,
     TwoKills,
     TwoJoins,
+    /// SIGKILL of `train`, the master, then `train --resume RUN --reattach`.
+    KillMaster,
 }
 
 /// Every kind; [`kinds`] says which a run picks from.
 #[rustfmt::skip]
-pub(crate) const KINDS: [Kind; 11] = {
+pub(crate) const KINDS: [Kind; 12] = {
     use Kind::*;
     [KillAgent, KillWorker, StopAgent, KillNode, Join, Drain, TermAgent, KillAndJoin, TwoDrains,
-     TwoKills, TwoJoins]
+     TwoKills, TwoJoins, KillMaster]
 };
 
 impl Kind {
     /// The nodes it takes away and adds.
     pub(crate) fn change(self) -> (usize, usize) {
         match self {
-            Kind::KillWorker => (0, 0),
+            Kind::KillWorker | Kind::KillMaster => (0, 0),
             Kind::Join => (0, 1),
             Kind::KillAgent | Kind::StopAgent | Kind::KillNode => (1, 0),
             Kind::Drain | Kind::TermAgent => (1, 0),
@@ -178,6 +180,9 @@ pub(crate) enum Expect {
     Fenced(u32),
     /// A reconfiguration that drained this node, or the drain's refusal.
     Drained(u32),
+    /// A restarted master re-adopted the agents: its `reattach` event, and a reconfiguration
+    /// after it.
+    Reattached,
 }
 
 impl Expect {
@@ -199,6 +204,10 @@ impl Expect {
                     >= k
             }
             Expect::Fenced(pid) => of("fenced").any(|v| v["pid"] == pid),
+            Expect::Reattached => ev
+                .iter()
+                .position(|v| v["event"] == "reattach")
+                .is_some_and(|i| ev[i..].iter().any(|v| v["event"] == "reconfig")),
             Expect::Drained(n) => {
                 of("reconfig").any(|v| has(v, "drained_nodes", n.into()))
                     || of("drain_refused").any(|v| v["node"] == n)
