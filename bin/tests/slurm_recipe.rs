@@ -351,6 +351,62 @@ fn usr1_to_the_batch_script_stops_with_a_checkpoint_and_the_requeued_job_resumes
 }
 
 #[test]
+fn a_job_requeued_before_its_first_checkpoint_starts_again_keeping_its_first_attempt() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
+    let slurm = Slurm::start();
+    let run = slurm.path("run");
+    let total = 30;
+    // No checkpoint before the last step; agents that lose the master stop after 2 s. Node
+    // 0's workers sleep 100 ms a microbatch: the master dies at step 2 of 30.
+    let flags = format!("{FLAGS} --checkpoint-every 0 --master-wait 2");
+    let env = [
+        ("TRAIN_FLAGS", flags.as_str()),
+        ("OOBLECK_TEST_SLOW", "0:100"),
+    ];
+    let mut first = slurm.submit(&run, total, free_port(), &env);
+    slurm.wait_steps(&run, 2);
+    let id = slurm.the_job();
+    // The master's machine dies (task 0 execs `train`: its pid is the master's): the job
+    // ends with no checkpoint written.
+    let pid = std::fs::read_to_string(run.join("master.pid")).expect("master.pid");
+    let kill = Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .expect("kill");
+    assert!(kill.success(), "no master to kill");
+    let out = first.finish(Duration::from_secs(120));
+    assert!(
+        !out.status.success(),
+        "the job ended well without its master"
+    );
+    assert!(!run.join("checkpoints").exists());
+    // Requeued, as Slurm does after a node failure.
+    let requeue = slurm
+        .cmd("scontrol")
+        .args(["requeue", &id])
+        .output()
+        .expect("scontrol");
+    assert!(requeue.status.success(), "scontrol requeue: {requeue:?}");
+    slurm.wait_for("the requeued job's end", || {
+        slurm.jobs().is_some_and(|j| j.is_empty())
+    });
+    let log = slurm.job_output(&out);
+    assert!(
+        log.contains("has no checkpoint yet: starting again"),
+        "{log}"
+    );
+    assert!(log.contains("(restart 1) --out"), "{log}");
+    let attempts: Vec<PathBuf> = std::fs::read_dir(run.parent().expect("parent"))
+        .expect("ls")
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| p.to_string_lossy().contains("run.attempt-"))
+        .collect();
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    assert!(attempts[0].join("metrics.jsonl").exists());
+    assert_eq!(steps(&run), (1..=total).collect::<Vec<_>>(), "{log}");
+}
+
+#[test]
 fn join_sbatch_adds_a_node_of_another_allocation_to_the_running_job() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
     let slurm = Slurm::start();
