@@ -331,6 +331,66 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     assert_no_segments(&out);
 }
 
+/// `train --resume RUN --reattach EXTRA`: refused, with its message.
+fn reattach_refused(run: &Path, extra: &[&str]) -> String {
+    let o = reattach_cmd(run).args(extra).output().expect("run train");
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(
+        !o.status.success(),
+        "--reattach {extra:?} was accepted: {stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn reattach_refuses_what_it_cannot_take_back_and_says_what_to_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A run that finished: nothing waits for a master.
+    let done = dir.path().join("done");
+    let o = common::run(
+        train_cmd(&done, 2, &["--nodes", "2"]),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e = reattach_refused(&done, &[]);
+    assert!(e.contains("last step (2 of 2) is committed"), "{e}");
+    // A run whose master still runs: its address is taken.
+    let live = dir.path().join("live");
+    let mut cmd = train_cmd(&live, 100_000, &["--nodes", "2", "--master-wait", "1"]);
+    let mut master = cmd.spawn().expect("start train");
+    let (log, reader) = drain_stderr(&mut master);
+    let mut guard = Guard(Some(master));
+    wait_for_step(&live, 1, Duration::from_secs(180));
+    let pids = recorded_pids(&live, 4);
+    let _strays = Strays(pids.clone());
+    let e = reattach_refused(&live, &[]);
+    assert!(
+        e.contains("is in use") && e.contains("still running"),
+        "{e}"
+    );
+    // Its master killed, and its agents gone after their wait: none comes back.
+    let mut master = guard.0.take().expect("train");
+    master.kill().expect("SIGKILL the master");
+    master.wait().expect("reap the master");
+    let gave_up = "no master within --master-wait 1 s; stopping workers";
+    wait_for_lines(&log, gave_up, 2, STOP_BOUND);
+    let e = reattach_refused(&live, &["--master-wait", "1"]);
+    assert!(
+        e.contains("no agent of the lost master came back within 11 s")
+            && e.contains("`train --resume RUN` without --reattach"),
+        "{e}"
+    );
+    reader.join().expect("stderr reader");
+    // And --reattach is for a run: it needs --resume.
+    let o = Command::new(TRAIN)
+        .arg("--reattach")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run train");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("--resume"), "{e}");
+}
+
 /// The parent of process `pid` (`/proc/PID/stat`, field 4).
 fn parent_of(pid: u32) -> u32 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");

@@ -62,6 +62,7 @@ fn run() -> Result<()> {
             .as_deref()
             .context("--reattach needs --resume RUN")?;
         let launch = oobleck_cli::cluster::reattach::launch(
+            &cfg,
             run,
             args.listen.as_deref(),
             args.token.as_deref(),

@@ -23,12 +23,19 @@ use crate::run_dir::resumed_run;
 /// Where the restarted master listens and the job's token: `listen` (`--listen`) or the
 /// address in the run's `master.json`; `token` (`--token`, `OOBLECK_TOKEN`) or the run's
 /// `master.token` (a local job's, left behind by the lost master).
-pub fn launch(run: &Path, listen: Option<&str>, token: Option<&str>) -> Result<LaunchMode> {
+pub fn launch(
+    cfg: &TrainConfig,
+    run: &Path,
+    listen: Option<&str>,
+    token: Option<&str>,
+) -> Result<LaunchMode> {
     let run = resumed_run(run)?;
+    check_unfinished(cfg, &run, committed_of(&run)?)?;
     let addr = match listen {
         Some(a) => super::resolve(a)?,
         None => recorded_addr(&run)?,
     };
+    check_free(addr, &run)?;
     let token = match token {
         Some(t) => Token::new(t)?,
         None => {
@@ -45,6 +52,20 @@ pub fn launch(run: &Path, listen: Option<&str>, token: Option<&str>) -> Result<L
         }
     };
     Ok(LaunchMode::Reattach { addr, token })
+}
+
+/// Refuses an address something still listens on: most likely the run's master, alive (a
+/// master that was only paused holds its port too).
+fn check_free(addr: SocketAddr, run: &Path) -> Result<()> {
+    match std::net::TcpListener::bind(addr) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
+            "--reattach: {addr} is in use: is the master of {} still running (or only stopped)? \
+             --reattach is for a master that is gone; stop it first, or pass --listen ADDR",
+            run.display()
+        ),
+        Err(e) => Err(e).with_context(|| format!("--reattach: binding {addr}")),
+    }
 }
 
 /// The control address the lost master listened on, from `master.json`.
@@ -86,21 +107,11 @@ pub fn open(cfg: &TrainConfig, run: &Path) -> Result<(PathBuf, Reattach, Vec<ser
         .with_context(|| format!("{}: expected an array of plans", plan_file.display()))?;
     let plans: Vec<Plan> = serde_json::from_str(&text)
         .with_context(|| format!("{}: expected an array of plans", plan_file.display()))?;
-    let committed = match CommitRecord::read(&out)? {
-        Some(record) => {
-            record.complete_metrics(&out)?;
-            record.step
-        }
-        None => last_metrics_step(&out),
-    };
-    if committed >= cfg.steps {
-        bail!(
-            "--reattach: the run's last step ({committed} of {}) is committed, so its agents \
-             have finished; `train --resume {}` with a larger --steps trains further",
-            cfg.steps,
-            out.display()
-        );
+    if let Some(record) = CommitRecord::read(&out)? {
+        record.complete_metrics(&out)?;
     }
+    let committed = committed_of(&out)?;
+    check_unfinished(cfg, &out, committed)?;
     let newest = checkpoint_dirs(&out)
         .unwrap_or_default()
         .into_iter()
@@ -112,6 +123,28 @@ pub fn open(cfg: &TrainConfig, run: &Path) -> Result<(PathBuf, Reattach, Vec<ser
         newest,
     };
     Ok((out, reattach, json))
+}
+
+/// The run's last committed step: its commit record's, else (a run written before the record
+/// existed) the last line of `metrics.jsonl`.
+fn committed_of(run: &Path) -> Result<u64> {
+    Ok(match CommitRecord::read(run)? {
+        Some(record) => record.step,
+        None => last_metrics_step(run),
+    })
+}
+
+/// Refuses a run whose last step is committed: its agents have finished.
+fn check_unfinished(cfg: &TrainConfig, run: &Path, committed: u64) -> Result<()> {
+    if committed >= cfg.steps {
+        bail!(
+            "--reattach: the run's last step ({committed} of {}) is committed, so its agents \
+             have finished; `train --resume {}` with a larger --steps trains further",
+            cfg.steps,
+            run.display()
+        );
+    }
+    Ok(())
 }
 
 /// The last step of `metrics.jsonl` (a run written before the commit record existed).
