@@ -171,6 +171,12 @@ pub struct TrainArgs {
     /// (`train agent`) take their own --master-wait [default: 60].
     #[arg(long, value_name = "SECS", value_parser = parse_master_wait_s)]
     pub master_wait: Option<u64>,
+    /// Standby masters of a local job (--nodes): each keeps a copy of the run directory (in
+    /// <out>.standby-K), gets every commit before the agents do, and takes over from its copy
+    /// when this process (the master) is lost, with no step lost. On several machines, run
+    /// `train standby` on another machine instead [default: 0].
+    #[arg(long, value_name = "K")]
+    pub standby_masters: Option<usize>,
     /// Seconds a joining node that adds no pipeline waits for more joins before it is
     /// admitted; one that adds a pipeline is admitted at the next step [default: 30].
     #[arg(long)]
@@ -278,6 +284,9 @@ impl TrainArgs {
         );
         if let Some(s) = self.master_wait {
             c.master_wait_s = s;
+        }
+        if let Some(k) = self.standby_masters {
+            c.standby_masters = k;
         }
         c.recompute |= self.recompute;
         c.skip_bad_records |= self.skip_bad_records;

@@ -126,6 +126,9 @@ pub struct TrainConfig {
     /// (`oobleck_core::runtime::node::DEFAULT_MASTER_WAIT`: a restarted master is back within
     /// a minute, and a minute of idle workers costs less than the steps since a checkpoint).
     pub master_wait_s: u64,
+    /// Standby masters a local job keeps (`--standby-masters`): each keeps a copy of the run
+    /// directory and takes over when the master is lost (`train standby`).
+    pub standby_masters: usize,
     /// The longest (s) a node that joins the running job but adds no pipeline waits for more
     /// joins before it is admitted. A join that adds a pipeline (and so restores fault
     /// tolerance a failure lowered) is taken at the next step boundary whatever this says.
@@ -205,6 +208,7 @@ impl Default for TrainConfig {
             host_memory: None,
             lease_ms: 3000,
             master_wait_s: oobleck_core::runtime::node::DEFAULT_MASTER_WAIT.as_secs(),
+            standby_masters: 0,
             join_after_s: 30.0,
             hang_timeout_s: 1.5,
             hang_factor: 3.0,

@@ -42,6 +42,12 @@ fn run() -> Result<()> {
         let cli = TrainAgentCli::parse_from(std::env::args_os().skip(1));
         return run(&cli.args);
     }
+    // `train standby --master HOST:PORT`: a standby master of a running job.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "standby") {
+        use oobleck_cli::cluster::standby_cmd::{run, TrainStandbyCli};
+        let cli = TrainStandbyCli::parse_from(std::env::args_os().skip(1));
+        return run(&cli.args);
+    }
     let args = TrainArgs::parse();
     let mut cfg = args.resolve()?;
     // Started by a scheduler on every node of an allocation: its environment says the role.

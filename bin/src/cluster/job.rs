@@ -21,6 +21,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 use super::hostfile::{self, HostEntry};
 use super::memory::{check_fits, host_memory, host_ranks, Sharing};
+use super::standbys::LocalStandbys;
 use crate::config::{training_spec, workload_config, TrainConfig};
 use crate::progress::Progress;
 use crate::run_dir::{open_run, truncate_metrics_after, Summary};
@@ -84,6 +85,13 @@ pub fn run(
             cfg.nodes
         );
     }
+    if cfg.standby_masters > 0 && !matches!(launch, LaunchMode::Local) {
+        bail!(
+            "--standby-masters starts standbys on this machine, for a local job (--nodes); on \
+             several machines run `train standby --master ADDR --copy DIR --listen IP:PORT` on \
+             another machine"
+        );
+    }
     let mut spec = training_spec(&cfg)?;
     // A CPU device is the share of this machine's memory of one of the ranks that run here.
     let sharing = match (spec.compute, host_memory(&cfg)) {
@@ -131,7 +139,12 @@ pub fn run(
         Some(r) => r.committed,
         None => opts.resume.as_ref().map_or(0, |r| r.1),
     };
+    let standbys = match &opts.launch {
+        master::Launch::Local { .. } => cfg.standby_masters,
+        _ => 0,
+    };
     let mut watch = Watch {
+        standbys: LocalStandbys::new(standbys, &out),
         progress: Progress::new(cfg.steps, start),
         run: out.clone(),
         page_addr,
@@ -144,6 +157,7 @@ pub fn run(
         first_generation: None,
     };
     let result = master::run_job(workload, opts, &mut watch);
+    watch.standbys.finish();
     watch.page = None;
     watch.progress.finish();
     super::status::unpublish(&out);
@@ -364,6 +378,8 @@ fn ssh_launcher(hosts: Vec<HostEntry>, token: String, master_wait_s: u64) -> mas
 /// What `train` shows of a running job: the progress line, the plan, the status files and
 /// the live status page.
 struct Watch {
+    /// A local job's standby masters (`--standby-masters`).
+    standbys: LocalStandbys,
     progress: Progress,
     run: PathBuf,
     /// Where to serve the page (`None`: `--status-addr off`).
@@ -423,7 +439,16 @@ impl Observer for Watch {
         };
         super::status::publish(&self.run, addr, token, url.as_deref())
             .map_err(|e| format!("{e:#}"))
-            .ctx("publishing the status files")
+            .ctx("publishing the status files")?;
+        let said = self
+            .standbys
+            .start(addr, token)
+            .map_err(|e| format!("{e:#}"))
+            .ctx("starting the standby masters")?;
+        for line in said {
+            self.progress.note(&line);
+        }
+        Ok(())
     }
 
     fn plan(&mut self, status: &ClusterStatus) {

@@ -19,6 +19,8 @@
 //! - [`hostfile`]: agents started over ssh from a host file.
 //! - [`reattach`]: `train --resume RUN --reattach`, a master restarted on the run directory of
 //!   a job whose agents wait for one.
+//! - [`standby_cmd`]: `train standby`, a standby master that keeps a copy of the run directory
+//!   and takes over from it (`--reattach`) when the master is lost.
 //! - [`status`], [`membership_cmd`]: the tools that talk to a running job (`oobleck status`,
 //!   `kill-node`, `drain`, `add-node`).
 //!
@@ -33,6 +35,8 @@ pub mod memory;
 pub mod node_cmd;
 pub mod reattach;
 pub mod scheduled;
+pub mod standby_cmd;
+pub mod standbys;
 pub mod status;
 
 pub use oobleck_core::runtime::net::resolve;

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //!  Forming: Returned(node, generation, committed, ranks) ... every node of the plan back,
-//!           or BACK_WAIT after the first
+//!           or BACK_WAIT after the first with a majority of them back
 //!    ─► re-adopt: the plan the agents run, their holdings (the ranks that still run),
 //!       a commit the lost master did not get to every node told again (Recommit),
 //!       the nodes that did not come back lost
@@ -136,16 +136,39 @@ impl JobMachine {
     /// While waiting: re-adopt once the wait after the first return is over; fail when no
     /// agent came back within the join limit.
     pub(super) fn reattach_tick(&mut self, now: Duration) {
-        match self.returns.first {
-            Some(first) if now >= first + BACK_WAIT => self.readopt(now),
-            None if now >= self.join_deadline() => self.fail(RuntimeError::Invalid(format!(
-                "--reattach: no agent of the lost master came back within {} s (they stop \
-                 looking after their --master-wait, 60 s by default); `train --resume RUN` \
-                 without --reattach goes on from the newest checkpoint",
-                self.limits.join.as_secs()
-            ))),
-            _ => {}
+        let waited = self.returns.first.is_some_and(|t| now >= t + BACK_WAIT);
+        if waited && self.majority_back() {
+            return self.readopt(now);
         }
+        if now < self.join_deadline() {
+            return;
+        }
+        let (back, of) = (self.returns.back.len(), self.plan_nodes());
+        let what = match back {
+            0 => "no agent of the lost master came back".to_string(),
+            _ => format!(
+                "only {back} of the {of} nodes came back, no majority: the others may still \
+                 hear a master, and one job has one master"
+            ),
+        };
+        self.fail(RuntimeError::Invalid(format!(
+            "--reattach: {what} within {} s (agents stop looking after their --master-wait, 60 \
+             s by default); `train --resume RUN` without --reattach goes on from the newest \
+             checkpoint",
+            self.limits.join.as_secs()
+        )));
+    }
+
+    /// The nodes of the plan the returned agents run.
+    fn plan_nodes(&self) -> usize {
+        self.plan_back().map_or(0, |p| p.nodes().len())
+    }
+
+    /// More than half of the plan's nodes came back. An agent comes back only once it lost
+    /// the master itself, so a majority of them means the master is lost to the job, not only
+    /// to this process: no two masters re-adopt the same job.
+    fn majority_back(&self) -> bool {
+        2 * self.returns.back.len() > self.plan_nodes()
     }
 
     /// The plan the returned agents run: the newest generation any of them runs that the

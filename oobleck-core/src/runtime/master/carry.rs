@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
+mod replicate;
 mod save;
 
 use super::agents::AgentSet;
@@ -60,6 +61,8 @@ pub(super) struct Driver<'a> {
     /// The last step's metrics, written once its validation loss is in.
     final_metrics: Option<StepMetrics>,
     finished: Option<Finished>,
+    /// The standbys' copies of the run directory (`replicate.rs`).
+    mirrors: replicate::Mirrors,
 }
 
 impl<'a> Driver<'a> {
@@ -76,6 +79,7 @@ impl<'a> Driver<'a> {
             commit_ns: 0,
             final_metrics: None,
             finished: None,
+            mirrors: Default::default(),
         }
     }
 
@@ -116,6 +120,7 @@ impl<'a> Driver<'a> {
             if let Some(done) = self.finished.take() {
                 return self.finish(done).await;
             }
+            self.replicate(false).await;
             for (which, status) in self.p.agents.exited()? {
                 self.feed(Input::AgentExited { which, status });
             }
@@ -348,8 +353,10 @@ impl<'a> Driver<'a> {
     /// Tells every rank to apply the step, and records it.
     async fn commit(&mut self, m: StepMetrics, eval_due: bool, last: bool) -> Result<()> {
         let started = Instant::now();
-        // On disk before any agent hears of it: a restarted master knows every step applied.
+        // On disk, here and at every standby, before any agent hears of it: a restarted
+        // master knows every step applied.
         self.p.files.record_commit(&m)?;
+        self.replicate(true).await;
         let missed = self
             .p
             .master

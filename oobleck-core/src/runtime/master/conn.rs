@@ -27,7 +27,7 @@ use crate::runtime::wire::records::WorkerReport;
 use crate::runtime::wire::{WireError, WireResult};
 
 /// Messages queued per connection before [`super::Master::send_to`] waits.
-const OUTBOX: usize = 64;
+pub(super) const OUTBOX: usize = 64;
 
 /// A message queued for one peer, with an optional notice once it is on the wire (so shutdown
 /// can wait for its last words to leave before closing the sockets).
@@ -70,6 +70,9 @@ pub(super) struct Shared {
     pub(super) released: Mutex<std::collections::BTreeSet<u32>>,
     pub(super) live: watch::Sender<usize>,
     pub(super) events: mpsc::UnboundedSender<MasterEvent>,
+    /// The standby masters connected, by the id this master gave each (`standbys.rs`).
+    pub(super) standbys: Mutex<BTreeMap<u64, super::standbys::StandbyEntry>>,
+    pub(super) next_standby: AtomicU64,
     /// Handshakes in progress (the oldest is cut for a newcomer when they fill the bound).
     pub(super) pending: Pending,
     /// Refused peers, logged one line per address and reason per interval.
@@ -87,6 +90,8 @@ impl Shared {
             job: Mutex::new(JobState::default()),
             next_node: AtomicU32::new(first_node),
             returning: Mutex::new(returning),
+            standbys: Mutex::new(BTreeMap::new()),
+            next_standby: AtomicU64::new(1),
             refused: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             released: Mutex::new(Default::default()),
@@ -231,6 +236,8 @@ struct Admitted {
     devices: u32,
     /// A returning agent given its old id back, and what it holds.
     back: Option<Return>,
+    /// A standby master, and where it takes over.
+    standby: Option<String>,
 }
 
 /// Runs the handshake. `Err(reason)` means refuse with that reason; `Ok(None)` means the peer
@@ -261,6 +268,10 @@ async fn handshake(
             "binary version {binary_version} differs from the master's {BINARY_VERSION}"
         ));
     }
+    let standby = match &role {
+        PeerRole::Standby { listen } => Some(listen.clone()),
+        _ => None,
+    };
     let (node, devices, back) = match role {
         PeerRole::Agent { devices: 0 } => {
             return Err("an agent must offer at least one device".into())
@@ -275,7 +286,14 @@ async fn handshake(
         }
         PeerRole::Returning(r) => (Some(shared.new_node()), r.devices, None),
         PeerRole::Client => (None, 0, None),
+        PeerRole::Standby { ref listen } if listen.parse::<SocketAddr>().is_err() => {
+            return Err(format!(
+                "a standby master must say where it takes over as IP:PORT, not {listen:?}"
+            ))
+        }
+        PeerRole::Standby { .. } => (None, 0, None),
     };
+
     let nonce = auth::nonce();
     let challenge = Message::Challenge {
         node,
@@ -310,6 +328,7 @@ async fn handshake(
         node,
         devices,
         back,
+        standby,
     }))
 }
 
@@ -364,11 +383,12 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
         warn!(%peer, error = %e, "could not welcome peer");
         return;
     }
-    match admitted.node {
-        Some(node) => {
+    match (admitted.node, admitted.standby) {
+        (Some(node), _) => {
             serve_agent(r, w, peer, (node, admitted.devices, admitted.back), shared).await
         }
-        None => serve_client(r, w, peer, shared).await,
+        (None, Some(listen)) => super::standbys::serve_standby(r, w, peer, listen, shared).await,
+        (None, None) => serve_client(r, w, peer, shared).await,
     }
 }
 
@@ -583,7 +603,7 @@ fn drain_refusal(shared: &Shared, node: u32, force: bool) -> Option<String> {
 
 /// Sends queued messages, and a heartbeat whenever the interval passes, so the agent can tell a
 /// dead master from a quiet one.
-async fn write_loop(
+pub(super) async fn write_loop(
     mut w: OwnedWriteHalf,
     mut rx: mpsc::Receiver<Outgoing>,
     node: u32,
@@ -613,7 +633,7 @@ async fn write_loop(
 }
 
 /// Aborts the task when dropped.
-struct AbortOnDrop<T>(JoinHandle<T>);
+pub(super) struct AbortOnDrop<T>(pub(super) JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {

@@ -16,10 +16,13 @@ mod assemble;
 mod carry;
 mod commits;
 mod conn;
+pub mod mirror;
 mod plan;
 mod rundir;
 pub mod server;
 mod signals;
+pub mod standby;
+mod standbys;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -33,6 +36,7 @@ pub use commits::{CommitRecord, COMMIT_FILE};
 pub use plan::{pinned_pipelines, plan_for, planned_profile};
 pub use rundir::truncate_metrics_after;
 pub use server::{Master, MasterConfig, MasterEvent};
+pub use standby::{run_standby, StandbyEnd, StandbyOptions};
 
 use oobleck_comm::{BlobSink, SecretKey};
 

@@ -176,6 +176,20 @@ impl Master {
         self.addr
     }
 
+    pub(super) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// How long silence means a peer is gone.
+    pub fn lease(&self) -> Duration {
+        self.shared.config.lease
+    }
+
+    /// The nodes registered now.
+    pub fn node_ids(&self) -> Vec<u32> {
+        self.shared.nodes().keys().copied().collect()
+    }
+
     /// The next membership event, waiting at most `timeout`.
     pub async fn next_event(&mut self, timeout: Duration) -> WireResult<MasterEvent> {
         match tokio::time::timeout(timeout, self.events.recv()).await {
@@ -368,6 +382,7 @@ impl Master {
             .collect();
         info!(nodes = targets.len(), reason, "master shutting down");
         self.shared.closing.store(true, Ordering::Relaxed);
+        super::standbys::dismiss(&self.shared, reason, deadline).await;
         let mut failed = Vec::new();
         let mut pending = Vec::new();
         for (node, outbox) in targets {

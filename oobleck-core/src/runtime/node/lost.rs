@@ -24,8 +24,9 @@ use crate::runtime::wire::{Token, WireError};
 
 /// How a search for a master ended.
 pub(super) enum Search {
-    /// A master at this address registered this agent (as a new node).
-    Found(Agent, SocketAddr),
+    /// A master at this address (as resolved, and as the agent knew it) registered this agent:
+    /// as a new node, or ([`Agent::adopted`]) as its old one.
+    Found(Agent, SocketAddr, String),
     /// The node was told to leave (SIGTERM, a preemption notice) while it had no master:
     /// there is no one to release it, so it goes at once.
     Left(String),
@@ -68,7 +69,7 @@ impl NodeAgent {
                     let limit = lookup.try_limit(start.elapsed(), CONTROL_TIMEOUT);
                     let back = self.holding(start.elapsed());
                     match reach(&addr, &self.token, back, limit).await {
-                        Reach::Found(conn, at) => return Search::Found(conn, at),
+                        Reach::Found(conn, at) => return Search::Found(conn, at, addr),
                         Reach::Absent => {}
                         Reach::Refused(e) => {
                             return Search::GaveUp(format!(
@@ -167,7 +168,7 @@ impl NodeAgent {
 
     /// A master restarted on the job's run directory gave this agent its old id back: it
     /// keeps its workers, which go on from the committed step they hold.
-    pub(super) fn carry_on(&mut self, conn: Agent, at: SocketAddr) {
+    pub(super) fn carry_on(&mut self, conn: Agent, at: SocketAddr, addr: String) {
         eprintln!(
             "oobleck agent: node {}: the master at {at} re-adopts this node and its {} \
              worker(s) at committed step {}",
@@ -177,6 +178,8 @@ impl NodeAgent {
         );
         self.conn = conn;
         self.master = at;
+        // Its master from now on; the standbys it names come next.
+        self.masters = vec![addr];
         // The time without a master is no worker's hang: the watches start over.
         let devices: Vec<u32> = self.watch.keys().copied().collect();
         self.rewatch(devices.into_iter());
@@ -185,7 +188,7 @@ impl NodeAgent {
     /// A master found after a loss takes this agent as a new node: the lost master's workers
     /// go (a master that is not the lost one restarted on its run directory cannot adopt
     /// them), and the agent starts over with `conn`.
-    pub(super) async fn start_over(&mut self, conn: Agent, at: SocketAddr) {
+    pub(super) async fn start_over(&mut self, conn: Agent, at: SocketAddr, addr: String) {
         eprintln!(
             "oobleck agent: node {}: found a master at {at}; it takes this agent as node {} \
              (the lost master's workers are stopped: this master does not re-adopt them)",
@@ -196,6 +199,7 @@ impl NodeAgent {
         self.node = conn.node();
         self.conn = conn;
         self.master = at;
+        self.masters = vec![addr];
         self.job = None;
         self.generation = 0;
         self.committed = 0;

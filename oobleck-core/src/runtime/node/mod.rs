@@ -274,8 +274,8 @@ enum Served {
 struct NodeAgent {
     /// The master's control address: its host also takes the workers' state uploads.
     master: SocketAddr,
-    /// Where to look for a master after losing one, the one it was given first (standby
-    /// masters will follow it).
+    /// Where to look for a master after losing one: the one it was given first, then the
+    /// standby masters the master named (`Message::Standbys`).
     masters: Vec<String>,
     token: Token,
     /// How long to look for a master after losing one (`--master-wait`).
@@ -326,8 +326,8 @@ impl NodeAgent {
                 Served::MasterLost(why) => why,
             };
             match self.outlive_master(&why, local_rx).await {
-                Search::Found(conn, at) if conn.adopted() => self.carry_on(conn, at),
-                Search::Found(conn, at) => self.start_over(conn, at).await,
+                Search::Found(conn, at, addr) if conn.adopted() => self.carry_on(conn, at, addr),
+                Search::Found(conn, at, addr) => self.start_over(conn, at, addr).await,
                 Search::Left(reason) => {
                     eprintln!(
                         "oobleck agent: node {} leaves ({reason}) while it has no master: \
@@ -523,6 +523,11 @@ impl NodeAgent {
                 self.on_abort(generation).await
             }
             Message::KillNode { node } if node == self.node => return Err(self.on_kill()),
+            Message::Standbys { addrs } => {
+                // Where to look after the master, in order, once it is lost.
+                self.masters.truncate(1);
+                self.masters.extend(addrs);
+            }
             Message::Shutdown { reason } => {
                 tracing::info!(node = self.node, %reason, "shutdown");
                 return Ok(Flow::Shutdown);

@@ -63,6 +63,9 @@ pub enum PeerRole {
     Returning(Return),
     /// A tool (`oobleck status`, `oobleck kill-node`): authenticated, but not a member.
     Client,
+    /// A standby master: it keeps a copy of the run directory, and takes over at `listen`
+    /// (where the agents will look for it) when the master is lost.
+    Standby { listen: String },
 }
 
 /// What a returning agent holds: who it was and what its workers have.
@@ -273,8 +276,27 @@ pub enum Message {
     /// Master -> agents: generation `generation` failed; its workers stop their step at once
     /// (keeping the committed state) and wait for the next generation.
     AbortGeneration { generation: u64 },
-    /// Master -> agent: kill your workers and exit.
+    /// Master -> agent: kill your workers and exit. Master -> standby: the job is over.
     Shutdown { reason: String },
+    /// Master -> standby: bytes of a file of the run directory (`path`, relative), to write at
+    /// `offset` (`truncate`: the file is rewritten from there: anything after goes). `seq`
+    /// numbers the records of one connection from 1.
+    Mirror {
+        seq: u64,
+        path: String,
+        offset: u64,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        truncate: bool,
+        /// The bytes, in hex.
+        hex: String,
+    },
+    /// Standby -> master: every record up to `seq` is on its disk.
+    Mirrored { seq: u64 },
+    /// Standby -> master, every heartbeat interval.
+    StandbyBeat { seq: u64 },
+    /// Master -> agents: where the standby masters take over, in the order to try them after
+    /// the master's own address.
+    Standbys { addrs: Vec<String> },
     /// Client or agent -> master: `node` will go away; it leaves at the next step boundary
     /// with no step lost (`reason`: who asked, e.g. "SIGTERM" or a preemption notice).
     /// `force` accepts a drain that leaves too few nodes for a pipeline (the job then goes
@@ -307,6 +329,10 @@ impl Message {
             Message::AbortGeneration { .. } => "abort_generation",
             Message::Shutdown { .. } => "shutdown",
             Message::Drain { .. } => "drain",
+            Message::Mirror { .. } => "mirror",
+            Message::Mirrored { .. } => "mirrored",
+            Message::StandbyBeat { .. } => "standby_beat",
+            Message::Standbys { .. } => "standbys",
         }
     }
 }

@@ -150,11 +150,13 @@ fn what_cannot_be_counted_on_is_held_by_nobody() {
 
 #[test]
 fn an_agent_that_comes_back_after_the_re_adoption_is_released() {
-    let mut h = reattaching(spec(2, 0, 50), vec![plan(&[&[0, 1]])], 4);
-    h.at(0.1, back(0, 0, 4, &[0]));
-    h.ticks(0.2, 8.2);
-    let a = h.at(8.5, back(1, 0, 4, &[1]));
-    assert!(has(&a, "release:1"), "{:?}", kinds(&a));
+    let mut h = reattaching(spec(3, 1, 50), vec![gen3()], 4);
+    h.at(0.1, back(0, 3, 4, &[0]));
+    h.at(0.2, back(1, 3, 4, &[1]));
+    let a = h.ticks(0.3, 8.3);
+    assert!(has(&a, "abort:3"), "{:?}", kinds(&a));
+    let a = h.at(8.5, back(2, 3, 4, &[2]));
+    assert!(has(&a, "release:2"), "{:?}", kinds(&a));
 }
 
 #[test]
@@ -171,6 +173,30 @@ fn no_agent_back_within_the_join_limit_fails_the_job_and_says_what_to_do() {
         })
         .expect("the job fails");
     assert!(e.contains("--reattach") && e.contains("--resume"), "{e}");
+}
+
+#[test]
+fn a_minority_back_re_adopts_nothing_however_long_it_waits() {
+    let mut h = reattaching(spec(3, 1, 50), vec![gen3()], 5);
+    h.at(1.0, back(0, 3, 5, &[0]));
+    let a = h.ticks(1.1, 59.9);
+    assert!(
+        !has(&a, "abort:3"),
+        "a minority re-adopted: {:?}",
+        kinds(&a)
+    );
+    let a = h.ticks(60.0, 60.1);
+    let e = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Fail(e) => Some(e.to_string()),
+            _ => None,
+        })
+        .expect("the job fails");
+    assert!(
+        e.contains("only 1 of the 3 nodes came back, no majority"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -1,0 +1,99 @@
+//! The master's loop keeps its standbys' copies of the run directory up to date
+//! ([`super::super::mirror`]) and tells the agents where the standbys are. At a commit, the
+//! logs and the commit record go first and every standby must have them on its disk before
+//! any agent hears of the step: a standby's copy is complete up to the last committed step.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use super::Driver;
+use crate::runtime::master::mirror::{self, Mirror};
+use crate::runtime::wire::Message;
+
+/// Bytes of checkpoint files sent to each standby per turn of the loop (about 20 turns a
+/// second): checkpoints stream at up to ~40 MB/s without holding the loop up for long.
+const BUDGET: u64 = 2 << 20;
+/// The least time between two looks at the run directory outside commits.
+const EVERY: Duration = Duration::from_millis(100);
+
+/// What the loop knows of its standbys.
+#[derive(Default)]
+pub(in crate::runtime::master) struct Mirrors {
+    /// What each standby (by its id) has been sent.
+    sent: BTreeMap<u64, Mirror>,
+    /// The standbys' addresses and the nodes last told them.
+    told: (Vec<String>, BTreeSet<u32>),
+    last: Option<Instant>,
+}
+
+impl Driver<'_> {
+    /// Brings every standby's copy up to date. At a `commit`, only the logs and records are
+    /// sent, and each standby must acknowledge them within a lease or it is dropped.
+    pub(in crate::runtime::master) async fn replicate(&mut self, commit: bool) {
+        let standbys = self.p.master.standbys();
+        let ids: BTreeSet<u64> = standbys.iter().map(|s| s.0).collect();
+        self.mirrors.sent.retain(|id, _| ids.contains(id));
+        self.tell_agents(&standbys).await;
+        let due = self.mirrors.last.is_none_or(|t| t.elapsed() >= EVERY);
+        if standbys.is_empty() || !(commit || due) {
+            return;
+        }
+        self.mirrors.last = Some(Instant::now());
+        let files = mirror::files(&self.p.out);
+        let budget = if commit { 0 } else { BUDGET };
+        let lease = self.p.master.lease();
+        for (id, listen) in standbys {
+            let m = self.mirrors.sent.entry(id).or_default();
+            let records = match m.records(&self.p.out, &files, budget) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the run directory for a standby");
+                    continue;
+                }
+            };
+            let seq = m.seq;
+            let sent = self.p.master.send_standby(id, records, lease).await;
+            let done = match sent {
+                Ok(()) if commit => self.acknowledged(id, seq, lease).await,
+                other => other,
+            };
+            if let Err(why) = done {
+                self.p.master.drop_standby(id);
+                self.mirrors.sent.remove(&id);
+                self.p.observer.note(&format!(
+                    "standby master {listen} dropped: {why}; the job goes on without it"
+                ));
+            }
+        }
+    }
+
+    /// Waits until standby `id` has record `seq` on its disk, at most `limit`.
+    async fn acknowledged(&self, id: u64, seq: u64, limit: Duration) -> Result<(), String> {
+        let start = Instant::now();
+        loop {
+            match self.p.master.standby_acked(id) {
+                None => return Err("it is gone".into()),
+                Some(a) if a >= seq => return Ok(()),
+                Some(_) if start.elapsed() >= limit => {
+                    return Err(format!("it did not write the commit within {limit:?}"))
+                }
+                Some(_) => tokio::time::sleep(Duration::from_micros(200)).await,
+            }
+        }
+    }
+
+    /// Tells every agent where the standbys take over, when that or the agents changed.
+    async fn tell_agents(&mut self, standbys: &[(u64, String)]) {
+        let addrs: Vec<String> = standbys.iter().map(|s| s.1.clone()).collect();
+        let nodes: BTreeSet<u32> = self.p.master.node_ids().into_iter().collect();
+        if (&addrs, &nodes) == (&self.mirrors.told.0, &self.mirrors.told.1) {
+            return;
+        }
+        let msg = Message::Standbys {
+            addrs: addrs.clone(),
+        };
+        // A node that misses it hears it again when the membership changes next.
+        let _ = self.p.master.broadcast(&msg).await;
+        self.mirrors.told = (addrs, nodes);
+    }
+}
