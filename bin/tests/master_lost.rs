@@ -331,6 +331,68 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     assert_no_segments(&out);
 }
 
+#[test]
+fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_gone() {
+    const STEPS: u64 = 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let out = dir.path().join("run");
+    let copy = dir.path().join("run.standby-0");
+    let extra = [
+        "--nodes",
+        "2",
+        "--master-wait",
+        "60",
+        "--standby-masters",
+        "1",
+    ];
+    let mut cmd = train_cmd(&out, STEPS, &extra);
+    cmd.env("OOBLECK_TEST_SLOW", "0:100");
+    let mut first = cmd.spawn().expect("start train");
+    let (log, reader) = drain_stderr(&mut first);
+    let mut guard = Guard(Some(first));
+    wait_for_step(&out, 4, Duration::from_secs(180));
+    let mut pids = recorded_pids(&out, 4);
+    let standby: u32 = {
+        let text = log.lock().expect("log").clone();
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("standby master 0: pid "))
+            .unwrap_or_else(|| panic!("no standby said where it is:\n{text}"))
+            .to_string();
+        line.split(',').next().expect("pid").parse().expect("a pid")
+    };
+    pids.push(standby);
+    let _strays = Strays(pids.clone());
+    // The master's machine goes, and its disk with it.
+    let mut master = guard.0.take().expect("train");
+    master.kill().expect("SIGKILL the master");
+    master.wait().expect("reap the master");
+    std::fs::remove_dir_all(&out).expect("delete the run directory");
+
+    // The standby takes over from its copy and finishes the job there.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while alive(standby) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = log.lock().expect("log").clone();
+    assert!(!alive(standby), "the standby still runs:\n{text}");
+    assert!(text.contains("taking over at"), "{text}");
+    assert!(text.contains(&format!("done: {STEPS} steps")), "{text}");
+    assert_same_training(&copy, &want, &want_params);
+    assert_eq!(events_of(&copy, "reattach").len(), 1);
+    let last = reconfig_events(&copy).pop().expect("a reconfiguration");
+    assert_eq!(last["in_place"], true, "{last}");
+    assert_eq!(last["replayed_steps"], 0, "{last}");
+    let stop = Instant::now() + STOP_BOUND;
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < stop {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    reader.join().expect("stderr reader");
+}
+
 /// `train --resume RUN --reattach EXTRA`: refused, with its message.
 fn reattach_refused(run: &Path, extra: &[&str]) -> String {
     let o = reattach_cmd(run).args(extra).output().expect("run train");

@@ -85,7 +85,9 @@ pub fn run(
             cfg.nodes
         );
     }
-    if cfg.standby_masters > 0 && !matches!(launch, LaunchMode::Local) {
+    // A master restarted with --reattach (a standby that took over, say) starts none.
+    let restarted = matches!(launch, LaunchMode::Reattach { .. });
+    if cfg.standby_masters > 0 && !matches!(launch, LaunchMode::Local) && !restarted {
         bail!(
             "--standby-masters starts standbys on this machine, for a local job (--nodes); on \
              several machines run `train standby --master ADDR --copy DIR --listen IP:PORT` on \
