@@ -272,3 +272,54 @@ impl Watch {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::child::{Reaper, TrainProcess};
+
+    /// Whether `pid` is gone from group `pgid` within 10 s.
+    fn gone(pid: u32, pgid: u32) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive_in_group(pid, pgid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        !alive_in_group(pid, pgid)
+    }
+
+    /// As with `train` and its agents: the leader SIGKILLed alone leaves its child running in
+    /// the group, which the bench then holds, and kills on drop.
+    #[test]
+    fn the_masters_kill_leaves_its_group_running_until_the_group_is_dropped() {
+        use std::os::unix::process::ExitStatusExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("child.pid");
+        let script = format!("sleep 30 & echo $! > {}; wait", pidfile.display());
+        let args = vec!["-c".to_string(), script];
+        let log = dir.path().join("sh");
+        let sh = TrainProcess::spawn(&Reaper::default(), Path::new("/bin/sh"), &args, &log);
+        let sh = sh.unwrap();
+        let leader = sh.pid();
+        let mut child: Option<u32> = None;
+        let (exit, group) = sh
+            .wait_leaving_with(Duration::from_secs(20), || {
+                let read = std::fs::read_to_string(&pidfile).unwrap_or_default();
+                if child.is_none() && read.ends_with('\n') {
+                    child = read.trim().parse().ok();
+                    let kill = Command::new("kill")
+                        .args(["-KILL", &leader.to_string()])
+                        .status();
+                    assert!(kill.unwrap().success());
+                }
+            })
+            .unwrap();
+        assert_eq!(exit.status.signal(), Some(9));
+        let child = child.expect("the child's pid");
+        assert!(
+            alive_in_group(child, leader),
+            "the leader's kill took its child"
+        );
+        drop(group);
+        assert!(gone(child, leader), "the dropped group's child still runs");
+    }
+}
