@@ -60,8 +60,8 @@ pub struct MasterPlan {
 
 impl MasterPlan {
     /// `None` with `--no-master`. By default after 5/8 of the steps (step 75 of the default
-    /// 120): after the in-place run's failures at 60 and the hang at 60, between checkpoints
-    /// (40 and 80), where a checkpoint restart would compute 35 steps again.
+    /// 120): after the in-place run's first failure and the hang (both at 60), between two
+    /// checkpoints (40 and 80), where a checkpoint restart would compute 35 steps again.
     pub fn new(a: &BenchRecoveryArgs) -> Result<Option<MasterPlan>> {
         if a.no_master {
             return Ok(None);

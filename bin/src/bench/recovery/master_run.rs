@@ -101,7 +101,9 @@ impl Bench<'_> {
     }
 
     /// After the kill at `t0`: the lost master's agents still there, the restarted master to
-    /// its exit, and the lost master's group gone. Its segment, and what went wrong.
+    /// its exit, and the lost master's group gone. Its segment, and what went wrong. The
+    /// restarted master gets `--resume RUN --reattach` only: it reads the job's flags from
+    /// the run (its `config.json`).
     fn reattach(
         &self,
         dir: &Path,
