@@ -3,10 +3,12 @@
 //!
 //! Each `train` starts in a process group of its own (`process_group(0)`), which its agents and
 //! their workers inherit: one `kill -KILL -- -PGID` ends the whole local cluster, whatever the
-//! master was doing. Every wait has a deadline; a child that is dropped before it was waited
-//! for (an error, a panic, a timeout) has its group killed and is reaped, and Ctrl-C / SIGTERM
-//! of the bench kill every group still running before the bench exits. Being in their own
-//! groups, the children do not see the terminal's Ctrl-C themselves, hence the signal thread.
+//! master was doing; a run that kills the master alone (`bench recovery`'s master run) takes
+//! the group over instead ([`TrainProcess::wait_leaving_with`]). Every wait has a deadline; a
+//! child that is dropped before it was waited for (an error, a panic, a timeout) has its group
+//! killed and is reaped, and Ctrl-C / SIGTERM of the bench kill every group still running
+//! before the bench exits. Being in their own groups, the children do not see the terminal's
+//! Ctrl-C themselves, hence the signal thread.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -224,14 +226,29 @@ impl TrainProcess {
 
     /// Waits for the exit of a tool that leaves a process behind in its group (the agent of
     /// `oobleck add-node`): the group is not killed but handed over, still registered.
-    pub fn wait_leaving(mut self, timeout: Duration) -> Result<(Exit, Group)> {
-        let exit = self.wait_exit(timeout, &mut || {})?;
+    pub fn wait_leaving(self, timeout: Duration) -> Result<(Exit, Group)> {
+        self.wait_leaving_with(timeout, || {})
+    }
+
+    /// [`wait_leaving`](Self::wait_leaving), calling `tick` at every look at the child (the
+    /// master run SIGKILLs the master from there, and its agents live on in the group).
+    pub fn wait_leaving_with(
+        mut self,
+        timeout: Duration,
+        mut tick: impl FnMut(),
+    ) -> Result<(Exit, Group)> {
+        let exit = self.wait_exit(timeout, &mut tick)?;
         let group = Group {
             pgid: self.pgid,
             reaper: self.reaper.clone(),
             done: false,
         };
         Ok((exit, group))
+    }
+
+    /// The process's id, which is also its group's.
+    pub fn pid(&self) -> u32 {
+        self.pgid
     }
 
     fn wait_exit(&mut self, timeout: Duration, tick: &mut dyn FnMut()) -> Result<Exit> {
@@ -311,11 +328,11 @@ pub struct Group {
 }
 
 impl Group {
-    /// Waits at most `timeout` for `pid` of this group to be gone; past it the group is
-    /// killed. The seconds it took, or `None` if it had to be killed.
-    pub fn wait_gone(&mut self, pid: u32, timeout: Duration) -> Option<f64> {
+    /// Waits at most `timeout` for every one of `pids` of this group to be gone; past it the
+    /// group is killed. The seconds it took, or `None` if it had to be killed.
+    pub fn wait_gone(&mut self, pids: &[u32], timeout: Duration) -> Option<f64> {
         let t0 = Instant::now();
-        while alive_in_group(pid, self.pgid) {
+        while pids.iter().any(|&pid| alive_in_group(pid, self.pgid)) {
             if t0.elapsed() >= timeout {
                 self.kill();
                 return None;

@@ -5,28 +5,8 @@ use std::fmt::Write;
 
 use super::hang::{Hang, COST_PCT, DETECT_FLOOR_S, DETECT_STEPS, POLL_MS, RECENT_STEPS};
 use super::summary::RunKind;
-use super::table::{bound, num, opt, verdict};
+use super::table::{num, opt, row, row_as};
 use super::Report;
-
-/// One row: the quantity, its value, and the check of that name if there is one (its bound
-/// as the target, unless `target` says it in words).
-fn row(out: &mut String, r: &Report, label: &str, value: String, check: Option<&str>) {
-    row_as(out, r, label, value, check, None);
-}
-
-fn row_as(
-    out: &mut String,
-    r: &Report,
-    label: &str,
-    value: String,
-    check: Option<&str>,
-    target: Option<&str>,
-) {
-    let c = check.and_then(|name| r.checks.iter().find(|c| c.name == name));
-    let (bound, v) = c.map_or((String::new(), ""), |c| (bound(c), verdict(c)));
-    let target = target.map_or(bound, str::to_string);
-    let _ = writeln!(out, "| {label} | {value} | {target} | {v} |");
-}
 
 /// The table and its notes.
 pub fn render(r: &Report, h: &Hang) -> String {
@@ -255,6 +235,7 @@ mod tests {
             runs: vec![ff, ip, rs, hs],
             membership: None,
             hang: Some(h),
+            master: None,
             commands: vec![],
         };
         let text = table::render(&report);

@@ -152,7 +152,7 @@ impl Driver<'_> {
     /// After `train` exited: the added agent must exit too; and every act must have been sent.
     fn finish(mut self) -> (Outcome, Vec<String>) {
         if let (Some(group), Some(pid)) = (self.agent.as_mut(), self.outcome.agent_pid) {
-            self.outcome.agent_exit_s = group.wait_gone(pid, AGENT_EXIT);
+            self.outcome.agent_exit_s = group.wait_gone(&[pid], AGENT_EXIT);
             if self.outcome.agent_exit_s.is_none() {
                 self.problems.push(format!(
                     "the agent oobleck add-node started (pid {pid}) was still running {} s \

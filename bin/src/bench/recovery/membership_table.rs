@@ -256,6 +256,7 @@ mod tests {
             runs: vec![ff, ip, rs, mb],
             membership: Some(m),
             hang: None,
+            master: None,
             checks,
             commands: vec![],
         };

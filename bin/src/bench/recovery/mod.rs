@@ -1,4 +1,5 @@
-//! `oobleck bench recovery`: the same training job three ways, side by side in one run.
+//! `oobleck bench recovery`: the same training job three ways, side by side in one run, and
+//! three more runs of it that each time one kind of disruption.
 //!
 //! 1. **fault-free**: no failure;
 //! 2. **in place**: `--inject-failure` every `--fail-every` steps, a different node each time,
@@ -17,6 +18,14 @@
 //!    times its detection by the watchdog and the next commit; beside it, the watchdog's cost
 //!    per step (its marks and beats, timed in this process). Targets: detected within
 //!    max(3 x the median step, 2 s), no step replayed, a cost under 0.5 % of a step (`hang`).
+//! 6. **master restart** (skipped with `--no-master`): no failure; the bench SIGKILLs the
+//!    master (`train` itself, not its agents) once `--master-kill-after-step` committed
+//!    (default: 5/8 of the steps) and starts `train --resume RUN --reattach` at once, which
+//!    takes the agents and their workers back and goes on in place; beside it, the commit
+//!    record's write (`committed.json`, before every commit), timed in this process. Targets:
+//!    next commit within the master's 3 s lease + a step + the bench's gap, every agent back,
+//!    no step replayed, no checkpoint loaded, every step once, the record under 1 % of a step
+//!    (`master`).
 //!
 //! ```text
 //!  FailurePlan (pure) ─► train (fault-free) ─┐
@@ -24,12 +33,15 @@
 //!                     ─► train ─► train --resume ─► ... (checkpoint restart)
 //!  MembershipPlan ─────► train + oobleck drain + oobleck add-node ─┤ (drain + join)
 //!  HangPlan ───────────► train + SIGSTOP of a worker ──────────────┤ (hang)
-//!  watchdog_cost ──────► Progress marks and beats, timed here ─────┘
+//!  watchdog_cost ──────► Progress marks and beats, timed here ─────┤
+//!  MasterPlan ─────────► train, SIGKILL of it ─► train --reattach ─┤ (master restart)
+//!  commit_cost ────────► CommitRecord::write, timed here ──────────┘
 //! ```
 //!
 //! Each run is the `train` binary beside this one, as child processes in a scratch directory
 //! (`child`): its own process group, every wait bounded by `--timeout-s`, killed on drop and on
-//! Ctrl-C. The numbers come from each run directory's `events.jsonl` and `metrics.jsonl`
+//! Ctrl-C (the master run's first `train` leaves its group, its agents, to the restarted
+//! master, and the bench kills it once that exits, `master_run`). The numbers come from each run directory's `events.jsonl` and `metrics.jsonl`
 //! (`records`), wall times from the bench's own clock around each process (so they include
 //! process start, model build, checkpoint load and the final checkpoint).
 //!
@@ -46,9 +58,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
+mod commit_cost;
 mod hang;
 mod hang_run;
 mod hang_table;
+mod master;
+mod master_run;
+mod master_table;
 mod membership;
 mod membership_run;
 mod membership_table;
@@ -58,9 +74,11 @@ mod summary;
 mod table;
 mod watchdog_cost;
 
-use crate::bench::child::{binary, tail, Reaper, Scratch, TrainProcess};
+use crate::bench::child::{binary, tail, Exit, Reaper, Scratch, TrainProcess};
 use hang::{hang_checks, Hang, HangPlan, MarkCosts};
 use hang_run::HangInput;
+use master::{master_checks, MasterPlan, MasterRestart};
+use master_run::MasterInput;
 use membership::{membership_checks, Membership, MembershipPlan};
 use plan::restart_shapes;
 pub use plan::FailurePlan;
@@ -126,6 +144,15 @@ pub struct BenchRecoveryArgs {
     /// half of --steps].
     #[arg(long)]
     pub hang_after_step: Option<u64>,
+    /// Skip the master run (another run of the job: its master SIGKILLed and restarted with
+    /// `--reattach`).
+    #[arg(long)]
+    pub no_master: bool,
+    /// The master run SIGKILLs `train` (the master only) once this step committed [default:
+    /// 5/8 of --steps, after the in-place run's first failure and the hang, between two
+    /// checkpoints].
+    #[arg(long)]
+    pub master_kill_after_step: Option<u64>,
     /// The `train` binary [default: the one beside this `oobleck`].
     #[arg(long)]
     pub train_bin: Option<PathBuf>,
@@ -164,6 +191,9 @@ pub struct Report {
     /// The hang run's stop, detection, recovery and the watchdog's cost (absent with
     /// `--no-hang`).
     pub hang: Option<Hang>,
+    /// The master run's kill, take-over and the commit record's cost (absent with
+    /// `--no-master`).
+    pub master: Option<MasterRestart>,
     pub checks: Vec<Check>,
     /// The `train` command lines of each run, in order.
     pub commands: Vec<String>,
@@ -180,6 +210,7 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
     let plan = FailurePlan::new(a)?;
     let members = MembershipPlan::new(a)?;
     let hang = HangPlan::new(a)?;
+    let master = MasterPlan::new(a)?;
     let bench = Bench {
         a,
         bin: binary("train", a.train_bin.as_deref())?,
@@ -192,7 +223,7 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
         commands: Default::default(),
     };
     let t0 = Instant::now();
-    let (report, shares) = bench.all(&plan, members, hang)?;
+    let (report, shares) = bench.all(&plan, members, hang, master)?;
     println!("{}", table::render(&report));
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&report)?;
@@ -248,6 +279,7 @@ impl Bench<'_> {
         plan: &FailurePlan,
         members: Option<MembershipPlan>,
         hang: Option<HangPlan>,
+        master: Option<MasterPlan>,
     ) -> Result<(Report, Shares)> {
         // Timed first, while no train runs beside it.
         let costs = hang
@@ -270,7 +302,14 @@ impl Bench<'_> {
             shares.push(("hang", "--no-hang", t.elapsed().as_secs_f64()));
             (h, input, costs)
         });
-        Ok((self.report(plan, [ff, ip, rs], mb, hg), shares))
+        let ms = master.map(|m| {
+            let t = Instant::now();
+            let input = self.master(plan, &m);
+            shares.push(("master", "--no-master", t.elapsed().as_secs_f64()));
+            (m, input)
+        });
+        let report = self.report(plan, [ff, ip, rs], mb, hg, ms);
+        Ok((report, shares))
     }
 
     /// The flags of one `train`.
@@ -318,6 +357,21 @@ impl Bench<'_> {
         gap_s: f64,
         tick: &mut dyn FnMut(),
     ) -> Result<(Segment, Option<String>)> {
+        self.segment_as(dir, args, log, gap_s, &mut |child, timeout| {
+            child.wait_with(timeout, &mut *tick)
+        })
+    }
+
+    /// [`segment`](Self::segment), `wait` waiting for the child's exit (within the timeout it
+    /// is given) in its own way.
+    fn segment_as(
+        &self,
+        dir: &Path,
+        args: &[String],
+        log: &str,
+        gap_s: f64,
+        wait: &mut dyn FnMut(TrainProcess, Duration) -> Result<Exit>,
+    ) -> Result<(Segment, Option<String>)> {
         let events_path = dir.join("events.jsonl");
         let offset = std::fs::metadata(&events_path).map_or(0, |m| m.len() as usize);
         let cmd = format!("{} {}", self.bin.display(), args.join(" "));
@@ -327,7 +381,7 @@ impl Bench<'_> {
         let load_1m = load_average();
         let child = TrainProcess::spawn(&self.reaper, &self.bin, args, &log)?;
         let timeout = Duration::from_secs(self.a.timeout_s);
-        let (wall_s, problem, how) = match child.wait_with(timeout, tick) {
+        let (wall_s, problem, how) = match wait(child, timeout) {
             Ok(exit) if exit.status.success() => (exit.wall_s, None, "finished".to_string()),
             Ok(exit) => {
                 let err = tail(&log.with_extension("stderr"), 3).replace('\n', " / ");
@@ -456,6 +510,7 @@ impl Bench<'_> {
         inputs: [RunInput; 3],
         members: Option<(MembershipPlan, RunInput, membership::Outcome)>,
         hang: Option<(HangPlan, HangInput, MarkCosts)>,
+        master: Option<(MasterPlan, MasterInput)>,
     ) -> Report {
         let a = self.a;
         let job = Job {
@@ -477,13 +532,25 @@ impl Bench<'_> {
             runs.push(s);
             x
         });
+        let master = master.map(|(m, input)| {
+            let s = summarize(&input.run, &job);
+            let shape = (plan.pins.iter().sum(), a.steps);
+            let (o, rec) = (input.observed, input.record);
+            let x = MasterRestart::new(&m, o, rec, &input.run, &s, shape, step_s);
+            runs.push(s);
+            x
+        });
         compare(&mut runs);
         let mut checks = checks(&runs[0], &runs[1]);
-        if let (Some(m), Some(s)) = (&membership, runs.get(3)) {
+        let run_of = |k: RunKind| runs.iter().find(|s| s.kind == k);
+        if let (Some(m), Some(s)) = (&membership, run_of(RunKind::Membership)) {
             checks.extend(membership_checks(&runs[0], s, m));
         }
-        if let (Some(h), Some(s)) = (&hang, runs.last()) {
+        if let (Some(h), Some(s)) = (&hang, run_of(RunKind::Hang)) {
             checks.extend(hang_checks(s, h));
+        }
+        if let (Some(m), Some(s)) = (&master, run_of(RunKind::Master)) {
+            checks.extend(master_checks(s, m));
         }
         let kills: Vec<String> = plan
             .failures
@@ -506,6 +573,7 @@ impl Bench<'_> {
             runs,
             membership,
             hang,
+            master,
             checks,
             commands: self.commands.borrow().clone(),
         }

@@ -18,6 +18,8 @@ pub enum RunKind {
     Membership,
     /// One worker stopped with SIGSTOP mid-step, no other failure.
     Hang,
+    /// The master SIGKILLed and restarted with `--reattach`, no other failure.
+    Master,
 }
 
 impl RunKind {
@@ -28,6 +30,7 @@ impl RunKind {
             RunKind::CheckpointRestart => "checkpoint restart",
             RunKind::Membership => "drain + join",
             RunKind::Hang => "hang",
+            RunKind::Master => "master restart",
         }
     }
 }

@@ -46,6 +46,27 @@ pub(super) fn bound(c: &Check) -> String {
     )
 }
 
+/// One row of a run's own table (the hang's, the master's): the quantity, its value, and the
+/// check of that name if there is one (its bound as the target, unless `target` says it in
+/// words).
+pub(super) fn row(out: &mut String, r: &Report, label: &str, value: String, check: Option<&str>) {
+    row_as(out, r, label, value, check, None);
+}
+
+pub(super) fn row_as(
+    out: &mut String,
+    r: &Report,
+    label: &str,
+    value: String,
+    check: Option<&str>,
+    target: Option<&str>,
+) {
+    let c = check.and_then(|name| r.checks.iter().find(|c| c.name == name));
+    let (bound, v) = c.map_or((String::new(), ""), |c| (bound(c), verdict(c)));
+    let target = target.map_or(bound, str::to_string);
+    let _ = writeln!(out, "| {label} | {value} | {target} | {v} |");
+}
+
 struct Rows<'a> {
     out: String,
     runs: &'a [RunSummary],
@@ -134,6 +155,7 @@ pub fn render(r: &Report) -> String {
             format!("0 ({} drain, {} join)", d.count(), j.count())
         }
         RunKind::Hang => format!("{} (a hung worker)", s.recoveries.len()),
+        RunKind::Master => format!("{} (a restarted master)", s.recoveries.len()),
     });
     t.each("checkpoint stall ms (median / max)", |s| {
         stat(s.checkpoint_stall_ms, 1)
@@ -155,6 +177,10 @@ pub fn render(r: &Report) -> String {
     if let Some(h) = &r.hang {
         out.push('\n');
         out.push_str(&super::hang_table::render(r, h));
+    }
+    if let Some(m) = &r.master {
+        out.push('\n');
+        out.push_str(&super::master_table::render(r, m));
     }
     notes(&mut out, r);
     out

@@ -1,0 +1,442 @@
+//! The master run, its pure part: when the bench kills the master (from the flags), what the
+//! run and the bench saw of its restart (`train --resume RUN --reattach`), what the commit
+//! record costs a step, and the targets.
+//!
+//! **The kill.** One job with no failure (`--master-wait` [`MASTER_WAIT_S`]); once step
+//! `after_step` committed (seen in `metrics.jsonl`) the bench SIGKILLs the `train` process
+//! itself, the master only: its agents and their workers, in its process group, live on and
+//! look for a master. The bench starts `train --resume RUN --reattach` at once; it listens
+//! where the lost master did, takes the agents back (`returned` events), aborts the step in
+//! flight and goes on in place from the step `committed.json` holds (`reattach` event): no
+//! checkpoint loaded, no step replayed, every step once in `metrics.jsonl`.
+//!
+//! **Clocks.** The bench's clock, from just before its `kill -KILL`: the restarted master
+//! spawned (the bench's own gap: the dead master reaped, its files read), its `reattach` event
+//! and the first `metrics.jsonl` line past the recorded step seen (polled every
+//! [`POLL_MS`] ms: late by at most that and the write, never early). The job's own clocks beside
+//! them: each agent's `without_master_s` (its master lost -> back), and the `resumed` event's
+//! `since_failure_s` and phases, from the re-adoption of the agents (the restarted master's
+//! clock).
+//!
+//! **Targets.** (1) SIGKILL -> next commit under `lease + median step + the bench's gap`, the
+//! lease being the master's 3 s ([`LEASE_S`]): an agent of a master that fell silent (not
+//! killed) notices after a lease, and the in-place recovery of a failure is bounded by 1.5 s +
+//! a step (`checks`); a killed master costs its successor's start (process, run directory, a
+//! listening socket), the agents' next try (their pauses grow 0.25 s, 0.5 s, 1 s, 2 s: within
+//! about 1.75 s of the kill they try once more) and the aborted step; the lease covers the
+//! first two, the step the third, and the gap is the bench's, not the job's. (2) Every agent
+//! back, no step replayed, no checkpoint loaded, every step once. (3) Writing the commit record
+//! (`CommitRecord::write`: serialise, write a new file, rename it over), which the master does
+//! before every commit, under [`RECORD_PCT`] % of the fault-free run's median step: issue 36's
+//! bound for the per-step cost of keeping a standby master current, of which this record is
+//! the part that exists.
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+use super::records::Event;
+use super::summary::{check, Check, Recovery, RunInput, RunSummary};
+use super::BenchRecoveryArgs;
+use crate::bench::median;
+
+/// How long the agents wait for a master, s (`--master-wait`, unless `--train-arg` sets it).
+pub const MASTER_WAIT_S: u64 = 60;
+/// The master's lease (`MasterConfig::lease`), s: the allowance for the restart and the
+/// agents' return in the take-over target.
+pub const LEASE_S: f64 = 3.0;
+/// The commit record may cost this share of a step, %.
+pub const RECORD_PCT: f64 = 1.0;
+/// How often the bench looks at the run's files after the kill, ms (its child's poll).
+pub const POLL_MS: u64 = 20;
+
+/// When the bench kills the master (pure, from the flags).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MasterPlan {
+    /// The SIGKILL goes out once this step committed.
+    pub after_step: u64,
+    /// The first `train`'s `--master-wait`, s.
+    pub master_wait_s: u64,
+}
+
+impl MasterPlan {
+    /// `None` with `--no-master`. By default after 5/8 of the steps (step 75 of the default
+    /// 120): after the in-place run's first failure and the hang (both at 60), between two
+    /// checkpoints (40 and 80), where a checkpoint restart would compute 35 steps again.
+    pub fn new(a: &BenchRecoveryArgs) -> Result<Option<MasterPlan>> {
+        if a.no_master {
+            return Ok(None);
+        }
+        let after_step = a.master_kill_after_step.unwrap_or(a.steps * 5 / 8);
+        // A median step before the kill; a commit after the take-over.
+        if after_step < 3 || after_step + 2 > a.steps {
+            bail!(
+                "--master-kill-after-step {after_step}: between 3 and steps - 2 = {} (a median \
+                 step before the kill, a commit after the restart); pass --steps 5 or more, or \
+                 --no-master",
+                a.steps.saturating_sub(2)
+            );
+        }
+        Ok(Some(MasterPlan {
+            after_step,
+            master_wait_s: MASTER_WAIT_S,
+        }))
+    }
+}
+
+/// What the bench saw, on its own clock (seconds from just before `kill -KILL`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Observed {
+    /// The killed `train`'s pid.
+    pub pid: Option<u32>,
+    /// The newest step in `metrics.jsonl` when the SIGKILL went out.
+    pub killed_after: Option<u64>,
+    /// The step `committed.json` held after the kill (the restarted master goes on from it).
+    pub recorded_step: Option<u64>,
+    /// The lost master's agents, and how many of them still ran once it was reaped.
+    pub agents: usize,
+    pub agents_alive: usize,
+    /// -> the restarted master spawned (the bench's gap).
+    pub spawned_s: Option<f64>,
+    /// -> its `reattach` event in `events.jsonl`.
+    pub reattach_s: Option<f64>,
+    /// -> the first line past `recorded_step` in `metrics.jsonl`, and its step.
+    pub next_commit_s: Option<f64>,
+    pub next_commit_step: Option<u64>,
+    /// The restarted master's exit -> every process of the lost master's group gone, s
+    /// (`None`: the bench had to kill them).
+    pub group_gone_s: Option<f64>,
+}
+
+/// `CommitRecord::write` timed in the bench process.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct RecordCost {
+    pub writes: usize,
+    /// Metrics lines in the record, and its size.
+    pub lines: usize,
+    pub bytes: u64,
+    pub median_us: f64,
+    pub p99_us: f64,
+}
+
+impl RecordCost {
+    /// From each write's µs.
+    pub fn of(us: &[f64], lines: usize, bytes: u64) -> RecordCost {
+        let mut sorted = us.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let p99 = (sorted.len() as f64 * 0.99).ceil() as usize;
+        RecordCost {
+            writes: us.len(),
+            lines,
+            bytes,
+            median_us: median(us),
+            p99_us: sorted
+                .get(p99.saturating_sub(1))
+                .copied()
+                .unwrap_or(f64::NAN),
+        }
+    }
+}
+
+/// The master run's numbers, as the report carries them.
+#[derive(Clone, Debug, Serialize)]
+pub struct MasterRestart {
+    pub plan: MasterPlan,
+    pub observed: Observed,
+    /// The `reattach` event's step: the committed step the restarted master found.
+    pub reattach_step: Option<u64>,
+    /// `returned` events, and the nodes of the job (each should come back).
+    pub returned: usize,
+    pub nodes: usize,
+    /// The longest an agent was without a master (the `returned` events), s.
+    pub without_master_s: Option<f64>,
+    /// The recovery in place after the re-adoption (the last `reconfig` and its `resumed`).
+    pub recovery: Option<Recovery>,
+    /// Checkpoints the restarted master loaded: the last `reconfig`'s, and any `resume`.
+    pub checkpoints_loaded: Vec<String>,
+    /// Steps of 1..=steps missing from `metrics.jsonl`, and steps in it more than once.
+    pub missing_steps: Vec<u64>,
+    pub repeated_steps: Vec<u64>,
+    /// The fault-free run's median step, s.
+    pub step_s: Option<f64>,
+    /// `LEASE_S + step_s + the bench's gap`.
+    pub takeover_limit_s: Option<f64>,
+    pub record: Option<RecordCost>,
+    /// The record's median write over `step_s`, %.
+    pub record_pct: Option<f64>,
+}
+
+impl MasterRestart {
+    /// From the run's records (its two segments: the killed master's, the restarted one's),
+    /// what the bench saw, the record's cost, the job's nodes and steps, and the fault-free
+    /// median step `step_s`.
+    pub fn new(
+        plan: &MasterPlan,
+        observed: Observed,
+        record: Option<RecordCost>,
+        run: &RunInput,
+        summary: &RunSummary,
+        (nodes, steps): (usize, u64),
+        step_s: Option<f64>,
+    ) -> MasterRestart {
+        let restarted = run.segments.get(1).map_or(&[][..], |s| &s.events[..]);
+        let reattach_step = restarted.iter().find_map(|e| match e {
+            Event::Reattach(start) => Some(start.step),
+            _ => None,
+        });
+        let back: Vec<f64> = restarted
+            .iter()
+            .filter_map(|e| match e {
+                Event::Returned {
+                    without_master_s, ..
+                } => Some(*without_master_s),
+                _ => None,
+            })
+            .collect();
+        let (missing_steps, repeated_steps) = step_counts(run, steps);
+        MasterRestart {
+            plan: plan.clone(),
+            reattach_step,
+            returned: back.len(),
+            nodes,
+            without_master_s: back.iter().copied().reduce(f64::max),
+            recovery: summary.recoveries.last().cloned(),
+            checkpoints_loaded: checkpoints_loaded(restarted),
+            missing_steps,
+            repeated_steps,
+            step_s,
+            takeover_limit_s: step_s
+                .zip(observed.spawned_s)
+                .map(|(s, gap)| LEASE_S + s + gap),
+            record_pct: record
+                .zip(step_s)
+                .map(|(r, s)| r.median_us / (s * 1e6) * 100.0),
+            record,
+            observed,
+        }
+    }
+}
+
+/// The checkpoints the restarted master loaded: a `resume` event's, and the last `reconfig`'s
+/// (in place, it names none).
+fn checkpoints_loaded(events: &[Event]) -> Vec<String> {
+    let resumed = events.iter().filter_map(|e| match e {
+        Event::Resume(start) => Some(start.checkpoint.clone().unwrap_or_else(|| "?".into())),
+        _ => None,
+    });
+    let reconfig = events.iter().rev().find_map(|e| match e {
+        Event::Reconfig { checkpoint, .. } => Some(checkpoint.clone()),
+        _ => None,
+    });
+    resumed.chain(reconfig.flatten()).collect()
+}
+
+/// The steps of 1..=steps missing from the run's final `metrics.jsonl`, and those in it twice.
+fn step_counts(run: &RunInput, steps: u64) -> (Vec<u64>, Vec<u64>) {
+    let mut seen = std::collections::BTreeMap::<u64, usize>::new();
+    for m in run.segments.last().map_or(&[][..], |s| &s.metrics[..]) {
+        *seen.entry(m.step).or_default() += 1;
+    }
+    let missing = (1..=steps).filter(|s| !seen.contains_key(s)).collect();
+    let repeated = seen
+        .iter()
+        .filter(|(_, &n)| n > 1)
+        .map(|(&s, _)| s)
+        .collect();
+    (missing, repeated)
+}
+
+/// The targets of the master run (none but the record's checked when it failed).
+pub fn master_checks(run: &RunSummary, m: &MasterRestart) -> Vec<Check> {
+    let ok = |x: Option<f64>| x.filter(|_| run.ok);
+    let replayed = m.recovery.as_ref().map(|r| r.replayed_steps as f64);
+    let not_in_place = m.recovery.as_ref().map(|r| !r.in_place);
+    let loaded = not_in_place.map(|n| (m.checkpoints_loaded.len() + n as usize) as f64);
+    let steps_off = (m.missing_steps.len() + m.repeated_steps.len()) as f64;
+    vec![
+        check(
+            "master: SIGKILL -> next commit (s)",
+            m.takeover_limit_s.unwrap_or(f64::NAN),
+            false,
+            ok(m.observed.next_commit_s).filter(|_| m.takeover_limit_s.is_some()),
+        ),
+        check(
+            "master: agents back",
+            m.nodes as f64,
+            true,
+            ok(Some(m.returned as f64)),
+        ),
+        check("master: steps replayed", 1.0, false, ok(replayed)),
+        check("master: checkpoints loaded", 1.0, false, ok(loaded)),
+        check(
+            "master: steps missing or twice",
+            1.0,
+            false,
+            ok(Some(steps_off)),
+        ),
+        check(
+            "master: commit record / step (%)",
+            RECORD_PCT,
+            false,
+            m.record_pct,
+        ),
+    ]
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::super::plan::tests::args;
+    use super::super::records::{parse_events, parse_metrics, tests::metric_line};
+    use super::super::summary::{summarize, Job, RunKind, Segment};
+    use super::*;
+
+    #[test]
+    fn defaults_kill_the_master_after_five_eighths_of_the_steps() {
+        let p = MasterPlan::new(&args(&[])).unwrap().unwrap();
+        assert_eq!((p.after_step, p.master_wait_s), (75, 60));
+        let p = MasterPlan::new(&args(&["--steps", "40"])).unwrap().unwrap();
+        assert_eq!(p.after_step, 25);
+        assert!(MasterPlan::new(&args(&["--no-master"])).unwrap().is_none());
+        let e = MasterPlan::new(&args(&["--master-kill-after-step", "2"])).unwrap_err();
+        assert!(
+            e.to_string().contains("between 3 and steps - 2 = 118"),
+            "{e}"
+        );
+        assert!(MasterPlan::new(&args(&["--master-kill-after-step", "119"])).is_err());
+    }
+
+    /// The killed master's events, up to its kill after step 4.
+    const FIRST: &str = "{\"event\":\"start\",\"step\":0,\"pid\":7}\n\
+        {\"event\":\"process\",\"role\":\"agent\",\"pid\":8,\"node\":0}\n\
+        {\"event\":\"process\",\"role\":\"agent\",\"pid\":9,\"node\":1}\n";
+
+    /// The restarted master's events: two agents back, a recovery in place from step 4.
+    pub(in super::super) fn restarted(checkpoint: &str) -> String {
+        format!(
+            "{{\"event\":\"reattach\",\"step\":4,\"pid\":20}}\n\
+             {{\"event\":\"returned\",\"node\":0,\"addr\":\"a\",\"generation\":0,\"step\":4,\
+             \"ranks\":[0],\"without_master_s\":1.2}}\n\
+             {{\"event\":\"returned\",\"node\":1,\"addr\":\"b\",\"generation\":0,\"step\":3,\
+             \"ranks\":[1],\"without_master_s\":1.6}}\n\
+             {{\"event\":\"failure\",\"generation\":0,\"step\":4,\"reason\":\"the master was \
+             restarted\"}}\n\
+             {{\"event\":\"reconfig\",\"generation\":1,\"lost_nodes\":[],\"nodes\":[0,1],\
+             \"failed_in_step\":5,\"from_step\":4,\"replayed_steps\":0,\"detect_s\":0.01,\
+             \"checkpoint\":{checkpoint},\"in_place\":true,\"new_pipelines\":[[0,1]],\
+             \"cause\":\"the master was restarted\"}}\n\
+             {{\"event\":\"resumed\",\"generation\":1,\"step\":5,\"since_failure_s\":1.1,\
+             \"copy_bytes\":0,\"phases\":{{\"detect_s\":0.02,\"decide_s\":0.001,\
+             \"restart_s\":0.0,\"connect_copy_s\":0.1,\"connect_max_s\":0.05,\
+             \"copy_max_s\":0.0,\"first_step_s\":0.9}}}}\n"
+        )
+    }
+
+    fn metrics(steps: &[u64]) -> String {
+        let lines: Vec<String> = steps
+            .iter()
+            .map(|&s| metric_line(s, s as f64, ""))
+            .collect();
+        lines.join("\n") + "\n"
+    }
+
+    /// A run of 8 steps killed after step 4; `steps` in its final `metrics.jsonl`.
+    pub(in super::super) fn master(
+        next_commit_s: f64,
+        checkpoint: &str,
+        steps: &[u64],
+    ) -> (RunSummary, MasterRestart) {
+        let seg = |events: &str, m: &str, gap_s| Segment {
+            wall_s: 5.0,
+            gap_s,
+            events: parse_events(events).unwrap(),
+            metrics: parse_metrics(m).unwrap(),
+            load_1m: None,
+        };
+        let input = RunInput {
+            kind: RunKind::Master,
+            segments: vec![
+                seg(FIRST, &metrics(&[1, 2, 3, 4]), 0.0),
+                seg(&restarted(checkpoint), &metrics(steps), 0.05),
+            ],
+            error: None,
+        };
+        let job = Job {
+            steps: 8,
+            tokens_per_step: 100,
+            failures: 0,
+        };
+        let s = summarize(&input, &job);
+        let observed = Observed {
+            pid: Some(7),
+            killed_after: Some(4),
+            recorded_step: Some(4),
+            agents: 2,
+            agents_alive: 2,
+            spawned_s: Some(0.05),
+            reattach_s: Some(0.3),
+            next_commit_s: Some(next_commit_s),
+            next_commit_step: Some(5),
+            group_gone_s: Some(0.1),
+        };
+        let record = RecordCost::of(&[30.0, 20.0, 10.0, 500.0], 2, 900);
+        let m = MasterRestart::new(
+            &plan(),
+            observed,
+            Some(record),
+            &input,
+            &s,
+            (2, 8),
+            Some(1.0),
+        );
+        (s, m)
+    }
+
+    fn plan() -> MasterPlan {
+        MasterPlan {
+            after_step: 4,
+            master_wait_s: 60,
+        }
+    }
+
+    #[test]
+    fn the_take_over_and_its_recovery_are_found_in_the_events() {
+        let (s, m) = master(2.0, "null", &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(m.reattach_step, Some(4));
+        assert_eq!((m.returned, m.without_master_s), (2, Some(1.6)));
+        let r = m.recovery.as_ref().unwrap();
+        assert!(r.in_place && r.replayed_steps == 0, "{r:?}");
+        assert_eq!(r.since_failure_s, Some(1.1));
+        assert_eq!(r.phases.unwrap().first_step_s, 0.9);
+        assert!(m.checkpoints_loaded.is_empty());
+        // 3 s lease + a 1 s step + the bench's 0.05 s.
+        assert!((m.takeover_limit_s.unwrap() - 4.05).abs() < 1e-9);
+        // The median of 10, 20, 30 and 500 µs is 25 µs: 0.0025 % of a 1 s step.
+        let rec = m.record.unwrap();
+        assert_eq!((rec.median_us, rec.p99_us), (25.0, 500.0));
+        assert!((m.record_pct.unwrap() - 0.0025).abs() < 1e-12);
+        let pass: Vec<Option<bool>> = master_checks(&s, &m).iter().map(|c| c.pass).collect();
+        assert_eq!(pass, vec![Some(true); 6]);
+        let (s, late) = master(4.2, "null", &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(master_checks(&s, &late)[0].pass, Some(false));
+    }
+
+    #[test]
+    fn a_checkpoint_loaded_or_a_step_lost_or_twice_is_a_miss() {
+        let (s, m) = master(2.0, "\"ck/step-4\"", &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(m.checkpoints_loaded, vec!["ck/step-4".to_string()]);
+        assert_eq!(master_checks(&s, &m)[3].pass, Some(false));
+        let (s, m) = master(2.0, "null", &[1, 2, 3, 4, 4, 5, 7, 8]);
+        assert_eq!(
+            (m.missing_steps.clone(), m.repeated_steps.clone()),
+            (vec![6], vec![4])
+        );
+        let c = master_checks(&s, &m);
+        assert_eq!((c[4].measured, c[4].pass), (Some(2.0), Some(false)));
+    }
+
+    #[test]
+    fn p99_of_a_hundred_writes_is_the_ninety_ninth() {
+        let us: Vec<f64> = (1..=100).rev().map(f64::from).collect();
+        let r = RecordCost::of(&us, 1, 10);
+        assert_eq!((r.writes, r.median_us, r.p99_us), (100, 50.5, 99.0));
+    }
+}
