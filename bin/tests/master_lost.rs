@@ -353,15 +353,7 @@ fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_
     let mut guard = Guard(Some(first));
     wait_for_step(&out, 4, Duration::from_secs(180));
     let mut pids = recorded_pids(&out, 4);
-    let standby: u32 = {
-        let text = log.lock().expect("log").clone();
-        let line = text
-            .lines()
-            .find_map(|l| l.strip_prefix("standby master 0: pid "))
-            .unwrap_or_else(|| panic!("no standby said where it is:\n{text}"))
-            .to_string();
-        line.split(',').next().expect("pid").parse().expect("a pid")
-    };
+    let standby = standby_pid(&log);
     pids.push(standby);
     let _strays = Strays(pids.clone());
     // The master's machine goes, and its disk with it.
@@ -384,6 +376,69 @@ fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_
     let last = reconfig_events(&copy).pop().expect("a reconfiguration");
     assert_eq!(last["in_place"], true, "{last}");
     assert_eq!(last["replayed_steps"], 0, "{last}");
+    let stop = Instant::now() + STOP_BOUND;
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < stop {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    reader.join().expect("stderr reader");
+}
+
+/// The standby master's pid, from the line the master says it in.
+fn standby_pid(log: &Mutex<String>) -> u32 {
+    let text = log.lock().expect("log").clone();
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("standby master 0: pid "))
+        .unwrap_or_else(|| panic!("no standby said where it is:\n{text}"))
+        .to_string();
+    line.split(',').next().expect("pid").parse().expect("a pid")
+}
+
+#[test]
+fn a_master_stopped_until_its_standby_took_over_steps_down_when_it_wakes() {
+    const STEPS: u64 = 24;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let out = dir.path().join("run");
+    let copy = dir.path().join("run.standby-0");
+    let extra = [
+        "--nodes",
+        "2",
+        "--master-wait",
+        "60",
+        "--standby-masters",
+        "1",
+    ];
+    let mut cmd = train_cmd(&out, STEPS, &extra);
+    cmd.env("OOBLECK_TEST_SLOW", "0:100");
+    let mut first = cmd.spawn().expect("start train");
+    let (log, reader) = drain_stderr(&mut first);
+    let mut guard = Guard(Some(first));
+    wait_for_step(&out, 4, Duration::from_secs(180));
+    let mut pids = recorded_pids(&out, 4);
+    let standby = standby_pid(&log);
+    pids.push(standby);
+    let _strays = Strays(pids.clone());
+    let master = guard.0.as_ref().expect("train").id();
+    signal("STOP", master);
+    wait_for_lines(&log, "re-adopts this node", 2, Duration::from_secs(60));
+    // Woken up, the old master must act on nothing: it steps down.
+    signal("CONT", master);
+    let st = wait_exit(guard.0.as_mut().expect("train"), Duration::from_secs(30));
+    assert!(!st.success(), "the old master went on");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while alive(standby) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = log.lock().expect("log").clone();
+    assert!(text.contains("was replaced: it was stopped for"), "{text}");
+    assert!(text.contains(&format!("done: {STEPS} steps")), "{text}");
+    assert_same_training(&copy, &want, &want_params);
+    let epochs = |run: &Path| std::fs::read_to_string(run.join("master.epoch")).expect("epoch");
+    assert_eq!(epochs(&out).trim(), "1");
+    assert_eq!(epochs(&copy).trim(), "2");
     let stop = Instant::now() + STOP_BOUND;
     while pids.iter().any(|&p| alive(p)) && Instant::now() < stop {
         std::thread::sleep(Duration::from_millis(50));

@@ -159,7 +159,11 @@ pub fn run(
         first_generation: None,
     };
     let result = master::run_job(workload, opts, &mut watch);
-    watch.standbys.finish();
+    match &result {
+        // A standby took over: it is the job's master now, not this one's to stop.
+        Err(oobleck_core::runtime::RuntimeError::Replaced { .. }) => watch.standbys.leave(),
+        _ => watch.standbys.finish(),
+    }
     watch.page = None;
     watch.progress.finish();
     super::status::unpublish(&out);

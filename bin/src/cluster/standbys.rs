@@ -66,6 +66,11 @@ impl LocalStandbys {
         Ok(said)
     }
 
+    /// This master was replaced (by one of its standbys, say): they are left running.
+    pub fn leave(&mut self) {
+        self.started.clear();
+    }
+
     /// After the job: waits for the standbys to exit (the master told them it is over), and
     /// kills those that do not within the grace.
     pub fn finish(&mut self) {

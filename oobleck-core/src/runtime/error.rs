@@ -106,6 +106,10 @@ pub enum RuntimeError {
     /// A job setting that cannot work.
     #[error("invalid job: {0}")]
     Invalid(String),
+    /// This master was replaced by a newer one (a standby that took over): it steps down,
+    /// touching nothing of the job (`why` says how it knows).
+    #[error("this master (epoch {epoch}) was replaced: {why}; it steps down and leaves the job to the master that took over")]
+    Replaced { epoch: u64, why: String },
     /// The plan a worker received disagrees with the job it was given: `plan` against
     /// `config` of `quantity`; `hint` says what to fix.
     #[error(

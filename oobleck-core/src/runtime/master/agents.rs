@@ -155,6 +155,14 @@ impl AgentSet {
         bad
     }
 
+    /// Leaves every agent running: they serve the master that replaced this one. (Their
+    /// handles kill on drop: they are forgotten instead.)
+    pub fn leave(&mut self) {
+        for a in self.procs.drain(..) {
+            std::mem::forget(a.child);
+        }
+    }
+
     /// Kills every agent (their workers follow: their stdin closes) and reaps them.
     pub async fn kill_all(&mut self) {
         for a in self.procs.iter_mut() {

@@ -63,6 +63,8 @@ pub(super) struct Driver<'a> {
     finished: Option<Finished>,
     /// The standbys' copies of the run directory (`replicate.rs`).
     mirrors: replicate::Mirrors,
+    /// When the running turn of the loop began.
+    turn: Instant,
 }
 
 impl<'a> Driver<'a> {
@@ -80,6 +82,7 @@ impl<'a> Driver<'a> {
             final_metrics: None,
             finished: None,
             mirrors: Default::default(),
+            turn: now,
         }
     }
 
@@ -92,6 +95,10 @@ impl<'a> Driver<'a> {
     }
 
     fn feed(&mut self, input: Input) {
+        // A stalled master decides nothing more (see `stalled`).
+        if self.stalled(self.turn.elapsed() / 2).is_some() {
+            return;
+        }
         let now = self.now();
         self.p.machine.handle(now, input);
     }
@@ -113,8 +120,10 @@ impl<'a> Driver<'a> {
     /// Runs until the machine finishes (then writes the final checkpoint) or fails.
     pub async fn run(&mut self) -> Result<JobSummary> {
         loop {
+            self.turn = Instant::now();
             self.take_signal()?;
             while let Some(a) = self.p.machine.poll_action() {
+                self.step_down_if_stalled(self.turn.elapsed() / 2)?;
                 self.carry(a).await?;
             }
             if let Some(done) = self.finished.take() {
@@ -132,7 +141,9 @@ impl<'a> Driver<'a> {
                 let input = task.await.ctx("a checkpoint or evaluation task")?;
                 self.feed(input);
             }
+            let asked = Instant::now();
             let input = next_input(self.p.master).await?;
+            self.step_down_if_stalled(asked.elapsed())?;
             if let Input::Worker {
                 node,
                 report: crate::runtime::WorkerReport::Listening { pid, .. },
@@ -143,6 +154,30 @@ impl<'a> Driver<'a> {
             }
             self.feed(input);
         }
+    }
+
+    /// Whether a wait of `waited` means this process was stopped (SIGSTOP, a frozen VM):
+    /// longer than a lease, with standbys, one of which takes over after a lease of silence.
+    /// A wait for the next event is bounded by `POLL`; a turn of the loop (its waits are
+    /// bounded too) is given twice the lease by its callers.
+    fn stalled(&self, waited: Duration) -> Option<Duration> {
+        (self.mirrors.had && waited > self.p.master.lease()).then_some(waited)
+    }
+
+    /// Stepping down, having been stopped for `waited`: nothing more is decided or sent.
+    fn step_down_if_stalled(&self, waited: Duration) -> Result<()> {
+        let Some(waited) = self.stalled(waited) else {
+            return Ok(());
+        };
+        Err(RuntimeError::Replaced {
+            epoch: self.p.master.epoch(),
+            why: format!(
+                "it was stopped for {:.1} s, longer than its lease of {:.1} s, and a standby \
+                 takes over after a lease",
+                waited.as_secs_f64(),
+                self.p.master.lease().as_secs_f64()
+            ),
+        })
     }
 
     /// The first signal asks the machine to stop after the next step; a second stops the job

@@ -279,6 +279,15 @@ async fn handshake(
         PeerRole::Returning(Return { devices: 0, .. }) => {
             return Err("an agent must offer at least one device".into())
         }
+        PeerRole::Returning(r) if r.epoch > shared.config.epoch => {
+            shared.emit(MasterEvent::Replaced { epoch: r.epoch });
+            return Err(format!(
+                "{}: its epoch {} is behind the agent's {}",
+                protocol::REPLACED,
+                shared.config.epoch,
+                r.epoch
+            ));
+        }
         PeerRole::Agent { devices } => (Some(shared.new_node()), devices, None),
         // Its old id, if this master expects it back; a new one otherwise.
         PeerRole::Returning(r) if shared.returns().contains(&r.node) => {
@@ -378,6 +387,7 @@ async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
         heartbeat_ms: shared.config.heartbeat_interval.as_millis() as u64,
         lease_ms: shared.config.lease.as_millis() as u64,
         adopted: admitted.back.is_some(),
+        epoch: shared.config.epoch,
     };
     if let Err(e) = protocol::write_frame(&mut w, &welcome, shared.config.write_timeout).await {
         warn!(%peer, error = %e, "could not welcome peer");

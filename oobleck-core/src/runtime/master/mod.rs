@@ -168,6 +168,7 @@ async fn drive(
     .with_ctx(|| format!("starting the state upload port on {}", opts.bind.ip()))?;
     let mut control = MasterConfig::new(opts.token.clone(), spec.nodes);
     control.lease = opts.limits.lease;
+    control.epoch = rundir::next_epoch(&opts.run_dir)?;
     if let Some(r) = &opts.reattach {
         control.returning = r.plans.iter().flat_map(|p| p.nodes()).collect();
         control.first_node = rundir::next_node_id(&opts.run_dir, &r.plans);
@@ -298,12 +299,18 @@ fn input_of(ev: MasterEvent) -> Input {
             generation,
             report,
         },
+        // `next_input` ends the job at it: nothing for the machine.
+        MasterEvent::Replaced { .. } => Input::Tick,
     }
 }
 
 /// The next membership event as an input, or a tick after `POLL`.
 async fn next_input(master: &mut Master) -> Result<Input> {
     match master.next_event(POLL).await {
+        Ok(MasterEvent::Replaced { epoch }) => Err(RuntimeError::Replaced {
+            epoch: master.epoch(),
+            why: format!("an agent came back from a master of epoch {epoch}"),
+        }),
         Ok(ev) => Ok(input_of(ev)),
         Err(WireError::Timeout { .. }) => Ok(Input::Tick),
         Err(e) => Err(e).ctx("the master's event stream"),
@@ -477,6 +484,11 @@ async fn conclude_job(
                 wall_s: summary.wall_s,
             })?;
             Ok(summary)
+        }
+        // Another master runs the job now: nothing of it is this one's to stop or remove.
+        Err(e @ RuntimeError::Replaced { .. }) => {
+            agents.leave();
+            Err(e)
         }
         Err(e) => {
             // The states uploaded for a checkpoint that will not be written.

@@ -174,6 +174,30 @@ pub(super) fn next_node_id(run: &Path, plans: &[Plan]) -> u32 {
     in_events.chain(in_plans).max().map_or(0, |n| n + 1)
 }
 
+/// The epoch of a master starting on `run`: one more than the last master's
+/// (`master.epoch`, 0 when there was none), written before it listens, so that a master
+/// restarted on the run (or a standby's copy of it) is always of a higher epoch than every
+/// master before it.
+pub(super) fn next_epoch(run: &Path) -> Result<u64> {
+    let path = run.join("master.epoch");
+    let last = match std::fs::read_to_string(&path) {
+        Ok(t) => t.trim().parse::<u64>().map_err(|e| {
+            crate::runtime::error::RuntimeError::Invalid(format!(
+                "{}: {:?} is not an epoch ({e}); it is written by the master, so remove it only \
+                 if no master of this run runs",
+                path.display(),
+                t.trim()
+            ))
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(e).with_ctx(|| format!("reading {}", path.display())),
+    };
+    let epoch = last + 1;
+    std::fs::write(&path, format!("{epoch}\n"))
+        .with_ctx(|| format!("writing {}", path.display()))?;
+    Ok(epoch)
+}
+
 /// Keeps the lines of `<run>/metrics.jsonl` up to `step`.
 pub fn truncate_metrics_after(run: &Path, step: u64) -> Result<()> {
     let path = run.join("metrics.jsonl");

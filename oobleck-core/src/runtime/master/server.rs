@@ -53,6 +53,8 @@ pub struct MasterConfig {
     /// The first id given to a new agent: past every id the run has used (ids are never
     /// reused).
     pub first_node: u32,
+    /// This master's epoch (`master.epoch` of the run directory, plus one).
+    pub epoch: u64,
 }
 
 impl MasterConfig {
@@ -67,6 +69,7 @@ impl MasterConfig {
             max_pending_handshakes: 256,
             returning: Default::default(),
             first_node: 0,
+            epoch: 1,
         }
     }
 }
@@ -95,6 +98,10 @@ pub enum MasterEvent {
     /// A tool asked for `node`'s processes to be killed.
     KillRequested {
         node: u32,
+    },
+    /// An agent came back having seen a master of a higher epoch: this one was replaced.
+    Replaced {
+        epoch: u64,
     },
     /// `node` (a tool, or the node's own agent) asks to leave at the next step boundary.
     DrainRequested {
@@ -178,6 +185,11 @@ impl Master {
 
     pub(super) fn shared(&self) -> &Shared {
         &self.shared
+    }
+
+    /// This master's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.shared.config.epoch
     }
 
     /// How long silence means a peer is gone.

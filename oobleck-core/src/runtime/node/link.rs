@@ -31,6 +31,8 @@ pub struct Agent {
     node: u32,
     /// It came back to a restarted master, which gave it its old node id and its workers.
     adopted: bool,
+    /// The master's epoch.
+    epoch: u64,
     local: SocketAddr,
     heartbeat: Duration,
     lease: Duration,
@@ -111,6 +113,7 @@ impl Agent {
         Ok(Agent {
             node,
             adopted: welcomed.adopted,
+            epoch: welcomed.epoch,
             local,
             heartbeat: welcomed.heartbeat,
             lease: welcomed.lease,
@@ -130,6 +133,11 @@ impl Agent {
     /// their state go on in the job.
     pub fn adopted(&self) -> bool {
         self.adopted
+    }
+
+    /// The master's epoch (one more at every restart or take-over of the job's master).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// This end of the control connection: its IP is the address the master's network reaches

@@ -18,9 +18,14 @@ use tokio::time::Instant;
 
 use super::lookup::{Lookup, Next};
 use super::spawn::stop_workers;
-use super::{Agent, Local, NodeAgent, CONTROL_TIMEOUT, GRACE, POLL};
-use crate::runtime::wire::protocol::Return;
+use super::{Agent, Local, NodeAgent, GRACE, POLL};
+use crate::runtime::wire::protocol::{Return, REPLACED};
 use crate::runtime::wire::{Token, WireError};
+
+/// Bound of one try at an address while looking for a master: a live master answers in
+/// milliseconds, and a stopped one (SIGSTOP) still accepts connections but never answers, so
+/// each try at it must end soon for the standbys after it to be tried.
+const TRY_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How a search for a master ended.
 pub(super) enum Search {
@@ -41,6 +46,8 @@ enum Reach {
     Absent,
     /// A master that will not take this agent (another job's token, another version).
     Refused(String),
+    /// A master of an epoch lower than one this agent has seen: replaced, not to be served.
+    Stale(u64),
 }
 
 impl NodeAgent {
@@ -66,11 +73,12 @@ impl NodeAgent {
                     }
                 }
                 Next::Try { addr, .. } => {
-                    let limit = lookup.try_limit(start.elapsed(), CONTROL_TIMEOUT);
+                    let limit = lookup.try_limit(start.elapsed(), TRY_TIMEOUT);
                     let back = self.holding(start.elapsed());
                     match reach(&addr, &self.token, back, limit).await {
                         Reach::Found(conn, at) => return Search::Found(conn, at, addr),
                         Reach::Absent => {}
+                        Reach::Stale(epoch) => self.say_stale(&addr, epoch),
                         Reach::Refused(e) => {
                             return Search::GaveUp(format!(
                                 "the master at {addr} refused this node ({e})"
@@ -79,6 +87,17 @@ impl NodeAgent {
                     }
                 }
             }
+        }
+    }
+
+    /// Says (once per address) that the master at `addr` is of an older epoch.
+    fn say_stale(&mut self, addr: &str, epoch: u64) {
+        if self.stale_told.insert(addr.to_string()) {
+            eprintln!(
+                "oobleck agent: node {}: the master at {addr} is of epoch {epoch}, replaced by \
+                 epoch {}: not rejoining it",
+                self.node, self.epoch
+            );
         }
     }
 
@@ -153,6 +172,7 @@ impl NodeAgent {
     fn holding(&self, without_master: Duration) -> Return {
         Return {
             without_master_ms: without_master.as_millis() as u64,
+            epoch: self.epoch,
             node: self.node,
             devices: 1,
             generation: self.generation,
@@ -176,10 +196,13 @@ impl NodeAgent {
             self.workers.len(),
             self.committed
         );
+        self.epoch = self.epoch.max(conn.epoch());
         self.conn = conn;
         self.master = at;
         // Its master from now on; the standbys it names come next.
         self.masters = vec![addr];
+        // Whatever started this agent, its master is the one it serves now.
+        self.parent_gone_ok = true;
         // The time without a master is no worker's hang: the watches start over.
         let devices: Vec<u32> = self.watch.keys().copied().collect();
         self.rewatch(devices.into_iter());
@@ -197,9 +220,11 @@ impl NodeAgent {
         );
         stop_workers(&mut self.workers, GRACE).await;
         self.node = conn.node();
+        self.epoch = self.epoch.max(conn.epoch());
         self.conn = conn;
         self.master = at;
         self.masters = vec![addr];
+        self.parent_gone_ok = true;
         self.job = None;
         self.generation = 0;
         self.committed = 0;
@@ -230,8 +255,12 @@ async fn reach(addr: &str, token: &Token, back: Return, limit: Duration) -> Reac
     else {
         return Reach::Absent;
     };
+    let seen = back.epoch;
     match Agent::reconnect(at, token, back, limit).await {
+        Ok(conn) if conn.epoch() < seen => Reach::Stale(conn.epoch()),
         Ok(conn) => Reach::Found(conn, at),
+        // A master the job left behind: the one that replaced it is elsewhere in the list.
+        Err(WireError::Refused { reason }) if reason.contains(REPLACED) => Reach::Stale(0),
         Err(e @ (WireError::Refused { .. } | WireError::UnsupportedVersion { .. })) => {
             Reach::Refused(e.to_string())
         }

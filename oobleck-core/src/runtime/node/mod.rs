@@ -181,7 +181,11 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         drain_wait: opts.drain_wait,
         watch: Default::default(),
         limits_told: false,
+        epoch: 0,
+        stale_told: Default::default(),
+        parent_gone_ok: false,
     };
+    agent.epoch = agent.conn.epoch();
     let result = agent.run(&mut local_rx).await;
     let grace = if result.is_ok() {
         GRACE
@@ -307,6 +311,13 @@ struct NodeAgent {
     watch: std::collections::BTreeMap<u32, Watch>,
     /// It said that its workers' steps outlast `--hang-timeout` (once per node).
     limits_told: bool,
+    /// The highest master epoch it has seen: it registers with no master of a lower one.
+    epoch: u64,
+    /// Masters it found at a lower epoch, said once each.
+    stale_told: std::collections::BTreeSet<String>,
+    /// It serves a master found after losing the one that started it: stdin closing (that
+    /// first master, or its ssh session, ending) says nothing about the master it serves.
+    parent_gone_ok: bool,
 }
 
 impl NodeAgent {
@@ -445,6 +456,7 @@ impl NodeAgent {
 
     async fn on_local(&mut self, ev: Local) -> Result<()> {
         match ev {
+            Local::StdinClosed if self.parent_gone_ok => Ok(()),
             Local::StdinClosed => {
                 // The master (or the ssh session to it) that started this agent is gone.
                 self.lost

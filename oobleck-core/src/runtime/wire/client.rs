@@ -25,6 +25,8 @@ pub(crate) struct Welcomed {
     pub node: Option<u32>,
     /// A returning agent was given its old node id back.
     pub adopted: bool,
+    /// The master's epoch.
+    pub epoch: u64,
     pub heartbeat: Duration,
     pub lease: Duration,
 }
@@ -63,12 +65,14 @@ pub(crate) async fn open(
                 heartbeat_ms,
                 lease_ms,
                 adopted,
+                epoch,
             } if n == node && heartbeat_ms > 0 && lease_ms > heartbeat_ms => Ok((
                 r,
                 w,
                 Welcomed {
                     node,
                     adopted,
+                    epoch,
                     heartbeat: Duration::from_millis(heartbeat_ms),
                     lease: Duration::from_millis(lease_ms),
                 },

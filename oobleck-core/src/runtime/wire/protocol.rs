@@ -39,6 +39,10 @@ use crate::planning::Plan;
 use crate::runtime::wire::pipe::StateSource;
 use crate::runtime::wire::records::WorkerReport;
 
+/// In the refusal a master gives an agent that has seen a newer master: the agent keeps
+/// looking (for that newer one) instead of giving up.
+pub const REPLACED: &str = "this master was replaced";
+
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
@@ -84,6 +88,9 @@ pub struct Return {
     pub ranks: Vec<u32>,
     /// How long it has been without a master.
     pub without_master_ms: u64,
+    /// The highest master epoch it has seen: a master of a lower one learns that it was
+    /// replaced.
+    pub epoch: u64,
 }
 
 /// One data-plane endpoint: where global rank `rank` listens.
@@ -229,6 +236,11 @@ pub enum Message {
         /// A returning agent got its old node id back: its workers are re-adopted.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         adopted: bool,
+        /// The master's epoch: one more at every master of a run directory (a restart, a
+        /// standby's take-over). An agent never registers with a master of an epoch lower
+        /// than one it has seen.
+        #[serde(default)]
+        epoch: u64,
     },
     /// Master -> peer, then close.
     Refused { reason: String },

@@ -45,6 +45,7 @@ fn back(node: u32, generation: u64, committed: u64, ranks: &[u32]) -> Input {
             committed,
             ranks: ranks.to_vec(),
             without_master_ms: 1500,
+            epoch: 1,
         },
     }
 }

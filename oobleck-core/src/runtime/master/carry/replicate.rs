@@ -24,6 +24,8 @@ pub(in crate::runtime::master) struct Mirrors {
     /// The standbys' addresses and the nodes last told them.
     told: (Vec<String>, BTreeSet<u32>),
     last: Option<Instant>,
+    /// A standby has been connected: one may take over when this master goes silent.
+    pub had: bool,
 }
 
 impl Driver<'_> {
@@ -32,6 +34,7 @@ impl Driver<'_> {
     pub(in crate::runtime::master) async fn replicate(&mut self, commit: bool) {
         let standbys = self.p.master.standbys();
         let ids: BTreeSet<u64> = standbys.iter().map(|s| s.0).collect();
+        self.mirrors.had |= !ids.is_empty();
         self.mirrors.sent.retain(|id, _| ids.contains(id));
         self.tell_agents(&standbys).await;
         let due = self.mirrors.last.is_none_or(|t| t.elapsed() >= EVERY);
