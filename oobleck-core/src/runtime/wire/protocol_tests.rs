@@ -147,11 +147,11 @@ fn header_faults_have_their_own_errors() {
     let mut bad = good.clone();
     bad[0] = b'X';
     assert!(matches!(decode_all(&bad), Err(WireError::BadMagic { .. })));
-    let old = encode_frame_with_version(&Message::StatusRequest, 7).unwrap();
+    let old = encode_frame_with_version(&Message::StatusRequest, 6).unwrap();
     assert!(matches!(
         decode_all(&old),
         Err(WireError::UnsupportedVersion {
-            found: 7,
+            found: 6,
             supported: PROTOCOL_VERSION
         })
     ));
