@@ -321,68 +321,109 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     let before: std::collections::BTreeSet<u64> = workers_before.into_iter().collect();
     assert_eq!(workers_after, before);
     // The restarted master shut the agents down: nothing is left.
-    let deadline = Instant::now() + STOP_BOUND;
-    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    assert_all_exit(&pids);
     reader.join().expect("stderr reader");
     assert_no_segments(&out);
 }
 
-#[test]
-fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_gone() {
-    const STEPS: u64 = 20;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let copy = dir.path().join("run.standby-0");
-    let extra = [
-        "--nodes",
-        "2",
-        "--master-wait",
-        "60",
-        "--standby-masters",
-        "1",
-    ];
-    let mut cmd = train_cmd(&out, STEPS, &extra);
-    cmd.env("OOBLECK_TEST_SLOW", "0:100");
-    let mut first = cmd.spawn().expect("start train");
-    let (log, reader) = drain_stderr(&mut first);
-    let mut guard = Guard(Some(first));
-    wait_for_step(&out, 4, Duration::from_secs(180));
-    let mut pids = recorded_pids(&out, 4);
-    let standby = standby_pid(&log);
-    pids.push(standby);
-    let _strays = Strays(pids.clone());
-    // The master's machine goes, and its disk with it.
-    let mut master = guard.0.take().expect("train");
-    master.kill().expect("SIGKILL the master");
-    master.wait().expect("reap the master");
-    std::fs::remove_dir_all(&out).expect("delete the run directory");
+/// A local 2-node job of `steps` steps with one standby master, node 0 slowed (100 ms a
+/// microbatch) so that its master goes mid-run, started and run to step 4: its parts.
+struct StandbyJob {
+    dir: tempfile::TempDir,
+    out: std::path::PathBuf,
+    copy: std::path::PathBuf,
+    want: Vec<(u64, f64)>,
+    want_params: std::collections::BTreeMap<String, candle_core::Tensor>,
+    guard: Guard,
+    log: Arc<Mutex<String>>,
+    reader: JoinHandle<()>,
+    /// The agents, the workers and the standby.
+    pids: Vec<u32>,
+    standby: u32,
+}
 
-    // The standby takes over from its copy and finishes the job there.
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while alive(standby) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
+impl StandbyJob {
+    fn start(steps: u64) -> StandbyJob {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (want, want_params) = single_process(dir.path(), steps);
+        let out = dir.path().join("run");
+        let copy = dir.path().join("run.standby-0");
+        let extra = [
+            "--nodes",
+            "2",
+            "--master-wait",
+            "60",
+            "--standby-masters",
+            "1",
+        ];
+        let mut cmd = train_cmd(&out, steps, &extra);
+        cmd.env("OOBLECK_TEST_SLOW", "0:100");
+        let mut first = cmd.spawn().expect("start train");
+        let (log, reader) = drain_stderr(&mut first);
+        let guard = Guard(Some(first));
+        wait_for_step(&out, 4, Duration::from_secs(180));
+        let mut pids = recorded_pids(&out, 4);
+        let standby = standby_pid(&log);
+        pids.push(standby);
+        StandbyJob {
+            dir,
+            out,
+            copy,
+            want,
+            want_params,
+            guard,
+            log,
+            reader,
+            pids,
+            standby,
+        }
     }
-    let text = log.lock().expect("log").clone();
-    assert!(!alive(standby), "the standby still runs:\n{text}");
-    assert!(text.contains("taking over at"), "{text}");
-    assert!(text.contains(&format!("done: {STEPS} steps")), "{text}");
-    assert_same_training(&copy, &want, &want_params);
-    assert_eq!(events_of(&copy, "reattach").len(), 1);
-    let last = reconfig_events(&copy).pop().expect("a reconfiguration");
-    assert_eq!(last["in_place"], true, "{last}");
-    assert_eq!(last["replayed_steps"], 0, "{last}");
+
+    /// Waits for the standby (the job's master once it took over) to finish the job, and
+    /// checks that it did, in its copy, as one process would have.
+    fn finished_by_the_standby(&self, steps: u64) -> String {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while alive(self.standby) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let text = self.log.lock().expect("log").clone();
+        assert!(!alive(self.standby), "the standby still runs:\n{text}");
+        assert!(text.contains(&format!("done: {steps} steps")), "{text}");
+        assert_same_training(&self.copy, &self.want, &self.want_params);
+        text
+    }
+}
+
+/// Waits until none of `pids` runs (at most `STOP_BOUND`); fails naming those left.
+fn assert_all_exit(pids: &[u32]) {
     let stop = Instant::now() + STOP_BOUND;
     while pids.iter().any(|&p| alive(p)) && Instant::now() < stop {
         std::thread::sleep(Duration::from_millis(50));
     }
     let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
-    reader.join().expect("stderr reader");
+}
+
+#[test]
+fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_gone() {
+    const STEPS: u64 = 20;
+    let mut job = StandbyJob::start(STEPS);
+    let _strays = Strays(job.pids.clone());
+    // The master's machine goes, and its disk with it.
+    let mut master = job.guard.0.take().expect("train");
+    master.kill().expect("SIGKILL the master");
+    master.wait().expect("reap the master");
+    std::fs::remove_dir_all(&job.out).expect("delete the run directory");
+
+    // The standby takes over from its copy and finishes the job there.
+    let text = job.finished_by_the_standby(STEPS);
+    assert!(text.contains("taking over at"), "{text}");
+    assert_eq!(events_of(&job.copy, "reattach").len(), 1);
+    let last = reconfig_events(&job.copy).pop().expect("a reconfiguration");
+    assert_eq!(last["in_place"], true, "{last}");
+    assert_eq!(last["replayed_steps"], 0, "{last}");
+    assert_all_exit(&job.pids);
+    job.reader.join().expect("stderr reader");
 }
 
 /// The standby master's pid, from the line the master says it in.
@@ -399,53 +440,26 @@ fn standby_pid(log: &Mutex<String>) -> u32 {
 #[test]
 fn a_master_stopped_until_its_standby_took_over_steps_down_when_it_wakes() {
     const STEPS: u64 = 24;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let copy = dir.path().join("run.standby-0");
-    let extra = [
-        "--nodes",
-        "2",
-        "--master-wait",
-        "60",
-        "--standby-masters",
-        "1",
-    ];
-    let mut cmd = train_cmd(&out, STEPS, &extra);
-    cmd.env("OOBLECK_TEST_SLOW", "0:100");
-    let mut first = cmd.spawn().expect("start train");
-    let (log, reader) = drain_stderr(&mut first);
-    let mut guard = Guard(Some(first));
-    wait_for_step(&out, 4, Duration::from_secs(180));
-    let mut pids = recorded_pids(&out, 4);
-    let standby = standby_pid(&log);
-    pids.push(standby);
-    let _strays = Strays(pids.clone());
-    let master = guard.0.as_ref().expect("train").id();
+    let mut job = StandbyJob::start(STEPS);
+    let _strays = Strays(job.pids.clone());
+    let master = job.guard.0.as_ref().expect("train").id();
     signal("STOP", master);
-    wait_for_lines(&log, "re-adopts this node", 2, Duration::from_secs(60));
+    wait_for_lines(&job.log, "re-adopts this node", 2, Duration::from_secs(60));
     // Woken up, the old master must act on nothing: it steps down.
     signal("CONT", master);
-    let st = wait_exit(guard.0.as_mut().expect("train"), Duration::from_secs(30));
+    let st = wait_exit(
+        job.guard.0.as_mut().expect("train"),
+        Duration::from_secs(30),
+    );
     assert!(!st.success(), "the old master went on");
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while alive(standby) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let text = log.lock().expect("log").clone();
+    let text = job.finished_by_the_standby(STEPS);
     assert!(text.contains("was replaced: it was stopped for"), "{text}");
-    assert!(text.contains(&format!("done: {STEPS} steps")), "{text}");
-    assert_same_training(&copy, &want, &want_params);
-    let epochs = |run: &Path| std::fs::read_to_string(run.join("master.epoch")).expect("epoch");
-    assert_eq!(epochs(&out).trim(), "1");
-    assert_eq!(epochs(&copy).trim(), "2");
-    let stop = Instant::now() + STOP_BOUND;
-    while pids.iter().any(|&p| alive(p)) && Instant::now() < stop {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
-    reader.join().expect("stderr reader");
+    let epoch = |run: &Path| std::fs::read_to_string(run.join("master.epoch")).expect("epoch");
+    assert_eq!(epoch(&job.out).trim(), "1");
+    assert_eq!(epoch(&job.copy).trim(), "2");
+    assert_all_exit(&job.pids);
+    job.reader.join().expect("stderr reader");
+    drop(job.dir);
 }
 
 /// `train --resume RUN --reattach EXTRA`: refused, with its message.

@@ -206,38 +206,14 @@ fn notes(o: &mut String, r: &Report, h: &Hang) {
 #[cfg(test)]
 mod tests {
     use super::super::hang::{hang_checks, tests::hang};
-    use super::super::membership::tests::summary;
-    use super::super::{table, FailurePlan, Job};
-    use super::*;
+    use super::super::table;
 
     #[test]
     fn every_row_has_its_columns_and_the_checks_show() {
-        let (_, ff) = summary(RunKind::FaultFree, "{\"event\":\"start\",\"step\":0}\n", 8);
-        let (_, ip) = summary(RunKind::InPlace, "", 8);
-        let (_, rs) = summary(RunKind::CheckpointRestart, "", 8);
         let (hs, h) = hang(3.4);
-        let report = Report {
-            model: "gpt-mini".into(),
-            nodes: 4,
-            fault_threshold: 1,
-            cores: 2,
-            job: Job {
-                steps: 8,
-                tokens_per_step: 100,
-                failures: 0,
-            },
-            plan: FailurePlan {
-                failures: vec![],
-                pins: vec![2, 2],
-            },
-            failure_note: String::new(),
-            checks: hang_checks(&hs, &h),
-            runs: vec![ff, ip, rs, hs],
-            membership: None,
-            hang: Some(h),
-            master: None,
-            commands: vec![],
-        };
+        let mut report = table::report_with(vec![2, 2], hs.clone());
+        report.checks = hang_checks(&hs, &h);
+        report.hang = Some(h);
         let text = table::render(&report);
         let rows = table::section_rows(&text, "| hang: one worker", 2, 5);
         let find = |p: &str| table::row_starting(&rows, p);

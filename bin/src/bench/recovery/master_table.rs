@@ -182,38 +182,14 @@ fn notes(o: &mut String, r: &Report, m: &MasterRestart) {
 #[cfg(test)]
 mod tests {
     use super::super::master::{master_checks, tests::master};
-    use super::super::membership::tests::summary;
-    use super::super::{table, FailurePlan, Job};
-    use super::*;
+    use super::super::table;
 
     #[test]
     fn every_row_has_its_columns_and_the_checks_show() {
-        let (_, ff) = summary(RunKind::FaultFree, "{\"event\":\"start\",\"step\":0}\n", 8);
-        let (_, ip) = summary(RunKind::InPlace, "", 8);
-        let (_, rs) = summary(RunKind::CheckpointRestart, "", 8);
         let (ms, m) = master(4.5, "null", &[1, 2, 3, 4, 5, 6, 7, 8]);
-        let report = Report {
-            model: "gpt-mini".into(),
-            nodes: 2,
-            fault_threshold: 1,
-            cores: 2,
-            job: Job {
-                steps: 8,
-                tokens_per_step: 100,
-                failures: 0,
-            },
-            plan: FailurePlan {
-                failures: vec![],
-                pins: vec![1, 1],
-            },
-            failure_note: String::new(),
-            checks: master_checks(&ms, &m),
-            runs: vec![ff, ip, rs, ms],
-            membership: None,
-            hang: None,
-            master: Some(m),
-            commands: vec![],
-        };
+        let mut report = table::report_with(vec![1, 1], ms.clone());
+        report.checks = master_checks(&ms, &m);
+        report.master = Some(m);
         let text = table::render(&report);
         let rows = table::section_rows(&text, "| master: train SIGKILLed", 2, 5);
         let find = |p: &str| table::row_starting(&rows, p);

@@ -227,39 +227,15 @@ fn notes(o: &mut String, r: &Report, m: &Membership) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::membership::tests::{membership, summary};
-    use super::super::{table, FailurePlan, Job};
-    use super::*;
+    use super::super::membership::tests::membership;
+    use super::super::table;
 
     #[test]
     fn every_row_has_its_columns_and_the_checks_show() {
-        let (_, ff) = summary(RunKind::FaultFree, "{\"event\":\"start\",\"step\":0}\n", 8);
-        let (_, ip) = summary(RunKind::InPlace, "", 8);
-        let (_, rs) = summary(RunKind::CheckpointRestart, "", 8);
         let (mb, m) = membership(1.8, 2.6);
-        let checks = super::super::membership::membership_checks(&ff, &mb, &m);
-        let report = Report {
-            model: "gpt-mini".into(),
-            nodes: 4,
-            fault_threshold: 1,
-            cores: 2,
-            job: Job {
-                steps: 8,
-                tokens_per_step: 100,
-                failures: 0,
-            },
-            plan: FailurePlan {
-                failures: vec![],
-                pins: vec![2, 2],
-            },
-            failure_note: String::new(),
-            runs: vec![ff, ip, rs, mb],
-            membership: Some(m),
-            hang: None,
-            master: None,
-            checks,
-            commands: vec![],
-        };
+        let mut report = table::report_with(vec![2, 2], mb.clone());
+        report.checks = super::super::membership::membership_checks(&report.runs[0], &mb, &m);
+        report.membership = Some(m);
         let text = table::render(&report);
         let rows = table::section_rows(&text, "| planned reconfiguration", 1, 7);
         let find = |p: &str| table::row_starting(&rows, p);

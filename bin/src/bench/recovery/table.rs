@@ -328,3 +328,37 @@ pub(super) fn row_starting<'a>(rows: &[&'a str], start: &str) -> &'a str {
         .find(|l| l.starts_with(start))
         .expect("the row is rendered")
 }
+
+/// A report of 8 steps with the three main runs (fault-free, in place, checkpoint restart),
+/// `pins` as its pipelines and `extra` (the run a section's test renders) after them; the
+/// test sets that run's own part and the checks.
+#[cfg(test)]
+pub(super) fn report_with(pins: Vec<usize>, extra: super::summary::RunSummary) -> super::Report {
+    use super::membership::tests::summary;
+    use super::summary::RunKind;
+    let (_, ff) = summary(RunKind::FaultFree, "{\"event\":\"start\",\"step\":0}\n", 8);
+    let (_, ip) = summary(RunKind::InPlace, "", 8);
+    let (_, rs) = summary(RunKind::CheckpointRestart, "", 8);
+    super::Report {
+        model: "gpt-mini".into(),
+        nodes: pins.iter().sum(),
+        fault_threshold: 1,
+        cores: 2,
+        job: super::Job {
+            steps: 8,
+            tokens_per_step: 100,
+            failures: 0,
+        },
+        plan: super::FailurePlan {
+            failures: vec![],
+            pins,
+        },
+        failure_note: String::new(),
+        checks: vec![],
+        runs: vec![ff, ip, rs, extra],
+        membership: None,
+        hang: None,
+        master: None,
+        commands: vec![],
+    }
+}
