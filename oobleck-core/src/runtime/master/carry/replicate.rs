@@ -88,6 +88,10 @@ impl Driver<'_> {
     /// Tells every agent where the standbys take over, when that or the agents changed.
     async fn tell_agents(&mut self, standbys: &[(u64, String)]) {
         let addrs: Vec<String> = standbys.iter().map(|s| s.1.clone()).collect();
+        if addrs.is_empty() && self.mirrors.told.0.is_empty() {
+            // No standby, now or before: nothing to tell.
+            return;
+        }
         let nodes: BTreeSet<u32> = self.p.master.node_ids().into_iter().collect();
         if (&addrs, &nodes) == (&self.mirrors.told.0, &self.mirrors.told.1) {
             return;
