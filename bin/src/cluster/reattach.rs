@@ -30,7 +30,7 @@ pub fn launch(
     token: Option<&str>,
 ) -> Result<LaunchMode> {
     let run = resumed_run(run)?;
-    check_unfinished(cfg, &run, committed_of(&run)?)?;
+    check_unfinished(cfg, &run, CommitRecord::committed_step(&run)?)?;
     let addr = match listen {
         Some(a) => super::resolve(a)?,
         None => recorded_addr(&run)?,
@@ -110,7 +110,7 @@ pub fn open(cfg: &TrainConfig, run: &Path) -> Result<(PathBuf, Reattach, Vec<ser
     if let Some(record) = CommitRecord::read(&out)? {
         record.complete_metrics(&out)?;
     }
-    let committed = committed_of(&out)?;
+    let committed = CommitRecord::committed_step(&out)?;
     check_unfinished(cfg, &out, committed)?;
     let newest = checkpoint_dirs(&out)
         .unwrap_or_default()
@@ -125,15 +125,6 @@ pub fn open(cfg: &TrainConfig, run: &Path) -> Result<(PathBuf, Reattach, Vec<ser
     Ok((out, reattach, json))
 }
 
-/// The run's last committed step: its commit record's, else (a run written before the record
-/// existed) the last line of `metrics.jsonl`.
-fn committed_of(run: &Path) -> Result<u64> {
-    Ok(match CommitRecord::read(run)? {
-        Some(record) => record.step,
-        None => last_metrics_step(run),
-    })
-}
-
 /// Refuses a run whose last step is committed: its agents have finished.
 fn check_unfinished(cfg: &TrainConfig, run: &Path, committed: u64) -> Result<()> {
     if committed >= cfg.steps {
@@ -145,15 +136,4 @@ fn check_unfinished(cfg: &TrainConfig, run: &Path, committed: u64) -> Result<()>
         );
     }
     Ok(())
-}
-
-/// The last step of `metrics.jsonl` (a run written before the commit record existed).
-fn last_metrics_step(run: &Path) -> u64 {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["step"].as_u64())
-        .max()
-        .unwrap_or(0)
 }

@@ -173,7 +173,7 @@ impl JobMachine {
 
     /// The plan the returned agents run: the newest generation any of them runs that the
     /// run directory has a plan of (the lost master may have written a plan it never sent).
-    fn plan_back(&self) -> Option<Plan> {
+    fn plan_back(&self) -> Option<&Plan> {
         let plans = &self.start.reattach.as_ref()?.plans;
         let newest = self
             .returns
@@ -183,8 +183,8 @@ impl JobMachine {
             .filter(|g| plans.iter().any(|p| p.generation == *g))
             .max();
         match newest {
-            Some(g) => plans.iter().find(|p| p.generation == g).cloned(),
-            None => plans.last().cloned(),
+            Some(g) => plans.iter().find(|p| p.generation == g),
+            None => plans.last(),
         }
     }
 
@@ -196,7 +196,7 @@ impl JobMachine {
 
     /// Takes over the returned agents' generation and recovers from it in place.
     fn readopt(&mut self, now: Duration) {
-        let Some(plan) = self.plan_back() else {
+        let Some(plan) = self.plan_back().cloned() else {
             return self.fail(RuntimeError::Invalid(
                 "--reattach: the run directory has no plan (plan.json) of the job's generations"
                     .into(),

@@ -69,18 +69,22 @@ impl CommitRecord {
         r.write(run)
     }
 
+    /// The run's last committed step: its record's, else (a run written before the record
+    /// existed) the last line of `metrics.jsonl`.
+    pub fn committed_step(run: &Path) -> Result<u64> {
+        Ok(match CommitRecord::read(run)? {
+            Some(record) => record.step,
+            None => last_step_in(&read_metrics(run)),
+        })
+    }
+
     /// Appends to `metrics.jsonl` the lines of this record past its last line: the steps the
     /// lost master committed and had not written. Returns how many.
     pub fn complete_metrics(&self, run: &Path) -> Result<usize> {
         use std::io::Write;
         let path = run.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let last = text
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v["step"].as_u64())
-            .max()
-            .unwrap_or(0);
+        let text = read_metrics(run);
+        let last = last_step_in(&text);
         let missing: Vec<&StepMetrics> = self.unwritten.iter().filter(|m| m.step > last).collect();
         if missing.is_empty() {
             return Ok(0);
@@ -102,11 +106,27 @@ impl CommitRecord {
     }
 }
 
+/// `metrics.jsonl` of `run` (empty when there is none).
+fn read_metrics(run: &Path) -> String {
+    std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default()
+}
+
+/// The highest step of the lines of a `metrics.jsonl` (0 for none).
+fn last_step_in(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["step"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn line(step: u64) -> StepMetrics {
+    /// A metrics line of `step` (also the run directory's tests').
+    pub(in crate::runtime::master) fn line(step: u64) -> StepMetrics {
         StepMetrics {
             step,
             loss: 5.0 - step as f64 * 0.1,

@@ -282,10 +282,8 @@ async fn handshake(
         PeerRole::Returning(r) if r.epoch > shared.config.epoch => {
             shared.emit(MasterEvent::Replaced { epoch: r.epoch });
             return Err(format!(
-                "{}: its epoch {} is behind the agent's {}",
-                protocol::REPLACED,
-                shared.config.epoch,
-                r.epoch
+                "this master was replaced: its epoch {} is behind the agent's {}",
+                shared.config.epoch, r.epoch
             ));
         }
         PeerRole::Agent { devices } => (Some(shared.new_node()), devices, None),

@@ -40,12 +40,21 @@ pub(super) struct Mirror {
 /// first: see [`is_record`]).
 pub(super) fn files(run: &Path) -> Vec<(String, Seen)> {
     let mut out = Vec::new();
-    walk(run, run, &mut out);
+    walk(run, run, true, &mut out);
     out.sort_by_key(|(p, _)| (!is_record(p), p.clone()));
     out
 }
 
-fn walk(run: &Path, dir: &Path, out: &mut Vec<(String, Seen)>) {
+/// Only the run's logs and records (its top-level files), sorted: what a commit must send,
+/// without a walk through every checkpoint.
+pub(super) fn records(run: &Path) -> Vec<(String, Seen)> {
+    let mut out = Vec::new();
+    walk(run, run, false, &mut out);
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn walk(run: &Path, dir: &Path, deep: bool, out: &mut Vec<(String, Seen)>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -61,7 +70,9 @@ fn walk(run: &Path, dir: &Path, out: &mut Vec<(String, Seen)>) {
         }
         let Ok(meta) = e.metadata() else { continue };
         if meta.is_dir() {
-            walk(run, &path, out);
+            if deep {
+                walk(run, &path, deep, out);
+            }
         } else if meta.is_file() {
             let seen = Seen {
                 len: meta.len(),
@@ -274,6 +285,9 @@ mod tests {
             same(&run, &copy, "metrics.jsonl");
         }
         assert_eq!(calls, 3);
+        // What a commit sends: the top-level files alone.
+        let top: Vec<String> = records(&run).into_iter().map(|f| f.0).collect();
+        assert_eq!(top, ["events.jsonl", "metrics.jsonl", "plan.json"]);
         same(&run, &copy, "checkpoints/step-000010/model.safetensors");
     }
 

@@ -240,25 +240,6 @@ mod tests {
         save_checkpoint(dir, &params, &[], &trainer).expect("save")
     }
 
-    fn metrics_line(step: u64) -> StepMetrics {
-        StepMetrics {
-            step,
-            loss: 1.0,
-            lr: 0.1,
-            grad_norm: 0.5,
-            samples_per_s: 1.0,
-            tokens_per_s: 1.0,
-            generation: 0,
-            pipelines: 1,
-            nodes: 1,
-            wall_s: step as f64,
-            val_loss: None,
-            microbatches: String::new(),
-            times: BTreeMap::new(),
-            data: None,
-        }
-    }
-
     fn written_steps(dir: &Path) -> Vec<(u64, Option<f64>)> {
         std::fs::read_to_string(dir.join("metrics.jsonl"))
             .expect("metrics.jsonl")
@@ -274,10 +255,18 @@ mod tests {
     fn a_line_waiting_for_a_validation_loss_that_never_comes_is_written_at_release() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut files = RunFiles::open(dir.path(), Vec::new()).expect("open");
-        files.metrics(metrics_line(1), false).expect("1");
-        files.metrics(metrics_line(2), true).expect("2 waits");
-        files.metrics(metrics_line(3), false).expect("3");
-        files.metrics(metrics_line(4), true).expect("4 waits");
+        files
+            .metrics(super::super::commits::tests::line(1), false)
+            .expect("1");
+        files
+            .metrics(super::super::commits::tests::line(2), true)
+            .expect("2 waits");
+        files
+            .metrics(super::super::commits::tests::line(3), false)
+            .expect("3");
+        files
+            .metrics(super::super::commits::tests::line(4), true)
+            .expect("4 waits");
         assert_eq!(written_steps(dir.path()), vec![(1, None)], "held in order");
         files.val_loss(4, 2.5).expect("4's loss");
         assert_eq!(written_steps(dir.path()), vec![(1, None)], "2 still waits");

@@ -13,18 +13,23 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tokio::net::tcp::OwnedWriteHalf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
 use tokio::sync::mpsc;
 
 use super::mirror;
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::net::resolve;
+use crate::runtime::node::link::write_loop;
 use crate::runtime::wire::client::open;
 use crate::runtime::wire::protocol::{self, PeerRole};
 use crate::runtime::wire::{Message, Token, WireError};
 
 /// Bound of the registration and of every write to the master.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Acknowledgements queued before the reader waits for the writer.
+const ACKS: usize = 64;
 
 /// How a standby finds its master and where it keeps its copy.
 #[derive(Debug, Clone)]
@@ -89,8 +94,11 @@ async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
         opts.copy.display(),
         opts.listen
     );
-    let (acks, rx) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(write_loop(w, rx, welcomed.heartbeat));
+    // Acknowledgements as they come, and a heartbeat every interval (a standby is no node: 0).
+    let (acks, rx) = mpsc::channel(ACKS);
+    let paused = Arc::new(AtomicBool::new(false));
+    let beats = write_loop(w, rx, 0, welcomed.heartbeat, CONTROL_TIMEOUT, paused);
+    let writer = tokio::spawn(beats);
     let end = loop {
         let msg = match protocol::read_frame(&mut r, welcomed.lease).await {
             Ok(Some(m)) => m,
@@ -118,7 +126,10 @@ async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
                         what: format!("cannot keep its copy: {what}"),
                     }
                 })?;
-                let _ = acks.send(Message::Mirrored { seq });
+                let ack = Message::Mirrored { seq };
+                if acks.send(ack).await.is_err() {
+                    break StandbyEnd::MasterLost("its connection failed".into());
+                }
             }
             Message::Shutdown { reason } => break StandbyEnd::Finished(reason),
             Message::Refused { reason } => {
@@ -132,32 +143,4 @@ async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
     };
     writer.abort();
     Ok(end)
-}
-
-/// Sends the acknowledgements as they come, and a beat every `interval`.
-async fn write_loop(
-    mut w: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Message>,
-    interval: Duration,
-) {
-    let mut tick = tokio::time::interval(interval);
-    let mut seq = 0u64;
-    loop {
-        let msg = tokio::select! {
-            m = rx.recv() => match m {
-                Some(m) => m,
-                None => return,
-            },
-            _ = tick.tick() => {
-                seq += 1;
-                Message::StandbyBeat { seq }
-            }
-        };
-        if protocol::write_frame(&mut w, &msg, CONTROL_TIMEOUT)
-            .await
-            .is_err()
-        {
-            return;
-        }
-    }
 }

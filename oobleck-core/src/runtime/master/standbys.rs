@@ -64,7 +64,7 @@ pub(super) async fn serve_standby(
             Ok(Some(Message::Mirrored { seq })) => {
                 acked.fetch_max(seq, Ordering::SeqCst);
             }
-            Ok(Some(Message::StandbyBeat { .. })) => {}
+            Ok(Some(Message::Heartbeat { .. })) => {}
             Ok(Some(other)) => break format!("it sent {}", other.kind()),
             Ok(None) => break "its connection closed".into(),
             Err(WireError::Timeout { ms, .. }) => break format!("silent for {ms} ms"),

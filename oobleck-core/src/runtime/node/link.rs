@@ -203,7 +203,9 @@ impl Agent {
     }
 }
 
-async fn write_loop(
+/// A peer's writer to the master: the messages queued on `rx`, and a heartbeat (`node`) every
+/// `interval` unless `paused`. Agents and standby masters use it.
+pub(crate) async fn write_loop(
     mut w: OwnedWriteHalf,
     mut rx: mpsc::Receiver<Message>,
     node: u32,
@@ -230,7 +232,7 @@ async fn write_loop(
         };
         if let Err(e) = protocol::write_frame(&mut w, &msg, write_timeout).await {
             // The reader sees the connection die (or the master's silence) and reports it.
-            warn!(node, error = %e, "agent write failed");
+            warn!(node, error = %e, "write to the master failed");
             return;
         }
     }

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use super::lookup::{Lookup, Next};
 use super::spawn::stop_workers;
 use super::{Agent, Local, NodeAgent, GRACE, POLL};
-use crate::runtime::wire::protocol::{Return, REPLACED};
+use crate::runtime::wire::protocol::Return;
 use crate::runtime::wire::{Token, WireError};
 
 /// Bound of one try at an address while looking for a master: a live master answers in
@@ -35,7 +35,7 @@ pub(super) enum Search {
     /// The node was told to leave (SIGTERM, a preemption notice) while it had no master:
     /// there is no one to release it, so it goes at once.
     Left(String),
-    /// No master took it within the wait, or one refused it: why.
+    /// No master took it within the wait: why.
     GaveUp(String),
 }
 
@@ -44,10 +44,11 @@ enum Reach {
     Found(Agent, SocketAddr),
     /// Nothing that answers as a master there (yet): try again later.
     Absent,
-    /// A master that will not take this agent (another job's token, another version).
-    Refused(String),
-    /// A master of an epoch lower than one this agent has seen: replaced, not to be served.
-    Stale(u64),
+    /// A master that is not this job's to serve (why): of an epoch below one this agent has
+    /// seen (replaced), or one that refuses it (another job's token, another version, now at
+    /// the lost master's address). The addresses after it, and later tries, may still find
+    /// the job's master.
+    PassedOver(String),
 }
 
 impl NodeAgent {
@@ -78,25 +79,19 @@ impl NodeAgent {
                     match reach(&addr, &self.token, back, limit).await {
                         Reach::Found(conn, at) => return Search::Found(conn, at, addr),
                         Reach::Absent => {}
-                        Reach::Stale(epoch) => self.say_stale(&addr, epoch),
-                        Reach::Refused(e) => {
-                            return Search::GaveUp(format!(
-                                "the master at {addr} refused this node ({e})"
-                            ))
-                        }
+                        Reach::PassedOver(why) => self.pass_over(&addr, &why),
                     }
                 }
             }
         }
     }
 
-    /// Says (once per address) that the master at `addr` is of an older epoch.
-    fn say_stale(&mut self, addr: &str, epoch: u64) {
-        if self.stale_told.insert(addr.to_string()) {
+    /// Says (once per address) why the master at `addr` is passed over.
+    fn pass_over(&mut self, addr: &str, why: &str) {
+        if self.passed_over.insert(addr.to_string()) {
             eprintln!(
-                "oobleck agent: node {}: the master at {addr} is of epoch {epoch}, replaced by \
-                 epoch {}: not rejoining it",
-                self.node, self.epoch
+                "oobleck agent: node {}: passing over the master at {addr} ({why}); looking on",
+                self.node
             );
         }
     }
@@ -257,12 +252,12 @@ async fn reach(addr: &str, token: &Token, back: Return, limit: Duration) -> Reac
     };
     let seen = back.epoch;
     match Agent::reconnect(at, token, back, limit).await {
-        Ok(conn) if conn.epoch() < seen => Reach::Stale(conn.epoch()),
+        Ok(conn) if conn.epoch() < seen => {
+            Reach::PassedOver(format!("its epoch {} was replaced by {seen}", conn.epoch()))
+        }
         Ok(conn) => Reach::Found(conn, at),
-        // A master the job left behind: the one that replaced it is elsewhere in the list.
-        Err(WireError::Refused { reason }) if reason.contains(REPLACED) => Reach::Stale(0),
         Err(e @ (WireError::Refused { .. } | WireError::UnsupportedVersion { .. })) => {
-            Reach::Refused(e.to_string())
+            Reach::PassedOver(e.to_string())
         }
         Err(_) => Reach::Absent,
     }

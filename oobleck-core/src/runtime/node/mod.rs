@@ -155,6 +155,7 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
     let master = resolve(&opts.master)?;
     let conn = register(master, &token, opts.wait).await?;
     let node = conn.node();
+    let epoch = conn.epoch();
     let host = match &opts.host {
         Some(h) => h.clone(),
         None => conn.local_addr().ip().to_string(),
@@ -181,11 +182,10 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
         drain_wait: opts.drain_wait,
         watch: Default::default(),
         limits_told: false,
-        epoch: 0,
-        stale_told: Default::default(),
+        epoch,
+        passed_over: Default::default(),
         parent_gone_ok: false,
     };
-    agent.epoch = agent.conn.epoch();
     let result = agent.run(&mut local_rx).await;
     let grace = if result.is_ok() {
         GRACE
@@ -313,8 +313,8 @@ struct NodeAgent {
     limits_told: bool,
     /// The highest master epoch it has seen: it registers with no master of a lower one.
     epoch: u64,
-    /// Masters it found at a lower epoch, said once each.
-    stale_told: std::collections::BTreeSet<String>,
+    /// Addresses whose master it passed over while looking for its own, said once each.
+    passed_over: std::collections::BTreeSet<String>,
     /// It serves a master found after losing the one that started it: stdin closing (that
     /// first master, or its ssh session, ending) says nothing about the master it serves.
     parent_gone_ok: bool,

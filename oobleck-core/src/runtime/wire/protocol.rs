@@ -39,10 +39,6 @@ use crate::planning::Plan;
 use crate::runtime::wire::pipe::StateSource;
 use crate::runtime::wire::records::WorkerReport;
 
-/// In the refusal a master gives an agent that has seen a newer master: the agent keeps
-/// looking (for that newer one) instead of giving up.
-pub const REPLACED: &str = "this master was replaced";
-
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
@@ -244,7 +240,7 @@ pub enum Message {
     },
     /// Master -> peer, then close.
     Refused { reason: String },
-    /// Agent -> master, every `heartbeat_ms`.
+    /// Agent (and standby master, as node 0) -> master, every `heartbeat_ms`.
     Heartbeat { node: u32, seq: u64 },
     /// Master -> agent: the plan of a generation and where every rank's data plane listens.
     PlanAssignment {
@@ -304,8 +300,6 @@ pub enum Message {
     },
     /// Standby -> master: every record up to `seq` is on its disk.
     Mirrored { seq: u64 },
-    /// Standby -> master, every heartbeat interval.
-    StandbyBeat { seq: u64 },
     /// Master -> agents: where the standby masters take over, in the order to try them after
     /// the master's own address.
     Standbys { addrs: Vec<String> },
@@ -343,7 +337,6 @@ impl Message {
             Message::Drain { .. } => "drain",
             Message::Mirror { .. } => "mirror",
             Message::Mirrored { .. } => "mirrored",
-            Message::StandbyBeat { .. } => "standby_beat",
             Message::Standbys { .. } => "standbys",
         }
     }

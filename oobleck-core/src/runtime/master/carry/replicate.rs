@@ -42,8 +42,11 @@ impl Driver<'_> {
             return;
         }
         self.mirrors.last = Some(Instant::now());
-        let files = mirror::files(&self.p.out);
-        let budget = if commit { 0 } else { BUDGET };
+        // A commit sends the logs and records alone: no walk through the checkpoints.
+        let (files, budget) = match commit {
+            true => (mirror::records(&self.p.out), 0),
+            false => (mirror::files(&self.p.out), BUDGET),
+        };
         let lease = self.p.master.lease();
         for (id, listen) in standbys {
             let m = self.mirrors.sent.entry(id).or_default();
