@@ -169,6 +169,20 @@ fn listening_master(out: &Path, steps: u64, addr: &str) -> Child {
 
 const TOKEN: &str = "master-lost-test-secret";
 
+/// `train agent --master ADDR --master-wait WAIT` with the job's token and `env`, its stderr
+/// piped (for [`drain_into`]).
+fn hand_agent(addr: &str, wait: &str, env: &[(&str, &str)]) -> Child {
+    Command::new(TRAIN)
+        .args(["agent", "--master", addr, "--master-wait", wait])
+        .env("OOBLECK_TOKEN", TOKEN)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start an agent")
+}
+
 #[test]
 fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -181,14 +195,7 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     let agents_log = Arc::new(Mutex::new(String::new()));
     let mut readers = vec![master_reader];
     for _ in 0..2 {
-        let mut agent = Command::new(TRAIN)
-            .args(["agent", "--master", &addr, "--master-wait", "120"])
-            .env("OOBLECK_TOKEN", TOKEN)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start an agent");
+        let mut agent = hand_agent(&addr, "120", &[]);
         readers.push(drain_into(&mut agent, &agents_log));
         procs.0.push(agent);
     }
@@ -561,15 +568,7 @@ fn a_master_and_a_node_killed_at_once_cost_one_reattach_and_one_recovery_in_plac
     let agents_log = Arc::new(Mutex::new(String::new()));
     let mut readers = vec![master_reader];
     for _ in 0..3 {
-        let mut agent = Command::new(TRAIN)
-            .args(["agent", "--master", &addr, "--master-wait", "60"])
-            .env("OOBLECK_TOKEN", TOKEN)
-            .env("OOBLECK_TEST_SLOW", "0:100")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start an agent");
+        let mut agent = hand_agent(&addr, "60", &[("OOBLECK_TEST_SLOW", "0:100")]);
         readers.push(drain_into(&mut agent, &agents_log));
         procs.0.push(agent);
     }

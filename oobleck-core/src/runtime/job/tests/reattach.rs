@@ -166,13 +166,7 @@ fn no_agent_back_within_the_join_limit_fails_the_job_and_says_what_to_do() {
     let a = h.ticks(0.0, 59.9);
     assert!(!a.iter().any(|a| matches!(a, Action::Fail(_))));
     let a = h.ticks(60.0, 60.1);
-    let e = a
-        .iter()
-        .find_map(|a| match a {
-            Action::Fail(e) => Some(e.to_string()),
-            _ => None,
-        })
-        .expect("the job fails");
+    let e = failure(&a);
     assert!(e.contains("--reattach") && e.contains("--resume"), "{e}");
 }
 
@@ -187,13 +181,7 @@ fn a_minority_back_re_adopts_nothing_however_long_it_waits() {
         kinds(&a)
     );
     let a = h.ticks(60.0, 60.1);
-    let e = a
-        .iter()
-        .find_map(|a| match a {
-            Action::Fail(e) => Some(e.to_string()),
-            _ => None,
-        })
-        .expect("the job fails");
+    let e = failure(&a);
     assert!(
         e.contains("only 1 of the 3 nodes came back, no majority"),
         "{e}"
