@@ -42,7 +42,8 @@ pub struct AgentArgs {
     /// silent for a lease; with --exit-with-parent, stdin closing counts as the master lost):
     /// the master's address is tried again with growing pauses (0.25 s doubling to 4 s). No
     /// master within the wait: the workers are stopped and the agent exits (status 1). A
-    /// master that comes back in time takes this agent as a new node. At least 1; above 180
+    /// master restarted on the run (`train --resume RUN --reattach`, or a standby taking over)
+    /// takes it back with its workers; any other takes it as a new node. At least 1; above 180
     /// the workers stop waiting for their step's commit first, and exit with their state.
     #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_master_wait)]
     pub master_wait: Duration,
