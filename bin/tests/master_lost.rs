@@ -169,11 +169,12 @@ fn listening_master(out: &Path, steps: u64, addr: &str) -> Child {
 
 const TOKEN: &str = "master-lost-test-secret";
 
-/// `train agent --master ADDR --master-wait WAIT` with the job's token and `env`, its stderr
-/// piped (for [`drain_into`]).
-fn hand_agent(addr: &str, wait: &str, env: &[(&str, &str)]) -> Child {
+/// `train agent --master ADDR --master-wait WAIT EXTRA` with the job's token and `env`, its
+/// stderr piped (for [`drain_into`]).
+fn hand_agent(addr: &str, wait: &str, extra: &[&str], env: &[(&str, &str)]) -> Child {
     Command::new(TRAIN)
         .args(["agent", "--master", addr, "--master-wait", wait])
+        .args(extra)
         .env("OOBLECK_TOKEN", TOKEN)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
@@ -195,7 +196,7 @@ fn a_master_back_in_time_takes_the_waiting_agents_as_new_nodes() {
     let agents_log = Arc::new(Mutex::new(String::new()));
     let mut readers = vec![master_reader];
     for _ in 0..2 {
-        let mut agent = hand_agent(&addr, "120", &[]);
+        let mut agent = hand_agent(&addr, "120", &[], &[]);
         readers.push(drain_into(&mut agent, &agents_log));
         procs.0.push(agent);
     }
@@ -426,11 +427,40 @@ fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_
     let text = job.finished_by_the_standby(STEPS);
     assert!(text.contains("taking over at"), "{text}");
     assert_eq!(events_of(&job.copy, "reattach").len(), 1);
+    assert_took_over(&job.copy, 2);
     let last = reconfig_events(&job.copy).pop().expect("a reconfiguration");
     assert_eq!(last["in_place"], true, "{last}");
     assert_eq!(last["replayed_steps"], 0, "{last}");
     assert_all_exit(&job.pids);
     job.reader.join().expect("stderr reader");
+}
+
+/// The run's master was lost once and the standby at `copy` took over, with its phases, and
+/// re-adopted all of the `nodes`.
+fn assert_took_over(copy: &Path, nodes: usize) {
+    let lost = events_of(copy, "master_lost");
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!(
+        (&lost[0]["lost_epoch"], &lost[0]["epoch"]),
+        (&1.into(), &2.into())
+    );
+    let why = lost[0]["why"].as_str().expect("why");
+    assert!(why.starts_with("the standby at "), "{why}");
+    let took = events_of(copy, "master_took_over");
+    assert_eq!(took.len(), 1, "{took:?}");
+    let t = &took[0];
+    assert_eq!(t["nodes_back"].as_array().map(Vec::len), Some(nodes), "{t}");
+    let phases = ["detect_s", "quorum_s", "readopt_s", "first_commit_s"];
+    let sum: f64 = phases
+        .iter()
+        .map(|p| {
+            t["phases"][p]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{p}: {t}"))
+        })
+        .sum();
+    let total = t["total_s"].as_f64().expect("total_s");
+    assert!((sum - total).abs() < 1e-6 && total > 0.0, "{t}");
 }
 
 /// The standby master's pid, from the line the master says it in.
@@ -452,6 +482,15 @@ fn a_master_stopped_until_its_standby_took_over_steps_down_when_it_wakes() {
     let master = job.guard.0.as_ref().expect("train").id();
     signal("STOP", master);
     wait_for_lines(&job.log, "re-adopts this node", 2, Duration::from_secs(60));
+    // `oobleck status` on the run the person started follows the leader: the stopped master
+    // does not answer, the standby that took over does, of epoch 2.
+    let run = job.out.display().to_string();
+    let o = oobleck_tool(&["status", "--run", &run, "--json", "--timeout", "2"]);
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("took over (epoch 2)"), "{said}");
+    let status: serde_json::Value = serde_json::from_slice(&o.stdout).expect("status JSON");
+    assert_eq!(status["epoch"], 2, "{status}");
     // Woken up, the old master must act on nothing: it steps down.
     signal("CONT", master);
     let st = wait_exit(
@@ -467,6 +506,65 @@ fn a_master_stopped_until_its_standby_took_over_steps_down_when_it_wakes() {
     assert_all_exit(&job.pids);
     job.reader.join().expect("stderr reader");
     drop(job.dir);
+}
+
+#[test]
+fn an_agent_started_with_standby_runs_the_standby_that_takes_over() {
+    const STEPS: u64 = 16;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let out = dir.path().join("run");
+    let copy = dir.path().join("copy");
+    let mut procs = Children::default();
+    let mut master = listening_master(&out, STEPS, &addr);
+    let (master_log, master_reader) = drain_stderr(&mut master);
+    procs.0.push(master);
+    let log = Arc::new(Mutex::new(String::new()));
+    let mut readers = vec![master_reader];
+    let slow = [("OOBLECK_TEST_SLOW", "0:100")];
+    let copy_arg = copy.display().to_string();
+    let with_standby = ["--standby", "--standby-copy", copy_arg.as_str()];
+    for extra in [&with_standby[..], &[]] {
+        let mut agent = hand_agent(&addr, "60", extra, &slow);
+        readers.push(drain_into(&mut agent, &log));
+        procs.0.push(agent);
+    }
+    wait_for_lines(
+        &log,
+        "standby master beside this agent: pid",
+        1,
+        Duration::from_secs(30),
+    );
+    wait_for_step(&out, 4, Duration::from_secs(180));
+    let _strays = Strays(recorded_pids(&out, 2));
+    procs.0[0].kill().expect("SIGKILL the master");
+    procs.0[0].wait().expect("reap the master");
+    let start = Instant::now();
+    for p in procs.0.iter_mut().skip(1) {
+        let st = wait_exit(p, Duration::from_secs(180).saturating_sub(start.elapsed()));
+        assert!(st.success(), "{st}; agents:\n{}", log.lock().expect("log"));
+    }
+    // The agent waits for its standby only while it is one; the master it became finishes.
+    let standby = log
+        .lock()
+        .expect("log")
+        .lines()
+        .find_map(|l| l.split("standby master beside this agent: pid ").nth(1))
+        .and_then(|l| l.split(',').next()?.parse::<u32>().ok())
+        .expect("the standby's pid");
+    while alive(standby) && start.elapsed() < Duration::from_secs(180) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = log.lock().expect("log").clone();
+    assert!(!alive(standby), "the standby still runs:\n{text}");
+    assert!(text.contains(&format!("done: {STEPS} steps")), "{text}");
+    assert_same_training(&copy, &want, &want_params);
+    assert_took_over(&copy, 2);
+    for r in readers {
+        r.join().expect("stderr reader");
+    }
+    drop(master_log);
 }
 
 /// `train --resume RUN --reattach EXTRA`: refused, with its message.
@@ -568,7 +666,7 @@ fn a_master_and_a_node_killed_at_once_cost_one_reattach_and_one_recovery_in_plac
     let agents_log = Arc::new(Mutex::new(String::new()));
     let mut readers = vec![master_reader];
     for _ in 0..3 {
-        let mut agent = hand_agent(&addr, "60", &[("OOBLECK_TEST_SLOW", "0:100")]);
+        let mut agent = hand_agent(&addr, "60", &[], &[("OOBLECK_TEST_SLOW", "0:100")]);
         readers.push(drain_into(&mut agent, &agents_log));
         procs.0.push(agent);
     }

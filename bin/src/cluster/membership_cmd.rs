@@ -8,7 +8,7 @@ use std::process::Stdio;
 use anyhow::{bail, Context, Result};
 use oobleck_core::runtime::wire::client::request_drain;
 
-use super::status::{ask, show, target, StatusArgs};
+use super::status::{ask, leader, show, StatusArgs};
 
 /// Drain one node of a running job: it leaves at the next step boundary, with no step lost.
 #[derive(Debug, Clone, clap::Args)]
@@ -60,7 +60,7 @@ pub fn add_node(a: &AddNodeArgs) -> Result<()> {
         json: false,
         timeout: 5,
     };
-    let (addr, token) = target(&status_args)?;
+    let (addr, token) = leader(&status_args)?;
     let exe = super::hostfile::agent_binary()?;
     let logs = a.run.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;

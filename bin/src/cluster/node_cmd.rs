@@ -60,6 +60,19 @@ pub struct AgentArgs {
     /// boundary before leaving anyway.
     #[arg(long, default_value_t = 60)]
     pub drain_wait: u64,
+    /// Also run a standby master beside this agent (`train standby`): it keeps a copy of the
+    /// master's run directory on this machine and takes over, with no step lost, if the
+    /// master is lost. One or two agents of a job on different machines are enough.
+    #[arg(long)]
+    pub standby: bool,
+    /// With --standby: where its copy of the run directory goes (empty or absent).
+    #[arg(long, requires = "standby", default_value = "oobleck-standby")]
+    pub standby_copy: std::path::PathBuf,
+    /// With --standby: the IP:PORT where it takes over, which every agent must reach
+    /// [default: a free port of --host, or of the address this machine reaches the master
+    /// from].
+    #[arg(long, requires = "standby")]
+    pub standby_listen: Option<String>,
 }
 
 /// `train agent ...`: the same command, from the `train` binary.
@@ -92,6 +105,16 @@ pub fn run(args: &AgentArgs) -> Result<()> {
             super::discover::master_from_env(&env).map_err(|e| anyhow::anyhow!(e))?
         }
     };
+    let standby = match args.standby {
+        true => Some(super::standbys::AgentStandby::start(
+            &master,
+            &oobleck_core::runtime::wire::Token::new(&token)?,
+            &args.standby_copy,
+            args.standby_listen.as_deref(),
+            args.host.as_deref(),
+        )?),
+        false => None,
+    };
     let opts = AgentOptions {
         host: args.host.clone(),
         exit_with_parent: args.exit_with_parent,
@@ -102,7 +125,11 @@ pub fn run(args: &AgentArgs) -> Result<()> {
         drain_wait: Duration::from_secs(args.drain_wait),
         ..AgentOptions::new(master, token)
     };
-    Ok(run_agent(&opts)?)
+    let ran = run_agent(&opts);
+    if let Some(s) = standby {
+        s.finish();
+    }
+    Ok(ran?)
 }
 
 /// The first line of stdin, read on a thread so a silent parent cannot hang the agent.

@@ -20,6 +20,10 @@ use super::status::{MASTER_FILE, TOKEN_FILE};
 use crate::config::TrainConfig;
 use crate::run_dir::resumed_run;
 
+/// Set by a standby that takes over (`standby_cmd.rs`): who it is and what it saw of the lost
+/// master, for the run's `master_lost` event.
+pub const TAKING_OVER: &str = "OOBLECK_TAKING_OVER";
+
 /// Where the restarted master listens and the job's token: `listen` (`--listen`) or the
 /// address in the run's `master.json`; `token` (`--token`, `OOBLECK_TOKEN`) or the run's
 /// `master.token` (a local job's, left behind by the lost master).
@@ -117,10 +121,14 @@ pub fn open(cfg: &TrainConfig, run: &Path) -> Result<(PathBuf, Reattach, Vec<ser
         .into_iter()
         .max()
         .map(|(step, path)| (path.display().to_string(), step));
+    let why = std::env::var(TAKING_OVER)
+        .unwrap_or_else(|_| "a master restarted with --reattach takes over".into());
     let reattach = Reattach {
         plans,
         committed,
         newest,
+        epoch: 0, // the master's own, once it starts
+        why,
     };
     Ok((out, reattach, json))
 }

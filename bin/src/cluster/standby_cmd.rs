@@ -83,6 +83,10 @@ fn take_over(copy: &std::path::Path, listen: &str, token: &str, why: &str) -> Re
         .arg(copy)
         .args(["--reattach", "--listen", listen])
         .env("OOBLECK_TOKEN", token)
+        .env(
+            super::reattach::TAKING_OVER,
+            format!("the standby at {listen} takes over: the master is lost ({why})"),
+        )
         .exec();
     Err(e).with_context(|| format!("taking over: starting {}", exe.display()))
 }

@@ -4,7 +4,7 @@
 //! lost. They are not the master's to kill when it dies (that is when they are needed); at the
 //! end of the job the master tells them it is over, and they exit.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -45,16 +45,8 @@ impl LocalStandbys {
             let copy = Self::copy_of(&self.out, k);
             // A copy left by an earlier run of this directory is not this run's.
             let _ = std::fs::remove_dir_all(&copy);
-            let listen = free_local_addr()?;
-            let child = Command::new(&exe)
-                .arg("standby")
-                .args(["--master", &master.to_string()])
-                .arg("--copy")
-                .arg(&copy)
-                .args(["--listen", &listen.to_string()])
-                .env("OOBLECK_TOKEN", token.expose())
-                .stdin(Stdio::null())
-                .spawn()
+            let listen = free_addr(std::net::Ipv4Addr::LOCALHOST.into())?;
+            let child = spawn_standby(&exe, &master.to_string(), &copy, listen, token)
                 .with_context(|| format!("starting standby master {k}"))?;
             said.push(format!(
                 "standby master {k}: pid {}, copy of the run in {}, takes over at {listen}",
@@ -88,8 +80,122 @@ impl LocalStandbys {
     }
 }
 
-/// A port of 127.0.0.1 free now, for a standby to take over at.
-fn free_local_addr() -> Result<SocketAddr> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+/// `train standby --master MASTER --copy COPY --listen LISTEN`, from this binary (`exe`).
+fn spawn_standby(
+    exe: &Path,
+    master: &str,
+    copy: &Path,
+    listen: SocketAddr,
+    token: &Token,
+) -> std::io::Result<Child> {
+    Command::new(exe)
+        .arg("standby")
+        .args(["--master", master])
+        .arg("--copy")
+        .arg(copy)
+        .args(["--listen", &listen.to_string()])
+        .env("OOBLECK_TOKEN", token.expose())
+        .stdin(Stdio::null())
+        .spawn()
+}
+
+/// A port of `ip` free now, for a standby to take over at.
+fn free_addr(ip: IpAddr) -> Result<SocketAddr> {
+    let l = std::net::TcpListener::bind((ip, 0))
+        .with_context(|| format!("finding a free port on {ip}"))?;
     l.local_addr().context("finding a free port")
+}
+
+/// The standby master an agent runs beside it (`train agent --standby`): started before the
+/// agent registers, so the master has it from the job's start. Once it took over it is the
+/// job's master, and outlives the agent; otherwise it ends with the job (the master tells it),
+/// and the agent waits for that at its own end, killing it after a grace.
+pub struct AgentStandby {
+    child: Child,
+}
+
+impl AgentStandby {
+    /// Starts it for the master at `master`: its copy in `copy` (which must not hold another
+    /// run's files), taking over at `listen`, or by default at a free port of the address this
+    /// machine reaches the master from (`host`, if given).
+    pub fn start(
+        master: &str,
+        token: &Token,
+        copy: &Path,
+        listen: Option<&str>,
+        host: Option<&str>,
+    ) -> Result<AgentStandby> {
+        let master_addr = super::resolve(master)?;
+        let listen = match listen {
+            Some(l) => super::resolve(l)?,
+            None => free_addr(match host {
+                Some(h) => h
+                    .parse()
+                    .with_context(|| format!("--host {h}: not an IP"))?,
+                None => ip_toward(master_addr)?,
+            })?,
+        };
+        check_empty(copy)?;
+        let exe = std::env::current_exe().context("locating the running binary")?;
+        let child = spawn_standby(&exe, master, copy, listen, token)
+            .context("starting the standby master (--standby)")?;
+        eprintln!(
+            "oobleck agent: standby master beside this agent: pid {}, copy of the run in {}, \
+             takes over at {listen}",
+            child.id(),
+            copy.display()
+        );
+        Ok(AgentStandby { child })
+    }
+
+    /// At the agent's end: a standby that took over is the job's master and is left to it;
+    /// any other gets [`EXIT_GRACE`] to hear that the job is over, then is killed.
+    pub fn finish(mut self) {
+        let deadline = Instant::now() + EXIT_GRACE;
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            if took_over(self.child.id()) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if matches!(self.child.try_wait(), Ok(None)) && !took_over(self.child.id()) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The standby `pid` became the job's master: it runs `train --resume COPY --reattach` now.
+fn took_over(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == b"--reattach"))
+}
+
+/// The IP of this machine that a packet to `to` leaves from (no packet is sent).
+fn ip_toward(to: SocketAddr) -> Result<IpAddr> {
+    let any: SocketAddr = match to {
+        SocketAddr::V4(_) => "0.0.0.0:0".parse().expect("an address"),
+        SocketAddr::V6(_) => "[::]:0".parse().expect("an address"),
+    };
+    let s = std::net::UdpSocket::bind(any).context("finding this machine's address")?;
+    s.connect(to)
+        .with_context(|| format!("finding the address this machine reaches {to} from"))?;
+    Ok(s.local_addr()
+        .context("finding this machine's address")?
+        .ip())
+}
+
+/// A standby's copy starts empty: files of another run in it would be taken for this one's.
+fn check_empty(copy: &Path) -> Result<()> {
+    let Ok(mut entries) = std::fs::read_dir(copy) else {
+        return Ok(()); // absent: the standby makes it
+    };
+    if entries.next().is_some() {
+        anyhow::bail!(
+            "--standby-copy {}: not empty (a copy of an earlier run?); remove it, or pass \
+             another directory",
+            copy.display()
+        );
+    }
+    Ok(())
 }

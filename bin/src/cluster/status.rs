@@ -127,6 +127,9 @@ pub fn render(s: &ClusterStatus) -> String {
             .unwrap_or_else(|| "-".into()),
         s.samples_per_s
     );
+    if s.epoch > 0 {
+        out.push_str(&render_masters(s));
+    }
     out.push_str(&render_plan(s));
     for n in &s.nodes {
         let role = if s.joining.contains(&n.node) {
@@ -145,6 +148,16 @@ pub fn render(s: &ClusterStatus) -> String {
     }
     out.push_str(&render_ranks(s));
     out
+}
+
+/// The answering master's epoch and its standbys:
+/// `master epoch 2 | standby masters at 10.0.0.2:7001` (or `| no standby master`).
+pub fn render_masters(s: &ClusterStatus) -> String {
+    let standbys = match s.standbys.as_slice() {
+        [] => "no standby master".to_string(),
+        list => format!("standby masters at {}", list.join(", ")),
+    };
+    format!("master epoch {} | {standbys}\n", s.epoch)
 }
 
 /// Each rank's times of the last committed step, one line each, stragglers marked:
@@ -268,11 +281,19 @@ fn status_from_page_retrying(url: &str, a: &StatusArgs) -> Result<ClusterStatus>
 }
 
 pub fn run(a: &StatusArgs) -> Result<()> {
-    let status = match page_url(a) {
-        Some(url) => status_from_page_retrying(&url, a)?,
-        None => ask(a, "for its status", |addr, token, t| async move {
+    let control = || {
+        ask(a, "for its status", |addr, token, t| async move {
             request_status(addr, &token, t).await
-        })?,
+        })
+    };
+    let status = match page_url(a) {
+        // The page is the master's: once a standby took over, the standby answers.
+        Some(url) => match status_from_page_retrying(&url, a) {
+            Ok(s) => s,
+            Err(e) if !standbys(a).is_empty() => control().map_err(|c| e.context(c))?,
+            Err(e) => return Err(e),
+        },
+        None => control()?,
     };
     show(a, &status, None)
 }
@@ -288,10 +309,21 @@ pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
     show(&a.target, &status, Some(&head))
 }
 
-/// One request to the master `a` names, within its `--timeout`.
+/// One request to the master `a` names, within its `--timeout`. With `--run`, a master that
+/// cannot be reached is followed by the standbys the run names (`standbys.json`), in order: one
+/// of them answers once it took over, and the person is told.
 pub(super) fn ask<F, Fut>(a: &StatusArgs, what: &str, request: F) -> Result<ClusterStatus>
 where
-    F: FnOnce(SocketAddr, Token, Duration) -> Fut,
+    F: Fn(SocketAddr, Token, Duration) -> Fut,
+    Fut: std::future::Future<Output = oobleck_core::runtime::wire::WireResult<ClusterStatus>>,
+{
+    Ok(ask_at(a, what, request)?.1)
+}
+
+/// [`ask`], and the address of the master that answered.
+fn ask_at<F, Fut>(a: &StatusArgs, what: &str, request: F) -> Result<(SocketAddr, ClusterStatus)>
+where
+    F: Fn(SocketAddr, Token, Duration) -> Fut,
     Fut: std::future::Future<Output = oobleck_core::runtime::wire::WireResult<ClusterStatus>>,
 {
     let (addr, token) = target(a)?;
@@ -300,8 +332,64 @@ where
         .build()
         .context("starting a runtime")?;
     let timeout = Duration::from_secs(a.timeout.max(1));
-    rt.block_on(request(addr, token, timeout))
-        .with_context(|| format!("asking the master at {addr} {what}"))
+    let unreachable = match rt.block_on(request(addr, token.clone(), timeout)) {
+        Ok(status) => return Ok((addr, status)),
+        Err(e) if is_unreachable(&e) => e,
+        Err(e) => return Err(e).with_context(|| format!("asking the master at {addr} {what}")),
+    };
+    for standby in standbys(a) {
+        match rt.block_on(request(standby, token.clone(), timeout)) {
+            Ok(status) => {
+                eprintln!(
+                    "the master at {addr} does not answer ({unreachable}); the standby at \
+                     {standby} took over (epoch {})",
+                    status.epoch
+                );
+                return Ok((standby, status));
+            }
+            Err(e) if is_unreachable(&e) => continue,
+            Err(e) => return Err(e).with_context(|| format!("asking {standby} {what}")),
+        }
+    }
+    Err(unreachable).with_context(|| format!("asking the master at {addr} {what}"))
+}
+
+/// Nothing answers at the address (no listener, no route, silence): another may.
+fn is_unreachable(e: &oobleck_core::runtime::wire::WireError) -> bool {
+    use oobleck_core::runtime::wire::WireError;
+    matches!(e, WireError::Io { .. } | WireError::Timeout { .. })
+}
+
+/// Where the standbys of the run `a` names take over (`standbys.json`, written by its master
+/// as they come and go); none without `--run`.
+fn standbys(a: &StatusArgs) -> Vec<SocketAddr> {
+    use oobleck_core::runtime::master::STANDBYS_FILE;
+    let Some(run) = &a.run else {
+        return Vec::new();
+    };
+    let Ok(text) = std::fs::read_to_string(run.join(STANDBYS_FILE)) else {
+        return Vec::new();
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    v["standbys"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.as_str()?.parse().ok())
+        .collect()
+}
+
+/// The job's active master and its token: the one `a` names, or (with `--run`) the standby
+/// that took over once it is gone.
+pub(super) fn leader(a: &StatusArgs) -> Result<(SocketAddr, Token)> {
+    let (addr, token) = target(a)?;
+    if standbys(a).is_empty() {
+        return Ok((addr, token));
+    }
+    let (active, _) = ask_at(a, "where it is", |addr, token, t| async move {
+        request_status(addr, &token, t).await
+    })?;
+    Ok((active, token))
 }
 
 /// Prints a status as JSON (`--json`) or text, after `head` in text.
@@ -341,8 +429,14 @@ mod tests {
             draining: vec![(1, "SIGTERM".into())],
             spare: vec![2],
             ranks: Vec::new(),
+            epoch: 2,
+            standbys: vec!["127.0.0.1:7001".into()],
         };
         let text = render(&s);
+        assert!(
+            text.contains("\nmaster epoch 2 | standby masters at 127.0.0.1:7001\n"),
+            "{text}"
+        );
         assert!(
             text.starts_with("nodes 4/3 | generation 2 | committed step 41"),
             "{text}"
@@ -388,6 +482,8 @@ mod tests {
             draining: Vec::new(),
             spare: Vec::new(),
             ranks: vec![rank(0, 120.0, false), rank(1, 310.2, true)],
+            epoch: 0,
+            standbys: Vec::new(),
         };
         let text = render(&s);
         assert!(text.contains("ranks in step 9:\nrank 0 on node 0: compute 120.0 ms | p2p 4.0 ms | collective 12.5 ms | step 402.3 ms\n"), "{text}");

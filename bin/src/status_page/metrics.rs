@@ -92,6 +92,17 @@ fn job_gauges(
             "1 when the master answered the status page's last request",
             Some(f64::from(u8::from(up))),
         ),
+        (
+            "master_epoch",
+            "The epoch of the master serving this page: 1 for the job's first, one more for each \
+             that took over (a standby master, or --reattach)",
+            of_status(|s| s.epoch as f64).filter(|e| *e > 0.0),
+        ),
+        (
+            "standby_masters",
+            "Standby masters that keep a copy of the run and take over if the master is lost",
+            of_status(|s| s.standbys.len() as f64),
+        ),
         ("step", "The newest committed step", num(|m| m.step as f64)),
         (
             "loss",
@@ -306,6 +317,8 @@ mod tests {
             draining: vec![],
             spare: vec![],
             ranks: vec![rank(0, 0), rank(1, 1), rank(2, 2)],
+            epoch: 3,
+            standbys: vec!["127.0.0.1:7001".into()],
         }
     }
 
@@ -346,6 +359,8 @@ mod tests {
             ("oobleck_nodes", 3.0),
             ("oobleck_fault_tolerance", 0.0),
             ("oobleck_master_up", 1.0),
+            ("oobleck_master_epoch", 3.0),
+            ("oobleck_standby_masters", 1.0),
             ("oobleck_reconfigurations_total", 1.0),
         ] {
             assert_eq!(value(&s, name, &[]), Some(want), "{name}");
@@ -376,5 +391,6 @@ mod tests {
         let s = scrape(&render(&feed, None, false, 1));
         assert_eq!(value(&s, "oobleck_master_up", &[]), Some(0.0));
         assert_eq!(value(&s, "oobleck_nodes", &[]), None);
+        assert_eq!(value(&s, "oobleck_master_epoch", &[]), None);
     }
 }

@@ -103,6 +103,7 @@ function drawHeader(s) {
   document.querySelector(".progress").setAttribute("aria-valuenow", pct.toFixed(0));
   const gen = cluster ? cluster.generation : latest ? latest.generation : null;
   setText("generation", gen ?? "–");
+  drawMaster(cluster);
   setText("loss", latest ? fmt(latest.loss, 4) : "–");
   setText("tokens", latest ? fmt(latest.tokens_per_s, 0) : "–");
   setText("wall", latest ? duration(latest.wall_s) : "–");
@@ -111,6 +112,14 @@ function drawHeader(s) {
   setText("fault-left", `${left ?? "–"} (f = ${job.fault_threshold ?? "–"})`,
     left === 0 ? "warn" : "");
   drawNodesLive(cluster);
+}
+
+// "epoch 2 · 1 standby": the master serving the page, and who takes over if it is lost.
+function drawMaster(cluster) {
+  if (!cluster || !cluster.epoch) return setText("master", "–");
+  const n = (cluster.standbys || []).length;
+  const standbys = n === 0 ? "no standby" : n === 1 ? "1 standby" : `${n} standbys`;
+  setText("master", `epoch ${cluster.epoch} · ${standbys}`);
 }
 
 function drawNodesLive(cluster) {

@@ -44,6 +44,10 @@ pub struct Reattach {
     /// The newest checkpoint in the run directory and its step: where the job goes back to
     /// if the agents that came back do not hold every layer.
     pub newest: Option<(String, u64)>,
+    /// This master's epoch (`master.epoch`), one more than the lost master's.
+    pub epoch: u64,
+    /// Who takes over and what it saw of the lost master, for `master_lost`.
+    pub why: String,
 }
 
 /// The machine's re-adoption group, while it waits for the agents. Only this file changes it.
@@ -53,6 +57,23 @@ pub(super) struct Returns {
     back: BTreeMap<u32, Return>,
     /// When the first came.
     first: Option<Duration>,
+    /// The longest a returned agent had been without a master when this master started.
+    lost_before: Duration,
+    /// When more than half of the plan's nodes were back.
+    quorum: Option<Duration>,
+    /// The re-adoption, until the first commit after it ends the take-over.
+    readopted: Option<TakeOver>,
+}
+
+/// A re-adoption under way, for the `master_took_over` event of its first commit.
+#[derive(Debug)]
+struct TakeOver {
+    epoch: u64,
+    detect: Duration,
+    quorum: Duration,
+    at: Duration,
+    back: Vec<u32>,
+    lost: Vec<u32>,
 }
 
 impl JobMachine {
@@ -127,7 +148,12 @@ impl JobMachine {
             back.ranks.len()
         ));
         self.returns.first.get_or_insert(now);
+        let lost_before = Duration::from_millis(back.without_master_ms).saturating_sub(now);
+        self.returns.lost_before = self.returns.lost_before.max(lost_before);
         self.returns.back.insert(node, back);
+        if self.returns.quorum.is_none() && self.majority_back() {
+            self.returns.quorum = Some(now);
+        }
         if self.everyone_back() {
             self.readopt(now);
         }
@@ -249,8 +275,54 @@ impl JobMachine {
             plan.nodes().len(),
             plan.generation
         ));
+        self.returns.readopted = Some(TakeOver {
+            epoch: r.epoch,
+            detect: self.returns.lost_before,
+            quorum: self.returns.quorum.unwrap_or(now),
+            at: now,
+            back: back.keys().copied().collect(),
+            lost: plan
+                .nodes()
+                .into_iter()
+                .filter(|n| !back.contains_key(n))
+                .collect(),
+        });
         self.phase = Phase::Stepping;
         self.begin_recovery(now, Failure::master_restarted(now, committed));
+    }
+
+    /// `step` committed: the first commit after a re-adoption ends the take-over, recorded
+    /// with its phases (nothing otherwise).
+    pub(super) fn took_over_committed(&mut self, now: Duration, step: u64) {
+        let Some(t) = self.returns.readopted.take() else {
+            return;
+        };
+        let s = |d: Duration| d.as_secs_f64();
+        let phases = BTreeMap::from([
+            ("detect_s".to_string(), s(t.detect)),
+            ("quorum_s".to_string(), s(t.quorum)),
+            ("readopt_s".to_string(), s(t.at.saturating_sub(t.quorum))),
+            ("first_commit_s".to_string(), s(now.saturating_sub(t.at))),
+        ]);
+        let total_s = s(t.detect + now);
+        self.note(format!(
+            "took over as the master (epoch {}): step {step} committed {total_s:.2} s after the \
+             agents lost the old master (detect {:.2} s, quorum {:.2} s, re-adopt {:.2} s, \
+             first commit {:.2} s)",
+            t.epoch,
+            phases["detect_s"],
+            phases["quorum_s"],
+            phases["readopt_s"],
+            phases["first_commit_s"]
+        ));
+        self.record(Event::MasterTookOver {
+            epoch: t.epoch,
+            step,
+            nodes_back: t.back,
+            nodes_lost: t.lost,
+            total_s,
+            phases,
+        });
     }
 
     /// What the returned devices hold of committed step `committed` under `plan`, and the

@@ -183,6 +183,7 @@ impl JobMachine {
     /// `step` committed: a recovery under way ends with it, said and recorded with its
     /// phases (nothing otherwise).
     pub(super) fn recovery_committed(&mut self, now: Duration, step: u64) {
+        self.took_over_committed(now, step);
         self.phase_done(now, "first_step");
         if let Some(t) = self.recoveries.timer.take() {
             let since = now.saturating_sub(t.failed).as_secs_f64();

@@ -145,6 +145,12 @@ impl Shared {
             draining: job.draining.clone(),
             spare: job.spare.clone(),
             ranks: job.ranks.clone(),
+            epoch: self.config.epoch,
+            standbys: self
+                .standbys_mut()
+                .values()
+                .map(|s| s.listen.clone())
+                .collect(),
         }
     }
 

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 pub use agents::Started;
 pub use commits::{CommitRecord, COMMIT_FILE};
 pub use plan::{pinned_pipelines, plan_for, planned_profile};
-pub use rundir::truncate_metrics_after;
+pub use rundir::{truncate_metrics_after, STANDBYS_FILE};
 pub use server::{Master, MasterConfig, MasterEvent};
 pub use standby::{run_standby, StandbyEnd, StandbyOptions};
 
@@ -169,7 +169,8 @@ async fn drive(
     let mut control = MasterConfig::new(opts.token.clone(), spec.nodes);
     control.lease = opts.limits.lease;
     control.epoch = rundir::next_epoch(&opts.run_dir)?;
-    if let Some(r) = &opts.reattach {
+    if let Some(r) = &mut opts.reattach {
+        r.epoch = control.epoch;
         control.returning = r.plans.iter().flat_map(|p| p.nodes()).collect();
         control.first_node = rundir::next_node_id(&opts.run_dir, &r.plans);
     }
@@ -398,6 +399,14 @@ fn announce(
         master: Some(master.local_addr().to_string()),
         pid: Some(std::process::id()),
     };
+    if let Some(r) = &opts.reattach {
+        files.event(&Event::MasterLost {
+            lost_epoch: r.epoch.saturating_sub(1),
+            epoch: r.epoch,
+            step: r.committed,
+            why: r.why.clone(),
+        })?;
+    }
     files.event(&match (&opts.reattach, &opts.resume) {
         (Some(_), _) => Event::Reattach(info),
         (None, Some(_)) => Event::Resume(info),

@@ -198,6 +198,20 @@ pub(super) fn next_epoch(run: &Path) -> Result<u64> {
     Ok(epoch)
 }
 
+/// The file of the run directory that names where the master's standbys take over, so that
+/// `oobleck status --run` (and `drain`, `kill-node`, ...) finds the master that took over when
+/// the one in `master.json` is gone.
+pub const STANDBYS_FILE: &str = "standbys.json";
+
+/// Writes [`STANDBYS_FILE`] (`{"standbys": [addr, ...]}`) whole, by a rename.
+pub(super) fn write_standbys(run: &Path, addrs: &[String]) -> Result<()> {
+    let path = run.join(STANDBYS_FILE);
+    let tmp = run.join(format!("{STANDBYS_FILE}.tmp"));
+    let body = serde_json::json!({ "standbys": addrs }).to_string();
+    std::fs::write(&tmp, body).with_ctx(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_ctx(|| format!("writing {}", path.display()))
+}
+
 /// Keeps the lines of `<run>/metrics.jsonl` up to `step`.
 pub fn truncate_metrics_after(run: &Path, step: u64) -> Result<()> {
     let path = run.join("metrics.jsonl");

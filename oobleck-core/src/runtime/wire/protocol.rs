@@ -42,7 +42,7 @@ use crate::runtime::wire::records::WorkerReport;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// The binary version peers must match.
 pub const BINARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Header size in bytes.
@@ -175,6 +175,13 @@ pub struct ClusterStatus {
     /// Where each rank's time of the last committed step went, stragglers marked.
     #[serde(default)]
     pub ranks: Vec<RankStatus>,
+    /// The answering master's epoch (`master.epoch`): 1 for the job's first master, one more
+    /// for each that took over (a standby, or `--reattach`).
+    #[serde(default)]
+    pub epoch: u64,
+    /// Where its standby masters take over, oldest first.
+    #[serde(default)]
+    pub standbys: Vec<String>,
 }
 
 /// One rank's times in the last committed step, in a status report.

@@ -19,6 +19,8 @@ fn reattaching(spec: TrainingSpec, plans: Vec<Plan>, committed: u64) -> H {
             plans,
             committed,
             newest: Some(("ckpt-2".into(), 2)),
+            epoch: 2,
+            why: "a test takes over".into(),
         }),
     };
     H {
@@ -100,6 +102,55 @@ fn every_agent_back_is_re_adopted_and_the_job_goes_on_in_place_from_the_committe
         (from_step, replayed_steps, in_place, generation),
         (7, 0, true, 4)
     );
+}
+
+#[test]
+fn the_first_commit_after_a_take_over_records_its_phases() {
+    let mut h = reattaching(spec(3, 1, 50), vec![gen3()], 7);
+    // Each agent was 1.5 s without a master when it came back: the first, at 0.5 s, had lost
+    // it 1.0 s before this master started.
+    h.at(0.5, back(0, 3, 7, &[0]));
+    h.at(0.6, back(1, 3, 7, &[1])); // a majority of 3
+    h.at(0.7, back(2, 3, 7, &[2])); // every node: re-adopted
+    for rank in 0..3 {
+        stopping(&mut h, 0.8, rank);
+    }
+    h.reconfigured(0.9, gen3(), 0, Vec::new());
+    h.listen_all(1.0);
+    h.form_all(1.1);
+    let a = h.step(2.0, 8);
+    let took = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Record(e @ Event::MasterTookOver { .. }) => Some(e.clone()),
+            _ => None,
+        })
+        .expect("a master_took_over event");
+    let Event::MasterTookOver {
+        epoch,
+        step,
+        nodes_back,
+        nodes_lost,
+        total_s,
+        phases,
+    } = took
+    else {
+        unreachable!()
+    };
+    assert_eq!((epoch, step), (2, 8));
+    assert_eq!((nodes_back, nodes_lost), (vec![0, 1, 2], vec![]));
+    let near = |name: &str, want: f64| {
+        let got = phases[name];
+        assert!((got - want).abs() < 1e-6, "{name}: {got}, not {want}");
+    };
+    near("detect_s", 1.0);
+    near("quorum_s", 0.6);
+    near("readopt_s", 0.1);
+    near("first_commit_s", 1.3);
+    assert!((total_s - 3.0).abs() < 1e-6, "{total_s}");
+    // Once: the next commit records no other.
+    let a = h.step(2.5, 9);
+    assert!(!has(&a, "record:master_took_over"), "{:?}", kinds(&a));
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::Driver;
 use crate::runtime::master::mirror::{self, Mirror};
+use crate::runtime::master::rundir;
 use crate::runtime::wire::Message;
 
 /// Bytes of checkpoint files sent to each standby per turn of the loop (about 20 turns a
@@ -98,6 +99,11 @@ impl Driver<'_> {
         let nodes: BTreeSet<u32> = self.p.master.node_ids().into_iter().collect();
         if (&addrs, &nodes) == (&self.mirrors.told.0, &self.mirrors.told.1) {
             return;
+        }
+        if addrs != self.mirrors.told.0 {
+            if let Err(e) = rundir::write_standbys(&self.p.out, &addrs) {
+                tracing::warn!(error = %e, "naming the standbys in the run directory");
+            }
         }
         let msg = Message::Standbys {
             addrs: addrs.clone(),

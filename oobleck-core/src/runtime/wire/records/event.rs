@@ -42,6 +42,28 @@ pub enum Event {
     /// A master restarted on the run directory (`train --resume RUN --reattach`) that
     /// re-adopts the lost master's agents; `step` is the committed step it found recorded.
     Reattach(StartInfo),
+    /// The job's master of `lost_epoch` was lost, and this master (of `epoch`) takes its
+    /// place from committed `step`: `why` says who took over and what it saw (a standby whose
+    /// master fell silent, or a restart with `--reattach`). Written first by the new master.
+    MasterLost {
+        lost_epoch: u64,
+        epoch: u64,
+        step: u64,
+        why: String,
+    },
+    /// The master that took over committed its first step: the take-over's phases, s
+    /// (`detect_s`: the longest a returning agent had been without a master when this master
+    /// started; `quorum_s`: until a majority of the plan's nodes was back; `readopt_s`: until
+    /// it re-adopted them, every node back or the wait after the first over; `first_commit_s`:
+    /// until `step` committed) and their sum (`total_s`).
+    MasterTookOver {
+        epoch: u64,
+        step: u64,
+        nodes_back: Vec<u32>,
+        nodes_lost: Vec<u32>,
+        total_s: f64,
+        phases: BTreeMap<String, f64>,
+    },
     /// An agent of the lost master came back to the restarted one with its old id: its
     /// workers run `generation` and it last heard of committed step `step`.
     Returned {
