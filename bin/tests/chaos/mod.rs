@@ -65,21 +65,24 @@ pub(crate) enum Kind {
     TwoJoins,
     /// SIGKILL of `train`, the master, then `train --resume RUN --reattach`.
     KillMaster,
+    /// SIGSTOP of the master for less than its lease (a long GC, a VM hiccup), then SIGCONT:
+    /// nothing may be lost, no node, no step.
+    PauseMaster,
 }
 
 /// Every kind; [`kinds`] says which a run picks from.
 #[rustfmt::skip]
-pub(crate) const KINDS: [Kind; 12] = {
+pub(crate) const KINDS: [Kind; 13] = {
     use Kind::*;
     [KillAgent, KillWorker, StopAgent, KillNode, Join, Drain, TermAgent, KillAndJoin, TwoDrains,
-     TwoKills, TwoJoins, KillMaster]
+     TwoKills, TwoJoins, KillMaster, PauseMaster]
 };
 
 impl Kind {
     /// The nodes it takes away and adds.
     pub(crate) fn change(self) -> (usize, usize) {
         match self {
-            Kind::KillWorker | Kind::KillMaster => (0, 0),
+            Kind::KillWorker | Kind::KillMaster | Kind::PauseMaster => (0, 0),
             Kind::Join => (0, 1),
             Kind::KillAgent | Kind::StopAgent | Kind::KillNode => (1, 0),
             Kind::Drain | Kind::TermAgent => (1, 0),
@@ -183,6 +186,8 @@ pub(crate) enum Expect {
     /// A restarted master re-adopted the agents: its `reattach` event, and a reconfiguration
     /// after it.
     Reattached,
+    /// Nothing happened to the job: no node lost, no failure, no reconfiguration.
+    Unmoved,
 }
 
 impl Expect {
@@ -208,6 +213,10 @@ impl Expect {
                 .iter()
                 .position(|v| v["event"] == "reattach")
                 .is_some_and(|i| ev[i..].iter().any(|v| v["event"] == "reconfig")),
+            Expect::Unmoved => !ev.iter().any(|v| {
+                ["lost", "failure", "reconfig", "reattach"]
+                    .contains(&v["event"].as_str().unwrap_or(""))
+            }),
             Expect::Drained(n) => {
                 of("reconfig").any(|v| has(v, "drained_nodes", n.into()))
                     || of("drain_refused").any(|v| v["node"] == n)
