@@ -3,9 +3,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use oobleck_core::runtime::master::{Master, MasterConfig};
+use oobleck_core::runtime::master::{Master, MasterConfig, MasterEvent};
 use oobleck_core::runtime::node::Agent;
-use oobleck_core::runtime::wire::protocol::{self, Message, PeerRole, PROTOCOL_VERSION};
+use oobleck_core::runtime::wire::protocol::{self, Message, PeerRole, Return, PROTOCOL_VERSION};
 use oobleck_core::runtime::wire::{client, Token, WireError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -190,4 +190,126 @@ async fn a_storm_of_silent_strangers_cannot_keep_an_agent_or_a_tool_out() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let status = client::request_status(addr, &token, T).await.unwrap();
     assert_eq!(status.nodes.len(), 1);
+}
+
+/// A master's agent come back: node `node`, at committed step `committed`, having seen a
+/// master of `epoch`.
+fn back(node: u32, committed: u64, epoch: u64) -> Return {
+    Return {
+        node,
+        devices: 1,
+        generation: 0,
+        committed,
+        ranks: vec![node],
+        without_master_ms: 3000,
+        epoch,
+    }
+}
+
+/// A master restarted with `--reattach` (epoch 2), expecting nodes 0 and 1 back, whose run
+/// directory recorded step 5 as committed.
+async fn reattaching(token: &Token) -> Master {
+    let mut config = MasterConfig::new(token.clone(), 2);
+    config.epoch = 2;
+    config.returning = [0, 1].into();
+    config.recorded = Some(5);
+    Master::bind_with(localhost(), config).await.unwrap()
+}
+
+fn refused_for(e: WireError) -> String {
+    match e {
+        WireError::Refused { reason } => reason,
+        other => panic!("expected a refusal, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn a_stranger_claiming_a_higher_epoch_is_refused_for_its_token_and_replaces_nothing() {
+    let token = Token::random();
+    let mut master = reattaching(&token).await;
+    let wrong = Token::new("a-guess").unwrap();
+    let e = Agent::reconnect(master.local_addr(), &wrong, back(0, 5, 99), T)
+        .await
+        .err()
+        .unwrap();
+    assert!(refused_for(e).contains("wrong token"));
+    // The master was not told it was replaced: its next word is the refusal.
+    match master.next_event(T).await.unwrap() {
+        MasterEvent::Refused { reason, .. } => assert!(reason.contains("wrong token"), "{reason}"),
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    // Its agent still comes back with its own id.
+    let a = Agent::reconnect(master.local_addr(), &token, back(0, 5, 1), T)
+        .await
+        .unwrap();
+    assert_eq!((a.node(), a.adopted()), (0, true));
+}
+
+#[tokio::test]
+async fn an_agent_of_a_higher_epoch_tells_the_master_it_was_replaced() {
+    let token = Token::random();
+    let mut master = reattaching(&token).await;
+    let e = Agent::reconnect(master.local_addr(), &token, back(0, 5, 3), T)
+        .await
+        .err()
+        .unwrap();
+    let reason = refused_for(e);
+    assert!(
+        reason.contains("epoch 2 is behind the agent's 3"),
+        "{reason}"
+    );
+    match master.next_event(T).await.unwrap() {
+        MasterEvent::Replaced { epoch } => assert_eq!(epoch, 3),
+        other => panic!("expected replaced, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_master_whose_run_directory_is_behind_its_agents_takes_none_back() {
+    let token = Token::random();
+    let master = reattaching(&token).await;
+    // Node 0 committed step 6; this master's copy recorded step 5: a stale copy.
+    let e = Agent::reconnect(master.local_addr(), &token, back(0, 6, 1), T)
+        .await
+        .err()
+        .unwrap();
+    let reason = refused_for(e);
+    assert!(
+        reason.contains("recorded step 5 as committed, and this agent committed step 6"),
+        "{reason}"
+    );
+    assert!(reason.contains("stale copy"), "{reason}");
+    // Its id stays for the agent with a step the directory holds (one behind is fine).
+    let a = Agent::reconnect(master.local_addr(), &token, back(0, 4, 1), T)
+        .await
+        .unwrap();
+    assert_eq!((a.node(), a.adopted()), (0, true));
+}
+
+#[tokio::test]
+async fn a_standby_with_another_jobs_token_is_refused_and_the_job_goes_on() {
+    use oobleck_core::runtime::master::{run_standby, StandbyOptions};
+    let token = Token::random();
+    let master = Master::bind(localhost(), token.clone(), 1).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let opts = StandbyOptions {
+        master: master.local_addr().to_string(),
+        token: "another-jobs-token".into(),
+        copy: dir.path().join("copy"),
+        listen: "127.0.0.1:9".parse().unwrap(),
+        wait: Duration::from_secs(1),
+    };
+    let e = tokio::task::spawn_blocking(move || run_standby(&opts))
+        .await
+        .unwrap()
+        .err()
+        .expect("refused");
+    let text = e.to_string();
+    assert!(text.contains("wrong token"), "{text}");
+    assert!(master.standbys().is_empty());
+    // The job's own agent still gets in.
+    Agent::connect(master.local_addr(), &token, T)
+        .await
+        .unwrap();
+    assert_eq!(master.wait_for_nodes(T).await.unwrap().len(), 1);
 }

@@ -278,6 +278,11 @@ async fn handshake(
         PeerRole::Standby { listen } => Some(listen.clone()),
         _ => None,
     };
+    // What a returning agent says is believed only once it proved the token.
+    let returning = match &role {
+        PeerRole::Returning(r) => Some(r.clone()),
+        _ => None,
+    };
     let (node, devices, back) = match role {
         PeerRole::Agent { devices: 0 } => {
             return Err("an agent must offer at least one device".into())
@@ -285,13 +290,8 @@ async fn handshake(
         PeerRole::Returning(Return { devices: 0, .. }) => {
             return Err("an agent must offer at least one device".into())
         }
-        PeerRole::Returning(r) if r.epoch > shared.config.epoch => {
-            shared.emit(MasterEvent::Replaced { epoch: r.epoch });
-            return Err(format!(
-                "this master was replaced: its epoch {} is behind the agent's {}",
-                shared.config.epoch, r.epoch
-            ));
-        }
+        // Refused after the token is proven (`check_returning`): under its own id.
+        PeerRole::Returning(r) if r.epoch > shared.config.epoch => (Some(r.node), r.devices, None),
         PeerRole::Agent { devices } => (Some(shared.new_node()), devices, None),
         // Its old id, if this master expects it back; a new one otherwise.
         PeerRole::Returning(r) if shared.returns().contains(&r.node) => {
@@ -328,6 +328,9 @@ async fn handshake(
     {
         return Err("authentication failed: wrong token".into());
     }
+    if let Some(r) = &returning {
+        check_returning(r, back.is_some(), shared)?;
+    }
     // Taken only now, by an agent that proved the token: once, whoever came first.
     if let Some(b) = &back {
         if !shared.returns().remove(&b.node) {
@@ -343,6 +346,30 @@ async fn handshake(
         back,
         standby,
     }))
+}
+
+/// A returning agent (its token proven) that this master must not take: one that saw a master
+/// of a higher epoch (this one was replaced: it steps down), or one of its own agents that
+/// committed a step past what this master's run directory recorded (the directory is a stale
+/// copy, of a standby dropped for lagging, say: re-adopting from it would replay and
+/// disturb the job; the agent looks on for the master that has its step).
+fn check_returning(r: &Return, adopting: bool, shared: &Shared) -> Result<(), String> {
+    if r.epoch > shared.config.epoch {
+        shared.emit(MasterEvent::Replaced { epoch: r.epoch });
+        return Err(format!(
+            "this master was replaced: its epoch {} is behind the agent's {}",
+            shared.config.epoch, r.epoch
+        ));
+    }
+    match shared.config.recorded {
+        Some(recorded) if adopting && r.committed > recorded => Err(format!(
+            "this master's run directory is behind the job: it recorded step {recorded} as \
+                 committed, and this agent committed step {}; it is a stale copy and takes no \
+                 agent back (the agent looks on for the master with its step)",
+            r.committed
+        )),
+        _ => Ok(()),
+    }
 }
 
 async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {

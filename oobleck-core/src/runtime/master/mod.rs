@@ -171,6 +171,7 @@ async fn drive(
     control.epoch = rundir::next_epoch(&opts.run_dir)?;
     if let Some(r) = &mut opts.reattach {
         r.epoch = control.epoch;
+        control.recorded = Some(r.committed);
         control.returning = r.plans.iter().flat_map(|p| p.nodes()).collect();
         control.first_node = rundir::next_node_id(&opts.run_dir, &r.plans);
     }

@@ -55,6 +55,9 @@ pub struct MasterConfig {
     pub first_node: u32,
     /// This master's epoch (`master.epoch` of the run directory, plus one).
     pub epoch: u64,
+    /// A master re-adopting agents (`--reattach`): the committed step its run directory
+    /// recorded. An agent that committed past it is refused: the directory is a stale copy.
+    pub recorded: Option<u64>,
 }
 
 impl MasterConfig {
@@ -70,6 +73,7 @@ impl MasterConfig {
             returning: Default::default(),
             first_node: 0,
             epoch: 1,
+            recorded: None,
         }
     }
 }
