@@ -302,8 +302,7 @@ async fn a_standby_with_another_jobs_token_is_refused_and_the_job_goes_on() {
     let e = tokio::task::spawn_blocking(move || run_standby(&opts))
         .await
         .unwrap()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     let text = e.to_string();
     assert!(text.contains("wrong token"), "{text}");
     assert!(master.standbys().is_empty());
