@@ -345,24 +345,29 @@ struct StandbyJob {
     guard: Guard,
     log: Arc<Mutex<String>>,
     reader: JoinHandle<()>,
-    /// The agents, the workers and the standby.
+    /// The agents, the workers and the standbys, in that order.
     pids: Vec<u32>,
-    standby: u32,
 }
 
 impl StandbyJob {
     fn start(steps: u64) -> StandbyJob {
+        StandbyJob::with_standbys(steps, 1)
+    }
+
+    /// [`StandbyJob::start`] with `standbys` standby masters; `pids` has them all.
+    fn with_standbys(steps: u64, standbys: usize) -> StandbyJob {
         let dir = tempfile::tempdir().expect("tempdir");
         let (want, want_params) = single_process(dir.path(), steps);
         let out = dir.path().join("run");
         let copy = dir.path().join("run.standby-0");
+        let k = standbys.to_string();
         let extra = [
             "--nodes",
             "2",
             "--master-wait",
             "60",
             "--standby-masters",
-            "1",
+            k.as_str(),
         ];
         let mut cmd = train_cmd(&out, steps, &extra);
         cmd.env("OOBLECK_TEST_SLOW", "0:100");
@@ -371,8 +376,7 @@ impl StandbyJob {
         let guard = Guard(Some(first));
         wait_for_step(&out, 4, Duration::from_secs(180));
         let mut pids = recorded_pids(&out, 4);
-        let standby = standby_pid(&log);
-        pids.push(standby);
+        pids.extend((0..standbys).map(|k| standby_pid(&log, k)));
         StandbyJob {
             dir,
             out,
@@ -383,21 +387,27 @@ impl StandbyJob {
             log,
             reader,
             pids,
-            standby,
         }
     }
 
     /// Waits for the standby (the job's master once it took over) to finish the job, and
     /// checks that it did, in its copy, as one process would have.
     fn finished_by_the_standby(&self, steps: u64) -> String {
+        self.finished_by(0, steps)
+    }
+
+    /// [`StandbyJob::finished_by_the_standby`] for standby `k`.
+    fn finished_by(&self, k: usize, steps: u64) -> String {
+        let standby = self.pids[4 + k];
+        let copy = self.dir.path().join(format!("run.standby-{k}"));
         let deadline = Instant::now() + Duration::from_secs(180);
-        while alive(self.standby) && Instant::now() < deadline {
+        while alive(standby) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(100));
         }
         let text = self.log.lock().expect("log").clone();
-        assert!(!alive(self.standby), "the standby still runs:\n{text}");
+        assert!(!alive(standby), "the standby still runs:\n{text}");
         assert!(text.contains(&format!("done: {steps} steps")), "{text}");
-        assert_same_training(&self.copy, &self.want, &self.want_params);
+        assert_same_training(&copy, &self.want, &self.want_params);
         text
     }
 }
@@ -463,12 +473,13 @@ fn assert_took_over(copy: &Path, nodes: usize) {
     assert!((sum - total).abs() < 1e-6 && total > 0.0, "{t}");
 }
 
-/// The standby master's pid, from the line the master says it in.
-fn standby_pid(log: &Mutex<String>) -> u32 {
+/// Standby master `k`'s pid, from the line the master says it in.
+fn standby_pid(log: &Mutex<String>, k: usize) -> u32 {
     let text = log.lock().expect("log").clone();
+    let prefix = format!("standby master {k}: pid ");
     let line = text
         .lines()
-        .find_map(|l| l.strip_prefix("standby master 0: pid "))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .unwrap_or_else(|| panic!("no standby said where it is:\n{text}"))
         .to_string();
     line.split(',').next().expect("pid").parse().expect("a pid")
@@ -565,6 +576,54 @@ fn an_agent_started_with_standby_runs_the_standby_that_takes_over() {
         r.join().expect("stderr reader");
     }
     drop(master_log);
+}
+
+#[test]
+fn of_two_standbys_the_first_takes_over_and_the_second_keeps_its_copy_for_it() {
+    const STEPS: u64 = 20;
+    let mut job = StandbyJob::with_standbys(STEPS, 2);
+    let _strays = Strays(job.pids.clone());
+    let mut master = job.guard.0.take().expect("train");
+    master.kill().expect("SIGKILL the master");
+    master.wait().expect("reap the master");
+    let text = job.finished_by_the_standby(STEPS);
+    assert_took_over(&job.copy, 2);
+    assert!(
+        text.contains("took over, and this one keeps its copy for it"),
+        "{text}"
+    );
+    // The second standby had the new master's commits on its disk, and left with the job.
+    let second = job.dir.path().join("run.standby-1");
+    let lost_at = events_of(&job.copy, "master_lost")[0]["step"]
+        .as_u64()
+        .expect("step");
+    let got = losses(&second);
+    assert!(got.len() as u64 > lost_at + 1, "{got:?}");
+    for ((s, l), (ws, wl)) in got.iter().zip(&job.want) {
+        assert_eq!(s, ws, "every step once in the second copy");
+        assert!((l - wl).abs() < TOL, "step {s}: {l} vs {wl}");
+    }
+    assert!(events_of(&second, "master_took_over").len() <= 1);
+    assert_all_exit(&job.pids);
+    job.reader.join().expect("stderr reader");
+}
+
+#[test]
+fn the_master_and_the_first_of_two_standbys_killed_at_once_the_second_takes_over() {
+    const STEPS: u64 = 20;
+    let mut job = StandbyJob::with_standbys(STEPS, 2);
+    let _strays = Strays(job.pids.clone());
+    let mut master = job.guard.0.take().expect("train");
+    master.kill().expect("SIGKILL the master");
+    signal("KILL", job.pids[4]);
+    master.wait().expect("reap the master");
+    // The second waits for the first to take over, in vain, then takes over itself.
+    let text = job.finished_by(1, STEPS);
+    let second = job.dir.path().join("run.standby-1");
+    assert_took_over(&second, 2);
+    assert!(!text.contains("keeps its copy for it"), "{text}");
+    assert_all_exit(&job.pids);
+    job.reader.join().expect("stderr reader");
 }
 
 /// `train --resume RUN --reattach EXTRA`: refused, with its message.

@@ -22,9 +22,10 @@ use super::mirror;
 use crate::runtime::error::{Context, Result, RuntimeError};
 use crate::runtime::net::resolve;
 use crate::runtime::node::link::write_loop;
-use crate::runtime::wire::client::open;
+use crate::runtime::wire::client::{open, Welcomed};
 use crate::runtime::wire::protocol::{self, PeerRole};
 use crate::runtime::wire::{Message, Token, WireError};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 /// Bound of the registration and of every write to the master.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -61,33 +62,96 @@ pub fn run_standby(opts: &StandbyOptions) -> Result<StandbyEnd> {
         .enable_all()
         .build()
         .ctx("starting the standby's runtime")?;
-    rt.block_on(watch(opts))
+    rt.block_on(keep(opts))
 }
 
-async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
+/// How long a standby that lost its master waits for a standby ahead of it (told earlier to
+/// the agents) to take over, before it takes over itself. The senior noticed the loss within
+/// a heartbeat of this one, and then starts as the master: a new process that reads its copy
+/// and builds the workload, seconds on a loaded machine. The agents look for a master for
+/// `--master-wait` (60 s by default), so waiting 15 s for the senior costs them nothing when
+/// it comes, and delays the take-over by that when it died with the master.
+const FOLLOW_WAIT: Duration = Duration::from_secs(15);
+
+/// Watches the master; when it is lost, follows the first standby ahead of this one that
+/// took over (becoming its standby, so the job keeps one less standby rather than two
+/// masters re-adopting), or ends so that this one takes over.
+async fn keep(opts: &StandbyOptions) -> Result<StandbyEnd> {
     std::fs::create_dir_all(&opts.copy).map_err(|source| RuntimeError::Io {
         path: opts.copy.clone(),
         source,
     })?;
     let token = Token::new(&opts.token).ctx("the job token")?;
-    let master = resolve(&opts.master)?;
+    let first = resolve(&opts.master)?;
+    let mut link = register(first, &token, opts, opts.wait)
+        .await
+        .with_ctx(|| format!("registering with the master at {first}"))?;
+    loop {
+        let (end, seniors) = watch(opts, link).await?;
+        let StandbyEnd::MasterLost(why) = &end else {
+            return Ok(end);
+        };
+        match follow(&seniors, &token, opts).await {
+            Some(next) => {
+                eprintln!(
+                    "oobleck standby: the master is lost ({why}); the standby at {} took over, \
+                     and this one keeps its copy for it",
+                    next.0
+                );
+                link = next;
+            }
+            None => return Ok(end),
+        }
+    }
+}
+
+/// A standby's registered connection: the master's address, and the connection.
+type Link = (SocketAddr, (OwnedReadHalf, OwnedWriteHalf, Welcomed));
+
+/// Registers as a standby with `master`, trying again while it cannot be reached, for `wait`.
+async fn register(
+    master: SocketAddr,
+    token: &Token,
+    opts: &StandbyOptions,
+    wait: Duration,
+) -> std::result::Result<Link, WireError> {
     let role = PeerRole::Standby {
         listen: opts.listen.to_string(),
     };
-    let deadline = tokio::time::Instant::now() + opts.wait;
-    let (mut r, w, welcomed) = loop {
-        match open(master, &token, role.clone(), CONTROL_TIMEOUT).await {
-            Ok(c) => break c,
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match open(master, token, role.clone(), CONTROL_TIMEOUT).await {
+            Ok(c) => return Ok((master, c)),
             Err(WireError::Io { .. } | WireError::Timeout { .. })
                 if tokio::time::Instant::now() < deadline =>
             {
-                tokio::time::sleep(Duration::from_millis(500)).await
+                tokio::time::sleep(Duration::from_millis(250)).await
             }
-            Err(e) => {
-                return Err(e).with_ctx(|| format!("registering with the master at {master}"))
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The first of `seniors` (the standbys ahead of this one) that answers as a master within
+/// [`FOLLOW_WAIT`], registered with.
+async fn follow(seniors: &[SocketAddr], token: &Token, opts: &StandbyOptions) -> Option<Link> {
+    let deadline = tokio::time::Instant::now() + FOLLOW_WAIT;
+    while !seniors.is_empty() && tokio::time::Instant::now() < deadline {
+        for &senior in seniors {
+            let once = Duration::ZERO;
+            if let Ok(link) = register(senior, token, opts, once).await {
+                return Some(link);
             }
         }
-    };
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+/// Keeps the copy for the master of `link` until it is lost or the job is over; with the
+/// standbys the master named ahead of this one.
+async fn watch(opts: &StandbyOptions, link: Link) -> Result<(StandbyEnd, Vec<SocketAddr>)> {
+    let (master, (mut r, w, welcomed)) = link;
     eprintln!(
         "oobleck standby: keeping a copy of the run in {} for the master at {master}; takes \
          over at {} if it is lost",
@@ -99,6 +163,7 @@ async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
     let paused = Arc::new(AtomicBool::new(false));
     let beats = write_loop(w, rx, 0, welcomed.heartbeat, CONTROL_TIMEOUT, paused);
     let writer = tokio::spawn(beats);
+    let mut seniors = Vec::new();
     let end = loop {
         let msg = match protocol::read_frame(&mut r, welcomed.lease).await {
             Ok(Some(m)) => m,
@@ -131,6 +196,7 @@ async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
                     break StandbyEnd::MasterLost("its connection failed".into());
                 }
             }
+            Message::Standbys { addrs } => seniors = ahead_of(&addrs, opts.listen),
             Message::Shutdown { reason } => break StandbyEnd::Finished(reason),
             Message::Refused { reason } => {
                 return Err(RuntimeError::Protocol {
@@ -142,5 +208,30 @@ async fn watch(opts: &StandbyOptions) -> Result<StandbyEnd> {
         }
     };
     writer.abort();
-    Ok(end)
+    Ok((end, seniors))
+}
+
+/// The standbys of `addrs` (in the master's order) ahead of the one at `me`: all of them if
+/// `me` is not named yet.
+fn ahead_of(addrs: &[String], me: SocketAddr) -> Vec<SocketAddr> {
+    let all: Vec<SocketAddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+    match all.iter().position(|&a| a == me) {
+        Some(i) => all[..i].to_vec(),
+        None => all,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_standby_follows_only_those_named_before_it() {
+        let me: SocketAddr = "10.0.0.2:7002".parse().unwrap();
+        let addrs = ["10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.3:7003"].map(String::from);
+        assert_eq!(ahead_of(&addrs, me), vec!["10.0.0.1:7001".parse().unwrap()]);
+        assert!(ahead_of(&addrs[1..], me).is_empty());
+        // Not named yet: it joined last, after every one of them.
+        assert_eq!(ahead_of(&addrs[..1], me).len(), 1);
+    }
 }

@@ -14,6 +14,8 @@ use crate::runtime::wire::Message;
 /// Bytes of checkpoint files sent to each standby per turn of the loop (about 20 turns a
 /// second): checkpoints stream at up to ~40 MB/s without holding the loop up for long.
 const BUDGET: u64 = 2 << 20;
+/// The longest the loop waits for room in a standby's outbox to tell it the standbys.
+const POLL_BOUND: Duration = Duration::from_millis(500);
 /// The least time between two looks at the run directory outside commits.
 const EVERY: Duration = Duration::from_millis(100);
 
@@ -100,14 +102,22 @@ impl Driver<'_> {
         if (&addrs, &nodes) == (&self.mirrors.told.0, &self.mirrors.told.1) {
             return;
         }
+        let msg = Message::Standbys {
+            addrs: addrs.clone(),
+        };
         if addrs != self.mirrors.told.0 {
             if let Err(e) = rundir::write_standbys(&self.p.out, &addrs) {
                 tracing::warn!(error = %e, "naming the standbys in the run directory");
             }
+            // Each standby learns who is ahead of it: when the master is lost, the first
+            // of them takes over and the others follow it.
+            // One that takes no message is dropped (`send_standby`).
+            for &(id, _) in standbys {
+                let _ = (self.p.master)
+                    .send_standby(id, vec![msg.clone()], POLL_BOUND)
+                    .await;
+            }
         }
-        let msg = Message::Standbys {
-            addrs: addrs.clone(),
-        };
         // A node that misses it hears it again when the membership changes next.
         let _ = self.p.master.broadcast(&msg).await;
         self.mirrors.told = (addrs, nodes);
