@@ -291,6 +291,12 @@ struct Bench<'a> {
     commands: std::cell::RefCell<Vec<String>>,
 }
 
+/// The master run and the standby run, as they ran (each absent when skipped).
+type MasterRuns = (
+    Option<(MasterPlan, MasterInput)>,
+    Option<(StandbyPlan, StandbyInput)>,
+);
+
 /// The optional runs' seconds: `(run, the flag that skips it, s)`.
 type Shares = Vec<(&'static str, &'static str, f64)>;
 
@@ -538,10 +544,7 @@ impl Bench<'_> {
         inputs: [RunInput; 3],
         members: Option<(MembershipPlan, RunInput, membership::Outcome)>,
         hang: Option<(HangPlan, HangInput, MarkCosts)>,
-        (master, standby): (
-            Option<(MasterPlan, MasterInput)>,
-            Option<(StandbyPlan, StandbyInput)>,
-        ),
+        (master, standby): MasterRuns,
     ) -> Report {
         let a = self.a;
         let job = Job {

@@ -178,9 +178,10 @@ mod tests {
 
     #[test]
     fn a_window_of_commits_is_one_event_and_the_next_starts_empty() {
-        let mut c = Cost::default();
-        c.commits_ms = (1..STANDBY_COST_COMMITS).map(|i| i as f64).collect();
-        c.mirror_ms = 5.0;
+        let mut c = Cost {
+            commits_ms: (1..STANDBY_COST_COMMITS).map(|i| i as f64).collect(),
+            mirror_ms: 5.0,
+        };
         assert!(c.take_event(1).is_none());
         c.commits_ms.push(100.0);
         // 1..=19 ms and 100 ms: the median 10.5, the mean 290 / 20.
