@@ -50,9 +50,10 @@
 //! (`child`): its own process group, every wait bounded by `--timeout-s`, killed on drop and on
 //! Ctrl-C (the master run's first `train` leaves its group, its agents, to the restarted
 //! master, and the bench kills it once that exits, `master_run`; the standby run's, to the
-//! standby, `standby_run`). The numbers come from each run directory's `events.jsonl` and `metrics.jsonl`
-//! (`records`), wall times from the bench's own clock around each process (so they include
-//! process start, model build, checkpoint load and the final checkpoint).
+//! standby, `standby_run`). The numbers come from each run directory's `events.jsonl` and
+//! `metrics.jsonl` (`records`; the standby's copy for the standby run), wall times from the
+//! bench's own clock around each process (so they include process start, model build,
+//! checkpoint load and the final checkpoint).
 //!
 //! Failures land `--fail-offset` steps after a multiple of `--fail-every` (defaults: after steps
 //! 60 and 100, half-way between the checkpoints of `--checkpoint-every 40`: the expected loss of
