@@ -66,21 +66,27 @@ impl MasterPlan {
         if a.no_master {
             return Ok(None);
         }
-        let after_step = a.master_kill_after_step.unwrap_or(a.steps * 5 / 8);
-        // A median step before the kill; a commit after the take-over.
-        if after_step < 3 || after_step + 2 > a.steps {
-            bail!(
-                "--master-kill-after-step {after_step}: between 3 and steps - 2 = {} (a median \
-                 step before the kill, a commit after the restart); pass --steps 5 or more, or \
-                 --no-master",
-                a.steps.saturating_sub(2)
-            );
-        }
         Ok(Some(MasterPlan {
-            after_step,
+            after_step: kill_step(a, "--no-master")?,
             master_wait_s: MASTER_WAIT_S,
         }))
     }
+}
+
+/// The step after which the master run (and the standby run, `skip` naming its flag) kills
+/// the master: `--master-kill-after-step`, by default 5/8 of the steps.
+pub fn kill_step(a: &BenchRecoveryArgs, skip: &str) -> Result<u64> {
+    let after_step = a.master_kill_after_step.unwrap_or(a.steps * 5 / 8);
+    // A median step before the kill; a commit after the take-over.
+    if after_step < 3 || after_step + 2 > a.steps {
+        bail!(
+            "--master-kill-after-step {after_step}: between 3 and steps - 2 = {} (a median \
+             step before the kill, a commit after the restart); pass --steps 5 or more, or \
+             {skip}",
+            a.steps.saturating_sub(2)
+        );
+    }
+    Ok(after_step)
 }
 
 /// What the bench saw, on its own clock (seconds from just before `kill -KILL`).
@@ -218,7 +224,7 @@ impl MasterRestart {
 
 /// The checkpoints the restarted master loaded: a `resume` event's, and the last `reconfig`'s
 /// (in place, it names none).
-fn checkpoints_loaded(events: &[Event]) -> Vec<String> {
+pub(super) fn checkpoints_loaded(events: &[Event]) -> Vec<String> {
     let resumed = events.iter().filter_map(|e| match e {
         Event::Resume(start) => Some(start.checkpoint.clone().unwrap_or_else(|| "?".into())),
         _ => None,
@@ -231,7 +237,7 @@ fn checkpoints_loaded(events: &[Event]) -> Vec<String> {
 }
 
 /// The steps of 1..=steps missing from the run's final `metrics.jsonl`, and those in it twice.
-fn step_counts(run: &RunInput, steps: u64) -> (Vec<u64>, Vec<u64>) {
+pub(super) fn step_counts(run: &RunInput, steps: u64) -> (Vec<u64>, Vec<u64>) {
     let mut seen = std::collections::BTreeMap::<u64, usize>::new();
     for m in run.segments.last().map_or(&[][..], |s| &s.metrics[..]) {
         *seen.entry(m.step).or_default() += 1;

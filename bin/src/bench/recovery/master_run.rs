@@ -27,7 +27,7 @@ use crate::bench::child::{alive_in_group, Group};
 /// How often the run's `metrics.jsonl` is looked at before the kill.
 const LOOK: Duration = Duration::from_millis(20);
 /// How long the lost master's agents and workers may take to exit after the restarted master.
-const GROUP_EXIT: Duration = Duration::from_secs(30);
+pub(super) const GROUP_EXIT: Duration = Duration::from_secs(30);
 
 /// What the master run left: its records, what the bench saw, and the commit record's cost.
 pub(super) struct MasterInput {
@@ -50,7 +50,7 @@ impl Bench<'_> {
         {
             args.extend(["--master-wait".into(), m.master_wait_s.to_string()]);
         }
-        let mut killer = Killer::new(m, &dir);
+        let mut killer = Killer::new(m.after_step, &dir);
         let mut group: Option<Group> = None;
         let first = self.segment_as(&dir, &args, slug, 0.0, &mut |child, timeout| {
             killer.pid = Some(child.pid());
@@ -60,14 +60,17 @@ impl Bench<'_> {
         });
         let mut problems = vec![];
         let mut segments = vec![];
+        let mut observed = Observed {
+            pid: killer.killed.and(killer.pid),
+            killed_after: killer.killed_after,
+            ..Observed::default()
+        };
         match (first, killer.killed) {
             (Ok((seg, _)), Some(t0)) => {
                 segments.push(seg);
-                let mut o = killer.observed;
-                let rest = self.reattach(&dir, t0, &mut o, group.take());
+                let rest = self.reattach(&dir, t0, &mut observed, group.take());
                 segments.extend(rest.0);
                 problems.extend(rest.1);
-                killer.observed = o;
             }
             (Ok((seg, problem)), None) => {
                 problems.push(problem.unwrap_or_else(|| {
@@ -95,7 +98,7 @@ impl Bench<'_> {
         };
         MasterInput {
             run,
-            observed: killer.observed,
+            observed,
             record,
         }
     }
@@ -155,7 +158,7 @@ impl Bench<'_> {
 }
 
 /// The pids of the `process` events of `role`.
-fn pids_of(events: &[Event], role: &str) -> Vec<u32> {
+pub(super) fn pids_of(events: &[Event], role: &str) -> Vec<u32> {
     events
         .iter()
         .filter_map(|e| match e {
@@ -165,37 +168,38 @@ fn pids_of(events: &[Event], role: &str) -> Vec<u32> {
         .collect()
 }
 
-/// SIGKILLs the master when the plan says.
-struct Killer<'a> {
-    plan: &'a MasterPlan,
+/// SIGKILLs the master (`train`, its pid only) once a step committed.
+pub(super) struct Killer {
+    after_step: u64,
     dir: PathBuf,
     /// `train`'s pid, once spawned.
-    pid: Option<u32>,
+    pub pid: Option<u32>,
     next_look: Instant,
-    /// When the SIGKILL went out.
-    killed: Option<Instant>,
+    /// When the SIGKILL went out, and the newest step in `metrics.jsonl` then.
+    pub killed: Option<Instant>,
+    pub killed_after: Option<u64>,
     /// Tried (sent or not).
     done: bool,
-    observed: Observed,
-    problems: Vec<String>,
+    pub problems: Vec<String>,
 }
 
-impl<'a> Killer<'a> {
-    fn new(plan: &'a MasterPlan, dir: &Path) -> Killer<'a> {
+impl Killer {
+    /// Kills once `after_step` is in `dir`'s `metrics.jsonl`.
+    pub fn new(after_step: u64, dir: &Path) -> Killer {
         Killer {
-            plan,
+            after_step,
             dir: dir.to_path_buf(),
             pid: None,
             next_look: Instant::now(),
             killed: None,
+            killed_after: None,
             done: false,
-            observed: Observed::default(),
             problems: vec![],
         }
     }
 
     /// Called between looks at the running `train`.
-    fn tick(&mut self) {
+    pub fn tick(&mut self) {
         if self.done || Instant::now() < self.next_look {
             return;
         }
@@ -203,7 +207,7 @@ impl<'a> Killer<'a> {
         let (Some(pid), after) = (self.pid, committed_step(&self.dir)) else {
             return;
         };
-        if after < self.plan.after_step {
+        if after < self.after_step {
             return;
         }
         self.done = true;
@@ -220,8 +224,7 @@ impl<'a> Killer<'a> {
                     "bench recovery: SIGKILL to the master (train, pid {pid}) after step {after}"
                 );
                 self.killed = Some(t0);
-                self.observed.pid = Some(pid);
-                self.observed.killed_after = Some(after);
+                self.killed_after = Some(after);
             }
             Ok(s) => self
                 .problems
@@ -231,20 +234,20 @@ impl<'a> Killer<'a> {
     }
 }
 
-/// Watches the restarted master's run directory on the bench's clock.
-struct Watch {
+/// Watches the restarted master's run directory (or a standby's copy) on the bench's clock.
+pub(super) struct Watch {
     events: PathBuf,
     metrics: PathBuf,
     /// Commits past this step are new.
     recorded: u64,
     t0: Instant,
     /// Seconds from the kill to the `reattach` event, and to the next commit (and its step).
-    reattach: Option<f64>,
-    commit: Option<(f64, u64)>,
+    pub reattach: Option<f64>,
+    pub commit: Option<(f64, u64)>,
 }
 
 impl Watch {
-    fn new(dir: &Path, recorded: u64, t0: Instant) -> Watch {
+    pub fn new(dir: &Path, recorded: u64, t0: Instant) -> Watch {
         Watch {
             events: dir.join("events.jsonl"),
             metrics: dir.join("metrics.jsonl"),
@@ -256,7 +259,7 @@ impl Watch {
     }
 
     /// Each time is taken after the file was read: late, never early.
-    fn tick(&mut self) {
+    pub fn tick(&mut self) {
         let since = |t0: Instant| t0.elapsed().as_secs_f64();
         if self.reattach.is_none() {
             let text = std::fs::read_to_string(&self.events).unwrap_or_default();

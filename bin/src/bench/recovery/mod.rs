@@ -1,5 +1,5 @@
 //! `oobleck bench recovery`: the same training job three ways, side by side in one run, and
-//! three more runs of it that each time one kind of disruption.
+//! four more runs of it that each time one kind of disruption.
 //!
 //! 1. **fault-free**: no failure;
 //! 2. **in place**: `--inject-failure` every `--fail-every` steps, a different node each time,
@@ -26,6 +26,13 @@
 //!    next commit within the master's 3 s lease + a step + the bench's gap, every agent back,
 //!    no step replayed, no checkpoint loaded, every step once, the record under 1 % of a step
 //!    (`master`).
+//! 7. **standby take-over** (skipped with `--no-standby`): no failure, one standby master
+//!    (`--standby-masters 1`); the bench SIGKILLs the master once `--master-kill-after-step`
+//!    committed and starts nothing: the standby takes over from its copy of the run directory.
+//!    Beside it, what keeping the standby cost the steps before: the master's own time on it
+//!    (its `standby_cost` events) and the median step against the fault-free run's. Targets:
+//!    next commit within the 3 s lease + a step, every agent back, no step replayed, no
+//!    checkpoint loaded, every step once in the copy, the cost under 1 % of a step (`standby`).
 //!
 //! ```text
 //!  FailurePlan (pure) ─► train (fault-free) ─┐
@@ -35,15 +42,18 @@
 //!  HangPlan ───────────► train + SIGSTOP of a worker ──────────────┤ (hang)
 //!  watchdog_cost ──────► Progress marks and beats, timed here ─────┤
 //!  MasterPlan ─────────► train, SIGKILL of it ─► train --reattach ─┤ (master restart)
-//!  commit_cost ────────► CommitRecord::write, timed here ──────────┘
+//!  commit_cost ────────► CommitRecord::write, timed here ──────────┤
+//!  StandbyPlan ────────► train --standby-masters 1, SIGKILL of it ─┘ (standby take-over)
 //! ```
 //!
 //! Each run is the `train` binary beside this one, as child processes in a scratch directory
 //! (`child`): its own process group, every wait bounded by `--timeout-s`, killed on drop and on
 //! Ctrl-C (the master run's first `train` leaves its group, its agents, to the restarted
-//! master, and the bench kills it once that exits, `master_run`). The numbers come from each run directory's `events.jsonl` and `metrics.jsonl`
-//! (`records`), wall times from the bench's own clock around each process (so they include
-//! process start, model build, checkpoint load and the final checkpoint).
+//! master, and the bench kills it once that exits, `master_run`; the standby run's, to the
+//! standby, `standby_run`). The numbers come from each run directory's `events.jsonl` and
+//! `metrics.jsonl` (`records`; the standby's copy for the standby run), wall times from the
+//! bench's own clock around each process (so they include process start, model build,
+//! checkpoint load and the final checkpoint).
 //!
 //! Failures land `--fail-offset` steps after a multiple of `--fail-every` (defaults: after steps
 //! 60 and 100, half-way between the checkpoints of `--checkpoint-every 40`: the expected loss of
@@ -70,6 +80,9 @@ mod membership_run;
 mod membership_table;
 mod plan;
 mod records;
+mod standby;
+mod standby_run;
+mod standby_table;
 mod summary;
 mod table;
 mod watchdog_cost;
@@ -83,6 +96,8 @@ use membership::{membership_checks, Membership, MembershipPlan};
 use plan::restart_shapes;
 pub use plan::FailurePlan;
 use records::{parse_events, parse_metrics, Event};
+use standby::{standby_checks, StandbyPlan, Takeover};
+use standby_run::StandbyInput;
 use summary::{checks, compare, summarize, Check, Job, RunInput, RunKind, RunSummary, Segment};
 
 /// Compare recovery in place with a fault-free run and with checkpoint restart, same job; and
@@ -153,6 +168,10 @@ pub struct BenchRecoveryArgs {
     /// checkpoints].
     #[arg(long)]
     pub master_kill_after_step: Option<u64>,
+    /// Skip the standby run (another run of the job with one standby master, its master
+    /// SIGKILLed after --master-kill-after-step; the standby takes over).
+    #[arg(long)]
+    pub no_standby: bool,
     /// The `train` binary [default: the one beside this `oobleck`].
     #[arg(long)]
     pub train_bin: Option<PathBuf>,
@@ -194,6 +213,9 @@ pub struct Report {
     /// The master run's kill, take-over and the commit record's cost (absent with
     /// `--no-master`).
     pub master: Option<MasterRestart>,
+    /// The standby run's kill, take-over and the standby's cost per step (absent with
+    /// `--no-standby`).
+    pub standby: Option<Takeover>,
     pub checks: Vec<Check>,
     /// The `train` command lines of each run, in order.
     pub commands: Vec<String>,
@@ -211,6 +233,7 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
     let members = MembershipPlan::new(a)?;
     let hang = HangPlan::new(a)?;
     let master = MasterPlan::new(a)?;
+    let standby = StandbyPlan::new(a)?;
     let bench = Bench {
         a,
         bin: binary("train", a.train_bin.as_deref())?,
@@ -223,7 +246,7 @@ pub fn run(a: &BenchRecoveryArgs) -> Result<()> {
         commands: Default::default(),
     };
     let t0 = Instant::now();
-    let (report, shares) = bench.all(&plan, members, hang, master)?;
+    let (report, shares) = bench.all(&plan, members, hang, (master, standby))?;
     println!("{}", table::render(&report));
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&report)?;
@@ -269,6 +292,12 @@ struct Bench<'a> {
     commands: std::cell::RefCell<Vec<String>>,
 }
 
+/// The master run and the standby run, as they ran (each absent when skipped).
+type MasterRuns = (
+    Option<(MasterPlan, MasterInput)>,
+    Option<(StandbyPlan, StandbyInput)>,
+);
+
 /// The optional runs' seconds: `(run, the flag that skips it, s)`.
 type Shares = Vec<(&'static str, &'static str, f64)>;
 
@@ -279,7 +308,7 @@ impl Bench<'_> {
         plan: &FailurePlan,
         members: Option<MembershipPlan>,
         hang: Option<HangPlan>,
-        master: Option<MasterPlan>,
+        (master, standby): (Option<MasterPlan>, Option<StandbyPlan>),
     ) -> Result<(Report, Shares)> {
         // Timed first, while no train runs beside it.
         let costs = hang
@@ -308,7 +337,13 @@ impl Bench<'_> {
             shares.push(("master", "--no-master", t.elapsed().as_secs_f64()));
             (m, input)
         });
-        let report = self.report(plan, [ff, ip, rs], mb, hg, ms);
+        let sb = standby.map(|sp| {
+            let t = Instant::now();
+            let input = self.standby(plan, &sp);
+            shares.push(("standby", "--no-standby", t.elapsed().as_secs_f64()));
+            (sp, input)
+        });
+        let report = self.report(plan, [ff, ip, rs], mb, hg, (ms, sb));
         Ok((report, shares))
     }
 
@@ -510,7 +545,7 @@ impl Bench<'_> {
         inputs: [RunInput; 3],
         members: Option<(MembershipPlan, RunInput, membership::Outcome)>,
         hang: Option<(HangPlan, HangInput, MarkCosts)>,
-        master: Option<(MasterPlan, MasterInput)>,
+        (master, standby): MasterRuns,
     ) -> Report {
         let a = self.a;
         let job = Job {
@@ -540,6 +575,18 @@ impl Bench<'_> {
             runs.push(s);
             x
         });
+        let fault_free = inputs[0]
+            .segments
+            .first()
+            .map_or(&[][..], |s| &s.metrics[..]);
+        let standby = standby.map(|(sp, input)| {
+            let s = summarize(&input.run, &job);
+            let shape = (plan.pins.iter().sum(), a.steps);
+            let run = (&input.run, &s);
+            let x = Takeover::new(&sp, input.observed, run, shape, fault_free, step_s);
+            runs.push(s);
+            x
+        });
         compare(&mut runs);
         let mut checks = checks(&runs[0], &runs[1]);
         let run_of = |k: RunKind| runs.iter().find(|s| s.kind == k);
@@ -551,6 +598,9 @@ impl Bench<'_> {
         }
         if let (Some(m), Some(s)) = (&master, run_of(RunKind::Master)) {
             checks.extend(master_checks(s, m));
+        }
+        if let (Some(t), Some(s)) = (&standby, run_of(RunKind::Standby)) {
+            checks.extend(standby_checks(s, t));
         }
         let kills: Vec<String> = plan
             .failures
@@ -574,6 +624,7 @@ impl Bench<'_> {
             membership,
             hang,
             master,
+            standby,
             checks,
             commands: self.commands.borrow().clone(),
         }

@@ -20,6 +20,8 @@ pub enum RunKind {
     Hang,
     /// The master SIGKILLed and restarted with `--reattach`, no other failure.
     Master,
+    /// The master of a job with one standby master SIGKILLed; the standby takes over.
+    Standby,
 }
 
 impl RunKind {
@@ -31,6 +33,7 @@ impl RunKind {
             RunKind::Membership => "drain + join",
             RunKind::Hang => "hang",
             RunKind::Master => "master restart",
+            RunKind::Standby => "standby take-over",
         }
     }
 }

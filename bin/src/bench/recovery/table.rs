@@ -156,6 +156,7 @@ pub fn render(r: &Report) -> String {
         }
         RunKind::Hang => format!("{} (a hung worker)", s.recoveries.len()),
         RunKind::Master => format!("{} (a restarted master)", s.recoveries.len()),
+        RunKind::Standby => format!("{} (a standby took over)", s.recoveries.len()),
     });
     t.each("checkpoint stall ms (median / max)", |s| {
         stat(s.checkpoint_stall_ms, 1)
@@ -181,6 +182,10 @@ pub fn render(r: &Report) -> String {
     if let Some(m) = &r.master {
         out.push('\n');
         out.push_str(&super::master_table::render(r, m));
+    }
+    if let Some(t) = &r.standby {
+        out.push('\n');
+        out.push_str(&super::standby_table::render(r, t));
     }
     notes(&mut out, r);
     out
@@ -359,6 +364,7 @@ pub(super) fn report_with(pins: Vec<usize>, extra: super::summary::RunSummary) -
         membership: None,
         hang: None,
         master: None,
+        standby: None,
         commands: vec![],
     }
 }

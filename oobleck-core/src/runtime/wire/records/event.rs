@@ -33,6 +33,9 @@ pub struct PipelineLayout {
     pub microbatches: u32,
 }
 
+/// Commits per `standby_cost` event: a line every 20 steps while a standby is kept.
+pub const STANDBY_COST_COMMITS: u64 = 20;
+
 /// One line of `events.jsonl`. Times are seconds (`_s`) or milliseconds (`_ms`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
@@ -283,6 +286,20 @@ pub enum Event {
         commit_wait_ms_per_step: f64,
         step_ms: f64,
         master_commit_ms_per_step: f64,
+    },
+    /// The active master's time on its standbys over its last `commits` commits (written
+    /// every [`STANDBY_COST_COMMITS`] commits while it has a standby): at each commit, the logs
+    /// and records sent to every standby and their acknowledgements awaited, before any agent
+    /// hears of the step (on the step's path); between commits, the run directory's other
+    /// files mirrored (on the master's loop, beside the step). Milliseconds.
+    StandbyCost {
+        standbys: usize,
+        commits: u64,
+        commit_mean_ms: f64,
+        commit_median_ms: f64,
+        commit_max_ms: f64,
+        /// Mirroring between the commits, in all.
+        mirror_ms: f64,
     },
     Finish {
         step: u64,

@@ -6,6 +6,8 @@ mod event;
 mod metrics;
 mod report;
 
-pub use event::{Event, EventLine, EventLineError, PipelineLayout, StartInfo};
+pub use event::{
+    Event, EventLine, EventLineError, PipelineLayout, StartInfo, STANDBY_COST_COMMITS,
+};
 pub use metrics::{ranges, splitmix64, SampleHash, StepData, StepMetrics};
 pub use report::{CorruptCopy, WorkerReport, REPORT_PREFIX};
