@@ -33,6 +33,8 @@ pub(super) const OUTBOX: usize = 64;
 /// can wait for its last words to leave before closing the sockets).
 pub(super) struct Outgoing {
     pub(super) msg: Message,
+    /// Raw bytes written right after the frame (a `Mirror` record's); empty for the rest.
+    pub(super) payload: Vec<u8>,
     pub(super) written: Option<tokio::sync::oneshot::Sender<()>>,
 }
 pub(super) struct NodeEntry {
@@ -529,6 +531,7 @@ async fn serve_agent(
                     // write timeout will end this connection.
                     let _ = outbox.try_send(Outgoing {
                         msg: status,
+                        payload: Vec::new(),
                         written: None,
                     });
                 }
@@ -662,10 +665,10 @@ pub(super) async fn write_loop(
             },
             _ = tick.tick() => {
                 seq += 1;
-                Outgoing { msg: Message::Heartbeat { node, seq }, written: None }
+                Outgoing { msg: Message::Heartbeat { node, seq }, payload: Vec::new(), written: None }
             }
         };
-        protocol::write_frame(&mut w, &out.msg, write_timeout).await?;
+        protocol::write_frame_with(&mut w, &out.msg, &out.payload, write_timeout).await?;
         if let Some(done) = out.written {
             // The waiter may have given up; nothing to do then.
             let _ = done.send(());

@@ -18,7 +18,7 @@ use std::time::SystemTime;
 
 use crate::runtime::wire::Message;
 
-/// The most bytes of one record (hex doubles it, within the frame limit of 16 MiB).
+/// The most bytes of one record (within [`crate::runtime::wire::protocol::MAX_PAYLOAD`]).
 const CHUNK: u64 = 4 << 20;
 
 /// A file's size and modification time, as last seen or sent.
@@ -102,7 +102,7 @@ impl Mirror {
         run: &Path,
         files: &[(String, Seen)],
         mut budget: u64,
-    ) -> std::io::Result<Vec<Message>> {
+    ) -> std::io::Result<Vec<(Message, Vec<u8>)>> {
         let mut out = Vec::new();
         for (rel, now) in files {
             let (from, truncate) = match self.sent.get(rel) {
@@ -142,7 +142,7 @@ impl Mirror {
         from: u64,
         truncate: bool,
         bytes: &[u8],
-        out: &mut Vec<Message>,
+        out: &mut Vec<(Message, Vec<u8>)>,
     ) {
         let mut offset = from;
         let mut first = true;
@@ -151,13 +151,14 @@ impl Mirror {
             std::iter::once(&[][..]).filter(|_| bytes.is_empty()),
         ) {
             self.seq += 1;
-            out.push(Message::Mirror {
+            let msg = Message::Mirror {
                 seq: self.seq,
                 path: rel.to_string(),
                 offset,
                 truncate: truncate && first,
-                hex: hex::encode(chunk),
-            });
+                len: chunk.len() as u64,
+            };
+            out.push((msg, chunk.to_vec()));
             offset += chunk.len() as u64;
             first = false;
         }
@@ -224,19 +225,19 @@ mod tests {
         let records = m.records(run, &files(run), budget).expect("records");
         records
             .iter()
-            .map(|r| {
+            .map(|(r, bytes)| {
                 let Message::Mirror {
                     path,
                     offset,
                     truncate,
-                    hex,
+                    len,
                     ..
                 } = r
                 else {
                     unreachable!()
                 };
-                let bytes = hex::decode(hex).expect("hex");
-                apply(copy, path, *offset, *truncate, &bytes).expect("apply");
+                assert_eq!(*len, bytes.len() as u64);
+                apply(copy, path, *offset, *truncate, bytes).expect("apply");
                 (*offset, *truncate)
             })
             .collect()

@@ -331,7 +331,11 @@ impl Master {
             .map(|e| e.outbox.clone())
             .ok_or(WireError::UnknownNode { node })?;
         let timeout = self.shared.config.write_timeout;
-        let out = Outgoing { msg, written: None };
+        let out = Outgoing {
+            msg,
+            payload: Vec::new(),
+            written: None,
+        };
         match tokio::time::timeout(timeout, outbox.send(out)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(WireError::UnknownNode { node }),
@@ -407,6 +411,7 @@ impl Master {
                 msg: Message::Shutdown {
                     reason: reason.to_string(),
                 },
+                payload: Vec::new(),
                 written: Some(done),
             };
             match tokio::time::timeout_at(deadline, outbox.send(out)).await {

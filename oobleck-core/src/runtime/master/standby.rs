@@ -179,12 +179,12 @@ async fn watch(opts: &StandbyOptions, link: Link) -> Result<(StandbyEnd, Vec<Soc
                 path,
                 offset,
                 truncate,
-                hex,
+                len,
             } => {
-                let bytes = hex::decode(&hex).map_err(|e| RuntimeError::Protocol {
-                    who: "the master".into(),
-                    what: format!("a mirror record of {path} that is not hex: {e}"),
-                })?;
+                let bytes = match protocol::read_payload(&mut r, len, welcomed.lease).await {
+                    Ok(b) => b,
+                    Err(e) => break StandbyEnd::MasterLost(format!("{path}'s bytes: {e}")),
+                };
                 mirror::apply(&opts.copy, &path, offset, truncate, &bytes).map_err(|what| {
                     RuntimeError::Protocol {
                         who: "this standby".into(),

@@ -90,6 +90,7 @@ pub(super) async fn dismiss(shared: &Shared, reason: &str, deadline: tokio::time
             msg: Message::Shutdown {
                 reason: reason.to_string(),
             },
+            payload: Vec::new(),
             written: Some(done),
         };
         if let Ok(Ok(())) = tokio::time::timeout_at(deadline, outbox.send(out)).await {
@@ -113,20 +114,25 @@ impl Master {
         s.iter().map(|(&id, e)| (id, e.listen.clone())).collect()
     }
 
-    /// Queues `msgs` for standby `id`, in order, waiting at most `timeout` for room. An error
-    /// means the standby is gone or stuck: it is dropped.
+    /// Queues `msgs` for standby `id` (each with the raw bytes that follow it), in order,
+    /// waiting at most `timeout` for room. An error means the standby is gone or stuck: it is
+    /// dropped.
     pub async fn send_standby(
         &self,
         id: u64,
-        msgs: Vec<Message>,
+        msgs: Vec<(Message, Vec<u8>)>,
         timeout: Duration,
     ) -> Result<(), String> {
         let outbox = match self.shared().standbys_mut().get(&id) {
             Some(e) => e.outbox.clone(),
             None => return Err("it is gone".into()),
         };
-        for msg in msgs {
-            let out = Outgoing { msg, written: None };
+        for (msg, payload) in msgs {
+            let out = Outgoing {
+                msg,
+                payload,
+                written: None,
+            };
             match tokio::time::timeout(timeout, outbox.send(out)).await {
                 Ok(Ok(())) => {}
                 _ => {

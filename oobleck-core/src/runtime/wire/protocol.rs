@@ -293,17 +293,17 @@ pub enum Message {
     AbortGeneration { generation: u64 },
     /// Master -> agent: kill your workers and exit. Master -> standby: the job is over.
     Shutdown { reason: String },
-    /// Master -> standby: bytes of a file of the run directory (`path`, relative), to write at
-    /// `offset` (`truncate`: the file is rewritten from there: anything after goes). `seq`
-    /// numbers the records of one connection from 1.
+    /// Master -> standby: `len` bytes of a file of the run directory (`path`, relative), to
+    /// write at `offset` (`truncate`: the file is rewritten from there: anything after goes).
+    /// The bytes follow the frame on the connection, raw ([`read_payload`]): a checkpoint is
+    /// not doubled by an encoding. `seq` numbers the records of one connection from 1.
     Mirror {
         seq: u64,
         path: String,
         offset: u64,
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         truncate: bool,
-        /// The bytes, in hex.
-        hex: String,
+        len: u64,
     },
     /// Standby -> master: every record up to `seq` is on its disk.
     Mirrored { seq: u64 },
@@ -479,6 +479,42 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     }
 }
 
+/// The most raw bytes that may follow a frame ([`Message::Mirror`]'s).
+pub const MAX_PAYLOAD: u64 = 16 << 20;
+
+/// Reads the `len` raw bytes that follow a frame, within `timeout`. Like [`read_frame`], not
+/// cancel-safe: after an `Err` the connection must be dropped.
+pub async fn read_payload<R: AsyncRead + Unpin>(
+    r: &mut R,
+    len: u64,
+    timeout: Duration,
+) -> WireResult<Vec<u8>> {
+    if len > MAX_PAYLOAD {
+        return Err(WireError::FrameTooLarge {
+            len,
+            max: MAX_PAYLOAD as u32,
+        });
+    }
+    let mut bytes = vec![0u8; len as usize];
+    let got = match tokio::time::timeout(timeout, read_full(r, &mut bytes)).await {
+        Ok(got) => got?,
+        Err(_) => {
+            return Err(WireError::Timeout {
+                op: "read payload",
+                ms: timeout.as_millis() as u64,
+            })
+        }
+    };
+    if got < bytes.len() {
+        return Err(WireError::Truncated {
+            part: "payload",
+            expected: bytes.len(),
+            got,
+        });
+    }
+    Ok(bytes)
+}
+
 /// Writes raw frame bytes and flushes, within `timeout`.
 pub async fn write_raw<W: AsyncWrite + Unpin>(
     w: &mut W,
@@ -508,6 +544,22 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     timeout: Duration,
 ) -> WireResult<()> {
     let frame = encode_frame(msg)?;
+    write_raw(w, &frame, timeout).await
+}
+
+/// Writes a frame and the raw bytes that follow it (`payload`, for [`read_payload`]) as one
+/// write, within `timeout`.
+pub async fn write_frame_with<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    msg: &Message,
+    payload: &[u8],
+    timeout: Duration,
+) -> WireResult<()> {
+    if payload.is_empty() {
+        return write_frame(w, msg, timeout).await;
+    }
+    let mut frame = encode_frame(msg)?;
+    frame.extend_from_slice(payload);
     write_raw(w, &frame, timeout).await
 }
 

@@ -227,3 +227,45 @@ proptest! {
         let _ = decode_all(&frame);
     }
 }
+
+#[test]
+fn a_mirror_record_carries_its_bytes_raw_after_the_frame() {
+    let bytes: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+    let msg = Message::Mirror {
+        seq: 3,
+        path: "checkpoints/step-4/rank-0.safetensors".into(),
+        offset: 64,
+        truncate: false,
+        len: bytes.len() as u64,
+    };
+    let mut wire = Vec::new();
+    rt().block_on(write_frame_with(&mut wire, &msg, &bytes, T))
+        .expect("write");
+    // Raw: the frame and the bytes, not an encoding of them.
+    assert_eq!(
+        wire.len(),
+        encode_frame(&msg).expect("frame").len() + bytes.len()
+    );
+    rt().block_on(async {
+        let mut r = &wire[..];
+        assert_eq!(read_frame(&mut r, T).await.expect("frame"), Some(msg));
+        assert_eq!(read_payload(&mut r, 10_000, T).await.expect("bytes"), bytes);
+    });
+}
+
+#[test]
+fn a_payload_cut_short_or_over_the_limit_is_refused() {
+    rt().block_on(async {
+        let mut r = &[1u8, 2, 3][..];
+        match read_payload(&mut r, 10, T).await {
+            Err(WireError::Truncated { part, got, .. }) => assert_eq!((part, got), ("payload", 3)),
+            other => panic!("expected truncated, got {other:?}"),
+        }
+        let mut r = &[][..];
+        let huge = MAX_PAYLOAD + 1;
+        match read_payload(&mut r, huge, T).await {
+            Err(WireError::FrameTooLarge { len, .. }) => assert_eq!(len, huge),
+            other => panic!("expected too large, got {other:?}"),
+        }
+    });
+}

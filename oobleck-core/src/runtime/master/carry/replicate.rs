@@ -178,7 +178,7 @@ impl Driver<'_> {
             // One that takes no message is dropped (`send_standby`).
             for &(id, _) in standbys {
                 let _ = (self.p.master)
-                    .send_standby(id, vec![msg.clone()], POLL_BOUND)
+                    .send_standby(id, vec![(msg.clone(), Vec::new())], POLL_BOUND)
                     .await;
             }
         }
