@@ -334,6 +334,44 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     assert_no_segments(&out);
 }
 
+#[test]
+fn a_master_stopped_longer_than_its_lease_without_a_standby_starts_again_and_loses_no_step() {
+    const STEPS: u64 = 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let out = dir.path().join("run");
+    let mut cmd = train_cmd(&out, STEPS, &["--nodes", "2", "--master-wait", "60"]);
+    cmd.env("OOBLECK_TEST_SLOW", "0:100");
+    let mut first = cmd.spawn().expect("start train");
+    let (log, reader) = drain_stderr(&mut first);
+    let mut guard = Guard(Some(first));
+    wait_for_step(&out, 4, Duration::from_secs(180));
+    let pids = recorded_pids(&out, 4);
+    let _strays = Strays(pids.clone());
+    let master = guard.0.as_ref().expect("train").id();
+    signal("STOP", master);
+    wait_for_lines(&log, "master lost at step", 2, Duration::from_secs(30));
+    // Woken, it finds it was stopped past its lease: it starts again on its run directory
+    // (the same process) and takes its agents back.
+    signal("CONT", master);
+    let st = wait_exit(guard.0.as_mut().expect("train"), Duration::from_secs(180));
+    let text = log.lock().expect("log").clone();
+    assert!(st.success(), "{st}:\n{text}");
+    assert!(text.contains("near or past its lease of 3000 ms"), "{text}");
+    assert_same_training(&out, &want, &want_params);
+    let lost = events_of(&out, "master_lost");
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    let why = lost[0]["why"].as_str().expect("why");
+    assert!(why.contains("was stopped for"), "{why}");
+    assert_eq!(events_of(&out, "master_took_over").len(), 1);
+    let last = reconfig_events(&out).pop().expect("a reconfiguration");
+    assert_eq!(last["in_place"], true, "{last}");
+    assert_eq!(last["replayed_steps"], 0, "{last}");
+    assert!(events_of(&out, "resume").is_empty());
+    assert_all_exit(&pids);
+    reader.join().expect("stderr reader");
+}
+
 /// A local 2-node job of `steps` steps with one standby master, node 0 slowed (100 ms a
 /// microbatch) so that its master goes mid-run, started and run to step 4: its parts.
 struct StandbyJob {

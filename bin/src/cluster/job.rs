@@ -158,10 +158,19 @@ pub fn run(
         step_ms: Vec::new(),
         first_generation: None,
     };
+    let token = opts.token.expose().to_string();
     let result = master::run_job(workload, opts, &mut watch);
     match &result {
         // A standby took over: it is the job's master now, not this one's to stop.
         Err(oobleck_core::runtime::RuntimeError::Replaced { .. }) => watch.standbys.leave(),
+        Err(e @ oobleck_core::runtime::RuntimeError::StoppedTooLong { .. }) => {
+            // Its agents wait for a master where this one listened: it starts again there.
+            watch.page = None;
+            watch.progress.finish();
+            eprintln!("{e}");
+            let why = format!("{e} (--reattach)");
+            return Err(super::reattach::become_master(&out, None, &token, &why).unwrap_err());
+        }
         _ => watch.standbys.finish(),
     }
     watch.page = None;

@@ -24,6 +24,22 @@ use crate::run_dir::resumed_run;
 /// master, for the run's `master_lost` event.
 pub const TAKING_OVER: &str = "OOBLECK_TAKING_OVER";
 
+/// Becomes the master of the run `run` in this process (exec): `train --resume RUN --reattach`
+/// (`--listen LISTEN`, else where the run's master listened), with the job's `token`; `why`
+/// goes to the run's `master_lost` event. Returns only if the exec failed.
+pub fn become_master(run: &Path, listen: Option<&str>, token: &str, why: &str) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    // `train` itself, whatever this process runs as (`train standby`, or `train`).
+    let exe = std::env::current_exe().context("locating the running binary")?;
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg("--resume").arg(run).arg("--reattach");
+    if let Some(l) = listen {
+        cmd.args(["--listen", l]);
+    }
+    let e = cmd.env("OOBLECK_TOKEN", token).env(TAKING_OVER, why).exec();
+    Err(e).with_context(|| format!("starting again as the master: {}", exe.display()))
+}
+
 /// Where the restarted master listens and the job's token: `listen` (`--listen`) or the
 /// address in the run's `master.json`; `token` (`--token`, `OOBLECK_TOKEN`) or the run's
 /// `master.token` (a local job's, left behind by the lost master).

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use oobleck_core::runtime::master::{run_standby, StandbyEnd, StandbyOptions};
 
 /// Keep a copy of a running job's run directory and take over when its master is lost.
@@ -71,22 +71,10 @@ pub fn run(args: &StandbyArgs) -> Result<()> {
 
 /// Becomes the master: `train --resume COPY --reattach --listen LISTEN`, in this process.
 fn take_over(copy: &std::path::Path, listen: &str, token: &str, why: &str) -> Result<()> {
-    use std::os::unix::process::CommandExt;
     eprintln!(
         "oobleck standby: the master is lost ({why}); taking over at {listen} from {}",
         copy.display()
     );
-    // `train` itself: this process runs as `train standby`.
-    let exe = std::env::current_exe().context("locating the running binary")?;
-    let e = std::process::Command::new(&exe)
-        .arg("--resume")
-        .arg(copy)
-        .args(["--reattach", "--listen", listen])
-        .env("OOBLECK_TOKEN", token)
-        .env(
-            super::reattach::TAKING_OVER,
-            format!("the standby at {listen} takes over: the master is lost ({why})"),
-        )
-        .exec();
-    Err(e).with_context(|| format!("taking over: starting {}", exe.display()))
+    let why = format!("the standby at {listen} takes over: the master is lost ({why})");
+    super::reattach::become_master(copy, Some(listen), token, &why)
 }

@@ -110,6 +110,16 @@ pub enum RuntimeError {
     /// touching nothing of the job (`why` says how it knows).
     #[error("this master (epoch {epoch}) was replaced: {why}; it steps down and leaves the job to the master that took over")]
     Replaced { epoch: u64, why: String },
+    /// This master, with no standby, was stopped (SIGSTOP, a frozen VM) for longer than its
+    /// lease: its agents took it for lost and look for a master. It decides nothing more and
+    /// leaves them running, so that it starts again on its run directory (`--reattach`) and
+    /// takes them back with their workers, losing no step.
+    #[error("this master (epoch {epoch}) was stopped for {waited_ms} ms, near or past its lease of {lease_ms} ms, and its agents took it for lost; it starts again on its run directory to take them back")]
+    StoppedTooLong {
+        epoch: u64,
+        waited_ms: u64,
+        lease_ms: u64,
+    },
     /// The plan a worker received disagrees with the job it was given: `plan` against
     /// `config` of `quantity`; `hint` says what to fix.
     #[error(

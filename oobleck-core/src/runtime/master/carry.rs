@@ -124,6 +124,7 @@ impl<'a> Driver<'a> {
             self.take_signal()?;
             while let Some(a) = self.p.machine.poll_action() {
                 self.step_down_if_stalled(self.turn.elapsed() / 2)?;
+                self.restart_if_stopped()?;
                 self.carry(a).await?;
             }
             if let Some(done) = self.finished.take() {
@@ -144,6 +145,7 @@ impl<'a> Driver<'a> {
             let asked = Instant::now();
             let input = next_input(self.p.master).await?;
             self.step_down_if_stalled(asked.elapsed())?;
+            self.restart_if_stopped()?;
             if let Input::Worker {
                 node,
                 report: crate::runtime::WorkerReport::Listening { pid, .. },
@@ -177,6 +179,35 @@ impl<'a> Driver<'a> {
                 waited.as_secs_f64(),
                 self.p.master.lease().as_secs_f64()
             ),
+        })
+    }
+
+    /// A process stopped near or past its lease (`stopwatch.rs`: a lease without a heartbeat)
+    /// was taken for lost by its agents, and the control port refuses them meanwhile
+    /// (`conn.rs`). Going on would meet them as new nodes and replay from a checkpoint, so it
+    /// gives up its place: with standbys, to the one that takes over once this process is
+    /// gone (`RuntimeError::Replaced`); without, to itself started again with `--reattach`,
+    /// leaving its agents to be taken back (`RuntimeError::StoppedTooLong`).
+    fn restart_if_stopped(&self) -> Result<()> {
+        if !self.p.master.stopped_past_lease() {
+            return Ok(());
+        }
+        let (lease, waited) = (self.p.master.lease(), self.p.master.stopped_for());
+        if self.mirrors.had {
+            return Err(RuntimeError::Replaced {
+                epoch: self.p.master.epoch(),
+                why: format!(
+                    "it was stopped for {:.1} s, near or past its lease of {:.1} s: its agents \
+                     took it for lost, and a standby takes over once it is gone",
+                    waited.as_secs_f64(),
+                    lease.as_secs_f64()
+                ),
+            });
+        }
+        Err(RuntimeError::StoppedTooLong {
+            epoch: self.p.master.epoch(),
+            waited_ms: waited.as_millis() as u64,
+            lease_ms: lease.as_millis() as u64,
         })
     }
 

@@ -79,6 +79,8 @@ pub(super) struct Shared {
     pub(super) pending: Pending,
     /// Refused peers, logged one line per address and reason per interval.
     pub(super) refusals: RefusalLog,
+    /// How long this process was stopped, at most (SIGSTOP, a frozen VM).
+    pub(super) stops: super::stopwatch::StopWatch,
 }
 
 impl Shared {
@@ -101,7 +103,14 @@ impl Shared {
             pending,
             refusals: RefusalLog::new(),
             events,
+            stops: super::stopwatch::StopWatch::start(),
         }
+    }
+
+    /// This process was stopped long enough for its agents to take it for lost: a lease
+    /// without a heartbeat, the last of which may have gone out a heartbeat before the stop.
+    pub(super) fn stopped_past_lease(&self) -> bool {
+        self.stops.longest() + self.config.heartbeat_interval >= self.config.lease
     }
 
     pub(super) fn nodes(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, NodeEntry>> {
@@ -298,6 +307,19 @@ async fn handshake(
         // Its old id, if this master expects it back; a new one otherwise.
         PeerRole::Returning(r) if shared.returns().contains(&r.node) => {
             (Some(r.node), r.devices, Some(r))
+        }
+        // One of this master's own agents that took it for lost while it still counts the
+        // node: the master was silent to it. It notices soon, and either loses the node (then
+        // the agent is taken as a new node) or, stopped past a lease, starts again to take
+        // every agent back (`carry::restart_if_stopped`): not a new node now.
+        PeerRole::Returning(r)
+            if shared.nodes().contains_key(&r.node) || shared.stopped_past_lease() =>
+        {
+            return Err(format!(
+                "node {} is still this master's: it was silent to the agent (stopped, or cut \
+                 off), and either loses the node or starts again to take it back; try again",
+                r.node
+            ))
         }
         PeerRole::Returning(r) => (Some(shared.new_node()), r.devices, None),
         PeerRole::Client => (None, 0, None),

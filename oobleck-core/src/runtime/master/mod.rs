@@ -23,6 +23,7 @@ pub mod server;
 mod signals;
 pub mod standby;
 mod standbys;
+mod stopwatch;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -495,8 +496,9 @@ async fn conclude_job(
             })?;
             Ok(summary)
         }
-        // Another master runs the job now: nothing of it is this one's to stop or remove.
-        Err(e @ RuntimeError::Replaced { .. }) => {
+        // Another master runs the job now (or this one, started again): nothing of it is this
+        // one's to stop or remove.
+        Err(e @ (RuntimeError::Replaced { .. } | RuntimeError::StoppedTooLong { .. })) => {
             agents.leave();
             Err(e)
         }

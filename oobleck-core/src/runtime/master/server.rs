@@ -196,6 +196,17 @@ impl Master {
         self.shared.config.epoch
     }
 
+    /// The longest this process was stopped since the master started (SIGSTOP, a frozen VM).
+    pub fn stopped_for(&self) -> Duration {
+        self.shared.stops.longest()
+    }
+
+    /// It was stopped long enough for its agents to take it for lost (a lease without a
+    /// heartbeat).
+    pub fn stopped_past_lease(&self) -> bool {
+        self.shared.stopped_past_lease()
+    }
+
     /// How long silence means a peer is gone.
     pub fn lease(&self) -> Duration {
         self.shared.config.lease
