@@ -2,8 +2,8 @@
 //! picks a sequence of failures and membership changes (SIGKILL of an agent or a worker,
 //! SIGSTOP of an agent, `oobleck kill-node`, `oobleck add-node`, `oobleck drain`, SIGTERM of
 //! an agent, two of them at once, SIGKILL of the master, restarted with `train --resume RUN
-//! --reattach`, and SIGSTOP of the master for less than its lease), each from what the current
-//! membership allows, and
+//! --reattach`, and SIGSTOP of the master for less than its lease and past it), each from what
+//! the current membership allows, and
 //! waits for the job to settle before the next. The job must finish with every step once,
 //! every sample of every step trained once, the losses and parameters of an uninterrupted
 //! run, and no process left behind.
@@ -40,7 +40,7 @@ struct Storm {
     params_see_a_step: bool,
 }
 
-/// The CI run. 18 events, because every kind once needs about that many: the joins that make
+/// The CI run. 19 events, because every kind once needs about that many: the joins that make
 /// up for the leaves included (`the_picker_does_every_kind_within_the_bounds_for_any_seed`).
 /// Its tolerance: fault-free runs of 300 steps on 2, 3, 4 and 5 nodes end 2.0e-6, 1.1e-6,
 /// 1.4e-6 and 1.2e-6 from one process (`fault_free_layouts_differ_by_rounding_only`), the
@@ -48,7 +48,7 @@ struct Storm {
 /// 1.04e-4: 1e-5 is five times the largest rounding and a tenth of a step.
 const CI: Storm = Storm {
     steps: 300,
-    events: 18,
+    events: 19,
     tol_params: 1e-5,
     params_see_a_step: true,
 };
@@ -92,6 +92,9 @@ const SETTLE_LIMIT: Duration = Duration::from_secs(90);
 /// machine's late beats; the longer stop, which a standby takes over from, is
 /// `master_lost.rs`'s.
 const PAUSE: Duration = Duration::from_millis(1200);
+/// How long the chaos test stops the master past its lease: its agents take it for lost
+/// within a lease (3 s) and look for it.
+const STOP: Duration = Duration::from_millis(4500);
 /// Set on `train` and every `oobleck` the test starts, inherited by agents and workers: the
 /// processes of a run are found by it, never by name.
 const MARK: &str = "OOBLECK_CHAOS_RUN";
@@ -298,6 +301,7 @@ impl Chaos {
             Kind::TermAgent => "TERM",
             Kind::KillMaster => return self.kill_master(expect),
             Kind::PauseMaster => return self.pause_master(expect),
+            Kind::StopMaster => return self.stop_master(expect),
             Kind::KillWorker => {
                 let pid = self.worker(node);
                 signal("-KILL", pid);
@@ -384,6 +388,19 @@ impl Chaos {
         });
         expect.push(Expect::Unmoved);
         format!("SIGSTOP the master (pid {pid}) for {PAUSE:?}, then SIGCONT")
+    }
+
+    /// SIGSTOPs `train`, the master, for [`STOP`], past its lease, then SIGCONTs it: its
+    /// agents took it for lost, and it starts again in the same process (`--reattach`) and
+    /// takes them back. Its agents are no children it knows of from then on.
+    fn stop_master(&mut self, expect: &mut Vec<Expect>) -> String {
+        let pid = self.train.0.as_ref().expect("train runs").id();
+        signal("-STOP", pid);
+        std::thread::sleep(STOP);
+        signal("-CONT", pid);
+        self.reattached = true;
+        expect.push(Expect::Reattached);
+        format!("SIGSTOP the master (pid {pid}) for {STOP:?}, then SIGCONT")
     }
 
     /// Does `kind` to nodes the RNG picks from the running plan (distinct ones).

@@ -68,21 +68,24 @@ pub(crate) enum Kind {
     /// SIGSTOP of the master for less than its lease (a long GC, a VM hiccup), then SIGCONT:
     /// nothing may be lost, no node, no step.
     PauseMaster,
+    /// SIGSTOP of the master past its lease, then SIGCONT: its agents took it for lost; it
+    /// starts again by itself (`--reattach`) and takes them back, no step replayed.
+    StopMaster,
 }
 
 /// Every kind; [`kinds`] says which a run picks from.
 #[rustfmt::skip]
-pub(crate) const KINDS: [Kind; 13] = {
+pub(crate) const KINDS: [Kind; 14] = {
     use Kind::*;
     [KillAgent, KillWorker, StopAgent, KillNode, Join, Drain, TermAgent, KillAndJoin, TwoDrains,
-     TwoKills, TwoJoins, KillMaster, PauseMaster]
+     TwoKills, TwoJoins, KillMaster, PauseMaster, StopMaster]
 };
 
 impl Kind {
     /// The nodes it takes away and adds.
     pub(crate) fn change(self) -> (usize, usize) {
         match self {
-            Kind::KillWorker | Kind::KillMaster | Kind::PauseMaster => (0, 0),
+            Kind::KillWorker | Kind::KillMaster | Kind::PauseMaster | Kind::StopMaster => (0, 0),
             Kind::Join => (0, 1),
             Kind::KillAgent | Kind::StopAgent | Kind::KillNode => (1, 0),
             Kind::Drain | Kind::TermAgent => (1, 0),
