@@ -385,6 +385,7 @@ struct StandbyJob {
     reader: JoinHandle<()>,
     /// The agents, the workers and the standbys, in that order.
     pids: Vec<u32>,
+    nodes: usize,
 }
 
 impl StandbyJob {
@@ -394,14 +395,19 @@ impl StandbyJob {
 
     /// [`StandbyJob::start`] with `standbys` standby masters; `pids` has them all.
     fn with_standbys(steps: u64, standbys: usize) -> StandbyJob {
+        StandbyJob::of(steps, standbys, 2, 4)
+    }
+
+    /// A local job of `nodes` nodes with `standbys` standby masters, run to step `at`.
+    fn of(steps: u64, standbys: usize, nodes: usize, at: u64) -> StandbyJob {
         let dir = tempfile::tempdir().expect("tempdir");
         let (want, want_params) = single_process(dir.path(), steps);
         let out = dir.path().join("run");
         let copy = dir.path().join("run.standby-0");
-        let k = standbys.to_string();
+        let (k, n) = (standbys.to_string(), nodes.to_string());
         let extra = [
             "--nodes",
-            "2",
+            n.as_str(),
             "--master-wait",
             "60",
             "--standby-masters",
@@ -412,8 +418,8 @@ impl StandbyJob {
         let mut first = cmd.spawn().expect("start train");
         let (log, reader) = drain_stderr(&mut first);
         let guard = Guard(Some(first));
-        wait_for_step(&out, 4, Duration::from_secs(180));
-        let mut pids = recorded_pids(&out, 4);
+        wait_for_step(&out, at, Duration::from_secs(180));
+        let mut pids = recorded_pids(&out, 2 * nodes);
         pids.extend((0..standbys).map(|k| standby_pid(&log, k)));
         StandbyJob {
             dir,
@@ -425,6 +431,7 @@ impl StandbyJob {
             log,
             reader,
             pids,
+            nodes,
         }
     }
 
@@ -436,7 +443,7 @@ impl StandbyJob {
 
     /// [`StandbyJob::finished_by_the_standby`] for standby `k`.
     fn finished_by(&self, k: usize, steps: u64) -> String {
-        let standby = self.pids[4 + k];
+        let standby = self.pids[2 * self.nodes + k];
         let copy = self.dir.path().join(format!("run.standby-{k}"));
         let deadline = Instant::now() + Duration::from_secs(180);
         while alive(standby) && Instant::now() < deadline {
@@ -462,8 +469,11 @@ fn assert_all_exit(pids: &[u32]) {
 
 #[test]
 fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_gone() {
+    use rand::{Rng, SeedableRng};
     const STEPS: u64 = 20;
-    let mut job = StandbyJob::start(STEPS);
+    // A 3-node job, its master killed at a seeded step of the first half.
+    let at = rand_chacha::ChaCha8Rng::seed_from_u64(36).random_range(3..=10);
+    let mut job = StandbyJob::of(STEPS, 1, 3, at);
     let _strays = Strays(job.pids.clone());
     // The master's machine goes, and its disk with it.
     let mut master = job.guard.0.take().expect("train");
@@ -475,7 +485,7 @@ fn a_standby_takes_over_from_its_copy_when_the_master_and_its_run_directory_are_
     let text = job.finished_by_the_standby(STEPS);
     assert!(text.contains("taking over at"), "{text}");
     assert_eq!(events_of(&job.copy, "reattach").len(), 1);
-    assert_took_over(&job.copy, 2);
+    assert_took_over(&job.copy, 3);
     let last = reconfig_events(&job.copy).pop().expect("a reconfiguration");
     assert_eq!(last["in_place"], true, "{last}");
     assert_eq!(last["replayed_steps"], 0, "{last}");
@@ -667,7 +677,7 @@ fn the_master_and_the_first_of_two_standbys_killed_at_once_the_second_takes_over
         .unwrap_or_else(|| panic!("no standby at {ahead}:\n{text}"));
     let mut master = job.guard.0.take().expect("train");
     master.kill().expect("SIGKILL the master");
-    signal("KILL", job.pids[4 + first]);
+    signal("KILL", job.pids[2 * job.nodes + first]);
     master.wait().expect("reap the master");
     // The second waits for the first to take over, in vain, then takes over itself.
     let text = job.finished_by(1 - first, STEPS);
