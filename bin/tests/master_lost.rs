@@ -273,47 +273,40 @@ fn events_of(run: &Path, kind: &str) -> Vec<serde_json::Value> {
 #[test]
 fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_no_step() {
     const STEPS: u64 = 20;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let mut cmd = train_cmd(&out, STEPS, &["--nodes", "2", "--master-wait", "60"]);
-    // Node 0's workers sleep 100 ms per microbatch: the master goes mid-run, not at its end.
-    cmd.env("OOBLECK_TEST_SLOW", "0:100");
-    let mut first = cmd.spawn().expect("start train");
-    let (log, reader) = drain_stderr(&mut first);
-    let mut guard = Guard(Some(first));
-    wait_for_step(&out, 4, Duration::from_secs(180));
-    let pids = recorded_pids(&out, 4);
-    let _strays = Strays(pids.clone());
-    let workers_before: Vec<u64> = events_of(&out, "process")
+    let mut job = StandbyJob::of(STEPS, 0, 2, 4);
+    let _strays = Strays(job.pids.clone());
+    let workers_before: Vec<u64> = events_of(&job.out, "process")
         .iter()
         .filter(|e| e["role"] == "worker")
         .filter_map(|e| e["pid"].as_u64())
         .collect();
-    let mut first = guard.0.take().expect("train");
+    let mut first = job.guard.0.take().expect("train");
     first.kill().expect("SIGKILL the master");
     first.wait().expect("reap the master");
-    wait_for_lines(&log, "master lost at step", 2, Duration::from_secs(30));
+    wait_for_lines(&job.log, "master lost at step", 2, Duration::from_secs(30));
 
-    let mut again = reattach_cmd(&out).spawn().expect("restart the master");
+    let mut again = reattach_cmd(&job.out).spawn().expect("restart the master");
     let (again_log, again_reader) = drain_stderr(&mut again);
-    let mut guard = Guard(Some(again));
-    let st = wait_exit(guard.0.as_mut().expect("train"), Duration::from_secs(180));
+    job.guard = Guard(Some(again));
+    let st = wait_exit(
+        job.guard.0.as_mut().expect("train"),
+        Duration::from_secs(180),
+    );
     assert!(
         st.success(),
         "{st}; restarted master:\n{}\nagents:\n{}",
         again_log.lock().expect("log"),
-        log.lock().expect("log")
+        job.log.lock().expect("log")
     );
     again_reader.join().expect("stderr reader");
-    wait_for_lines(&log, "re-adopts this node", 2, Duration::from_secs(5));
+    wait_for_lines(&job.log, "re-adopts this node", 2, Duration::from_secs(5));
 
     // Every step once, as one process trains them; nothing loaded, nothing replayed.
-    assert_same_training(&out, &want, &want_params);
-    assert_eq!(events_of(&out, "reattach").len(), 1);
-    assert!(events_of(&out, "resume").is_empty());
-    assert_eq!(events_of(&out, "returned").len(), 2);
-    let reconfig = events_of(&out, "reconfig");
+    assert_same_training(&job.out, &job.want, &job.want_params);
+    assert_eq!(events_of(&job.out, "reattach").len(), 1);
+    assert!(events_of(&job.out, "resume").is_empty());
+    assert_eq!(events_of(&job.out, "returned").len(), 2);
+    let reconfig = events_of(&job.out, "reconfig");
     let last = reconfig
         .last()
         .expect("a reconfiguration after the re-adoption");
@@ -321,7 +314,7 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     assert_eq!(last["replayed_steps"], 0, "{last}");
     assert!(last["checkpoint"].is_null(), "{last}");
     // The same worker processes trained on: none was started again.
-    let workers_after: std::collections::BTreeSet<u64> = events_of(&out, "process")
+    let workers_after: std::collections::BTreeSet<u64> = events_of(&job.out, "process")
         .iter()
         .filter(|e| e["role"] == "worker")
         .filter_map(|e| e["pid"].as_u64())
@@ -329,51 +322,46 @@ fn a_master_restarted_with_reattach_takes_back_its_agents_and_workers_and_loses_
     let before: std::collections::BTreeSet<u64> = workers_before.into_iter().collect();
     assert_eq!(workers_after, before);
     // The restarted master shut the agents down: nothing is left.
-    assert_all_exit(&pids);
-    reader.join().expect("stderr reader");
-    assert_no_segments(&out);
+    assert_all_exit(&job.pids);
+    job.reader.join().expect("stderr reader");
+    assert_no_segments(&job.out);
 }
 
 #[test]
 fn a_master_stopped_longer_than_its_lease_without_a_standby_starts_again_and_loses_no_step() {
     const STEPS: u64 = 20;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (want, want_params) = single_process(dir.path(), STEPS);
-    let out = dir.path().join("run");
-    let mut cmd = train_cmd(&out, STEPS, &["--nodes", "2", "--master-wait", "60"]);
-    cmd.env("OOBLECK_TEST_SLOW", "0:100");
-    let mut first = cmd.spawn().expect("start train");
-    let (log, reader) = drain_stderr(&mut first);
-    let mut guard = Guard(Some(first));
-    wait_for_step(&out, 4, Duration::from_secs(180));
-    let pids = recorded_pids(&out, 4);
-    let _strays = Strays(pids.clone());
-    let master = guard.0.as_ref().expect("train").id();
+    let mut job = StandbyJob::of(STEPS, 0, 2, 4);
+    let _strays = Strays(job.pids.clone());
+    let master = job.guard.0.as_ref().expect("train").id();
     signal("STOP", master);
-    wait_for_lines(&log, "master lost at step", 2, Duration::from_secs(30));
+    wait_for_lines(&job.log, "master lost at step", 2, Duration::from_secs(30));
     // Woken, it finds it was stopped past its lease: it starts again on its run directory
     // (the same process) and takes its agents back.
     signal("CONT", master);
-    let st = wait_exit(guard.0.as_mut().expect("train"), Duration::from_secs(180));
-    let text = log.lock().expect("log").clone();
+    let st = wait_exit(
+        job.guard.0.as_mut().expect("train"),
+        Duration::from_secs(180),
+    );
+    let text = job.log.lock().expect("log").clone();
     assert!(st.success(), "{st}:\n{text}");
     assert!(text.contains("near or past its lease of 3000 ms"), "{text}");
-    assert_same_training(&out, &want, &want_params);
-    let lost = events_of(&out, "master_lost");
+    assert_same_training(&job.out, &job.want, &job.want_params);
+    let lost = events_of(&job.out, "master_lost");
     assert_eq!(lost.len(), 1, "{lost:?}");
     let why = lost[0]["why"].as_str().expect("why");
     assert!(why.contains("was stopped for"), "{why}");
-    assert_eq!(events_of(&out, "master_took_over").len(), 1);
-    let last = reconfig_events(&out).pop().expect("a reconfiguration");
+    assert_eq!(events_of(&job.out, "master_took_over").len(), 1);
+    let last = reconfig_events(&job.out).pop().expect("a reconfiguration");
     assert_eq!(last["in_place"], true, "{last}");
     assert_eq!(last["replayed_steps"], 0, "{last}");
-    assert!(events_of(&out, "resume").is_empty());
-    assert_all_exit(&pids);
-    reader.join().expect("stderr reader");
+    assert!(events_of(&job.out, "resume").is_empty());
+    assert_all_exit(&job.pids);
+    job.reader.join().expect("stderr reader");
 }
 
 /// A local 2-node job of `steps` steps with one standby master, node 0 slowed (100 ms a
-/// microbatch) so that its master goes mid-run, started and run to step 4: its parts.
+/// microbatch) so that its master goes mid-run, started and run to step 4: its parts
+/// ([`StandbyJob::of`]: other shapes, and no standby).
 struct StandbyJob {
     dir: tempfile::TempDir,
     out: std::path::PathBuf,
