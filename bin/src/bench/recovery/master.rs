@@ -196,8 +196,9 @@ pub fn master_checks(run: &RunSummary, m: &MasterRestart) -> Vec<Check> {
 #[cfg(test)]
 pub(super) mod tests {
     use super::super::plan::tests::args;
-    use super::super::records::{parse_events, parse_metrics, tests::metric_line};
-    use super::super::summary::{summarize, Job, RunKind, Segment};
+    use super::super::readoption::tests::killed_run;
+    use super::super::records::tests::metric_line;
+    use super::super::summary::RunKind;
     use super::*;
 
     #[test]
@@ -255,27 +256,12 @@ pub(super) mod tests {
         checkpoint: &str,
         steps: &[u64],
     ) -> (RunSummary, MasterRestart) {
-        let seg = |events: &str, m: &str, gap_s| Segment {
-            wall_s: 5.0,
-            gap_s,
-            events: parse_events(events).unwrap(),
-            metrics: parse_metrics(m).unwrap(),
-            load_1m: None,
-        };
-        let input = RunInput {
-            kind: RunKind::Master,
-            segments: vec![
-                seg(FIRST, &metrics(&[1, 2, 3, 4]), 0.0),
-                seg(&restarted(checkpoint), &metrics(steps), 0.05),
-            ],
-            error: None,
-        };
-        let job = Job {
-            steps: 8,
-            tokens_per_step: 100,
-            failures: 0,
-        };
-        let s = summarize(&input, &job);
+        let (input, s) = killed_run(
+            RunKind::Master,
+            (FIRST, &metrics(&[1, 2, 3, 4])),
+            (&restarted(checkpoint), &metrics(steps)),
+            0.05,
+        );
         let observed = Observed {
             pid: Some(7),
             killed_after: Some(4),

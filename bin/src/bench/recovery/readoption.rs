@@ -144,3 +144,39 @@ fn step_counts(run: &RunInput, steps: u64) -> (Vec<u64>, Vec<u64>) {
         .collect();
     (missing, repeated)
 }
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::super::records::{parse_events, parse_metrics};
+    use super::super::summary::{summarize, Job, RunKind, Segment};
+    use super::*;
+
+    /// A run of 8 steps of the master run or the standby run from its two segments' events
+    /// and metrics (the second starting `gap_s` after the kill), and its summary.
+    pub(in super::super) fn killed_run(
+        kind: RunKind,
+        first: (&str, &str),
+        second: (&str, &str),
+        gap_s: f64,
+    ) -> (RunInput, RunSummary) {
+        let seg = |(events, m): (&str, &str), gap_s| Segment {
+            wall_s: 5.0,
+            gap_s,
+            events: parse_events(events).unwrap(),
+            metrics: parse_metrics(m).unwrap(),
+            load_1m: None,
+        };
+        let input = RunInput {
+            kind,
+            segments: vec![seg(first, 0.0), seg(second, gap_s)],
+            error: None,
+        };
+        let job = Job {
+            steps: 8,
+            tokens_per_step: 100,
+            failures: 0,
+        };
+        let s = summarize(&input, &job);
+        (input, s)
+    }
+}

@@ -252,8 +252,9 @@ pub fn standby_checks(run: &RunSummary, t: &Takeover) -> Vec<Check> {
 pub(super) mod tests {
     use super::super::master::tests::restarted;
     use super::super::plan::tests::args;
+    use super::super::readoption::tests::killed_run;
     use super::super::records::{parse_events, parse_metrics, tests::metric_line};
-    use super::super::summary::{summarize, Job, RunKind, Segment};
+    use super::super::summary::RunKind;
     use super::*;
 
     #[test]
@@ -316,27 +317,12 @@ pub(super) mod tests {
         steps: &[u64],
         costs: &str,
     ) -> (RunSummary, Takeover) {
-        let seg = |events: &str, m: &str| Segment {
-            wall_s: 5.0,
-            gap_s: 0.0,
-            events: parse_events(events).unwrap(),
-            metrics: parse_metrics(m).unwrap(),
-            load_1m: None,
-        };
-        let input = RunInput {
-            kind: RunKind::Standby,
-            segments: vec![
-                seg(costs, &metrics(&[1, 2, 3, 4], 1.02)),
-                seg(&restarted(checkpoint), &metrics(steps, 1.0)),
-            ],
-            error: None,
-        };
-        let job = Job {
-            steps: 8,
-            tokens_per_step: 100,
-            failures: 0,
-        };
-        let s = summarize(&input, &job);
+        let (input, s) = killed_run(
+            RunKind::Standby,
+            (costs, &metrics(&[1, 2, 3, 4], 1.02)),
+            (&restarted(checkpoint), &metrics(steps, 1.0)),
+            0.0,
+        );
         let observed = Observed {
             pid: Some(7),
             killed_after: Some(4),
