@@ -63,19 +63,21 @@ impl MasterPlan {
     /// 120): after the in-place run's first failure and the hang (both at 60), between two
     /// checkpoints (40 and 80), where a checkpoint restart would compute 35 steps again.
     pub fn new(a: &BenchRecoveryArgs) -> Result<Option<MasterPlan>> {
-        if a.no_master {
-            return Ok(None);
-        }
-        Ok(Some(MasterPlan {
-            after_step: kill_step(a, "--no-master")?,
+        let after_step = kill_step(a, (a.no_master, "--no-master"))?;
+        Ok(after_step.map(|after_step| MasterPlan {
+            after_step,
             master_wait_s: MASTER_WAIT_S,
         }))
     }
 }
 
-/// The step after which the master run (and the standby run, `skip` naming its flag) kills
-/// the master: `--master-kill-after-step`, by default 5/8 of the steps.
-pub fn kill_step(a: &BenchRecoveryArgs, skip: &str) -> Result<u64> {
+/// The step after which the master run (and the standby run) kills the master:
+/// `--master-kill-after-step`, by default 5/8 of the steps; `None` when the run is `skipped`
+/// (by its flag `skip`).
+pub fn kill_step(a: &BenchRecoveryArgs, (skipped, skip): (bool, &str)) -> Result<Option<u64>> {
+    if skipped {
+        return Ok(None);
+    }
     let after_step = a.master_kill_after_step.unwrap_or(a.steps * 5 / 8);
     // A median step before the kill; a commit after the take-over.
     if after_step < 3 || after_step + 2 > a.steps {
@@ -86,7 +88,7 @@ pub fn kill_step(a: &BenchRecoveryArgs, skip: &str) -> Result<u64> {
             a.steps.saturating_sub(2)
         );
     }
-    Ok(after_step)
+    Ok(Some(after_step))
 }
 
 /// What the bench saw, on its own clock (seconds from just before `kill -KILL`).

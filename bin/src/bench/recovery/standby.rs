@@ -59,11 +59,9 @@ pub struct StandbyPlan {
 impl StandbyPlan {
     /// `None` with `--no-standby`; the master run's step otherwise.
     pub fn new(a: &BenchRecoveryArgs) -> Result<Option<StandbyPlan>> {
-        if a.no_standby {
-            return Ok(None);
-        }
-        Ok(Some(StandbyPlan {
-            after_step: kill_step(a, "--no-standby")?,
+        let after_step = kill_step(a, (a.no_standby, "--no-standby"))?;
+        Ok(after_step.map(|after_step| StandbyPlan {
+            after_step,
             master_wait_s: MASTER_WAIT_S,
         }))
     }
