@@ -34,8 +34,8 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use super::records::Event;
-use super::summary::{check, Check, Recovery, RunInput, RunSummary};
+use super::readoption::Readoption;
+use super::summary::{check, Check, RunInput, RunSummary};
 use super::BenchRecoveryArgs;
 use crate::bench::median;
 
@@ -63,19 +63,21 @@ impl MasterPlan {
     /// 120): after the in-place run's first failure and the hang (both at 60), between two
     /// checkpoints (40 and 80), where a checkpoint restart would compute 35 steps again.
     pub fn new(a: &BenchRecoveryArgs) -> Result<Option<MasterPlan>> {
-        if a.no_master {
-            return Ok(None);
-        }
-        Ok(Some(MasterPlan {
-            after_step: kill_step(a, "--no-master")?,
+        let after_step = kill_step(a, (a.no_master, "--no-master"))?;
+        Ok(after_step.map(|after_step| MasterPlan {
+            after_step,
             master_wait_s: MASTER_WAIT_S,
         }))
     }
 }
 
-/// The step after which the master run (and the standby run, `skip` naming its flag) kills
-/// the master: `--master-kill-after-step`, by default 5/8 of the steps.
-pub fn kill_step(a: &BenchRecoveryArgs, skip: &str) -> Result<u64> {
+/// The step after which the master run (and the standby run) kills the master:
+/// `--master-kill-after-step`, by default 5/8 of the steps; `None` when the run is `skipped`
+/// (by its flag `skip`).
+pub fn kill_step(a: &BenchRecoveryArgs, (skipped, skip): (bool, &str)) -> Result<Option<u64>> {
+    if skipped {
+        return Ok(None);
+    }
     let after_step = a.master_kill_after_step.unwrap_or(a.steps * 5 / 8);
     // A median step before the kill; a commit after the take-over.
     if after_step < 3 || after_step + 2 > a.steps {
@@ -86,7 +88,7 @@ pub fn kill_step(a: &BenchRecoveryArgs, skip: &str) -> Result<u64> {
             a.steps.saturating_sub(2)
         );
     }
-    Ok(after_step)
+    Ok(Some(after_step))
 }
 
 /// What the bench saw, on its own clock (seconds from just before `kill -KILL`).
@@ -148,24 +150,9 @@ impl RecordCost {
 pub struct MasterRestart {
     pub plan: MasterPlan,
     pub observed: Observed,
-    /// The `reattach` event's step: the committed step the restarted master found.
-    pub reattach_step: Option<u64>,
-    /// `returned` events, and the nodes of the job (each should come back).
-    pub returned: usize,
-    pub nodes: usize,
-    /// The longest an agent was without a master (the `returned` events), s.
-    pub without_master_s: Option<f64>,
-    /// The recovery in place after the re-adoption (the last `reconfig` and its `resumed`).
-    pub recovery: Option<Recovery>,
-    /// Checkpoints the restarted master loaded: the last `reconfig`'s, and any `resume`.
-    pub checkpoints_loaded: Vec<String>,
-    /// Steps of 1..=steps missing from `metrics.jsonl`, and steps in it more than once.
-    pub missing_steps: Vec<u64>,
-    pub repeated_steps: Vec<u64>,
-    /// The fault-free run's median step, s.
-    pub step_s: Option<f64>,
-    /// `LEASE_S + step_s + the bench's gap`.
-    pub takeover_limit_s: Option<f64>,
+    /// The restarted master's re-adoption of the agents, its limit with the bench's gap.
+    #[serde(flatten)]
+    pub readoption: Readoption,
     pub record: Option<RecordCost>,
     /// The record's median write over `step_s`, %.
     pub record_pct: Option<f64>,
@@ -181,38 +168,12 @@ impl MasterRestart {
         record: Option<RecordCost>,
         run: &RunInput,
         summary: &RunSummary,
-        (nodes, steps): (usize, u64),
+        shape: (usize, u64),
         step_s: Option<f64>,
     ) -> MasterRestart {
-        let restarted = run.segments.get(1).map_or(&[][..], |s| &s.events[..]);
-        let reattach_step = restarted.iter().find_map(|e| match e {
-            Event::Reattach(start) => Some(start.step),
-            _ => None,
-        });
-        let back: Vec<f64> = restarted
-            .iter()
-            .filter_map(|e| match e {
-                Event::Returned {
-                    without_master_s, ..
-                } => Some(*without_master_s),
-                _ => None,
-            })
-            .collect();
-        let (missing_steps, repeated_steps) = step_counts(run, steps);
         MasterRestart {
             plan: plan.clone(),
-            reattach_step,
-            returned: back.len(),
-            nodes,
-            without_master_s: back.iter().copied().reduce(f64::max),
-            recovery: summary.recoveries.last().cloned(),
-            checkpoints_loaded: checkpoints_loaded(restarted),
-            missing_steps,
-            repeated_steps,
-            step_s,
-            takeover_limit_s: step_s
-                .zip(observed.spawned_s)
-                .map(|(s, gap)| LEASE_S + s + gap),
+            readoption: Readoption::new((run, summary), shape, step_s, observed.spawned_s),
             record_pct: record
                 .zip(step_s)
                 .map(|(r, s)| r.median_us / (s * 1e6) * 100.0),
@@ -222,77 +183,24 @@ impl MasterRestart {
     }
 }
 
-/// The checkpoints the restarted master loaded: a `resume` event's, and the last `reconfig`'s
-/// (in place, it names none).
-pub(super) fn checkpoints_loaded(events: &[Event]) -> Vec<String> {
-    let resumed = events.iter().filter_map(|e| match e {
-        Event::Resume(start) => Some(start.checkpoint.clone().unwrap_or_else(|| "?".into())),
-        _ => None,
-    });
-    let reconfig = events.iter().rev().find_map(|e| match e {
-        Event::Reconfig { checkpoint, .. } => Some(checkpoint.clone()),
-        _ => None,
-    });
-    resumed.chain(reconfig.flatten()).collect()
-}
-
-/// The steps of 1..=steps missing from the run's final `metrics.jsonl`, and those in it twice.
-pub(super) fn step_counts(run: &RunInput, steps: u64) -> (Vec<u64>, Vec<u64>) {
-    let mut seen = std::collections::BTreeMap::<u64, usize>::new();
-    for m in run.segments.last().map_or(&[][..], |s| &s.metrics[..]) {
-        *seen.entry(m.step).or_default() += 1;
-    }
-    let missing = (1..=steps).filter(|s| !seen.contains_key(s)).collect();
-    let repeated = seen
-        .iter()
-        .filter(|(_, &n)| n > 1)
-        .map(|(&s, _)| s)
-        .collect();
-    (missing, repeated)
-}
-
 /// The targets of the master run (none but the record's checked when it failed).
 pub fn master_checks(run: &RunSummary, m: &MasterRestart) -> Vec<Check> {
-    let ok = |x: Option<f64>| x.filter(|_| run.ok);
-    let replayed = m.recovery.as_ref().map(|r| r.replayed_steps as f64);
-    let not_in_place = m.recovery.as_ref().map(|r| !r.in_place);
-    let loaded = not_in_place.map(|n| (m.checkpoints_loaded.len() + n as usize) as f64);
-    let steps_off = (m.missing_steps.len() + m.repeated_steps.len()) as f64;
-    vec![
-        check(
-            "master: SIGKILL -> next commit (s)",
-            m.takeover_limit_s.unwrap_or(f64::NAN),
-            false,
-            ok(m.observed.next_commit_s).filter(|_| m.takeover_limit_s.is_some()),
-        ),
-        check(
-            "master: agents back",
-            m.nodes as f64,
-            true,
-            ok(Some(m.returned as f64)),
-        ),
-        check("master: steps replayed", 1.0, false, ok(replayed)),
-        check("master: checkpoints loaded", 1.0, false, ok(loaded)),
-        check(
-            "master: steps missing or twice",
-            1.0,
-            false,
-            ok(Some(steps_off)),
-        ),
-        check(
-            "master: commit record / step (%)",
-            RECORD_PCT,
-            false,
-            m.record_pct,
-        ),
-    ]
+    let mut checks = m.readoption.checks("master", run, m.observed.next_commit_s);
+    checks.push(check(
+        "master: commit record / step (%)",
+        RECORD_PCT,
+        false,
+        m.record_pct,
+    ));
+    checks
 }
 
 #[cfg(test)]
 pub(super) mod tests {
     use super::super::plan::tests::args;
-    use super::super::records::{parse_events, parse_metrics, tests::metric_line};
-    use super::super::summary::{summarize, Job, RunKind, Segment};
+    use super::super::readoption::tests::killed_run;
+    use super::super::records::tests::metric_line;
+    use super::super::summary::RunKind;
     use super::*;
 
     #[test]
@@ -350,27 +258,12 @@ pub(super) mod tests {
         checkpoint: &str,
         steps: &[u64],
     ) -> (RunSummary, MasterRestart) {
-        let seg = |events: &str, m: &str, gap_s| Segment {
-            wall_s: 5.0,
-            gap_s,
-            events: parse_events(events).unwrap(),
-            metrics: parse_metrics(m).unwrap(),
-            load_1m: None,
-        };
-        let input = RunInput {
-            kind: RunKind::Master,
-            segments: vec![
-                seg(FIRST, &metrics(&[1, 2, 3, 4]), 0.0),
-                seg(&restarted(checkpoint), &metrics(steps), 0.05),
-            ],
-            error: None,
-        };
-        let job = Job {
-            steps: 8,
-            tokens_per_step: 100,
-            failures: 0,
-        };
-        let s = summarize(&input, &job);
+        let (input, s) = killed_run(
+            RunKind::Master,
+            (FIRST, &metrics(&[1, 2, 3, 4])),
+            (&restarted(checkpoint), &metrics(steps)),
+            0.05,
+        );
         let observed = Observed {
             pid: Some(7),
             killed_after: Some(4),
@@ -406,15 +299,18 @@ pub(super) mod tests {
     #[test]
     fn the_take_over_and_its_recovery_are_found_in_the_events() {
         let (s, m) = master(2.0, "null", &[1, 2, 3, 4, 5, 6, 7, 8]);
-        assert_eq!(m.reattach_step, Some(4));
-        assert_eq!((m.returned, m.without_master_s), (2, Some(1.6)));
-        let r = m.recovery.as_ref().unwrap();
+        assert_eq!(m.readoption.reattach_step, Some(4));
+        assert_eq!(
+            (m.readoption.returned, m.readoption.without_master_s),
+            (2, Some(1.6))
+        );
+        let r = m.readoption.recovery.as_ref().unwrap();
         assert!(r.in_place && r.replayed_steps == 0, "{r:?}");
         assert_eq!(r.since_failure_s, Some(1.1));
         assert_eq!(r.phases.unwrap().first_step_s, 0.9);
-        assert!(m.checkpoints_loaded.is_empty());
+        assert!(m.readoption.checkpoints_loaded.is_empty());
         // 3 s lease + a 1 s step + the bench's 0.05 s.
-        assert!((m.takeover_limit_s.unwrap() - 4.05).abs() < 1e-9);
+        assert!((m.readoption.takeover_limit_s.unwrap() - 4.05).abs() < 1e-9);
         // The median of 10, 20, 30 and 500 µs is 25 µs: 0.0025 % of a 1 s step.
         let rec = m.record.unwrap();
         assert_eq!((rec.median_us, rec.p99_us), (25.0, 500.0));
@@ -428,11 +324,17 @@ pub(super) mod tests {
     #[test]
     fn a_checkpoint_loaded_or_a_step_lost_or_twice_is_a_miss() {
         let (s, m) = master(2.0, "\"ck/step-4\"", &[1, 2, 3, 4, 5, 6, 7, 8]);
-        assert_eq!(m.checkpoints_loaded, vec!["ck/step-4".to_string()]);
+        assert_eq!(
+            m.readoption.checkpoints_loaded,
+            vec!["ck/step-4".to_string()]
+        );
         assert_eq!(master_checks(&s, &m)[3].pass, Some(false));
         let (s, m) = master(2.0, "null", &[1, 2, 3, 4, 4, 5, 7, 8]);
         assert_eq!(
-            (m.missing_steps.clone(), m.repeated_steps.clone()),
+            (
+                m.readoption.missing_steps.clone(),
+                m.readoption.repeated_steps.clone()
+            ),
             (vec![6], vec![4])
         );
         let c = master_checks(&s, &m);

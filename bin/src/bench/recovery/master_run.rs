@@ -41,23 +41,12 @@ impl Bench<'_> {
     pub(super) fn master(&self, plan: &FailurePlan, m: &MasterPlan) -> MasterInput {
         let slug = "master";
         let dir = self.scratch.root.join(slug);
-        let mut args = self.train_args(Out::Fresh(&dir), self.a.fault_threshold, &plan.pins, &[]);
-        if !self
-            .a
-            .train_arg
-            .iter()
-            .any(|x| x.starts_with("--master-wait"))
-        {
-            args.extend(["--master-wait".into(), m.master_wait_s.to_string()]);
-        }
-        let mut killer = Killer::new(m.after_step, &dir);
-        let mut group: Option<Group> = None;
-        let first = self.segment_as(&dir, &args, slug, 0.0, &mut |child, timeout| {
-            killer.pid = Some(child.pid());
-            let (exit, g) = child.wait_leaving_with(timeout, || killer.tick())?;
-            group = Some(g);
-            Ok(exit)
-        });
+        let when = (m.after_step, m.master_wait_s);
+        let KilledRun {
+            first,
+            killer,
+            mut group,
+        } = self.run_to_kill(plan, (&dir, slug), &[], when);
         let mut problems = vec![];
         let mut segments = vec![];
         let mut observed = Observed {
@@ -73,13 +62,7 @@ impl Bench<'_> {
                 problems.extend(rest.1);
             }
             (Ok((seg, problem)), None) => {
-                problems.push(problem.unwrap_or_else(|| {
-                    format!(
-                        "train exited at step {} before the SIGKILL (planned after step {})",
-                        committed_step(&dir),
-                        m.after_step
-                    )
-                }));
+                problems.push(not_killed(problem, &dir, m.after_step));
                 segments.push(seg);
             }
             (Err(e), _) => problems.push(format!("{e:#}")),
@@ -166,6 +149,62 @@ pub(super) fn pids_of(events: &[Event], role: &str) -> Vec<u32> {
             _ => None,
         })
         .collect()
+}
+
+/// The first `train` of a run that kills its master: its segment (or what failed), the
+/// killer (when the SIGKILL went out, its problems) and the group it left running.
+pub(super) struct KilledRun {
+    pub first: anyhow::Result<(Segment, Option<String>)>,
+    pub killer: Killer,
+    pub group: Option<Group>,
+}
+
+impl Bench<'_> {
+    /// The master run's and the standby run's first `train` (in `dir`, logged as `slug`):
+    /// the job of the other runs with `extra` flags and `--master-wait` (unless `--train-arg`
+    /// sets it), its master SIGKILLed once `after_step` committed, its group handed over.
+    pub(super) fn run_to_kill(
+        &self,
+        plan: &FailurePlan,
+        (dir, slug): (&Path, &str),
+        extra: &[&str],
+        (after_step, master_wait_s): (u64, u64),
+    ) -> KilledRun {
+        let mut args = self.train_args(Out::Fresh(dir), self.a.fault_threshold, &plan.pins, &[]);
+        args.extend(extra.iter().map(|x| x.to_string()));
+        if !self
+            .a
+            .train_arg
+            .iter()
+            .any(|x| x.starts_with("--master-wait"))
+        {
+            args.extend(["--master-wait".into(), master_wait_s.to_string()]);
+        }
+        let mut killer = Killer::new(after_step, dir);
+        let mut group: Option<Group> = None;
+        let first = self.segment_as(dir, &args, slug, 0.0, &mut |child, timeout| {
+            killer.pid = Some(child.pid());
+            let (exit, g) = child.wait_leaving_with(timeout, || killer.tick())?;
+            group = Some(g);
+            Ok(exit)
+        });
+        KilledRun {
+            first,
+            killer,
+            group,
+        }
+    }
+}
+
+/// What went wrong when the first `train` exited with no SIGKILL: its own problem, else that
+/// it ended (at the step `dir` committed) before `after_step`.
+pub(super) fn not_killed(problem: Option<String>, dir: &Path, after_step: u64) -> String {
+    problem.unwrap_or_else(|| {
+        format!(
+            "train exited at step {} before the SIGKILL (planned after step {after_step})",
+            committed_step(dir)
+        )
+    })
 }
 
 /// SIGKILLs the master (`train`, its pid only) once a step committed.

@@ -5,8 +5,9 @@
 use std::fmt::Write;
 
 use super::master::{MasterRestart, LEASE_S, POLL_MS, RECORD_PCT};
+use super::readoption_table;
 use super::summary::RunKind;
-use super::table::{num, opt, row, row_as};
+use super::table::{num, opt, row};
 use super::Report;
 
 /// The table and its notes.
@@ -30,7 +31,7 @@ pub fn render(r: &Report, m: &MasterRestart) -> String {
     };
     row(&mut out, r, "master killed", who, None);
     time_rows(&mut out, r, m);
-    loss_rows(&mut out, r, m);
+    readoption_table::loss_rows(&mut out, r, (&m.readoption, "master"), "metrics.jsonl");
     record_rows(&mut out, r, m);
     notes(&mut out, r, m);
     out
@@ -48,76 +49,18 @@ fn time_rows(out: &mut String, r: &Report, m: &MasterRestart) {
         s("SIGKILL -> its reattach event s", o.reattach_s),
         s(
             "agents without a master s (max of the returned events)",
-            m.without_master_s,
+            m.readoption.without_master_s,
         ),
     ] {
         row(out, r, &label, value, None);
     }
-    let back = format!("{} of {}", m.returned, m.nodes);
-    row(out, r, "agents back", back, Some("master: agents back"));
-    let next = match (o.next_commit_s, o.next_commit_step) {
-        (Some(x), Some(step)) => format!("{} (step {step})", num(x, 3)),
-        _ => "-".into(),
-    };
-    row(
+    readoption_table::time_rows(
         out,
         r,
-        "SIGKILL -> next commit s",
-        next,
-        Some("master: SIGKILL -> next commit (s)"),
-    );
-    let rec = m.recovery.as_ref();
-    let phase =
-        |f: fn(&super::records::Phases) -> f64| opt(rec.and_then(|x| x.phases).map(|p| f(&p)), 3);
-    row(
-        out,
-        r,
+        (&m.readoption, "master"),
+        (o.next_commit_s, o.next_commit_step),
         "re-adoption -> next commit s (job's since_failure_s)",
-        opt(rec.and_then(|x| x.since_failure_s), 3),
-        None,
     );
-    row(out, r, "... detect s", phase(|p| p.detect_s), None);
-    row(out, r, "... decide s", phase(|p| p.decide_s), None);
-    row(
-        out,
-        r,
-        "... connect + copy s",
-        phase(|p| p.connect_copy_s),
-        None,
-    );
-    row(out, r, "... first step s", phase(|p| p.first_step_s), None);
-}
-
-/// What the take-over cost in steps and checkpoints.
-fn loss_rows(out: &mut String, r: &Report, m: &MasterRestart) {
-    let rec = m.recovery.as_ref();
-    let replayed = rec.map_or("-".into(), |x| x.replayed_steps.to_string());
-    let zero = Some("0");
-    row_as(
-        out,
-        r,
-        "steps replayed",
-        replayed,
-        Some("master: steps replayed"),
-        zero,
-    );
-    let loaded = match (rec, m.checkpoints_loaded.as_slice()) {
-        (None, _) => "-".into(),
-        (Some(x), []) if x.in_place => "none (in place)".into(),
-        (Some(x), c) => format!("{} (in place: {})", c.join(", "), x.in_place),
-    };
-    let name = Some("master: checkpoints loaded");
-    row_as(out, r, "checkpoint loaded", loaded, name, Some("none"));
-    let off = if m.missing_steps.is_empty() && m.repeated_steps.is_empty() {
-        "every step once".to_string()
-    } else {
-        format!(
-            "missing {:?}, twice {:?}",
-            m.missing_steps, m.repeated_steps
-        )
-    };
-    let name = Some("master: steps missing or twice");
-    row_as(out, r, "metrics.jsonl", off, name, Some("every step once"));
 }
 
 /// The commit record's write and its share of a step.
@@ -153,7 +96,7 @@ fn notes(o: &mut String, r: &Report, m: &MasterRestart) {
          every step once in metrics.jsonl; the commit record under {RECORD_PCT} % of a step.",
         m.plan.master_wait_s,
         m.plan.after_step,
-        opt(m.takeover_limit_s, 3)
+        opt(m.readoption.takeover_limit_s, 3)
     );
     let _ = writeln!(
         o,

@@ -79,6 +79,8 @@ mod membership;
 mod membership_run;
 mod membership_table;
 mod plan;
+mod readoption;
+mod readoption_table;
 mod records;
 mod standby;
 mod standby_run;

@@ -16,7 +16,7 @@
 //! [`POLL_MS`] ms: late by at most that and the write, never early); `without_master_s` on each
 //! agent's clock; `since_failure_s` and the phases on the new master's.
 //!
-//! **Targets.** (1) SIGKILL -> next commit under `lease + median step` ([`LEASE_S`] + the
+//! **Targets.** (1) SIGKILL -> next commit under `lease + median step` ([`LEASE_S`](super::master::LEASE_S) + the
 //! fault-free run's median step): a standby whose master fell silent (not killed) takes over
 //! after a lease, one whose master was killed at once (the connection closes); the lease covers
 //! the new master's start (process, its copy read, a listening socket) and the agents' next try
@@ -36,9 +36,10 @@
 use anyhow::Result;
 use serde::Serialize;
 
-use super::master::{checkpoints_loaded, kill_step, step_counts, LEASE_S, MASTER_WAIT_S};
+use super::master::{kill_step, MASTER_WAIT_S};
+use super::readoption::{new_master_events, reattach, Readoption};
 use super::records::Event;
-use super::summary::{check, step_time, Check, Recovery, RunInput, RunSummary};
+use super::summary::{check, step_time, Check, RunInput, RunSummary};
 use super::BenchRecoveryArgs;
 use crate::bench::median;
 use oobleck_core::runtime::wire::records::StepMetrics;
@@ -58,11 +59,9 @@ pub struct StandbyPlan {
 impl StandbyPlan {
     /// `None` with `--no-standby`; the master run's step otherwise.
     pub fn new(a: &BenchRecoveryArgs) -> Result<Option<StandbyPlan>> {
-        if a.no_standby {
-            return Ok(None);
-        }
-        Ok(Some(StandbyPlan {
-            after_step: kill_step(a, "--no-standby")?,
+        let after_step = kill_step(a, (a.no_standby, "--no-standby"))?;
+        Ok(after_step.map(|after_step| StandbyPlan {
+            after_step,
             master_wait_s: MASTER_WAIT_S,
         }))
     }
@@ -164,23 +163,11 @@ impl StandbyCost {
 pub struct Takeover {
     pub plan: StandbyPlan,
     pub observed: Observed,
-    /// The copy's `reattach` event: the committed step the standby found, and its pid.
-    pub reattach_step: Option<u64>,
+    /// The copy's `reattach` event's pid (the standby's, after its exec).
     pub reattach_pid: Option<u32>,
-    /// `returned` events, and the nodes of the job (each should come back).
-    pub returned: usize,
-    pub nodes: usize,
-    /// The longest an agent was without a master, s.
-    pub without_master_s: Option<f64>,
-    /// The recovery in place after the re-adoption (the last `reconfig` and its `resumed`).
-    pub recovery: Option<Recovery>,
-    pub checkpoints_loaded: Vec<String>,
-    /// Steps of 1..=steps missing from the copy's `metrics.jsonl`, and those in it twice.
-    pub missing_steps: Vec<u64>,
-    pub repeated_steps: Vec<u64>,
-    /// The fault-free run's median step, s, and `LEASE_S` + it.
-    pub step_s: Option<f64>,
-    pub takeover_limit_s: Option<f64>,
+    /// The standby's re-adoption of the agents (no gap of the bench in its limit).
+    #[serde(flatten)]
+    pub readoption: Readoption,
     /// Median steps of 2..=after_step with the standby and in the fault-free run, s, and the
     /// difference, % of the latter.
     pub with_standby_s: Option<f64>,
@@ -199,26 +186,11 @@ impl Takeover {
         plan: &StandbyPlan,
         observed: Observed,
         (run, summary): (&RunInput, &RunSummary),
-        (nodes, steps): (usize, u64),
+        shape: (usize, u64),
         fault_free: &[StepMetrics],
         step_s: Option<f64>,
     ) -> Takeover {
         let first = run.segments.first();
-        let taken = run.segments.get(1).map_or(&[][..], |s| &s.events[..]);
-        let reattach = taken.iter().find_map(|e| match e {
-            Event::Reattach(start) => Some((start.step, start.pid)),
-            _ => None,
-        });
-        let back: Vec<f64> = taken
-            .iter()
-            .filter_map(|e| match e {
-                Event::Returned {
-                    without_master_s, ..
-                } => Some(*without_master_s),
-                _ => None,
-            })
-            .collect();
-        let (missing_steps, repeated_steps) = step_counts(run, steps);
         let stretch = |m: &[StepMetrics]| {
             let kept: Vec<StepMetrics> = m
                 .iter()
@@ -232,17 +204,8 @@ impl Takeover {
         let cost = first.and_then(|s| StandbyCost::of(&s.events));
         Takeover {
             plan: plan.clone(),
-            reattach_step: reattach.map(|r| r.0),
-            reattach_pid: reattach.and_then(|r| r.1),
-            returned: back.len(),
-            nodes,
-            without_master_s: back.iter().copied().reduce(f64::max),
-            recovery: summary.recoveries.last().cloned(),
-            checkpoints_loaded: checkpoints_loaded(taken),
-            missing_steps,
-            repeated_steps,
-            step_s,
-            takeover_limit_s: step_s.map(|s| LEASE_S + s),
+            reattach_pid: reattach(new_master_events(run)).and_then(|r| r.1),
+            readoption: Readoption::new((run, summary), shape, step_s, Some(0.0)),
             with_standby_s,
             without_s,
             end_to_end_pct: with_standby_s
@@ -271,47 +234,25 @@ impl Takeover {
 
 /// The targets of the standby run (none but the cost's checked when it failed).
 pub fn standby_checks(run: &RunSummary, t: &Takeover) -> Vec<Check> {
-    let ok = |x: Option<f64>| x.filter(|_| run.ok);
-    let replayed = t.recovery.as_ref().map(|r| r.replayed_steps as f64);
-    let not_in_place = t.recovery.as_ref().map(|r| !r.in_place);
-    let loaded = not_in_place.map(|n| (t.checkpoints_loaded.len() + n as usize) as f64);
-    let steps_off = (t.missing_steps.len() + t.repeated_steps.len()) as f64;
-    vec![
-        check(
-            "standby: SIGKILL -> next commit (s)",
-            t.takeover_limit_s.unwrap_or(f64::NAN),
-            false,
-            ok(t.observed.next_commit_s).filter(|_| t.takeover_limit_s.is_some()),
-        ),
-        check(
-            "standby: agents back",
-            t.nodes as f64,
-            true,
-            ok(Some(t.returned as f64)),
-        ),
-        check("standby: steps replayed", 1.0, false, ok(replayed)),
-        check("standby: checkpoints loaded", 1.0, false, ok(loaded)),
-        check(
-            "standby: steps missing or twice",
-            1.0,
-            false,
-            ok(Some(steps_off)),
-        ),
-        check(
-            "standby: its cost / step (%)",
-            COST_PCT,
-            false,
-            t.checked_pct().0,
-        ),
-    ]
+    let mut checks = t
+        .readoption
+        .checks("standby", run, t.observed.next_commit_s);
+    checks.push(check(
+        "standby: its cost / step (%)",
+        COST_PCT,
+        false,
+        t.checked_pct().0,
+    ));
+    checks
 }
 
 #[cfg(test)]
 pub(super) mod tests {
     use super::super::master::tests::restarted;
     use super::super::plan::tests::args;
+    use super::super::readoption::tests::killed_run;
     use super::super::records::{parse_events, parse_metrics, tests::metric_line};
-    use super::super::summary::{summarize, Job, RunKind, Segment};
+    use super::super::summary::RunKind;
     use super::*;
 
     #[test]
@@ -374,27 +315,12 @@ pub(super) mod tests {
         steps: &[u64],
         costs: &str,
     ) -> (RunSummary, Takeover) {
-        let seg = |events: &str, m: &str| Segment {
-            wall_s: 5.0,
-            gap_s: 0.0,
-            events: parse_events(events).unwrap(),
-            metrics: parse_metrics(m).unwrap(),
-            load_1m: None,
-        };
-        let input = RunInput {
-            kind: RunKind::Standby,
-            segments: vec![
-                seg(costs, &metrics(&[1, 2, 3, 4], 1.02)),
-                seg(&restarted(checkpoint), &metrics(steps, 1.0)),
-            ],
-            error: None,
-        };
-        let job = Job {
-            steps: 8,
-            tokens_per_step: 100,
-            failures: 0,
-        };
-        let s = summarize(&input, &job);
+        let (input, s) = killed_run(
+            RunKind::Standby,
+            (costs, &metrics(&[1, 2, 3, 4], 1.02)),
+            (&restarted(checkpoint), &metrics(steps, 1.0)),
+            0.0,
+        );
         let observed = Observed {
             pid: Some(7),
             killed_after: Some(4),
@@ -421,11 +347,17 @@ pub(super) mod tests {
     fn the_take_over_its_recovery_and_the_cost_are_found() {
         let costs = cost_line(20, 2.0, 1.5, 8.0, 60.0);
         let (s, t) = takeover(2.5, "null", &[1, 2, 3, 4, 5, 6, 7, 8], &costs);
-        assert_eq!((t.reattach_step, t.reattach_pid), (Some(4), Some(20)));
-        assert_eq!((t.returned, t.without_master_s), (2, Some(1.6)));
-        assert!(t.recovery.as_ref().is_some_and(|r| r.in_place));
+        assert_eq!(
+            (t.readoption.reattach_step, t.reattach_pid),
+            (Some(4), Some(20))
+        );
+        assert_eq!(
+            (t.readoption.returned, t.readoption.without_master_s),
+            (2, Some(1.6))
+        );
+        assert!(t.readoption.recovery.as_ref().is_some_and(|r| r.in_place));
         // 3 s lease + a 1 s step.
-        assert_eq!(t.takeover_limit_s, Some(4.0));
+        assert_eq!(t.readoption.takeover_limit_s, Some(4.0));
         // Steps 2..=4 took 1.02 s against 1 s: 2 % end to end.
         assert!((t.end_to_end_pct.unwrap() - 2.0).abs() < 1e-9);
         // 2 ms + 60 ms / 20 of a 1 s step: 0.5 %, and that is what is checked.
@@ -454,7 +386,10 @@ pub(super) mod tests {
         assert_eq!(standby_checks(&s, &t)[3].pass, Some(false));
         let (s, t) = takeover(2.0, "null", &[1, 2, 3, 4, 4, 5, 7, 8], "");
         assert_eq!(
-            (t.missing_steps.clone(), t.repeated_steps.clone()),
+            (
+                t.readoption.missing_steps.clone(),
+                t.readoption.repeated_steps.clone()
+            ),
             (vec![6], vec![4])
         );
         assert_eq!(standby_checks(&s, &t)[4].pass, Some(false));

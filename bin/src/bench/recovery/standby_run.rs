@@ -16,12 +16,11 @@ use std::time::{Duration, Instant};
 
 use oobleck_core::runtime::master::CommitRecord;
 
-use super::master_run::{pids_of, Killer, Watch, GROUP_EXIT};
-use super::membership_run::committed_step;
+use super::master_run::{not_killed, pids_of, KilledRun, Watch, GROUP_EXIT};
 use super::records::{parse_events, parse_metrics, Event};
 use super::standby::{standby_pid, Observed, StandbyPlan};
 use super::summary::{RunInput, RunKind, Segment};
-use super::{Bench, FailurePlan, Out};
+use super::{Bench, FailurePlan};
 use crate::bench::child::{alive_in_group, tail, Group};
 use crate::cluster::standbys::LocalStandbys;
 
@@ -39,24 +38,13 @@ impl Bench<'_> {
     pub(super) fn standby(&self, plan: &FailurePlan, sp: &StandbyPlan) -> StandbyInput {
         let slug = "standby";
         let dir = self.scratch.root.join(slug);
-        let mut args = self.train_args(Out::Fresh(&dir), self.a.fault_threshold, &plan.pins, &[]);
-        args.extend(["--standby-masters".into(), "1".into()]);
-        if !self
-            .a
-            .train_arg
-            .iter()
-            .any(|x| x.starts_with("--master-wait"))
-        {
-            args.extend(["--master-wait".into(), sp.master_wait_s.to_string()]);
-        }
-        let mut killer = Killer::new(sp.after_step, &dir);
-        let mut group: Option<Group> = None;
-        let first = self.segment_as(&dir, &args, slug, 0.0, &mut |child, timeout| {
-            killer.pid = Some(child.pid());
-            let (exit, g) = child.wait_leaving_with(timeout, || killer.tick())?;
-            group = Some(g);
-            Ok(exit)
-        });
+        let extra = ["--standby-masters", "1"];
+        let when = (sp.after_step, sp.master_wait_s);
+        let KilledRun {
+            first,
+            killer,
+            group,
+        } = self.run_to_kill(plan, (&dir, slug), &extra, when);
         let mut observed = Observed {
             pid: killer.killed.and(killer.pid),
             killed_after: killer.killed_after,
@@ -75,13 +63,7 @@ impl Bench<'_> {
                 }
             }
             (Ok((seg, problem)), _, _) => {
-                problems.push(problem.unwrap_or_else(|| {
-                    format!(
-                        "train exited at step {} before the SIGKILL (planned after step {})",
-                        committed_step(&dir),
-                        sp.after_step
-                    )
-                }));
+                problems.push(not_killed(problem, &dir, sp.after_step));
                 segments.push(seg);
             }
             (Err(e), _, _) => problems.push(format!("{e:#}")),

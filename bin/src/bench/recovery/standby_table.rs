@@ -5,9 +5,10 @@
 use std::fmt::Write;
 
 use super::master::{LEASE_S, POLL_MS};
+use super::readoption_table;
 use super::standby::{Takeover, COST_PCT};
 use super::summary::RunKind;
-use super::table::{num, opt, row, row_as};
+use super::table::{num, opt, row};
 use super::Report;
 
 /// The table and its notes.
@@ -33,7 +34,8 @@ pub fn render(r: &Report, t: &Takeover) -> String {
     };
     row(&mut out, r, "master killed", who, None);
     time_rows(&mut out, r, t);
-    loss_rows(&mut out, r, t);
+    let metrics = "the copy's metrics.jsonl";
+    readoption_table::loss_rows(&mut out, r, (&t.readoption, "standby"), metrics);
     cost_rows(&mut out, r, t);
     notes(&mut out, r, t);
     out
@@ -51,58 +53,15 @@ fn time_rows(out: &mut String, r: &Report, t: &Takeover) {
         ),
     };
     row(out, r, "SIGKILL -> the copy's reattach event s", by, None);
-    let away = opt(t.without_master_s, 3);
+    let away = opt(t.readoption.without_master_s, 3);
     row(out, r, "agents without a master s (max)", away, None);
-    let back = format!("{} of {}", t.returned, t.nodes);
-    row(out, r, "agents back", back, Some("standby: agents back"));
-    let next = match (o.next_commit_s, o.next_commit_step) {
-        (Some(x), Some(step)) => format!("{} (step {step})", num(x, 3)),
-        _ => "-".into(),
-    };
-    let name = Some("standby: SIGKILL -> next commit (s)");
-    row(out, r, "SIGKILL -> next commit s", next, name);
-    let rec = t.recovery.as_ref();
-    let phase =
-        |f: fn(&super::records::Phases) -> f64| opt(rec.and_then(|x| x.phases).map(|p| f(&p)), 3);
-    let since = opt(rec.and_then(|x| x.since_failure_s), 3);
-    row(
+    readoption_table::time_rows(
         out,
         r,
+        (&t.readoption, "standby"),
+        (o.next_commit_s, o.next_commit_step),
         "re-adoption -> next commit s (since_failure_s)",
-        since,
-        None,
     );
-    row(out, r, "... detect s", phase(|p| p.detect_s), None);
-    row(out, r, "... decide s", phase(|p| p.decide_s), None);
-    let copy = phase(|p| p.connect_copy_s);
-    row(out, r, "... connect + copy s", copy, None);
-    row(out, r, "... first step s", phase(|p| p.first_step_s), None);
-}
-
-/// What the take-over cost in steps and checkpoints.
-fn loss_rows(out: &mut String, r: &Report, t: &Takeover) {
-    let rec = t.recovery.as_ref();
-    let replayed = rec.map_or("-".into(), |x| x.replayed_steps.to_string());
-    let name = Some("standby: steps replayed");
-    row_as(out, r, "steps replayed", replayed, name, Some("0"));
-    let loaded = match (rec, t.checkpoints_loaded.as_slice()) {
-        (None, _) => "-".into(),
-        (Some(x), []) if x.in_place => "none (in place)".into(),
-        (Some(x), c) => format!("{} (in place: {})", c.join(", "), x.in_place),
-    };
-    let name = Some("standby: checkpoints loaded");
-    row_as(out, r, "checkpoint loaded", loaded, name, Some("none"));
-    let off = if t.missing_steps.is_empty() && t.repeated_steps.is_empty() {
-        "every step once".to_string()
-    } else {
-        format!(
-            "missing {:?}, twice {:?}",
-            t.missing_steps, t.repeated_steps
-        )
-    };
-    let name = Some("standby: steps missing or twice");
-    let label = "the copy's metrics.jsonl";
-    row_as(out, r, label, off, name, Some("every step once"));
 }
 
 /// The standby's cost per step: the master's own time on it, and end to end.
@@ -160,7 +119,7 @@ fn notes(o: &mut String, r: &Report, t: &Takeover) {
          under {COST_PCT} % of a step.",
         t.plan.master_wait_s,
         t.plan.after_step,
-        opt(t.takeover_limit_s, 3)
+        opt(t.readoption.takeover_limit_s, 3)
     );
     let _ = writeln!(
         o,
