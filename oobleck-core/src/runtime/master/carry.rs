@@ -63,8 +63,6 @@ pub(super) struct Driver<'a> {
     finished: Option<Finished>,
     /// The standbys' copies of the run directory (`replicate.rs`).
     mirrors: replicate::Mirrors,
-    /// When the running turn of the loop began.
-    turn: Instant,
 }
 
 impl<'a> Driver<'a> {
@@ -82,7 +80,6 @@ impl<'a> Driver<'a> {
             final_metrics: None,
             finished: None,
             mirrors: Default::default(),
-            turn: now,
         }
     }
 
@@ -95,8 +92,8 @@ impl<'a> Driver<'a> {
     }
 
     fn feed(&mut self, input: Input) {
-        // A stalled master decides nothing more (see `stalled`).
-        if self.stalled(self.turn.elapsed() / 2).is_some() {
+        // A stopped master decides nothing more (see `give_up_if_stopped`).
+        if self.p.master.stopped_past_lease() {
             return;
         }
         let now = self.now();
@@ -120,11 +117,9 @@ impl<'a> Driver<'a> {
     /// Runs until the machine finishes (then writes the final checkpoint) or fails.
     pub async fn run(&mut self) -> Result<JobSummary> {
         loop {
-            self.turn = Instant::now();
             self.take_signal()?;
             while let Some(a) = self.p.machine.poll_action() {
-                self.step_down_if_stalled(self.turn.elapsed() / 2)?;
-                self.restart_if_stopped()?;
+                self.give_up_if_stopped()?;
                 self.carry(a).await?;
             }
             if let Some(done) = self.finished.take() {
@@ -142,10 +137,8 @@ impl<'a> Driver<'a> {
                 let input = task.await.ctx("a checkpoint or evaluation task")?;
                 self.feed(input);
             }
-            let asked = Instant::now();
             let input = next_input(self.p.master).await?;
-            self.step_down_if_stalled(asked.elapsed())?;
-            self.restart_if_stopped()?;
+            self.give_up_if_stopped()?;
             if let Input::Worker {
                 node,
                 report: crate::runtime::WorkerReport::Listening { pid, .. },
@@ -158,37 +151,13 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Whether a wait of `waited` means this process was stopped (SIGSTOP, a frozen VM):
-    /// longer than a lease, with standbys, one of which takes over after a lease of silence.
-    /// A wait for the next event is bounded by `POLL`; a turn of the loop (its waits are
-    /// bounded too) is given twice the lease by its callers.
-    fn stalled(&self, waited: Duration) -> Option<Duration> {
-        (self.mirrors.had && waited > self.p.master.lease()).then_some(waited)
-    }
-
-    /// Stepping down, having been stopped for `waited`: nothing more is decided or sent.
-    fn step_down_if_stalled(&self, waited: Duration) -> Result<()> {
-        let Some(waited) = self.stalled(waited) else {
-            return Ok(());
-        };
-        Err(RuntimeError::Replaced {
-            epoch: self.p.master.epoch(),
-            why: format!(
-                "it was stopped for {:.1} s, longer than its lease of {:.1} s, and a standby \
-                 takes over after a lease",
-                waited.as_secs_f64(),
-                self.p.master.lease().as_secs_f64()
-            ),
-        })
-    }
-
     /// A process stopped near or past its lease (`stopwatch.rs`: a lease without a heartbeat)
     /// was taken for lost by its agents, and the control port refuses them meanwhile
     /// (`conn.rs`). Going on would meet them as new nodes and replay from a checkpoint, so it
     /// gives up its place: with standbys, to the one that takes over once this process is
     /// gone (`RuntimeError::Replaced`); without, to itself started again with `--reattach`,
     /// leaving its agents to be taken back (`RuntimeError::StoppedTooLong`).
-    fn restart_if_stopped(&self) -> Result<()> {
+    fn give_up_if_stopped(&self) -> Result<()> {
         if !self.p.master.stopped_past_lease() {
             return Ok(());
         }

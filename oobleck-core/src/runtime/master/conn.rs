@@ -37,6 +37,26 @@ pub(super) struct Outgoing {
     pub(super) payload: Vec<u8>,
     pub(super) written: Option<tokio::sync::oneshot::Sender<()>>,
 }
+
+impl Outgoing {
+    /// A message on its own, nobody waiting for it to be written.
+    pub(super) fn new(msg: Message) -> Outgoing {
+        Outgoing {
+            msg,
+            payload: Vec::new(),
+            written: None,
+        }
+    }
+
+    /// A message whose writing `done` hears of.
+    pub(super) fn told(msg: Message, done: tokio::sync::oneshot::Sender<()>) -> Outgoing {
+        Outgoing {
+            written: Some(done),
+            ..Outgoing::new(msg)
+        }
+    }
+}
+
 pub(super) struct NodeEntry {
     pub(super) addr: SocketAddr,
     pub(super) devices: u32,
@@ -311,7 +331,7 @@ async fn handshake(
         // One of this master's own agents that took it for lost while it still counts the
         // node: the master was silent to it. It notices soon, and either loses the node (then
         // the agent is taken as a new node) or, stopped past a lease, starts again to take
-        // every agent back (`carry::restart_if_stopped`): not a new node now.
+        // every agent back (`carry::give_up_if_stopped`): not a new node now.
         PeerRole::Returning(r)
             if shared.nodes().contains_key(&r.node) || shared.stopped_past_lease() =>
         {
@@ -551,11 +571,7 @@ async fn serve_agent(
                 if let Some(outbox) = outbox {
                     // Bounded by the outbox; a full outbox means the writer is stuck and the
                     // write timeout will end this connection.
-                    let _ = outbox.try_send(Outgoing {
-                        msg: status,
-                        payload: Vec::new(),
-                        written: None,
-                    });
+                    let _ = outbox.try_send(Outgoing::new(status));
                 }
             }
             other => {
@@ -687,7 +703,7 @@ pub(super) async fn write_loop(
             },
             _ = tick.tick() => {
                 seq += 1;
-                Outgoing { msg: Message::Heartbeat { node, seq }, payload: Vec::new(), written: None }
+                Outgoing::new(Message::Heartbeat { node, seq })
             }
         };
         protocol::write_frame_with(&mut w, &out.msg, &out.payload, write_timeout).await?;

@@ -342,11 +342,7 @@ impl Master {
             .map(|e| e.outbox.clone())
             .ok_or(WireError::UnknownNode { node })?;
         let timeout = self.shared.config.write_timeout;
-        let out = Outgoing {
-            msg,
-            payload: Vec::new(),
-            written: None,
-        };
+        let out = Outgoing::new(msg);
         match tokio::time::timeout(timeout, outbox.send(out)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(WireError::UnknownNode { node }),
@@ -418,13 +414,10 @@ impl Master {
         let mut pending = Vec::new();
         for (node, outbox) in targets {
             let (done, written) = tokio::sync::oneshot::channel();
-            let out = Outgoing {
-                msg: Message::Shutdown {
-                    reason: reason.to_string(),
-                },
-                payload: Vec::new(),
-                written: Some(done),
+            let shutdown = Message::Shutdown {
+                reason: reason.to_string(),
             };
+            let out = Outgoing::told(shutdown, done);
             match tokio::time::timeout_at(deadline, outbox.send(out)).await {
                 Ok(Ok(())) => pending.push((node, written)),
                 Ok(Err(_)) => failed.push((node, WireError::UnknownNode { node })),

@@ -86,13 +86,10 @@ pub(super) async fn dismiss(shared: &Shared, reason: &str, deadline: tokio::time
         .collect();
     for outbox in outboxes {
         let (done, written) = tokio::sync::oneshot::channel();
-        let out = Outgoing {
-            msg: Message::Shutdown {
-                reason: reason.to_string(),
-            },
-            payload: Vec::new(),
-            written: Some(done),
+        let shutdown = Message::Shutdown {
+            reason: reason.to_string(),
         };
+        let out = Outgoing::told(shutdown, done);
         if let Ok(Ok(())) = tokio::time::timeout_at(deadline, outbox.send(out)).await {
             let _ = tokio::time::timeout_at(deadline, written).await;
         }
@@ -129,9 +126,8 @@ impl Master {
         };
         for (msg, payload) in msgs {
             let out = Outgoing {
-                msg,
                 payload,
-                written: None,
+                ..Outgoing::new(msg)
             };
             match tokio::time::timeout(timeout, outbox.send(out)).await {
                 Ok(Ok(())) => {}
