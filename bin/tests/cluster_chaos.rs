@@ -90,7 +90,7 @@ const END_MARGIN: u64 = 40;
 const SETTLE_LIMIT: Duration = Duration::from_secs(90);
 /// How long the chaos test stops the master: under its lease (3 s) with room for a loaded
 /// machine's late beats; the longer stop, which a standby takes over from, is
-/// `master_lost.rs`'s.
+/// `standby_masters.rs`'s.
 const PAUSE: Duration = Duration::from_millis(1200);
 /// How long the chaos test stops the master past its lease: its agents take it for lost
 /// within a lease (3 s) and look for it.

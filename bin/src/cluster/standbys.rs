@@ -68,13 +68,7 @@ impl LocalStandbys {
     pub fn finish(&mut self) {
         let deadline = Instant::now() + EXIT_GRACE;
         for child in &mut self.started {
-            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if matches!(child.try_wait(), Ok(None)) {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+            end_by(child, deadline, |_| false);
         }
         self.started.clear();
     }
@@ -151,18 +145,24 @@ impl AgentStandby {
     /// At the agent's end: a standby that took over is the job's master and is left to it;
     /// any other gets [`EXIT_GRACE`] to hear that the job is over, then is killed.
     pub fn finish(mut self) {
-        let deadline = Instant::now() + EXIT_GRACE;
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            if took_over(self.child.id()) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if matches!(self.child.try_wait(), Ok(None)) && !took_over(self.child.id()) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        end_by(&mut self.child, Instant::now() + EXIT_GRACE, took_over);
     }
+}
+
+/// Waits for the standby `child` to exit until `deadline`, then kills it, unless `keep` says
+/// (of its pid) that it is left to run.
+fn end_by(child: &mut Child, deadline: Instant, keep: impl Fn(u32) -> bool) {
+    loop {
+        if !matches!(child.try_wait(), Ok(None)) || keep(child.id()) {
+            return;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// The standby `pid` became the job's master: it runs `train --resume COPY --reattach` now.

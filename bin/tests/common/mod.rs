@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 pub mod cdp;
+pub mod masters;
 
 use std::collections::BTreeMap;
 use std::path::Path;

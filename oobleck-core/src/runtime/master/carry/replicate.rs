@@ -55,12 +55,9 @@ impl Cost {
             mut commits_ms,
             mirror_ms,
         } = std::mem::take(self);
-        commits_ms.sort_by(f64::total_cmp);
+        // Sorts them too: the last is the largest.
+        let median = crate::profiler::median(&mut commits_ms);
         let n = commits_ms.len();
-        let median = match n % 2 {
-            1 => commits_ms[n / 2],
-            _ => (commits_ms[n / 2 - 1] + commits_ms[n / 2]) / 2.0,
-        };
         Some(Event::StandbyCost {
             standbys,
             commits: n as u64,
