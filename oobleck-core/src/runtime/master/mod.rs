@@ -16,6 +16,7 @@ mod assemble;
 mod carry;
 mod commits;
 mod conn;
+mod handshake;
 pub mod mirror;
 mod plan;
 mod rundir;

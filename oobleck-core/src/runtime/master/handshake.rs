@@ -1,0 +1,162 @@
+//! The handshake on the control port: who a peer is (an agent, a returning agent, a tool, a
+//! standby master), whether it speaks this protocol and proves the job's token, and what a
+//! returning agent's word is worth (its epoch, its committed step) once it has.
+
+use std::net::SocketAddr;
+
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+use super::conn::Shared;
+use super::server::MasterEvent;
+use crate::runtime::wire::auth;
+use crate::runtime::wire::protocol::{
+    self, Message, PeerRole, Return, BINARY_VERSION, PROTOCOL_VERSION,
+};
+
+pub(super) struct Admitted {
+    pub(super) node: Option<u32>,
+    pub(super) devices: u32,
+    /// A returning agent given its old id back, and what it holds.
+    pub(super) back: Option<Return>,
+    /// A standby master, and where it takes over.
+    pub(super) standby: Option<String>,
+}
+
+/// Runs the handshake. `Err(reason)` means refuse with that reason; `Ok(None)` means the peer
+/// left before saying anything.
+pub(super) async fn handshake(
+    r: &mut OwnedReadHalf,
+    w: &mut OwnedWriteHalf,
+    shared: &Shared,
+) -> Result<Option<Admitted>, String> {
+    let t = shared.config.handshake_timeout;
+    let (protocol, binary_version, role) = match protocol::read_frame(r, t).await {
+        Ok(None) => return Ok(None),
+        Ok(Some(Message::Hello {
+            protocol,
+            binary_version,
+            role,
+        })) => (protocol, binary_version, role),
+        Ok(Some(other)) => return Err(format!("expected hello, got {}", other.kind())),
+        Err(e) => return Err(e.to_string()),
+    };
+    if protocol != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {protocol} is not supported (master speaks {PROTOCOL_VERSION})"
+        ));
+    }
+    if binary_version != BINARY_VERSION {
+        return Err(format!(
+            "binary version {binary_version} differs from the master's {BINARY_VERSION}"
+        ));
+    }
+    let standby = match &role {
+        PeerRole::Standby { listen } => Some(listen.clone()),
+        _ => None,
+    };
+    // What a returning agent says is believed only once it proved the token.
+    let returning = match &role {
+        PeerRole::Returning(r) => Some(r.clone()),
+        _ => None,
+    };
+    let (node, devices, back) = match role {
+        PeerRole::Agent { devices: 0 } => {
+            return Err("an agent must offer at least one device".into())
+        }
+        PeerRole::Returning(Return { devices: 0, .. }) => {
+            return Err("an agent must offer at least one device".into())
+        }
+        // Refused after the token is proven (`check_returning`): under its own id.
+        PeerRole::Returning(r) if r.epoch > shared.config.epoch => (Some(r.node), r.devices, None),
+        PeerRole::Agent { devices } => (Some(shared.new_node()), devices, None),
+        // Its old id, if this master expects it back; a new one otherwise.
+        PeerRole::Returning(r) if shared.returns().contains(&r.node) => {
+            (Some(r.node), r.devices, Some(r))
+        }
+        // One of this master's own agents that took it for lost while it still counts the
+        // node: the master was silent to it. It notices soon, and either loses the node (then
+        // the agent is taken as a new node) or, stopped past a lease, starts again to take
+        // every agent back (`carry::give_up_if_stopped`): not a new node now.
+        PeerRole::Returning(r)
+            if shared.nodes().contains_key(&r.node) || shared.stopped_past_lease() =>
+        {
+            return Err(format!(
+                "node {} is still this master's: it was silent to the agent (stopped, or cut \
+                 off), and either loses the node or starts again to take it back; try again",
+                r.node
+            ))
+        }
+        PeerRole::Returning(r) => (Some(shared.new_node()), r.devices, None),
+        PeerRole::Client => (None, 0, None),
+        PeerRole::Standby { ref listen } if listen.parse::<SocketAddr>().is_err() => {
+            return Err(format!(
+                "a standby master must say where it takes over as IP:PORT, not {listen:?}"
+            ))
+        }
+        PeerRole::Standby { .. } => (None, 0, None),
+    };
+
+    let nonce = auth::nonce();
+    let challenge = Message::Challenge {
+        node,
+        nonce: nonce.clone(),
+    };
+    protocol::write_frame(w, &challenge, shared.config.write_timeout)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mac = match protocol::read_frame(r, t).await {
+        Ok(Some(Message::AuthResponse { mac })) => mac,
+        Ok(Some(other)) => return Err(format!("expected auth_response, got {}", other.kind())),
+        Ok(None) => return Err("closed during authentication".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    if !shared
+        .config
+        .token
+        .verify(&nonce, node, PROTOCOL_VERSION, &mac)
+    {
+        return Err("authentication failed: wrong token".into());
+    }
+    if let Some(r) = &returning {
+        check_returning(r, back.is_some(), shared)?;
+    }
+    // Taken only now, by an agent that proved the token: once, whoever came first.
+    if let Some(b) = &back {
+        if !shared.returns().remove(&b.node) {
+            return Err(format!(
+                "node {} came back twice: its id was given back already",
+                b.node
+            ));
+        }
+    }
+    Ok(Some(Admitted {
+        node,
+        devices,
+        back,
+        standby,
+    }))
+}
+
+/// A returning agent (its token proven) that this master must not take: one that saw a master
+/// of a higher epoch (this one was replaced: it steps down), or one of its own agents that
+/// committed a step past what this master's run directory recorded (the directory is a stale
+/// copy, of a standby dropped for lagging, say: re-adopting from it would replay and
+/// disturb the job; the agent looks on for the master that has its step).
+fn check_returning(r: &Return, adopting: bool, shared: &Shared) -> Result<(), String> {
+    if r.epoch > shared.config.epoch {
+        shared.emit(MasterEvent::Replaced { epoch: r.epoch });
+        return Err(format!(
+            "this master was replaced: its epoch {} is behind the agent's {}",
+            shared.config.epoch, r.epoch
+        ));
+    }
+    match shared.config.recorded {
+        Some(recorded) if adopting && r.committed > recorded => Err(format!(
+            "this master's run directory is behind the job: it recorded step {recorded} as \
+                 committed, and this agent committed step {}; it is a stale copy and takes no \
+                 agent back (the agent looks on for the master with its step)",
+            r.committed
+        )),
+        _ => Ok(()),
+    }
+}
