@@ -73,16 +73,12 @@ pub(super) async fn handshake(
         PeerRole::Returning(r) if shared.returns().contains(&r.node) => {
             (Some(r.node), r.devices, Some(r))
         }
-        // One of this master's own agents that took it for lost while it still counts the
-        // node: the master was silent to it. It notices soon, and either loses the node (then
-        // the agent is taken as a new node) or, stopped past a lease, starts again to take
-        // every agent back (`carry::give_up_if_stopped`): not a new node now.
-        PeerRole::Returning(r)
-            if shared.nodes().contains_key(&r.node) || shared.stopped_past_lease() =>
-        {
+        // A master stopped past its lease starts again (or steps down) to take its agents
+        // back (`carry::give_up_if_stopped`): none of them is a new node of it meanwhile.
+        PeerRole::Returning(r) if shared.stopped_past_lease() => {
             return Err(format!(
-                "node {} is still this master's: it was silent to the agent (stopped, or cut \
-                 off), and either loses the node or starts again to take it back; try again",
+                "node {}: this master was stopped past its lease and starts again (or steps \
+                 down) to take its agents back; try again",
                 r.node
             ))
         }
