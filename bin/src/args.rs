@@ -229,6 +229,11 @@ pub struct TrainArgs {
     /// The job's shared secret for --listen / --hostfile (agents must present the same one).
     #[arg(long, env = "OOBLECK_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// The job's name for --listen (and a scheduler's job, over the name it gives): agents
+    /// that name another job are refused, saying so, even with the token (two jobs started
+    /// with one OOBLECK_TOKEN). Agents name theirs with `train agent --job` or OOBLECK_JOB.
+    #[arg(long, env = "OOBLECK_JOB")]
+    pub job: Option<String>,
 }
 
 /// The config a `--resume` of `path` starts from: the run's own. Failures injected into that

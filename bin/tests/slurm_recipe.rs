@@ -1,9 +1,10 @@
 //! The shipped `deploy/slurm/train.sbatch` on a real Slurm (Debian's `slurm-wlm` and `munge`):
-//! the test writes its own configs, starts munged, slurmctld and slurmd in the foreground as
-//! root, and stops them by PID when it ends, also when it fails. This Slurm build supports
-//! several slurmd on one host, but their node names would then have to resolve to distinct
-//! non-loopback addresses (`train` refuses a loopback master in an allocation of several hosts),
-//! so the job runs on one node with 2 tasks, each task playing a node; a join job adds a third.
+//! each test starts its own (`common::slurm`: its configs, munged, slurmctld and slurmd in the
+//! foreground as root, stopped by PID when the test ends, also when it fails). Two layouts:
+//! one node whose 2 tasks each play a node (a join job adds a third), and, since this Slurm
+//! build runs several slurmd on one host (`slurmd -N NAME`), 2 nodes named `n0` and `n1` whose
+//! `NodeAddr` is this machine's non-loopback address, one task each, as on a real cluster
+//! (`train` finds the master at node 0's `NodeAddr`; at a loopback one it refuses to start).
 //! The jobs' ends are `sbatch --wait`'s, which polls at growing intervals: most of each test's
 //! time is that wait.
 //!
@@ -12,275 +13,11 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::Mutex;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, losses, Guard, OOBLECK, TRAIN};
-
-/// One Slurm cluster at a time: each test starts its own, and 2 cores train one job well.
-static ONE_CLUSTER: Mutex<()> = Mutex::new(());
-
-/// The job's size and the small model every test here trains.
-const JOB: [&str; 3] = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2"];
-const FLAGS: &str = "--microbatch-size 2 --global-batch-size 8 --seq-len 32 --eval-batches 1 \
-                     --sample 0 --seed 7 --fault-threshold 0";
-
-/// A private Slurm of this host: its daemons (killed on drop, after its jobs) and its files.
-struct Slurm {
-    dir: tempfile::TempDir,
-    daemons: Vec<Child>,
-}
-
-impl Drop for Slurm {
-    fn drop(&mut self) {
-        // Jobs first: their slurmstepd would outlive slurmd.
-        let _ = self.cmd("scancel").args(["--full", "--user=root"]).status();
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(20)
-            && self.jobs().is_some_and(|j| !j.is_empty())
-        {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        for d in self.daemons.iter_mut().rev() {
-            let _ = d.kill();
-            let _ = d.wait();
-        }
-    }
-}
-
-impl Slurm {
-    /// Writes the configs and starts munged, slurmctld and slurmd; returns once the node is idle.
-    fn start() -> Slurm {
-        for bin in ["munged", "slurmctld", "slurmd", "sbatch"] {
-            assert!(
-                Command::new("which")
-                    .arg(bin)
-                    .output()
-                    .is_ok_and(|o| o.status.success()),
-                "{bin} is not installed (or not on PATH): `apt-get install slurm-wlm munge` (Debian's packages; \
-                 .ci/run installs them)"
-            );
-        }
-        let uid = Command::new("id").arg("-u").output().expect("id -u");
-        assert_eq!(
-            String::from_utf8_lossy(&uid.stdout).trim(),
-            "0",
-            "slurmd runs jobs as root here: run this test as root"
-        );
-        let start = Instant::now();
-        let dir = tempfile::tempdir().unwrap();
-        let mut slurm = Slurm {
-            dir,
-            daemons: Vec::new(),
-        };
-        slurm.write_configs();
-        slurm.start_daemons();
-        slurm.wait_idle();
-        eprintln!(
-            "slurm: node idle {:.1} s after the start",
-            start.elapsed().as_secs_f64()
-        );
-        slurm
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn write_configs(&self) {
-        use std::os::unix::fs::PermissionsExt;
-        let d = self.dir.path();
-        // munged needs every directory above its socket to be searchable by all.
-        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
-        for sub in ["state", "spool", "log"] {
-            std::fs::create_dir(d.join(sub)).unwrap();
-        }
-        let mut key = vec![0u8; 1024];
-        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom").unwrap(), &mut key)
-            .unwrap();
-        std::fs::write(d.join("munge.key"), key).unwrap();
-        std::fs::set_permissions(d.join("munge.key"), std::fs::Permissions::from_mode(0o600))
-            .unwrap();
-        // 2 tasks of a job and 1 of a join job (config_overrides: declared, not detected).
-        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get().max(4));
-        let (ctld, slurmd) = (free_port(), free_port());
-        let d = d.display();
-        // cred_expire=5: a requeued job may start 6 s later (120 s by default).
-        let conf = format!(
-            "ClusterName=oobleck-test\nSlurmctldHost=localhost\nSlurmUser=root\nSlurmdUser=root\n\
-             AuthType=auth/munge\nAuthInfo=socket={d}/munge.sock,cred_expire=5\n\
-             CryptoType=crypto/munge\nSlurmctldPort={ctld}\nSlurmdPort={slurmd}\n\
-             StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool\n\
-             SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd.pid\n\
-             SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd.log\n\
-             ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
-             JobAcctGatherType=jobacct_gather/none\nAccountingStorageType=accounting_storage/none\n\
-             SchedulerType=sched/builtin\nSchedulerParameters=sched_interval=1\n\
-             SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n\
-             SlurmdParameters=config_overrides\nReturnToService=2\nMpiDefault=none\n\
-             NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN\n\
-             PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP\n"
-        );
-        std::fs::write(self.path("slurm.conf"), conf).unwrap();
-        std::fs::write(self.path("cgroup.conf"), "CgroupPlugin=autodetect\n").unwrap();
-    }
-
-    fn daemon(&mut self, bin: &str, args: &[String]) {
-        let log = std::fs::File::create(self.path(&format!("log/{bin}.out"))).unwrap();
-        let child = Command::new(bin)
-            .args(args)
-            .env("SLURM_CONF", self.path("slurm.conf"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {bin}: {e}"));
-        self.daemons.push(child);
-    }
-
-    fn start_daemons(&mut self) {
-        let d = self.dir.path().display().to_string();
-        let munged = [
-            "-F".into(),
-            format!("--socket={d}/munge.sock"),
-            format!("--key-file={d}/munge.key"),
-            format!("--pid-file={d}/munged.pid"),
-            format!("--log-file={d}/log/munged.log"),
-            format!("--seed-file={d}/munge.seed"),
-        ];
-        self.daemon("munged", &munged);
-        self.wait_for("munged's socket", || self.path("munge.sock").exists());
-        self.daemon("slurmctld", &["-D".into(), "-i".into()]);
-        self.daemon("slurmd", &["-D".into(), "-N".into(), "localhost".into()]);
-    }
-
-    /// Polls `ready` for up to 60 s, failing with the daemons' logs.
-    fn wait_for(&self, what: &str, ready: impl Fn() -> bool) {
-        let start = Instant::now();
-        while !ready() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "{what} not ready in 60 s; logs:\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    fn wait_idle(&self) {
-        self.wait_for("the node (sinfo: idle)", || {
-            let o = self.cmd("sinfo").args(["-h", "-N", "-o", "%t"]).output();
-            o.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "idle")
-        });
-    }
-
-    fn logs(&self) -> String {
-        let mut all = String::new();
-        for entry in std::fs::read_dir(self.path("log"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            let tail: Vec<&str> = text.lines().rev().take(15).collect();
-            all += &format!("== {}\n", entry.path().display());
-            all += &tail.into_iter().rev().collect::<Vec<_>>().join("\n");
-            all += "\n";
-        }
-        all
-    }
-
-    /// A Slurm client command of this cluster.
-    fn cmd(&self, bin: &str) -> Command {
-        let mut c = Command::new(bin);
-        c.env("SLURM_CONF", self.path("slurm.conf"));
-        c
-    }
-
-    /// The ids of the jobs in the queue, if squeue answers.
-    fn jobs(&self) -> Option<Vec<String>> {
-        let o = self.cmd("squeue").args(["-h", "-o", "%i"]).output().ok()?;
-        o.status.success().then(|| {
-            String::from_utf8_lossy(&o.stdout)
-                .split_whitespace()
-                .map(String::from)
-                .collect()
-        })
-    }
-
-    /// `sbatch --wait` of the shipped train.sbatch training `steps` steps into `run` on
-    /// master port `port`, with `env` set too.
-    fn submit(&self, run: &Path, steps: u64, port: u16, env: &[(&str, &str)]) -> Guard {
-        let mut c = self.sbatch("train.sbatch", run, port, &JOB);
-        c.env("MODEL", "gpt-tiny")
-            .env("STEPS", steps.to_string())
-            .env("TRAIN_FLAGS", FLAGS)
-            .env("OOBLECK_PROFILE", "analytical")
-            .envs(env.iter().copied());
-        Guard(Some(c.spawn().expect("starting sbatch")))
-    }
-
-    /// `sbatch --wait` of the shipped join.sbatch: one more node for job `id`.
-    fn join(&self, id: &str, run: &Path, port: u16) -> Guard {
-        let mut c = self.sbatch("join.sbatch", run, port, &["--nodes=1", "--ntasks=1"]);
-        c.arg(id);
-        Guard(Some(c.spawn().expect("starting sbatch")))
-    }
-
-    fn sbatch(&self, script: &str, run: &Path, port: u16, size: &[&str]) -> Command {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../deploy/slurm")
-            .join(script);
-        let mut c = self.cmd("sbatch");
-        c.args(["--wait", "--parsable"])
-            .args(size)
-            .arg(format!("--output={}/job-%j.out", self.dir.path().display()))
-            .arg(format!("--chdir={}", self.dir.path().display()))
-            .arg(script)
-            .env("RUN_DIR", run)
-            .env("TRAIN_BIN", TRAIN)
-            .env("OOBLECK_BIN", OOBLECK)
-            .env("OOBLECK_MASTER_PORT", port.to_string())
-            .env("RUST_BACKTRACE", "0")
-            .env_remove("OOBLECK_TOKEN")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        c
-    }
-
-    /// The id of the one job in the queue.
-    fn the_job(&self) -> String {
-        let jobs = self.jobs().expect("squeue");
-        assert_eq!(jobs.len(), 1, "{jobs:?}");
-        jobs[0].clone()
-    }
-
-    /// `scancel --signal=USR1 --batch id`: what Slurm sends before a time limit.
-    fn usr1(&self, id: &str) {
-        let o = self
-            .cmd("scancel")
-            .args(["--signal=USR1", "--batch", id])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "scancel: {o:?}");
-    }
-
-    /// Polls until `run` has committed `n` steps.
-    fn wait_steps(&self, run: &Path, n: usize) {
-        self.wait_for(&format!("{n} committed steps"), || {
-            std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= n)
-        });
-    }
-
-    /// The job's output file (both runs of a requeued job: the script appends).
-    fn job_output(&self, sbatch: &Output) -> String {
-        let id = String::from_utf8_lossy(&sbatch.stdout).trim().to_string();
-        std::fs::read_to_string(self.path(&format!("job-{id}.out")))
-            .unwrap_or_else(|e| panic!("job {id}'s output: {e}; logs:\n{}", self.logs()))
-    }
-}
+use common::slurm::{lan_addr, Layout, Slurm, FLAGS, ONE_CLUSTER};
+use common::{free_port, losses, Guard, TRAIN};
 
 fn steps(run: &Path) -> Vec<u64> {
     losses(run).into_iter().map(|(s, _)| s).collect()
@@ -289,7 +26,7 @@ fn steps(run: &Path) -> Vec<u64> {
 #[test]
 fn train_sbatch_trains_a_job_of_two_tasks_that_each_play_a_node() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
-    let slurm = Slurm::start();
+    let slurm = Slurm::start(Layout::OneNode);
     let run = slurm.path("run");
     let out = slurm
         .submit(&run, 6, free_port(), &[])
@@ -318,7 +55,8 @@ fn train_sbatch_trains_a_job_of_two_tasks_that_each_play_a_node() {
 #[test]
 fn usr1_to_the_batch_script_stops_with_a_checkpoint_and_the_requeued_job_resumes() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
-    let slurm = Slurm::start();
+    // On two Slurm nodes, as a cluster's job is.
+    let slurm = Slurm::start(Layout::Nodes { addr: lan_addr() });
     let run = slurm.path("run");
     let total = 40;
     let mut sbatch = slurm.submit(&run, total, free_port(), &[]);
@@ -353,7 +91,7 @@ fn usr1_to_the_batch_script_stops_with_a_checkpoint_and_the_requeued_job_resumes
 #[test]
 fn a_job_requeued_before_its_first_checkpoint_starts_again_keeping_its_first_attempt() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
-    let slurm = Slurm::start();
+    let slurm = Slurm::start(Layout::OneNode);
     let run = slurm.path("run");
     let total = 30;
     // No checkpoint before the last step; agents that lose the master stop after 2 s. Node
@@ -409,7 +147,7 @@ fn a_job_requeued_before_its_first_checkpoint_starts_again_keeping_its_first_att
 #[test]
 fn join_sbatch_adds_a_node_of_another_allocation_to_the_running_job() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
-    let slurm = Slurm::start();
+    let slurm = Slurm::start(Layout::OneNode);
     let run = slurm.path("run");
     let port = free_port();
     // Many steps: the job ends when USR1 stops it (without a requeue), after the join.
@@ -430,7 +168,7 @@ fn join_sbatch_adds_a_node_of_another_allocation_to_the_running_job() {
     assert!(joined.status.success(), "join: {joined:?}\n{join_log}");
     assert!(
         join_log.contains(&format!(
-            "oobleck: joining job {id}, master localhost:{port}"
+            "oobleck: joining job {id}, master 127.0.0.1:{port}"
         )),
         "{join_log}"
     );
@@ -440,5 +178,87 @@ fn join_sbatch_adds_a_node_of_another_allocation_to_the_running_job() {
         steps,
         (1..=steps.len() as u64).collect::<Vec<_>>(),
         "no step lost"
+    );
+}
+
+#[test]
+fn train_sbatch_trains_on_two_slurm_nodes_and_their_master_refuses_another_jobs_agent() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
+    let addr = lan_addr();
+    let slurm = Slurm::start(Layout::Nodes { addr: addr.clone() });
+    let run = slurm.path("run");
+    let (port, total) = (free_port(), 30);
+    // Node 0's workers sleep 100 ms a microbatch: the job trains while the stranger knocks.
+    let mut sbatch = slurm.submit(&run, total, port, &[("OOBLECK_TEST_SLOW", "0:100")]);
+    slurm.wait_steps(&run, 2);
+    let id = slurm.the_job();
+    // An agent of another job that was given the same token (one OOBLECK_TOKEN in a user's
+    // shell for two jobs) reaches this job's master: refused, naming both jobs.
+    let token = std::fs::read_to_string(run.join("oobleck-token")).expect("the job's token");
+    let stranger = Command::new(TRAIN)
+        .args([
+            "agent",
+            "--master",
+            &format!("{addr}:{port}"),
+            "--wait",
+            "10",
+        ])
+        .env("OOBLECK_TOKEN", token.trim())
+        .env("OOBLECK_JOB", "999999")
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the stranger");
+    let refused = Guard(Some(stranger)).finish(Duration::from_secs(60));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(
+        said.contains(&format!(
+            "this agent is of job \"999999\" and this master runs job \"{id}\""
+        )),
+        "{said}"
+    );
+    let out = sbatch.finish(Duration::from_secs(300));
+    let log = slurm.job_output(&out);
+    assert!(out.status.success(), "sbatch: {out:?}\n{log}");
+    assert!(log.contains("on n[0-1]"), "{log}");
+    for node in [
+        "node 0 of 2; this process is the master",
+        "node 1 of 2; this process is an agent",
+    ] {
+        assert!(log.contains(&format!("Slurm: {node}")), "{log}");
+    }
+    // Node 1 found the master at node 0's NodeAddr, not at the name `n0`.
+    assert!(
+        log.contains(&format!("the master at {addr}:{port}")),
+        "{log}"
+    );
+    assert!(log.contains(&format!("done: {total} steps")), "{log}");
+    assert_eq!(steps(&run), (1..=total).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_job_whose_first_node_is_at_a_loopback_address_fails_at_once_naming_it() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
+    let slurm = Slurm::start(Layout::Nodes {
+        addr: "127.0.0.1".into(),
+    });
+    let run = slurm.path("run");
+    let start = Instant::now();
+    let out = slurm
+        .submit(&run, 6, free_port(), &[])
+        .finish(Duration::from_secs(120));
+    let log = slurm.job_output(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(
+        log.contains("the master's address 127.0.0.1 (the NodeAddr of SLURM_STEP_NODELIST's first node) is a loopback address"),
+        "{log}"
+    );
+    assert!(!run.join("metrics.jsonl").exists(), "{log}");
+    eprintln!(
+        "the job failed {:.1} s after its submission",
+        start.elapsed().as_secs_f64()
     );
 }

@@ -35,6 +35,7 @@ fn hello(protocol: u16, binary_version: &str) -> Message {
         protocol,
         binary_version: binary_version.into(),
         role: PeerRole::Agent { devices: 1 },
+        job: None,
     }
 }
 
@@ -75,6 +76,38 @@ async fn a_wrong_token_is_refused_with_a_reason_and_the_next_agent_still_gets_in
     // Ids are never reused, so the refused agent's reserved id is skipped.
     assert_eq!(ok.node(), 1);
     assert_eq!(master.refused_count(), 1);
+}
+
+#[tokio::test]
+async fn an_agent_of_another_job_sharing_the_token_is_refused_naming_both_jobs() {
+    let secret = "one-secret-two-jobs";
+    let ours = Token::new(secret).unwrap().for_job(Some("101"));
+    let master = Master::bind(localhost(), ours.clone(), 2).await.unwrap();
+    let at = master.local_addr();
+    let theirs = Token::new(secret).unwrap().for_job(Some("202"));
+    for reason in [
+        refused_for(Agent::connect(at, &theirs, T).await.err().unwrap()),
+        refused_for(
+            Agent::reconnect(at, &theirs, back(0, 3, 1), T)
+                .await
+                .err()
+                .unwrap(),
+        ),
+    ] {
+        assert!(
+            reason.contains("this agent is of job \"202\"")
+                && reason.contains("this master runs job \"101\"")
+                && reason.contains("OOBLECK_JOB"),
+            "{reason}"
+        );
+    }
+    // An agent that names no job has nothing to compare; one of this job gets in.
+    let _unnamed = Agent::connect(at, &Token::new(secret).unwrap(), T)
+        .await
+        .unwrap();
+    let _ours = Agent::connect(at, &ours, T).await.unwrap();
+    assert_eq!(master.wait_for_nodes(T).await.unwrap().len(), 2);
+    assert_eq!(master.refused_count(), 2);
 }
 
 #[tokio::test]

@@ -79,7 +79,7 @@ fn run() -> Result<()> {
         (Some(addr), hostfile) => {
             let addr = resolve(addr)?;
             let token = match (&args.token, hostfile) {
-                (Some(secret), _) => Token::new(secret)?,
+                (Some(secret), _) => Token::new(secret)?.for_job(args.job.as_deref()),
                 // We hand the token to the agents ourselves.
                 (None, Some(_)) => Token::random(),
                 (None, None) => bail!(

@@ -27,6 +27,11 @@ pub struct AgentArgs {
     /// so it never shows in a process list).
     #[arg(long, conflicts_with = "token")]
     pub token_stdin: bool,
+    /// The job this agent is of: a master that runs another named job refuses it, saying so
+    /// (two jobs started with one OOBLECK_TOKEN). Default: with --master, none; without, the
+    /// job the environment names (OOBLECK_JOB, Slurm's job id, ...; README "On a cluster").
+    #[arg(long, env = "OOBLECK_JOB")]
+    pub job: Option<String>,
     /// The IP this node's workers bind their data-plane ports on. Default: the address this
     /// machine reaches the master from.
     #[arg(long)]
@@ -98,11 +103,14 @@ pub fn run(args: &AgentArgs) -> Result<()> {
             args.notice_interval
         );
     }
-    let master = match &args.master {
-        Some(m) => m.clone(),
+    // A master given by hand is trusted as it is; one found in the environment comes with
+    // the job the environment names.
+    let (master, job) = match &args.master {
+        Some(m) => (m.clone(), args.job.clone()),
         None => {
             let env = super::discover::Env::of_process();
-            super::discover::master_from_env(&env).map_err(|e| anyhow::anyhow!(e))?
+            let p = super::discover::master_from_env(&env).map_err(|e| anyhow::anyhow!(e))?;
+            (p.master_addr(), args.job.clone().or(p.job))
         }
     };
     let standby = match args.standby {
@@ -123,6 +131,7 @@ pub fn run(args: &AgentArgs) -> Result<()> {
         preemption_notice: args.preemption_notice.clone(),
         notice_interval: Duration::from_secs_f64(args.notice_interval),
         drain_wait: Duration::from_secs(args.drain_wait),
+        job,
         ..AgentOptions::new(master, token)
     };
     let ran = run_agent(&opts);

@@ -68,7 +68,7 @@ pub fn from_env(
         )
     })?;
     let role = if p.is_master_node() {
-        master_role(&p, nodes, Token::new(&secret)?)?
+        master_role(&p, nodes, Token::new(&secret)?.for_job(p.job.as_deref()))?
     } else {
         Role::Agent(Box::new(agent_args(&p, secret, cfg.master_wait_s)?))
     };
@@ -121,5 +121,6 @@ fn agent_args(p: &Placement, token: String, master_wait_s: u64) -> Result<AgentA
     ];
     let mut args = TrainAgentCli::try_parse_from(argv)?.args;
     args.token = Some(token);
+    args.job = p.job.clone();
     Ok(args)
 }

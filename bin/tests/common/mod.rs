@@ -4,6 +4,7 @@
 
 pub mod cdp;
 pub mod masters;
+pub mod slurm;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -3,13 +3,17 @@
 //!
 //! The order, first match wins (flags are the caller's and come before all of it):
 //!
-//! | source | this node's index | nodes | node 0's host (the master) | devices |
-//! |---|---|---|---|---|
-//! | `OOBLECK_MASTER` | `OOBLECK_NODE_INDEX` | `OOBLECK_NUM_NODES` | its `HOST` | - |
-//! | Slurm (`SLURM_JOB_ID` and `SLURM_STEP_ID`: a task `srun` started) | `SLURM_PROCID` | `SLURM_STEP_NUM_TASKS`, `SLURM_NTASKS` | first of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST` | `SLURM_GPUS_ON_NODE` |
-//! | LeaderWorkerSet (`LWS_LEADER_ADDRESS`) | `LWS_WORKER_INDEX` | `LWS_GROUP_SIZE` | `LWS_LEADER_ADDRESS` | - |
-//! | JobSet (`JOBSET_NAME`) | `JOB_COMPLETION_INDEX` | `OOBLECK_NUM_NODES` | `<jobset>-<replicated job>-0-0.<jobset>` | - |
-//! | SkyPilot (`SKYPILOT_NODE_RANK`) | `SKYPILOT_NODE_RANK` | `SKYPILOT_NUM_NODES` | first of `SKYPILOT_NODE_IPS` | `SKYPILOT_NUM_GPUS_PER_NODE` |
+//! | source | this node's index | nodes | node 0's host (the master) | devices | the job |
+//! |---|---|---|---|---|---|
+//! | `OOBLECK_MASTER` | `OOBLECK_NODE_INDEX` | `OOBLECK_NUM_NODES` | its `HOST` | - | - |
+//! | Slurm (`SLURM_JOB_ID` and `SLURM_STEP_ID`: a task `srun` started) | `SLURM_PROCID` | `SLURM_STEP_NUM_TASKS`, `SLURM_NTASKS` | first of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST`; its `NodeAddr` where `scontrol show node` says | `SLURM_GPUS_ON_NODE` | `SLURM_JOB_ID` |
+//! | LeaderWorkerSet (`LWS_LEADER_ADDRESS`) | `LWS_WORKER_INDEX` | `LWS_GROUP_SIZE` | `LWS_LEADER_ADDRESS` | - | `LWS_LEADER_ADDRESS` |
+//! | JobSet (`JOBSET_NAME`) | `JOB_COMPLETION_INDEX` | `OOBLECK_NUM_NODES` | `<jobset>-<replicated job>-0-0.<jobset>` | - | `JOBSET_NAME` |
+//! | SkyPilot (`SKYPILOT_NODE_RANK`) | `SKYPILOT_NODE_RANK` | `SKYPILOT_NUM_NODES` | first of `SKYPILOT_NODE_IPS` | `SKYPILOT_NUM_GPUS_PER_NODE` | `SKYPILOT_TASK_ID` |
+//!
+//! `OOBLECK_JOB` names the job over any of these. A master refuses, with an error naming both
+//! jobs, an agent of another named job that proves the same token (two jobs a user started
+//! with one `OOBLECK_TOKEN` whose masters share an address).
 //!
 //! The master listens on `OOBLECK_MASTER_PORT` ([`DEFAULT_MASTER_PORT`] unless set) of node 0.
 //! Node 0 runs the master and its own agent; every node runs one agent.
@@ -78,6 +82,10 @@ pub struct Placement {
     pub master_port: u16,
     /// Devices of this node, when the environment says.
     pub devices_per_node: Option<usize>,
+    /// The job's name, where the environment gives one (`OOBLECK_JOB` over the scheduler's:
+    /// Slurm's job id, the LeaderWorkerSet group's leader, the JobSet, SkyPilot's task id):
+    /// a master refuses agents of another named job that share its token.
+    pub job: Option<String>,
 }
 
 impl Placement {
@@ -102,16 +110,23 @@ pub struct Env {
     vars: BTreeMap<String, String>,
     /// `scontrol show hostnames LIST`, for expressions the parser refuses (none in tests).
     scontrol: Option<ExpandFn>,
+    /// A Slurm node's `NodeAddr` (`scontrol show node NAME`), `None` in recorded environments
+    /// unless a test gives one.
+    node_addr: Option<NodeAddrFn>,
 }
 
 /// Expands a hostlist the way Slurm does, `None` when it cannot.
 type ExpandFn = fn(&str) -> Option<Vec<String>>;
+
+/// The address Slurm reaches a node at, `None` when it cannot say.
+type NodeAddrFn = fn(&str) -> Option<String>;
 
 impl Env {
     pub fn of_process() -> Self {
         Self {
             vars: std::env::vars().collect(),
             scontrol: Some(scontrol_hostnames),
+            node_addr: Some(scontrol_node_addr),
         }
     }
 
@@ -123,7 +138,14 @@ impl Env {
         Self {
             vars,
             scontrol: None,
+            node_addr: None,
         }
+    }
+
+    /// This recorded environment, with Slurm answering `NodeAddr`s as `node_addr` does.
+    pub fn with_node_addr(mut self, node_addr: NodeAddrFn) -> Self {
+        self.node_addr = Some(node_addr);
+        self
     }
 
     fn get(&self, name: &str) -> Option<&str> {
@@ -161,10 +183,16 @@ pub fn discover(env: &Env) -> Result<Option<Placement>, String> {
             .parse()
             .map_err(|_| format!("OOBLECK_MASTER_PORT={p:?} is not a port (1 to 65535)"))?,
     };
+    let named = |mut p: Placement| {
+        if let Some(job) = env.get("OOBLECK_JOB") {
+            p.job = Some(job.to_string()); // the user's name for the job over the scheduler's
+        }
+        p
+    };
     // OOBLECK_MASTER is the user's choice over any scheduler's.
     if let Some(p) = oobleck(env)? {
         check_index(&p)?;
-        return Ok(Some(p));
+        return Ok(Some(named(p)));
     }
     let readers: [Reader; 4] = [slurm, leader_worker_set, jobset, skypilot];
     let mut found: Vec<Placement> = Vec::new();
@@ -188,7 +216,7 @@ pub fn discover(env: &Env) -> Result<Option<Placement>, String> {
         ));
     }
     check_index(&first)?;
-    Ok(Some(first))
+    Ok(Some(named(first)))
 }
 
 type Reader = fn(&Env, u16) -> Result<Option<Placement>, String>;
@@ -216,6 +244,7 @@ fn oobleck(env: &Env) -> Result<Option<Placement>, String> {
         master_from: "OOBLECK_MASTER",
         master_port: port,
         devices_per_node: None,
+        job: None,
     }))
 }
 
@@ -256,16 +285,31 @@ fn slurm(env: &Env, port: u16) -> Result<Option<Placement>, String> {
             hosts.len()
         ));
     }
+    // Slurm reaches a node at its NodeAddr, which need not be its name (nodes named for a
+    // rack, or several slurmd of one host): so do the agents.
+    let (master_host, master_from) = match env.node_addr.and_then(|f| f(&hosts[0])) {
+        Some(addr) if addr != hosts[0] => (addr, node_addr_of(list_var)),
+        _ => (hosts[0].clone(), list_var),
+    };
     Ok(Some(Placement {
         source: Source::Slurm,
         node_index,
         num_nodes: Some(tasks),
         hosts: Some(hosts.len()),
-        master_host: hosts[0].clone(),
-        master_from: list_var,
+        master_host,
+        master_from,
         master_port: port,
         devices_per_node: env.number("SLURM_GPUS_ON_NODE")?,
+        job: env.get("SLURM_JOB_ID").map(String::from),
     }))
+}
+
+/// Where a master host taken from a node's `NodeAddr` came from, for errors.
+fn node_addr_of(list_var: &str) -> &'static str {
+    match list_var {
+        "SLURM_STEP_NODELIST" => "the NodeAddr of SLURM_STEP_NODELIST's first node",
+        _ => "the NodeAddr of SLURM_JOB_NODELIST's first node",
+    }
 }
 
 fn leader_worker_set(env: &Env, port: u16) -> Result<Option<Placement>, String> {
@@ -284,6 +328,8 @@ fn leader_worker_set(env: &Env, port: u16) -> Result<Option<Placement>, String> 
         master_from: "LWS_LEADER_ADDRESS",
         master_port: port,
         devices_per_node: None,
+        // A group's leader address names the group (`<lws>-<group>.<lws>.<namespace>`).
+        job: Some(leader.to_string()),
     }))
 }
 
@@ -306,6 +352,7 @@ fn jobset(env: &Env, port: u16) -> Result<Option<Placement>, String> {
         master_from: "JOBSET_NAME",
         master_port: port,
         devices_per_node: None,
+        job: Some(name.to_string()),
     }))
 }
 
@@ -333,6 +380,7 @@ fn skypilot(env: &Env, port: u16) -> Result<Option<Placement>, String> {
         master_from: "SKYPILOT_NODE_IPS",
         master_port: port,
         devices_per_node: env.number("SKYPILOT_NUM_GPUS_PER_NODE")?,
+        job: env.get("SKYPILOT_TASK_ID").map(String::from),
     }))
 }
 
@@ -379,6 +427,14 @@ pub fn check(
         )
     })?;
     if let Some(ip) = ips.iter().find(|ip| ip.is_loopback()) {
+        if p.master_host.parse::<IpAddr>().is_ok() {
+            return Err(format!(
+                "the master's address {ip} ({}) is a loopback address: each of the {nodes} nodes \
+                 would wait for a master on itself. Give node 0 an address the other nodes \
+                 reach there (Slurm: NodeAddr in slurm.conf), or set OOBLECK_MASTER=IP:PORT",
+                p.master_from
+            ));
+        }
         return Err(format!(
             "the master's host {} ({}) resolves to {ip}, a loopback address: each of the {nodes} \
              nodes would wait for a master on itself. Make {} resolve to an address the other \
@@ -395,22 +451,43 @@ pub fn lookup(host: &str) -> std::io::Result<Vec<IpAddr>> {
     Ok((host, 0).to_socket_addrs()?.map(|a| a.ip()).collect())
 }
 
-/// The master's `HOST:PORT` for an agent given no `--master`: from the environment, checked.
-pub fn master_from_env(env: &Env) -> Result<String, String> {
+/// Where an agent given no `--master` finds its master (`master_addr`) and which job it is
+/// of: from the environment, checked.
+pub fn master_from_env(env: &Env) -> Result<Placement, String> {
     let p = discover(env)?.ok_or(
         "no --master, and nothing in the environment says where the master is: pass --master \
          HOST:PORT or set OOBLECK_MASTER=HOST:PORT, or run it as a task of a Slurm step, a \
          LeaderWorkerSet or JobSet pod, or a SkyPilot task",
     )?;
     check(&p, None, lookup)?;
-    Ok(p.master_addr())
+    Ok(p)
 }
 
 /// `scontrol show hostnames LIST`, if Slurm's tools are installed and answer within 10 s.
 fn scontrol_hostnames(list: &str) -> Option<Vec<String>> {
+    let text = scontrol(&["show", "hostnames", list])?;
+    let hosts: Vec<String> = text.split_whitespace().map(str::to_string).collect();
+    (!hosts.is_empty()).then_some(hosts)
+}
+
+/// `NodeAddr` of `scontrol show node NAME`, if Slurm answers within 10 s.
+fn scontrol_node_addr(node: &str) -> Option<String> {
+    node_addr_in(&scontrol(&["show", "node", node, "--oneliner"])?)
+}
+
+/// The `NodeAddr=` field of `scontrol show node` output.
+fn node_addr_in(text: &str) -> Option<String> {
+    text.split_whitespace()
+        .find_map(|f| f.strip_prefix("NodeAddr="))
+        .filter(|a| !a.is_empty() && *a != "(null)")
+        .map(String::from)
+}
+
+/// The output of `scontrol ARGS`, if it is installed, answers within 10 s and succeeds.
+fn scontrol(args: &[&str]) -> Option<String> {
     use std::io::Read;
     let mut child = std::process::Command::new("scontrol")
-        .args(["show", "hostnames", list])
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -426,11 +503,6 @@ fn scontrol_hostnames(list: &str) -> Option<Vec<String>> {
         let _ = child.kill(); // no answer in time: not one we can use
     }
     let status = child.wait().ok()?;
-    let hosts: Vec<String> = text
-        .ok()?
-        .ok()?
-        .split_whitespace()
-        .map(str::to_string)
-        .collect();
-    (status.success() && !hosts.is_empty()).then_some(hosts)
+    let text = text.ok()?.ok()?;
+    status.success().then_some(text)
 }

@@ -252,8 +252,73 @@ fn a_loopback_master_and_a_count_against_expect_nodes_are_loud() {
 #[test]
 fn an_agent_needs_only_where_its_master_is() {
     let env = Env::from_pairs([("OOBLECK_MASTER", "oobleck-master:29400")]);
-    assert_eq!(master_from_env(&env).unwrap(), "oobleck-master:29400");
+    assert_eq!(
+        master_from_env(&env).unwrap().master_addr(),
+        "oobleck-master:29400"
+    );
     assert_eq!(discover(&env).unwrap().unwrap().node_index, UNKNOWN_INDEX);
     let none = master_from_env(&Env::from_pairs([("HOME", "/root")])).unwrap_err();
     assert!(none.contains("OOBLECK_MASTER=HOST:PORT"), "{none}");
+}
+
+#[test]
+fn each_scheduler_names_the_job_and_oobleck_job_names_it_over_them() {
+    let jobs: Vec<Option<String>> = [SLURM, LWS, JOBSET, SKYPILOT]
+        .iter()
+        .map(|vars| found(vars).job)
+        .collect();
+    assert_eq!(
+        jobs,
+        [
+            Some("48213".into()),
+            Some("train-0.train.default".into()),
+            Some("gpt".into()),
+            Some("sky-2026-12-07-train_1".into())
+        ]
+    );
+    let named = with(SLURM, &[("OOBLECK_JOB", "pretrain-7")]);
+    assert_eq!(found(&named).job.as_deref(), Some("pretrain-7"));
+    let own = [
+        ("OOBLECK_MASTER", "10.0.0.1:29400"),
+        ("OOBLECK_JOB", "pretrain-7"),
+    ];
+    assert_eq!(found(&own).job.as_deref(), Some("pretrain-7"));
+    assert_eq!(found(&own[..1]).job, None);
+}
+
+/// `scontrol show node gpu-07 --oneliner` of a node whose name is not its address.
+const NODE_LINE: &str = "NodeName=gpu-07 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=96 \
+                         AvailableFeatures=(null) NodeAddr=10.1.0.7 NodeHostName=rack3-07 \
+                         Version=22.05.8 OS=Linux 6.1.0 RealMemory=1000 State=IDLE";
+
+#[test]
+fn the_slurm_master_is_where_slurm_reaches_the_first_node() {
+    assert_eq!(node_addr_in(NODE_LINE).as_deref(), Some("10.1.0.7"));
+    assert_eq!(node_addr_in("NodeName=x NodeAddr=(null)"), None);
+    assert_eq!(node_addr_in("Node gpu-99 not found"), None);
+    let env = |addr: NodeAddrFn| Env::from_pairs(SLURM.iter().copied()).with_node_addr(addr);
+    let p = discover(&env(|n| (n == "gpu-07").then(|| "10.1.0.7".into())))
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.master_addr(), "10.1.0.7:29400");
+    assert!(p.master_from.contains("NodeAddr"), "{}", p.master_from);
+    // A NodeAddr that is the name, or none: the name, from the node list.
+    for addr in [(|n| Some(n.to_string())) as NodeAddrFn, |_| None] {
+        let p = discover(&env(addr)).unwrap().unwrap();
+        assert_eq!(
+            (p.master_host.as_str(), p.master_from),
+            ("gpu-07", "SLURM_STEP_NODELIST")
+        );
+    }
+    // A loopback NodeAddr in a job of 4 hosts: loud, naming where it came from.
+    let p = discover(&env(|_| Some("127.0.0.1".into())))
+        .unwrap()
+        .unwrap();
+    let err = check(&p, None, lookup).unwrap_err();
+    assert!(
+        err.contains("127.0.0.1")
+            && err.contains("is a loopback address")
+            && err.contains("NodeAddr"),
+        "{err}"
+    );
 }

@@ -30,13 +30,14 @@ pub(super) async fn handshake(
     shared: &Shared,
 ) -> Result<Option<Admitted>, String> {
     let t = shared.config.handshake_timeout;
-    let (protocol, binary_version, role) = match protocol::read_frame(r, t).await {
+    let (protocol, binary_version, role, job) = match protocol::read_frame(r, t).await {
         Ok(None) => return Ok(None),
         Ok(Some(Message::Hello {
             protocol,
             binary_version,
             role,
-        })) => (protocol, binary_version, role),
+            job,
+        })) => (protocol, binary_version, role, job),
         Ok(Some(other)) => return Err(format!("expected hello, got {}", other.kind())),
         Err(e) => return Err(e.to_string()),
     };
@@ -111,8 +112,13 @@ pub(super) async fn handshake(
         .token
         .verify(&nonce, node, PROTOCOL_VERSION, &mac)
     {
-        return Err("authentication failed: wrong token".into());
+        return Err(
+            "authentication failed: wrong token. The peer's token (--token, \
+                    --token-stdin or OOBLECK_TOKEN) is not this master's: is it of another job?"
+                .into(),
+        );
     }
+    check_job(job.as_deref(), shared.config.token.job())?;
     if let Some(r) = &returning {
         check_returning(r, back.is_some(), shared)?;
     }
@@ -152,6 +158,20 @@ fn check_returning(r: &Return, adopting: bool, shared: &Shared) -> Result<(), St
                  committed, and this agent committed step {}; it is a stale copy and takes no \
                  agent back (the agent looks on for the master with its step)",
             r.committed
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A peer of another named job (its token proven: the two jobs share a secret) is refused,
+/// saying which jobs; where either side names no job there is nothing to compare.
+fn check_job(peer: Option<&str>, ours: Option<&str>) -> Result<(), String> {
+    match (peer, ours) {
+        (Some(peer), Some(ours)) if peer != ours => Err(format!(
+            "this agent is of job {peer:?} and this master runs job {ours:?}: the two jobs share \
+             a token and this address. Point the agent at its own job's master (--master, \
+             OOBLECK_MASTER, or its scheduler's node list), give each job its own OOBLECK_TOKEN, \
+             or set OOBLECK_JOB to the job it should join"
         )),
         _ => Ok(()),
     }

@@ -67,6 +67,9 @@ pub struct AgentOptions {
     /// The job's shared secret (never sent over the network; the master checks it by
     /// challenge-response).
     pub token: String,
+    /// The job this agent is of, where its launcher names one (a Slurm job id): a master of
+    /// another named job that shares the token refuses it, saying so.
+    pub job: Option<String>,
     /// The IP this node's workers bind their data-plane ports on. `None`: the address this
     /// machine reaches the master from.
     pub host: Option<String>,
@@ -94,6 +97,7 @@ impl AgentOptions {
         AgentOptions {
             master,
             token,
+            job: None,
             host: None,
             exit_with_parent: false,
             wait: Duration::from_secs(120),
@@ -110,6 +114,7 @@ impl std::fmt::Debug for AgentOptions {
         f.debug_struct("AgentOptions")
             .field("master", &self.master)
             .field("token", &"<redacted>")
+            .field("job", &self.job)
             .field("host", &self.host)
             .field("exit_with_parent", &self.exit_with_parent)
             .field("wait", &self.wait)
@@ -151,7 +156,9 @@ async fn drive(opts: &AgentOptions) -> Result<()> {
     if let Some(source) = &opts.preemption_notice {
         watch_notice(source, opts.notice_interval, local_tx.clone())?;
     }
-    let token = Token::new(&opts.token).ctx("the job token")?;
+    let token = Token::new(&opts.token)
+        .ctx("the job token")?
+        .for_job(opts.job.as_deref());
     let master = resolve(&opts.master)?;
     let conn = register(master, &token, opts.wait).await?;
     let node = conn.node();

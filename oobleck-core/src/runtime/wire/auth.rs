@@ -22,13 +22,24 @@ const CLIENT_NODE: u32 = u32::MAX;
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// The job's shared secret. `Debug` never prints it.
+/// The job's shared secret, and the name of the job it is for where the launcher knows one
+/// (a Slurm job id: [`Token::for_job`]). The name is no secret: the hello carries it, so that
+/// agents of two jobs that share one secret are told apart with an error that says so, where
+/// the secret alone would admit them into the wrong job. `Debug` never prints the secret.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Token(String);
+pub struct Token {
+    secret: String,
+    job: Option<String>,
+}
 
 impl std::fmt::Debug for Token {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Token(<{} bytes redacted>)", self.0.len())
+        write!(
+            f,
+            "Token(<{} bytes redacted>, job {:?})",
+            self.secret.len(),
+            self.job
+        )
     }
 }
 
@@ -42,7 +53,24 @@ impl Token {
                 reason: "the token is empty".into(),
             });
         }
-        Ok(Token(secret.to_string()))
+        Ok(Token {
+            secret: secret.to_string(),
+            job: None,
+        })
+    }
+
+    /// This token, for the job named `job` (`None`, or an empty name: no job named).
+    pub fn for_job(mut self, job: Option<&str>) -> Token {
+        self.job = job
+            .map(str::trim)
+            .filter(|j| !j.is_empty())
+            .map(String::from);
+        self
+    }
+
+    /// The job this token is for, if named.
+    pub fn job(&self) -> Option<&str> {
+        self.job.as_deref()
     }
 
     /// A fresh random token (64 hex characters from the OS-seeded CSPRNG), for local mode where
@@ -50,7 +78,10 @@ impl Token {
     pub fn random() -> Token {
         let mut bytes = [0u8; RANDOM_TOKEN_BYTES];
         rand::rng().fill_bytes(&mut bytes);
-        Token(hex::encode(bytes))
+        Token {
+            secret: hex::encode(bytes),
+            job: None,
+        }
     }
 
     /// The token in `OOBLECK_TOKEN`, `None` when unset. Set but empty or not UTF-8 is an error.
@@ -66,12 +97,12 @@ impl Token {
 
     /// The secret itself, to pass to a child process's environment. Never log it.
     pub fn expose(&self) -> &str {
-        &self.0
+        &self.secret
     }
 
     fn mac(&self, nonce: &[u8], node: Option<u32>, protocol: u16) -> HmacSha256 {
-        let mut mac =
-            HmacSha256::new_from_slice(self.0.as_bytes()).expect("HMAC accepts keys of any length");
+        let mut mac = HmacSha256::new_from_slice(self.secret.as_bytes())
+            .expect("HMAC accepts keys of any length");
         mac.update(nonce);
         mac.update(&node.unwrap_or(CLIENT_NODE).to_be_bytes());
         mac.update(&protocol.to_be_bytes());

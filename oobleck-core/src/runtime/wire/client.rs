@@ -51,6 +51,7 @@ pub(crate) async fn open(
             protocol: PROTOCOL_VERSION,
             binary_version: BINARY_VERSION.to_string(),
             role,
+            job: token.job().map(String::from),
         };
         protocol::write_frame(&mut w, &hello, timeout).await?;
         let (node, nonce) = match expect(&mut r, timeout, "challenge").await? {

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!   node agent ──TCP──► master                client (status, kill-node) ──TCP──► master
-//!     Hello{protocol, binary_version, role}
+//!     Hello{protocol, binary_version, role, job?}
 //!                ◄── Challenge{node, nonce}
 //!     AuthResponse{HMAC(token, nonce‖node‖protocol)}
 //!                ◄── Welcome{node, heartbeat_ms, lease_ms}   or   Refused{reason} + close

@@ -42,7 +42,7 @@ use crate::runtime::wire::records::WorkerReport;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"OOBK";
 /// Protocol version this binary speaks. Bump on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// The binary version peers must match.
 pub const BINARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Header size in bytes.
@@ -224,6 +224,10 @@ pub enum Message {
         protocol: u16,
         binary_version: String,
         role: PeerRole,
+        /// The job the peer is of, where its launcher named one (`Token::for_job`): a master
+        /// of another named job refuses it, saying so.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<String>,
     },
     /// Master -> peer: prove you know the token. `node` is the id the agent will get (`None`
     /// for a client); it is bound into the answer so a response cannot be replayed for another.

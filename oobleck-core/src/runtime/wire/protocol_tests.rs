@@ -25,6 +25,7 @@ fn samples() -> Vec<Message> {
             protocol: PROTOCOL_VERSION,
             binary_version: "0.1.0".into(),
             role: PeerRole::Agent { devices: 2 },
+            job: Some("4242".into()),
         },
         Message::Challenge {
             node: Some(3),
