@@ -1,7 +1,8 @@
 //! `train` started the same way on every node by a scheduler: where each process is comes
 //! from its environment. Two `train` processes on this machine each play a node: with
 //! `OOBLECK_*` variables, and with the variables `srun` gives two tasks of one host. Node 0
-//! runs the master and its own agent, node 1 an agent; the job trains and both exit 0. A
+//! runs the master and its own agent, node 1 an agent and a standby master, which takes over
+//! when node 0's master is killed; the job trains and both exit 0. A
 //! loopback master in an allocation of several hosts, and a missing token, stop at once with
 //! what to fix.
 
@@ -11,7 +12,11 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{free_port, losses, train_cmd, Guard};
+use common::masters::{drain_stderr, recorded_pids};
+use common::{
+    assert_same_training, free_port, losses, single_process, train_cmd, wait_exit, wait_for_step,
+    Guard, Strays,
+};
 
 /// `train` for node `index` of a 2-step job in `out` with `env` set (no launch flag).
 fn node(out: &Path, env: &[(String, String)]) -> Command {
@@ -82,6 +87,56 @@ fn oobleck_variables_make_node_0_the_master_and_node_1_its_agent() {
     };
     let outs = run_two(dir.path(), [env("0"), env("1")]);
     check_trained(dir.path(), &outs, "OOBLECK_* variables");
+}
+
+/// Node 1 runs a standby master beside its agent. When node 0's `train` (the master) is
+/// SIGKILLed mid-run, the standby takes over from its copy beside the run directory of node 1's
+/// command line; node 1's `train` lives on until the master it became has ended the job (a
+/// scheduler ends a task's processes with it), and the job trains every step once, as one
+/// process does.
+#[test]
+fn node_1s_standby_takes_over_when_node_0s_master_is_killed() {
+    const STEPS: u64 = 12;
+    let dir = tempfile::tempdir().unwrap();
+    let (want, want_params) = single_process(dir.path(), STEPS);
+    let master = format!("127.0.0.1:{}", free_port());
+    let start = |i: &str, out: &str| {
+        let mut cmd = train_cmd(&dir.path().join(out), STEPS, &[]);
+        cmd.env("OOBLECK_TOKEN", "scheduled-test-secret")
+            .env("OOBLECK_MASTER", &master)
+            .env("OOBLECK_NODE_INDEX", i)
+            .env("OOBLECK_NUM_NODES", "2")
+            // Node 0's workers sleep 100 ms a microbatch: the master dies mid-run.
+            .env("OOBLECK_TEST_SLOW", "0:100")
+            .stdout(std::process::Stdio::null());
+        let mut child = cmd.spawn().expect("start train");
+        let (log, reader) = drain_stderr(&mut child);
+        (Guard(Some(child)), log, reader)
+    };
+    let (mut n1, log1, r1) = start("1", "unused");
+    let (mut n0, _log0, r0) = start("0", "run");
+    let copy = dir.path().join("unused.standby");
+    wait_for_step(&copy, 3, Duration::from_secs(180));
+    // Node 0's agent and workers outlive their master, and go back to the standby.
+    let _strays = Strays(recorded_pids(&dir.path().join("run"), 2));
+    let master_proc = n0.0.as_mut().expect("node 0");
+    master_proc.kill().expect("SIGKILL node 0's master");
+    master_proc.wait().expect("reap node 0's master");
+    let st = wait_exit(n1.0.as_mut().expect("node 1"), Duration::from_secs(180));
+    let text = log1.lock().expect("log").clone();
+    assert!(st.success(), "{st}: {text}");
+    for said in [
+        format!("node 1 of 2; this process is an agent of the master at {master}, and its standby"),
+        "is the job's master now; waiting for it to end the job".into(),
+        format!("done: {STEPS} steps"),
+    ] {
+        assert!(text.contains(&said), "{said:?} not in:\n{text}");
+    }
+    assert_same_training(&copy, &want, &want_params);
+    drop(n0);
+    for r in [r0, r1] {
+        r.join().expect("stderr reader");
+    }
 }
 
 #[test]

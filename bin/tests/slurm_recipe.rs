@@ -97,9 +97,11 @@ fn a_job_requeued_before_its_first_checkpoint_starts_again_keeping_its_first_att
     // No checkpoint before the last step; agents that lose the master stop after 2 s. Node
     // 0's workers sleep 100 ms a microbatch: the master dies at step 2 of 30.
     let flags = format!("{FLAGS} --checkpoint-every 0 --master-wait 2");
+    // No standby master: this job's master is its only one.
     let env = [
         ("TRAIN_FLAGS", flags.as_str()),
         ("OOBLECK_TEST_SLOW", "0:100"),
+        ("OOBLECK_STANDBY", "0"),
     ];
     let mut first = slurm.submit(&run, total, free_port(), &env);
     slurm.wait_steps(&run, 2);
@@ -237,6 +239,38 @@ fn train_sbatch_trains_on_two_slurm_nodes_and_their_master_refuses_another_jobs_
     );
     assert!(log.contains(&format!("done: {total} steps")), "{log}");
     assert_eq!(steps(&run), (1..=total).collect::<Vec<_>>());
+}
+
+#[test]
+fn node_0s_master_killed_the_standby_on_node_1_finishes_the_job_with_no_step_lost() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
+    let slurm = Slurm::start(Layout::Nodes { addr: lan_addr() });
+    let run = slurm.path("run");
+    let copy = slurm.path("run.standby");
+    let total = 30;
+    let mut sbatch = slurm.submit(&run, total, free_port(), &[("OOBLECK_TEST_SLOW", "0:100")]);
+    // The standby on n1 holds step 3 in its copy: node 0's machine dies (task 0 execs
+    // `train`: its pid is the master's).
+    slurm.wait_steps(&copy, 3);
+    let pid = std::fs::read_to_string(run.join("master.pid")).expect("master.pid");
+    let kill = Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .expect("kill");
+    assert!(kill.success(), "no master to kill");
+    let out = sbatch.finish(Duration::from_secs(300));
+    let log = slurm.job_output(&out);
+    // The job's result is the master's the standby became.
+    assert!(out.status.success(), "sbatch: {out:?}\n{log}");
+    let took_over = format!(
+        "the standby master on node 1 took over and ended with status 0: the run went on in {}",
+        copy.display()
+    );
+    assert!(log.contains(&took_over), "{log}");
+    assert!(log.contains(&format!("done: {total} steps")), "{log}");
+    assert!(!log.contains("requeueing"), "{log}");
+    // No step lost or repeated: the copy committed 1..=total, in order.
+    assert_eq!(steps(&copy), (1..=total).collect::<Vec<_>>(), "{log}");
 }
 
 #[test]

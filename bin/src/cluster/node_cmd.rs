@@ -135,10 +135,13 @@ pub fn run(args: &AgentArgs) -> Result<()> {
         ..AgentOptions::new(master, token)
     };
     let ran = run_agent(&opts);
-    if let Some(s) = standby {
-        s.finish();
+    let master = standby.and_then(|s| s.finish());
+    ran?;
+    match master {
+        // The job's result is the master's this node's standby became.
+        Some(st) if !st.success() => bail!("the job's master (this node's standby) ended: {st}"),
+        _ => Ok(()),
     }
-    Ok(ran?)
 }
 
 /// The first line of stdin, read on a thread so a silent parent cannot hang the agent.

@@ -1,10 +1,13 @@
 //! `train` started by a scheduler on every node of an allocation (`srun train ...`, a SkyPilot
 //! task, a pod of a LeaderWorkerSet): the same command everywhere. Where this process is comes
 //! from its environment (`discover`); node 0 runs the master and its own agent, every other
-//! node one agent of that master. Flags that say how to launch (`--nodes`, `--listen`,
-//! `--hostfile`) win: with any of them the environment is not read.
+//! node one agent of that master, and node 1 also a standby master (`train agent --standby`)
+//! that takes over, with no step lost, when node 0 is lost (`OOBLECK_STANDBY=0`: none). Flags
+//! that say how to launch (`--nodes`, `--listen`, `--hostfile`) win: with any of them the
+//! environment is not read.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Result};
 use clap::Parser;
@@ -70,7 +73,12 @@ pub fn from_env(
     let role = if p.is_master_node() {
         master_role(&p, nodes, Token::new(&secret)?.for_job(p.job.as_deref()))?
     } else {
-        Role::Agent(Box::new(agent_args(&p, secret, cfg.master_wait_s)?))
+        let mut agent = agent_args(&p, secret, cfg.master_wait_s)?;
+        if p.node_index == 1 && env.get("OOBLECK_STANDBY") != Some("0") {
+            agent.standby = true;
+            agent.standby_copy = standby_copy(args, env);
+        }
+        Role::Agent(Box::new(agent))
     };
     Ok(Some((p, role)))
 }
@@ -84,6 +92,10 @@ pub fn describe(p: &Placement, role: &Role) -> String {
     };
     let at = match role {
         Role::Master { .. } => format!("{}) and its agent", p.master_port),
+        Role::Agent(a) if a.standby => format!(
+            " {}, and its standby master; the job's settings are the master's",
+            p.master_addr()
+        ),
         Role::Agent(_) => format!(" {}; the job's settings are the master's", p.master_addr()),
     };
     format!(
@@ -123,4 +135,32 @@ fn agent_args(p: &Placement, token: String, master_wait_s: u64) -> Result<AgentA
     args.token = Some(token);
     args.job = p.job.clone();
     Ok(args)
+}
+
+/// Where node 1's standby keeps its copy of the run: `OOBLECK_STANDBY_COPY`, else beside the
+/// run directory the command names (`RUN.standby`; `RUN.standby-2`, ... where an earlier
+/// attempt's copy is, a requeued job's), else `oobleck-standby` in the working directory.
+fn standby_copy(args: &TrainArgs, env: &Env) -> PathBuf {
+    if let Some(dir) = env.get("OOBLECK_STANDBY_COPY") {
+        return PathBuf::from(dir);
+    }
+    let base = match args.out.as_ref().or(args.resume.as_ref()) {
+        Some(run) => {
+            let mut name = run.as_os_str().to_owned();
+            name.push(".standby");
+            PathBuf::from(name)
+        }
+        None => PathBuf::from("oobleck-standby"),
+    };
+    (1..)
+        .map(|k| match k {
+            1 => base.clone(),
+            k => PathBuf::from(format!("{}-{k}", base.display())),
+        })
+        .find(|dir| is_empty_or_absent(dir))
+        .expect("an unused name")
+}
+
+fn is_empty_or_absent(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
 }

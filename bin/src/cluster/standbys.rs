@@ -142,10 +142,22 @@ impl AgentStandby {
         Ok(AgentStandby { child })
     }
 
-    /// At the agent's end: a standby that took over is the job's master and is left to it;
-    /// any other gets [`EXIT_GRACE`] to hear that the job is over, then is killed.
-    pub fn finish(mut self) {
+    /// At the agent's end: a standby that took over is the job's master, and the agent waits
+    /// for it to end the job (a scheduler ends a task's processes with the task: Slurm's step
+    /// would kill the master with the agent); any other gets [`EXIT_GRACE`] to hear that the
+    /// job is over, then is killed.
+    /// Its exit status when it took over (the job's result), `None` otherwise.
+    pub fn finish(mut self) -> Option<std::process::ExitStatus> {
         end_by(&mut self.child, Instant::now() + EXIT_GRACE, took_over);
+        if !took_over(self.child.id()) {
+            return None;
+        }
+        eprintln!(
+            "oobleck agent: the standby beside this agent (pid {}) is the job's master now; \
+             waiting for it to end the job",
+            self.child.id()
+        );
+        self.child.wait().ok()
     }
 }
 

@@ -148,7 +148,8 @@ impl Env {
         self
     }
 
-    fn get(&self, name: &str) -> Option<&str> {
+    /// The variable `name`, trimmed; `None` when unset or blank.
+    pub(crate) fn get(&self, name: &str) -> Option<&str> {
         self.vars
             .get(name)
             .map(|v| v.trim())
