@@ -261,31 +261,59 @@ fn ctrl_c_stops_the_job_says_so_and_leaves_no_process() {
         // To train alone (a terminal would also signal its children, which ignore SIGINT).
         signal(pid, sig);
         let o = g.finish(Duration::from_secs(30));
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        assert!(o.status.success(), "{sig}: {stderr}");
-        let name = format!("SIG{}", &sig[1..]);
-        assert!(
-            stderr.contains(&format!("{name}: stopping after step")),
-            "{stderr}"
-        );
-        assert!(stderr.contains("--resume"), "{stderr}");
-        let stop = events(&out)
-            .into_iter()
-            .find(|e| e["event"] == "stop_requested")
-            .expect("a stop_requested event");
-        assert_eq!(stop["signal"], name.as_str());
-        let step = stop["step"].as_u64().unwrap();
-        let finish = events(&out)
-            .into_iter()
-            .find(|e| e["event"] == "finish")
-            .expect("a finish event");
-        assert_eq!(finish["step"], step, "stopped after the step it said");
-        let newest = latest_checkpoint(&out).unwrap().expect("a checkpoint");
-        assert!(newest.ends_with(format!("step-{step:06}")), "{newest:?}");
-        assert!(!out.join("master.token").exists());
-        assert_all_gone(&out, 4);
-        assert_no_segments(&out);
+        assert_stopped(&out, &o, &format!("SIG{}", &sig[1..]));
     }
+}
+
+/// `oobleck stop --run` (a scheduler's notice, from any machine) stops the job as SIGTERM to
+/// its master does, and says who asked.
+#[test]
+fn oobleck_stop_stops_the_job_as_sigterm_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let (mut g, _pid) = long_job(&out);
+    let asked = Command::new(common::OOBLECK)
+        .args(["stop", "--reason", "a drill", "--run"])
+        .arg(&out)
+        .output()
+        .expect("oobleck stop");
+    let said = String::from_utf8_lossy(&asked.stdout);
+    assert!(
+        asked.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&asked.stderr)
+    );
+    assert!(said.contains("stops the job after its next step"), "{said}");
+    let o = g.finish(Duration::from_secs(30));
+    assert_stopped(&out, &o, "a drill");
+}
+
+/// The job of `out` ended as `o` after a stop asked by `name`: after the step it said, with
+/// that step's checkpoint, recorded, exit 0, nothing left running.
+fn assert_stopped(out: &Path, o: &std::process::Output, name: &str) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{name}: {stderr}");
+    assert!(
+        stderr.contains(&format!("{name}: stopping after step")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--resume"), "{stderr}");
+    let stop = events(out)
+        .into_iter()
+        .find(|e| e["event"] == "stop_requested")
+        .expect("a stop_requested event");
+    assert_eq!(stop["signal"], name);
+    let step = stop["step"].as_u64().unwrap();
+    let finish = events(out)
+        .into_iter()
+        .find(|e| e["event"] == "finish")
+        .expect("a finish event");
+    assert_eq!(finish["step"], step, "stopped after the step it said");
+    let newest = latest_checkpoint(out).unwrap().expect("a checkpoint");
+    assert!(newest.ends_with(format!("step-{step:06}")), "{newest:?}");
+    assert!(!out.join("master.token").exists());
+    assert_all_gone(out, 4);
+    assert_no_segments(out);
 }
 
 /// A second signal stops the job at once, without waiting for a step.

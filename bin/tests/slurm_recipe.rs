@@ -241,13 +241,16 @@ fn train_sbatch_trains_on_two_slurm_nodes_and_their_master_refuses_another_jobs_
     assert_eq!(steps(&run), (1..=total).collect::<Vec<_>>());
 }
 
+/// Node 0's machine dies: the standby master on node 1 takes over. Then Slurm's USR1 (a
+/// time limit) reaches the master the standby became, on node 1, through `oobleck stop`: it
+/// stops with a checkpoint in its copy, the job requeues and goes on from that copy.
 #[test]
-fn node_0s_master_killed_the_standby_on_node_1_finishes_the_job_with_no_step_lost() {
+fn node_0s_master_killed_the_standby_on_node_1_goes_on_and_usr1_requeues_from_its_copy() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
     let slurm = Slurm::start(Layout::Nodes { addr: lan_addr() });
     let run = slurm.path("run");
     let copy = slurm.path("run.standby");
-    let total = 30;
+    let total = 40;
     let mut sbatch = slurm.submit(&run, total, free_port(), &[("OOBLECK_TEST_SLOW", "0:100")]);
     // The standby on n1 holds step 3 in its copy: node 0's machine dies (task 0 execs
     // `train`: its pid is the master's).
@@ -258,17 +261,24 @@ fn node_0s_master_killed_the_standby_on_node_1_finishes_the_job_with_no_step_los
         .status()
         .expect("kill");
     assert!(kill.success(), "no master to kill");
+    let lost_at = steps(&run).len() as u64;
+    slurm.wait_steps(&copy, lost_at as usize + 3);
+    slurm.usr1(&slurm.the_job());
     let out = sbatch.finish(Duration::from_secs(300));
     let log = slurm.job_output(&out);
-    // The job's result is the master's the standby became.
     assert!(out.status.success(), "sbatch: {out:?}\n{log}");
     let took_over = format!(
         "the standby master on node 1 took over and ended with status 0: the run went on in {}",
         copy.display()
     );
     assert!(log.contains(&took_over), "{log}");
+    assert!(log.contains("Slurm USR1: stopping after step"), "{log}");
+    assert!(log.contains("requeueing"), "{log}");
+    assert!(
+        log.contains(&format!("(restart 1) --resume {}", copy.display())),
+        "{log}"
+    );
     assert!(log.contains(&format!("done: {total} steps")), "{log}");
-    assert!(!log.contains("requeueing"), "{log}");
     // No step lost or repeated: the copy committed 1..=total, in order.
     assert_eq!(steps(&copy), (1..=total).collect::<Vec<_>>(), "{log}");
 }

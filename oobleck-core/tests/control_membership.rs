@@ -8,7 +8,7 @@ use oobleck_core::planning::{Pipeline, Plan};
 use oobleck_core::runtime::job::LossReason;
 use oobleck_core::runtime::master::{Master, MasterConfig, MasterEvent};
 use oobleck_core::runtime::node::Agent;
-use oobleck_core::runtime::wire::client::{request_kill, request_status};
+use oobleck_core::runtime::wire::client::{request_kill, request_status, request_stop};
 use oobleck_core::runtime::wire::protocol::{
     self, ExitStatus, GenerationStart, Message, Rendezvous,
 };
@@ -329,6 +329,33 @@ async fn kill_node_requests_reach_the_driver_and_unknown_nodes_are_refused() {
         .unwrap_err();
     match err {
         WireError::Refused { reason } => assert!(reason.contains("77"), "{reason}"),
+        other => panic!("expected a refusal, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn a_stop_request_reaches_the_driver_saying_who_asked_and_a_wrong_token_is_refused() {
+    let token = Token::random();
+    let mut master = fast_master(&token, 1).await;
+    let _agent = Agent::connect(master.local_addr(), &token, T)
+        .await
+        .unwrap();
+    joined(&mut master).await;
+    let status = request_stop(master.local_addr(), &token, "Slurm USR1", T)
+        .await
+        .unwrap();
+    assert_eq!(status.nodes.len(), 1);
+    assert_eq!(
+        master.next_event(T).await.unwrap(),
+        MasterEvent::StopRequested {
+            reason: "Slurm USR1".into()
+        }
+    );
+    let err = request_stop(master.local_addr(), &Token::random(), "a guess", T)
+        .await
+        .unwrap_err();
+    match err {
+        WireError::Refused { reason } => assert!(reason.contains("wrong token"), "{reason}"),
         other => panic!("expected a refusal, got {other}"),
     }
 }

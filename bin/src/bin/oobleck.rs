@@ -57,6 +57,10 @@ enum Cmd {
     /// Kill one node of a running job (SIGKILL of its agent and workers), as a crash would:
     /// `oobleck kill-node 1 --run DIR`. With f >= 1 the job recovers on the nodes left.
     KillNode(oobleck_cli::cluster::status::KillNodeArgs),
+    /// Stop a running job after its next step, with that step's checkpoint, as SIGTERM to its
+    /// master does, from any machine: `oobleck stop --run DIR` (follows a standby that took
+    /// over). `train --resume DIR` goes on from it.
+    Stop(oobleck_cli::cluster::status::StopArgs),
     /// Drain one node of a running job: it leaves at the next step boundary with no step
     /// lost (`oobleck drain 2 --run DIR`); refused when it would cost steps, unless --force.
     Drain(oobleck_cli::cluster::membership_cmd::DrainArgs),
@@ -147,6 +151,7 @@ fn run() -> Result<()> {
         Cmd::Bench(BenchCmd::Data(a)) => oobleck_cli::bench::data::run(&a),
         Cmd::Status(a) => oobleck_cli::cluster::status::run(&a),
         Cmd::KillNode(a) => oobleck_cli::cluster::status::kill_node(&a),
+        Cmd::Stop(a) => oobleck_cli::cluster::status::stop(&a),
         Cmd::Drain(a) => oobleck_cli::cluster::membership_cmd::drain(&a),
         Cmd::AddNode(a) => oobleck_cli::cluster::membership_cmd::add_node(&a),
         Cmd::Agent(a) => oobleck_cli::cluster::node_cmd::run(&a),

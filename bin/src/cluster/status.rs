@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use oobleck_core::runtime::wire::client::{request_kill, request_status};
+use oobleck_core::runtime::wire::client::{request_kill, request_status, request_stop};
 use oobleck_core::runtime::wire::protocol::ClusterStatus;
 use oobleck_core::runtime::wire::Token;
 
@@ -43,6 +43,17 @@ pub struct StatusArgs {
 pub struct KillNodeArgs {
     /// The node id (`oobleck status` lists them).
     pub node: u32,
+    #[command(flatten)]
+    pub target: StatusArgs,
+}
+
+/// Stop a running job after its next step, with that step's checkpoint, as SIGTERM to its
+/// master does, from any machine (a scheduler's notice: `deploy/slurm/train.sbatch` at USR1).
+#[derive(Debug, Clone, clap::Args)]
+pub struct StopArgs {
+    /// Who asks, for the job's events and output.
+    #[arg(long, default_value = "oobleck stop")]
+    pub reason: String,
     #[command(flatten)]
     pub target: StatusArgs,
 }
@@ -306,6 +317,20 @@ pub fn kill_node(a: &KillNodeArgs) -> Result<()> {
         |addr, token, t| async move { request_kill(addr, &token, node, t).await },
     )?;
     let head = format!("node {node} is being killed; the job before it:");
+    show(&a.target, &status, Some(&head))
+}
+
+pub fn stop(a: &StopArgs) -> Result<()> {
+    let reason = a.reason.clone();
+    let (addr, status) = ask_at(&a.target, "to stop", |addr, token, t| {
+        let reason = reason.clone();
+        async move { request_stop(addr, &token, &reason, t).await }
+    })?;
+    let head = format!(
+        "the master at {addr} stops the job after its next step (step {}), with that step's \
+         checkpoint; the job before it:",
+        status.committed_step.unwrap_or(0) + 1
+    );
     show(&a.target, &status, Some(&head))
 }
 

@@ -469,6 +469,13 @@ async fn serve_client(
                     }
                 }
             }
+            Ok(Some(Message::Stop { reason })) => {
+                warn!(%peer, %reason, "stop requested");
+                shared.emit(MasterEvent::StopRequested { reason });
+                Message::StatusResponse {
+                    status: shared.status(),
+                }
+            }
             Ok(Some(Message::KillNode { node })) => {
                 if shared.nodes().contains_key(&node) {
                     warn!(node, %peer, "kill requested");

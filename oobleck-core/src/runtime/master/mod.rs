@@ -276,6 +276,7 @@ fn input_of(ev: MasterEvent) -> Input {
         },
         MasterEvent::Lost { node, reason } => Input::Lost { node, reason },
         MasterEvent::KillRequested { node } => Input::KillRequested { node },
+        MasterEvent::StopRequested { reason } => Input::StopRequested { signal: reason },
         MasterEvent::Refused {
             peer,
             reason,

@@ -103,6 +103,10 @@ pub enum MasterEvent {
     KillRequested {
         node: u32,
     },
+    /// A tool asked the job to stop after its next step with a checkpoint (`reason`: who).
+    StopRequested {
+        reason: String,
+    },
     /// An agent came back having seen a master of a higher epoch: this one was replaced.
     Replaced {
         epoch: u64,

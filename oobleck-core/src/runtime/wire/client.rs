@@ -141,6 +141,21 @@ pub async fn request_kill(
     .await
 }
 
+/// Asks the master to stop after its next step with that step's checkpoint, as SIGTERM to it
+/// does (what `oobleck stop` does); `reason` says who asks, in its events and output. The master
+/// answers with its status.
+pub async fn request_stop(
+    master: SocketAddr,
+    token: &Token,
+    reason: &str,
+    timeout: Duration,
+) -> WireResult<ClusterStatus> {
+    let msg = Message::Stop {
+        reason: reason.to_string(),
+    };
+    request(master, token, msg, "request a stop", timeout).await
+}
+
 /// Asks the master to drain `node` at the next step boundary (what `oobleck drain` does). The
 /// master answers with its status; an unknown node comes back as [`WireError::Refused`].
 pub async fn request_drain(

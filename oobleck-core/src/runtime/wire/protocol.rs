@@ -292,6 +292,9 @@ pub enum Message {
     StatusResponse { status: ClusterStatus },
     /// Client -> master: kill the processes of `node` (fault injection, demos).
     KillNode { node: u32 },
+    /// Client -> master: stop after the next step with its checkpoint, as SIGTERM to the
+    /// master does (`oobleck stop`: a scheduler's notice, to a master on another machine).
+    Stop { reason: String },
     /// Master -> agents: generation `generation` failed; its workers stop their step at once
     /// (keeping the committed state) and wait for the next generation.
     AbortGeneration { generation: u64 },
@@ -343,6 +346,7 @@ impl Message {
             Message::StatusRequest => "status_request",
             Message::StatusResponse { .. } => "status_response",
             Message::KillNode { .. } => "kill_node",
+            Message::Stop { .. } => "stop",
             Message::AbortGeneration { .. } => "abort_generation",
             Message::Shutdown { .. } => "shutdown",
             Message::Drain { .. } => "drain",
