@@ -83,6 +83,15 @@ fn a_master_stopped_until_its_standby_took_over_steps_down_when_it_wakes() {
     assert!(said.contains("took over (epoch 2)"), "{said}");
     let status: serde_json::Value = serde_json::from_slice(&o.stdout).expect("status JSON");
     assert_eq!(status["epoch"], 2, "{status}");
+    // Where the job's master is now: the standby's address (what join.sbatch asks).
+    let o = oobleck_tool(&["status", "--run", &run, "--leader", "--timeout", "2"]);
+    let leader = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let standbys = std::fs::read_to_string(job.out.join("standbys.json")).expect("standbys.json");
+    assert!(
+        !leader.is_empty() && standbys.contains(&format!("\"{leader}\"")),
+        "{leader:?} is not a standby of {standbys}"
+    );
     // Woken up, the old master must act on nothing: it steps down.
     signal("CONT", master);
     let st = wait_exit(

@@ -53,7 +53,7 @@ enum Cmd {
     #[command(subcommand)]
     Bench(BenchCmd),
     /// Show a running job: nodes, pipelines, generation, committed step, throughput.
-    Status(oobleck_cli::cluster::status::StatusArgs),
+    Status(oobleck_cli::cluster::status::StatusCmd),
     /// Kill one node of a running job (SIGKILL of its agent and workers), as a crash would:
     /// `oobleck kill-node 1 --run DIR`. With f >= 1 the job recovers on the nodes left.
     KillNode(oobleck_cli::cluster::status::KillNodeArgs),

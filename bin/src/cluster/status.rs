@@ -37,6 +37,17 @@ pub struct StatusArgs {
     pub timeout: u64,
 }
 
+/// `oobleck status`: the job's state, or where its master is.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatusCmd {
+    #[command(flatten)]
+    pub target: StatusArgs,
+    /// Print only the HOST:PORT of the master that answered (with --run, a standby that took
+    /// over answers for a master that is gone): where an agent of another allocation joins.
+    #[arg(long, conflicts_with = "json")]
+    pub leader: bool,
+}
+
 /// Kill one node of a running job, as a crash would (SIGKILL of its agent and workers): for
 /// demos and fault drills. With `--fault-threshold` >= 1 the job recovers on the nodes left.
 #[derive(Debug, Clone, clap::Args)]
@@ -291,7 +302,15 @@ fn status_from_page_retrying(url: &str, a: &StatusArgs) -> Result<ClusterStatus>
     }
 }
 
-pub fn run(a: &StatusArgs) -> Result<()> {
+pub fn run(cmd: &StatusCmd) -> Result<()> {
+    let a = &cmd.target;
+    if cmd.leader {
+        let (addr, _) = ask_at(a, "for its status", |addr, token, t| async move {
+            request_status(addr, &token, t).await
+        })?;
+        println!("{addr}");
+        return Ok(());
+    }
     let control = || {
         ask(a, "for its status", |addr, token, t| async move {
             request_status(addr, &token, t).await
