@@ -108,12 +108,7 @@ fn a_job_requeued_before_its_first_checkpoint_starts_again_keeping_its_first_att
     let id = slurm.the_job();
     // The master's machine dies (task 0 execs `train`: its pid is the master's): the job
     // ends with no checkpoint written.
-    let pid = std::fs::read_to_string(run.join("master.pid")).expect("master.pid");
-    let kill = Command::new("kill")
-        .args(["-KILL", pid.trim()])
-        .status()
-        .expect("kill");
-    assert!(kill.success(), "no master to kill");
+    slurm.kill_master(&run);
     let out = first.finish(Duration::from_secs(120));
     assert!(
         !out.status.success(),
@@ -255,12 +250,7 @@ fn node_0s_master_killed_the_standby_on_node_1_goes_on_and_usr1_requeues_from_it
     // The standby on n1 holds step 3 in its copy: node 0's machine dies (task 0 execs
     // `train`: its pid is the master's).
     slurm.wait_steps(&copy, 3);
-    let pid = std::fs::read_to_string(run.join("master.pid")).expect("master.pid");
-    let kill = Command::new("kill")
-        .args(["-KILL", pid.trim()])
-        .status()
-        .expect("kill");
-    assert!(kill.success(), "no master to kill");
+    slurm.kill_master(&run);
     let lost_at = steps(&run).len() as u64;
     slurm.wait_steps(&copy, lost_at as usize + 3);
     slurm.usr1(&slurm.the_job());

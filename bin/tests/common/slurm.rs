@@ -345,6 +345,17 @@ impl Slurm {
         assert!(o.status.success(), "scancel: {o:?}");
     }
 
+    /// SIGKILLs the job's master, as if node 0's machine died: task 0 execs `train`, and the
+    /// script keeps its pid in `run`.
+    pub fn kill_master(&self, run: &Path) {
+        let pid = std::fs::read_to_string(run.join("master.pid")).expect("master.pid");
+        let kill = Command::new("kill")
+            .args(["-KILL", pid.trim()])
+            .status()
+            .expect("kill");
+        assert!(kill.success(), "no master to kill");
+    }
+
     /// Polls until `run` has committed `n` steps.
     pub fn wait_steps(&self, run: &Path, n: usize) {
         self.wait_for(&format!("{n} committed steps"), || {
