@@ -1,4 +1,5 @@
-//! 1F1B instruction streams and an exact event simulator of one pipeline iteration.
+//! 1F1B instruction streams and an exact event simulator of one pipeline iteration; the
+//! zero-bubble schedule ZB-H1 beside 1F1B at the level of passes ([`zero_bubble`]).
 //!
 //! Stage `i` of `S` runs `min(S - i - 1, m)` warm-up forwards, then alternates one forward and
 //! one backward, then drains the remaining backwards (the DeepSpeed `TrainSchedule` order).
@@ -16,6 +17,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::planning::Nanos;
+
+pub mod zero_bubble;
 
 /// One step of a stage's program. `mb` is the microbatch index in `0..m`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
