@@ -164,3 +164,40 @@ fn standby_copy(args: &TrainArgs, env: &Env) -> PathBuf {
 fn is_empty_or_absent(dir: &Path) -> bool {
     std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_1s_standby_copy_is_beside_the_run_and_fresh_at_every_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let args = TrainArgs {
+            out: Some(run.clone()),
+            ..TrainArgs::default()
+        };
+        let none = Env::from_pairs([]);
+        let first = run.with_extension("standby");
+        assert_eq!(standby_copy(&args, &none), first);
+        // An empty one is taken again; one holding an earlier start's copy is not.
+        std::fs::create_dir(&first).unwrap();
+        assert_eq!(standby_copy(&args, &none), first);
+        std::fs::write(first.join("metrics.jsonl"), "{}\n").unwrap();
+        let second = dir.path().join("run.standby-2");
+        assert_eq!(standby_copy(&args, &none), second);
+        // A resumed run's copy goes beside the directory it resumes.
+        let resumed = TrainArgs {
+            resume: Some(run.clone()),
+            ..TrainArgs::default()
+        };
+        assert_eq!(standby_copy(&resumed, &none), second);
+        let chosen = Env::from_pairs([("OOBLECK_STANDBY_COPY", "/scratch/copy")]);
+        assert_eq!(standby_copy(&args, &chosen), PathBuf::from("/scratch/copy"));
+        let nowhere = TrainArgs::default();
+        assert_eq!(
+            standby_copy(&nowhere, &none),
+            PathBuf::from("oobleck-standby")
+        );
+    }
+}
