@@ -7,7 +7,7 @@
 //! environment is not read.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Result};
 use clap::Parser;
@@ -157,12 +157,8 @@ fn standby_copy(args: &TrainArgs, env: &Env) -> PathBuf {
             1 => base.clone(),
             k => PathBuf::from(format!("{}-{k}", base.display())),
         })
-        .find(|dir| is_empty_or_absent(dir))
+        .find(|dir| super::standbys::is_empty_or_absent(dir))
         .expect("an unused name")
-}
-
-fn is_empty_or_absent(dir: &Path) -> bool {
-    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
 }
 
 #[cfg(test)]

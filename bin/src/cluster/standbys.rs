@@ -68,7 +68,7 @@ impl LocalStandbys {
     pub fn finish(&mut self) {
         let deadline = Instant::now() + EXIT_GRACE;
         for child in &mut self.started {
-            end_by(child, deadline, |_| false);
+            let _ = end_by(child, deadline, |_| false);
         }
         self.started.clear();
     }
@@ -145,11 +145,10 @@ impl AgentStandby {
     /// At the agent's end: a standby that took over is the job's master, and the agent waits
     /// for it to end the job (a scheduler ends a task's processes with the task: Slurm's step
     /// would kill the master with the agent); any other gets [`EXIT_GRACE`] to hear that the
-    /// job is over, then is killed.
-    /// Its exit status when it took over (the job's result), `None` otherwise.
+    /// job is over, then is killed. Returns its exit status when it took over (the job's
+    /// result), `None` otherwise.
     pub fn finish(mut self) -> Option<std::process::ExitStatus> {
-        end_by(&mut self.child, Instant::now() + EXIT_GRACE, took_over);
-        if !took_over(self.child.id()) {
+        if !end_by(&mut self.child, Instant::now() + EXIT_GRACE, took_over) {
             return None;
         }
         eprintln!(
@@ -162,11 +161,14 @@ impl AgentStandby {
 }
 
 /// Waits for the standby `child` to exit until `deadline`, then kills it, unless `keep` says
-/// (of its pid) that it is left to run.
-fn end_by(child: &mut Child, deadline: Instant, keep: impl Fn(u32) -> bool) {
+/// (of its pid) that it is left to run. Whether it was left running.
+fn end_by(child: &mut Child, deadline: Instant, keep: impl Fn(u32) -> bool) -> bool {
     loop {
-        if !matches!(child.try_wait(), Ok(None)) || keep(child.id()) {
-            return;
+        if !matches!(child.try_wait(), Ok(None)) {
+            return false;
+        }
+        if keep(child.id()) {
+            return true;
         }
         if Instant::now() >= deadline {
             break;
@@ -175,6 +177,7 @@ fn end_by(child: &mut Child, deadline: Instant, keep: impl Fn(u32) -> bool) {
     }
     let _ = child.kill();
     let _ = child.wait();
+    false
 }
 
 /// The standby `pid` became the job's master: it runs `train --resume COPY --reattach` now.
@@ -197,12 +200,14 @@ fn ip_toward(to: SocketAddr) -> Result<IpAddr> {
         .ip())
 }
 
+/// Whether `dir` can take a standby's copy: absent (the standby makes it) or empty.
+pub(super) fn is_empty_or_absent(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map_or(true, |mut entries| entries.next().is_none())
+}
+
 /// A standby's copy starts empty: files of another run in it would be taken for this one's.
 fn check_empty(copy: &Path) -> Result<()> {
-    let Ok(mut entries) = std::fs::read_dir(copy) else {
-        return Ok(()); // absent: the standby makes it
-    };
-    if entries.next().is_some() {
+    if !is_empty_or_absent(copy) {
         anyhow::bail!(
             "--standby-copy {}: not empty (a copy of an earlier run?); remove it, or pass \
              another directory",

@@ -304,18 +304,16 @@ fn status_from_page_retrying(url: &str, a: &StatusArgs) -> Result<ClusterStatus>
 
 pub fn run(cmd: &StatusCmd) -> Result<()> {
     let a = &cmd.target;
-    if cmd.leader {
-        let (addr, _) = ask_at(a, "for its status", |addr, token, t| async move {
-            request_status(addr, &token, t).await
-        })?;
-        println!("{addr}");
-        return Ok(());
-    }
     let control = || {
-        ask(a, "for its status", |addr, token, t| async move {
+        ask_at(a, "for its status", |addr, token, t| async move {
             request_status(addr, &token, t).await
         })
     };
+    if cmd.leader {
+        println!("{}", control()?.0);
+        return Ok(());
+    }
+    let control = || control().map(|(_, status)| status);
     let status = match page_url(a) {
         // The page is the master's: once a standby took over, the standby answers.
         Some(url) => match status_from_page_retrying(&url, a) {

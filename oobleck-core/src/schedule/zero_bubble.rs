@@ -111,14 +111,18 @@ pub fn simulate(
     for (i, stage) in run.st.iter().enumerate() {
         assert_eq!(stage.ran.len(), 3 * m as usize, "stage {i} ran every pass");
     }
-    let st = run.st;
-    PassSimulation {
-        makespan_ns: st.iter().map(|x| x.clock).max().unwrap_or(0),
-        idle_ns: st.iter().map(|x| x.idle).collect(),
-        peak_held: st.iter().map(|x| x.peak_held).collect(),
-        starts: st.iter().map(|x| x.starts.clone()).collect(),
-        streams: st.into_iter().map(|x| x.ran).collect(),
+    let mut sim = PassSimulation {
+        makespan_ns: run.st.iter().map(|x| x.clock).max().unwrap_or(0),
+        idle_ns: run.st.iter().map(|x| x.idle).collect(),
+        peak_held: run.st.iter().map(|x| x.peak_held).collect(),
+        streams: Vec::with_capacity(s),
+        starts: Vec::with_capacity(s),
+    };
+    for stage in run.st {
+        sim.streams.push(stage.ran);
+        sim.starts.push(stage.starts);
     }
+    sim
 }
 
 /// The state of one [`simulate`].
