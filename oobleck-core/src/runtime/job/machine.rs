@@ -305,7 +305,11 @@ impl JobMachine {
             Input::Joined { node, addr } => self.on_joined(now, node, addr),
             Input::Returned { node, addr, back } => self.on_returned(now, node, addr, back),
             Input::Lost { node, reason } => self.on_node_lost(now, node, reason),
-            Input::AgentExited { which, status } => self.on_agent_exited(now, which, status),
+            Input::AgentExited {
+                which,
+                node,
+                status,
+            } => self.on_agent_exited(now, which, node, status),
             Input::Worker {
                 node,
                 generation,
@@ -445,8 +449,13 @@ impl JobMachine {
         }
     }
 
-    fn on_agent_exited(&mut self, now: Duration, which: usize, status: String) {
+    fn on_agent_exited(&mut self, now: Duration, which: usize, node: Option<u32>, status: String) {
         self.membership.agent_died();
+        if node.is_some_and(|n| self.membership.is_lost(n) || self.membership.has_departed(n)) {
+            // Its node's loss was handled already (the connection closes before the master
+            // reaps the process, and it looks at exits only between inputs): no news.
+            return;
+        }
         let what = format!("agent {which} exited early ({status}); its error is above");
         match self.phase {
             Phase::Forming => self.fail(RuntimeError::NodeFailure { what }),

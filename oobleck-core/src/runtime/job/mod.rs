@@ -161,9 +161,11 @@ pub enum Input {
         node: u32,
         reason: LossReason,
     },
-    /// An agent process the master started exited (`which` is the master's own index).
+    /// An agent process the master started exited (`which` is the master's own index; `node`
+    /// the node it served, where the master knows it: local clusters, once a worker started).
     AgentExited {
         which: usize,
+        node: Option<u32>,
         status: String,
     },
     /// A worker's report, relayed by its node's agent.

@@ -88,17 +88,24 @@ impl AgentSet {
         }
     }
 
-    /// Agents that exited since the last call: `(index, status)`.
-    pub fn exited(&mut self) -> Result<Vec<(usize, String)>> {
+    /// Agents that exited since the last call: `(index, node, status)`, with the node it
+    /// served where a worker of it told (`worker_started`).
+    pub fn exited(&mut self) -> Result<Vec<(usize, Option<u32>, String)>> {
         let mut out = Vec::new();
         for (i, a) in self.procs.iter_mut().enumerate() {
             if a.gone {
                 continue;
             }
+            let pid = a.child.id();
             if let Some(st) = a.child.try_wait().ctx("polling an agent")? {
                 a.gone = true;
                 if !a.released {
-                    out.push((i, st.to_string()));
+                    let node = self
+                        .agent_of
+                        .iter()
+                        .find(|(_, &agent)| Some(agent) == pid)
+                        .map(|(&node, _)| node);
+                    out.push((i, node, st.to_string()));
                 }
             }
         }

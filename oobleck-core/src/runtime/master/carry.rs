@@ -126,8 +126,12 @@ impl<'a> Driver<'a> {
                 return self.finish(done).await;
             }
             self.replicate(false).await;
-            for (which, status) in self.p.agents.exited()? {
-                self.feed(Input::AgentExited { which, status });
+            for (which, node, status) in self.p.agents.exited()? {
+                self.feed(Input::AgentExited {
+                    which,
+                    node,
+                    status,
+                });
             }
             let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.background)
                 .into_iter()

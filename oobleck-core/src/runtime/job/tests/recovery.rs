@@ -182,6 +182,7 @@ fn settling_waits_for_every_dead_agent_to_be_reported_lost() {
         1.1,
         Input::AgentExited {
             which: 2,
+            node: None,
             status: "signal 9".into(),
         },
     );
