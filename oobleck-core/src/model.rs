@@ -53,6 +53,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::{Error, Result};
 
 mod recompute;
+pub mod weight_grads;
 use self::recompute::Replay;
 
 /// Where parameter values come from when layers are built.

@@ -21,6 +21,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use oobleck_core::model::weight_grads::{self, Deferred};
+
 use crate::fused_linear::{gemm_new, Mat};
 use crate::lanes::{dot_f32, exp_f32, max_f32, sum_f32, tanh_f32};
 
@@ -121,19 +123,31 @@ impl candle_core::CustomOp2 for LmHeadLoss {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let (n, v) = self.probs_grad.dims2()?;
         let d = w.dim(1)?;
-        let (dh, dw) = with_f32(&self.probs_grad, "lm head P", |p| {
+        let dh = with_f32(&self.probs_grad, "lm head P", |p| {
             with_f32(w, "lm head w", |wv| {
-                with_f32(h, "lm head h", |hv| {
-                    let (pm, pt) = (Mat::row_major(p, v), Mat::transposed(p, v));
-                    let dh = gemm_new(n, v, d, pm, Mat::row_major(wv, d), g)?; // g·P·w
-                    let dw = gemm_new(v, n, d, pt, Mat::row_major(hv, d), g)?; // g·Pᵀ·h
-                    Ok((dh, dw))
-                })
+                let pm = Mat::row_major(p, v);
+                gemm_new(n, v, d, pm, Mat::row_major(wv, d), g) // g·P·w
             })
         })?;
         let dh = Tensor::from_vec(dh, (n, d), h.device())?;
-        let dw = Tensor::from_vec(dw, (v, d), w.device())?;
-        Ok((Some(dh), Some(dw)))
+        // dw = g·Pᵀ·h: now, or in a zero-bubble schedule's W (`weight_grads`), which keeps P
+        // (held since the forward) until then.
+        let params = [w];
+        let (p, h, w) = (self.probs_grad.clone(), h.clone(), w.clone());
+        let work: Deferred = Box::new(move || {
+            let dw = with_f32(&p, "lm head P", |p| {
+                with_f32(&h, "lm head h", |hv| {
+                    let pt = Mat::transposed(p, v);
+                    gemm_new(v, n, d, pt, Mat::row_major(hv, d), g)
+                })
+            })?;
+            let dw = Tensor::from_vec(dw, (v, d), w.device())?;
+            Ok(vec![(w, dw)])
+        });
+        match weight_grads::defer(&params, work) {
+            None => Ok((Some(dh), None)),
+            Some(now) => Ok((Some(dh), now()?.pop().map(|(_, dw)| dw))),
+        }
     }
 }
 

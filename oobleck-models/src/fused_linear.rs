@@ -8,6 +8,8 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use oobleck_core::model::weight_grads::{self, Deferred};
+
 use crate::fused::{f32s, msg, with_f32, CResult};
 
 /// A read-only strided matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
@@ -295,42 +297,68 @@ impl CustomOp3 for Linear {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _y: &Tensor,
         dy: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (inp, out) = self.dims(w.dims())?;
         let rows = x.elem_count() / inp;
         let dy = dy.contiguous()?;
-        let (dx, dw, db) = with_f32(x, "linear x", |xv| {
-            with_f32(w, "linear weight", |wv| {
-                with_f32(&dy, "linear dy", |g| {
-                    // dx [rows, in] = dy [rows, out] · Wᵀ [out, in].
-                    let wt = if self.out_in {
-                        Mat::row_major(wv, inp)
-                    } else {
-                        Mat::transposed(wv, out)
-                    };
-                    let dx = gemm_new(rows, out, inp, Mat::row_major(g, out), wt, 1.0)?;
-                    // dW in the stored layout: [in, out] = xᵀ · dy, or [out, in] = dyᵀ · x.
-                    let dw = if self.out_in {
-                        let (a, b) = (Mat::transposed(g, out), Mat::row_major(xv, inp));
-                        gemm_new(out, rows, inp, a, b, 1.0)?
-                    } else {
-                        let (a, b) = (Mat::transposed(xv, inp), Mat::row_major(g, out));
-                        gemm_new(inp, rows, out, a, b, 1.0)?
-                    };
-                    Ok((dx, dw, column_sums(g, out)))
-                })
+        let dx = with_f32(w, "linear weight", |wv| {
+            with_f32(&dy, "linear dy", |g| {
+                // dx [rows, in] = dy [rows, out] · Wᵀ [out, in].
+                let wt = if self.out_in {
+                    Mat::row_major(wv, inp)
+                } else {
+                    Mat::transposed(wv, out)
+                };
+                gemm_new(rows, out, inp, Mat::row_major(g, out), wt, 1.0)
             })
         })?;
-        let dev = x.device();
-        Ok((
-            Some(Tensor::from_vec(dx, x.shape(), dev)?),
-            Some(Tensor::from_vec(dw, w.shape(), dev)?),
-            Some(Tensor::from_vec(db, out, dev)?),
-        ))
+        let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
+        // The weight gradients: now, or in a zero-bubble schedule's W (`weight_grads`).
+        let out_in = self.out_in;
+        let params = [w, b];
+        let (x, w, b) = (x.clone(), w.clone(), b.clone());
+        let work: Deferred = Box::new(move || {
+            let (dw, db) = linear_weight_grads(&x, &dy, out_in, inp, out)?;
+            let dev = x.device();
+            let dw = Tensor::from_vec(dw, w.shape(), dev)?;
+            let db = Tensor::from_vec(db, out, dev)?;
+            Ok(vec![(w, dw), (b, db)])
+        });
+        match weight_grads::defer(&params, work) {
+            None => Ok((Some(dx), None, None)),
+            Some(now) => {
+                let mut grads = now()?.into_iter().map(|(_, g)| g);
+                Ok((Some(dx), grads.next(), grads.next()))
+            }
+        }
     }
+}
+
+/// `(dW, db)` of a linear layer from its input `x [rows, in]` and output gradient
+/// `dy [rows, out]`, `dW` in the stored layout: `[in, out] = xᵀ · dy`, or `[out, in] = dyᵀ · x`.
+fn linear_weight_grads(
+    x: &Tensor,
+    dy: &Tensor,
+    out_in: bool,
+    inp: usize,
+    out: usize,
+) -> CResult<(Vec<f32>, Vec<f32>)> {
+    let rows = x.elem_count() / inp;
+    with_f32(x, "linear x", |xv| {
+        with_f32(dy, "linear dy", |g| {
+            let dw = if out_in {
+                let (a, b) = (Mat::transposed(g, out), Mat::row_major(xv, inp));
+                gemm_new(out, rows, inp, a, b, 1.0)?
+            } else {
+                let (a, b) = (Mat::transposed(xv, inp), Mat::row_major(g, out));
+                gemm_new(inp, rows, out, a, b, 1.0)?
+            };
+            Ok((dw, column_sums(g, out)))
+        })
+    })
 }
 
 /// Sums of the columns of a row-major `[rows, cols]` matrix.

@@ -28,7 +28,7 @@ use crate::{Error, Result};
 pub(super) struct Replay {
     /// The input of each layer of the stage, in order, detached from any graph (for the
     /// model's layer 0: the token ids).
-    inputs: Vec<Tensor>,
+    pub(super) inputs: Vec<Tensor>,
     /// `ForwardCtx::targets`, owned (the caller's tensor may be gone by the backward).
     targets: Option<Tensor>,
     loss_scale: f64,
@@ -62,7 +62,7 @@ impl Replay {
     }
 
     /// The context of the first pass again.
-    fn ctx(&self) -> ForwardCtx<'_> {
+    pub(super) fn ctx(&self) -> ForwardCtx<'_> {
         ForwardCtx {
             targets: self.targets.as_ref(),
             loss_scale: self.loss_scale,
