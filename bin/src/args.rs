@@ -155,6 +155,10 @@ pub struct TrainArgs {
     /// Recompute each layer's activations in backward instead of keeping them.
     #[arg(long)]
     pub recompute: bool,
+    /// The pipeline schedule: 1f1b, or zb-h1 (zero-bubble H1: each backward split into the
+    /// input gradient and a later weight gradient that fills the bubbles) [default: 1f1b].
+    #[arg(long)]
+    pub schedule: Option<oobleck_core::schedule::Schedule>,
     /// Seconds a final save that fails (a full disk) is tried again, from the trained state
     /// kept in memory, before the job gives up and exits with those steps lost: time to free
     /// space after the first warning [default: 600].
@@ -294,6 +298,9 @@ impl TrainArgs {
             c.standby_masters = k;
         }
         c.recompute |= self.recompute;
+        if let Some(s) = self.schedule {
+            c.schedule = s;
+        }
         c.skip_bad_records |= self.skip_bad_records;
         if let Some(p) = &self.profile {
             c.profile = Some(p.clone());

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use oobleck_core::optim::{AdamW, AdamWConfig, LrSchedule};
 use oobleck_core::planning::Dtype;
 use oobleck_core::runtime::{device, BatchShape, DataPlane, InjectedFailure, TrainingSpec};
+use oobleck_core::schedule::Schedule;
 use oobleck_models::data::{DataSpec, FormatHint, WeightedSource, DEFAULT_VAL_FRACTION};
 use oobleck_models::workload::GptWorkloadConfig;
 use serde::{Deserialize, Serialize};
@@ -105,6 +106,9 @@ pub struct TrainConfig {
     /// Drop each layer's forward activations and recompute them in backward: activation memory
     /// falls to one tensor per layer boundary, for about one more forward pass of compute.
     pub recompute: bool,
+    /// The pipeline schedule: `1f1b`, or `zb-h1` (zero-bubble: each backward split into the
+    /// input gradient and a later weight gradient that fills the pipeline's bubbles).
+    pub schedule: Schedule,
     /// `--profile`: where the planner's layer times come from: `measured` (a CPU job times its
     /// layers on this machine, or reuses the cached measurement; other devices stay
     /// analytical), `analytical`, or a profile JSON. None: `measured`. Not saved in
@@ -204,6 +208,7 @@ impl Default for TrainConfig {
             device: "auto".into(),
             precision: Precision::Fp32,
             recompute: false,
+            schedule: Schedule::OneFOneB,
             profile: None,
             host_memory: None,
             lease_ms: 3000,
@@ -590,6 +595,7 @@ pub fn training_spec(cfg: &TrainConfig) -> Result<TrainingSpec> {
         compute: placement.compute,
         precision,
         recompute: cfg.recompute,
+        schedule: cfg.schedule,
         // The cluster job sets it: it knows how many ranks share this machine.
         device_memory_bytes: None,
     })

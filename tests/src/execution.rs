@@ -207,6 +207,7 @@ fn run_rank(
         bucket_elems: spec.bucket_elems,
         dtype: candle_core::DType::F32,
         recompute: false,
+        schedule: Default::default(),
     };
     let w = StageRunner::new(
         model,

@@ -68,6 +68,7 @@ fn training_spec() -> Result<TrainingSpec, BoxError> {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        schedule: Default::default(),
         device_memory_bytes: None,
     })
 }

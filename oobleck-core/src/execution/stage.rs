@@ -24,7 +24,7 @@ use super::sync::{sync_with, IterationOutput, SyncCtx, SyncReport};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{LayeredModel, ParamSource, Stage, TiedParam};
 use crate::optim::AdamW;
-use crate::schedule::{device_stream, Instruction, PeerRows};
+use crate::schedule::{device_stream, Instruction, PeerRows, Schedule};
 use crate::{Error, Result};
 
 mod iteration;
@@ -51,6 +51,9 @@ pub struct StageConfig {
     /// rerun the layer in its backward ([`Stage::forward_recompute`]); about one more forward
     /// of compute for a fraction of the activation memory. Same values either way.
     pub recompute: bool,
+    /// The pipeline schedule: 1F1B, or ZB-H1 (each backward split into B and a later W,
+    /// `model::weight_grads`). Same values either way; every stage of a pipeline must agree.
+    pub schedule: Schedule,
 }
 
 /// Sums every gradient of `out` with the other holders of the same parameters, computes the
@@ -193,7 +196,7 @@ impl StageRunner {
     }
 
     /// Runs iteration `iteration`: every microbatch of this pipeline forward and backward in
-    /// 1F1B order, on this device's rows of each microbatch. `data(iteration,
+    /// the order of its schedule (1F1B, or ZB-H1), on this device's rows of each microbatch. `data(iteration,
     /// global_microbatch)` gives the whole microbatch `(token ids, targets)`, both `[b, t]`
     /// u32; it is called only on the first stage (for the inputs) and the last stage (for the
     /// targets). Each instruction goes to its handler on `Iteration`.
@@ -213,6 +216,7 @@ impl StageRunner {
         )
         .entered();
         let stream = device_stream(
+            self.cfg.schedule,
             self.pos.stage,
             &self.devices,
             self.pos.device as u32,
@@ -230,6 +234,8 @@ impl StageRunner {
                     Instruction::RecvGradient { mb } => it.recv_gradient(mb, peers)?,
                     Instruction::Backward { mb } => it.backward(scope, at, mb)?,
                     Instruction::SendGradient { mb } => it.send_gradient(mb, peers)?,
+                    Instruction::BackwardInput { mb } => it.backward_input(mb)?,
+                    Instruction::BackwardWeight { mb } => it.backward_weight(scope, at, mb)?,
                 }
             }
             it.finish()

@@ -15,6 +15,7 @@ use crate::model::{
 };
 use crate::optim::{AdamW, AdamWConfig};
 use crate::planning;
+use crate::schedule::Schedule;
 
 const V: usize = 7;
 const D: usize = 4;
@@ -188,8 +189,14 @@ fn single(model: &Toy) -> (Vec<f64>, Params) {
     (losses, flat(&stage.params()))
 }
 
-/// Every rank of `layout` trained `STEPS` steps (with activation recomputation if `recompute`).
-fn distributed(model: &Toy, layout: Layout, recompute: bool) -> Vec<(Vec<f64>, Params)> {
+/// Every rank of `layout` trained `STEPS` steps (with activation recomputation if `recompute`)
+/// under `schedule`.
+fn distributed(
+    model: &Toy,
+    layout: Layout,
+    recompute: bool,
+    schedule: Schedule,
+) -> Vec<(Vec<f64>, Params)> {
     let world = layout.ranks().len();
     let comms = LocalNetwork::new(world, 0).communicators(Tuning::default());
     std::thread::scope(|s| {
@@ -206,6 +213,7 @@ fn distributed(model: &Toy, layout: Layout, recompute: bool) -> Vec<(Vec<f64>, P
                         bucket_elems: super::BUCKET_ELEMS,
                         dtype: candle_core::DType::F32,
                         recompute,
+                        schedule,
                     };
                     let w = StageRunner::new(
                         model,
@@ -260,22 +268,28 @@ fn heterogeneous_pipelines_match_the_single_process_step() {
         ],
     )
     .unwrap();
-    // With activation recomputation too: the same values.
-    for recompute in [false, true] {
+    // With activation recomputation too, and under ZB-H1: the same values.
+    let runs = [
+        (false, Schedule::OneFOneB),
+        (true, Schedule::OneFOneB),
+        (false, Schedule::ZbH1),
+        (true, Schedule::ZbH1),
+    ];
+    for (recompute, schedule) in runs {
         let mut seen = std::collections::BTreeSet::new();
-        let ranks = distributed(&model, layout.clone(), recompute);
+        let ranks = distributed(&model, layout.clone(), recompute, schedule);
         for (rank, (losses, params)) in ranks.into_iter().enumerate() {
             for (a, b) in losses.iter().zip(&want_losses) {
                 assert!(
                     (a - b).abs() <= 1e-5,
-                    "rank {rank} ({recompute}): loss {a} vs {b}"
+                    "rank {rank} ({recompute}, {schedule}): loss {a} vs {b}"
                 );
             }
             for (name, v) in &params {
                 let d = max_diff(v, &want[name]);
                 assert!(
                     d <= 1e-5,
-                    "rank {rank} ({recompute}): `{name}` differs by {d}"
+                    "rank {rank} ({recompute}, {schedule}): `{name}` differs by {d}"
                 );
                 seen.insert(name.clone());
             }
@@ -314,13 +328,25 @@ fn a_single_stage_pipeline_holds_the_tied_parameter_once() {
         ],
     )
     .unwrap();
-    for (rank, (losses, params)) in distributed(&model, layout, false).into_iter().enumerate() {
-        for (a, b) in losses.iter().zip(&want_losses) {
-            assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
-        }
-        for (name, v) in &params {
-            let d = max_diff(v, &want[name]);
-            assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
+    // Under both schedules: the same values.
+    for schedule in [Schedule::OneFOneB, Schedule::ZbH1] {
+        for (rank, (losses, params)) in distributed(&model, layout.clone(), false, schedule)
+            .into_iter()
+            .enumerate()
+        {
+            for (a, b) in losses.iter().zip(&want_losses) {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "rank {rank} ({schedule}): loss {a} vs {b}"
+                );
+            }
+            for (name, v) in &params {
+                let d = max_diff(v, &want[name]);
+                assert!(
+                    d <= 1e-5,
+                    "rank {rank} ({schedule}): `{name}` differs by {d}"
+                );
+            }
         }
     }
 }
@@ -365,6 +391,7 @@ fn a_lost_stage_fails_every_rank_instead_of_hanging() {
                         bucket_elems: super::BUCKET_ELEMS,
                         dtype: candle_core::DType::F32,
                         recompute: false,
+                        schedule: Schedule::OneFOneB,
                     };
                     let w = StageRunner::new(
                         model,
@@ -419,13 +446,25 @@ fn multi_device_stages_recut_rows_and_match_the_single_process_step() {
     )
     .unwrap();
     assert_eq!(layout.holders(0), vec![0, 1, 3]);
-    for (rank, (losses, params)) in distributed(&model, layout, false).into_iter().enumerate() {
-        for (a, b) in losses.iter().zip(&want_losses) {
-            assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
-        }
-        for (name, v) in &params {
-            let d = max_diff(v, &want[name]);
-            assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
+    // Under both schedules: the same values.
+    for schedule in [Schedule::OneFOneB, Schedule::ZbH1] {
+        for (rank, (losses, params)) in distributed(&model, layout.clone(), false, schedule)
+            .into_iter()
+            .enumerate()
+        {
+            for (a, b) in losses.iter().zip(&want_losses) {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "rank {rank} ({schedule}): loss {a} vs {b}"
+                );
+            }
+            for (name, v) in &params {
+                let d = max_diff(v, &want[name]);
+                assert!(
+                    d <= 1e-5,
+                    "rank {rank} ({schedule}): `{name}` differs by {d}"
+                );
+            }
         }
     }
 }
@@ -452,6 +491,7 @@ fn rejects_a_stage_with_more_devices_than_microbatch_rows() {
         bucket_elems: super::BUCKET_ELEMS,
         dtype: candle_core::DType::F32,
         recompute: false,
+        schedule: Schedule::OneFOneB,
     };
     let build = |b| {
         StageRunner::new(
@@ -563,13 +603,25 @@ fn a_plan_of_heterogeneous_multi_device_pipelines_trains_like_one_process() {
         seed: 21,
     };
     let (want_losses, want) = single(&model);
-    for (rank, (losses, params)) in distributed(&model, layout, false).into_iter().enumerate() {
-        for (a, b) in losses.iter().zip(&want_losses) {
-            assert!((a - b).abs() <= 1e-5, "rank {rank}: loss {a} vs {b}");
-        }
-        for (name, v) in &params {
-            let d = max_diff(v, &want[name]);
-            assert!(d <= 1e-5, "rank {rank}: `{name}` differs by {d}");
+    // Under both schedules: the same values.
+    for schedule in [Schedule::OneFOneB, Schedule::ZbH1] {
+        for (rank, (losses, params)) in distributed(&model, layout.clone(), false, schedule)
+            .into_iter()
+            .enumerate()
+        {
+            for (a, b) in losses.iter().zip(&want_losses) {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "rank {rank} ({schedule}): loss {a} vs {b}"
+                );
+            }
+            for (name, v) in &params {
+                let d = max_diff(v, &want[name]);
+                assert!(
+                    d <= 1e-5,
+                    "rank {rank} ({schedule}): `{name}` differs by {d}"
+                );
+            }
         }
     }
 }

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::planning::{DeviceSpec, Dtype, JobSpec};
+use crate::schedule::Schedule;
 
 /// A job setting that cannot work, or an optimizer that cannot be built from the settings.
 #[derive(Debug, thiserror::Error)]
@@ -136,6 +137,9 @@ pub struct TrainingSpec {
     /// Drop each layer's forward activations and recompute them in backward.
     #[serde(default)]
     pub recompute: bool,
+    /// The pipeline schedule every pipeline runs (same values either way).
+    #[serde(default)]
+    pub schedule: Schedule,
     /// Usable memory of one device, bytes, where the planner's table does not know it: on the
     /// CPU, this machine's memory shared out among the ranks that run on it
     /// ([`super::host_memory::HostMemory::per_rank`]). `None`: the table's value.
@@ -184,6 +188,9 @@ impl TrainingSpec {
         }
         if self.recompute {
             words.push("recompute".into());
+        }
+        if self.schedule != Schedule::OneFOneB {
+            words.push(self.schedule.to_string());
         }
         words.join(", ")
     }

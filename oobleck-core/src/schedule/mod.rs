@@ -20,16 +20,52 @@ use crate::planning::Nanos;
 
 pub mod zero_bubble;
 
+pub use zero_bubble::Schedule;
+
 /// One step of a stage's program. `mb` is the microbatch index in `0..m`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "op")]
 pub enum Instruction {
-    RecvActivation { mb: u32 },
-    Forward { mb: u32 },
-    SendActivation { mb: u32 },
-    RecvGradient { mb: u32 },
-    Backward { mb: u32 },
-    SendGradient { mb: u32 },
+    RecvActivation {
+        mb: u32,
+    },
+    Forward {
+        mb: u32,
+    },
+    SendActivation {
+        mb: u32,
+    },
+    RecvGradient {
+        mb: u32,
+    },
+    Backward {
+        mb: u32,
+    },
+    SendGradient {
+        mb: u32,
+    },
+    /// ZB-H1's B: the backward to the stage's input only; its `SendGradient` follows.
+    BackwardInput {
+        mb: u32,
+    },
+    /// ZB-H1's W: the weight gradients its `BackwardInput` left.
+    BackwardWeight {
+        mb: u32,
+    },
+}
+
+/// The instruction stream of stage `stage` of `stages` under `schedule`, for `m` microbatches:
+/// 1F1B's ([`stage_stream`]) or ZB-H1's ([`zero_bubble::stage_stream`]).
+pub fn schedule_stream(
+    schedule: Schedule,
+    stage: usize,
+    stages: usize,
+    m: u32,
+) -> Vec<Instruction> {
+    match schedule {
+        Schedule::OneFOneB => stage_stream(stage, stages, m),
+        Schedule::ZbH1 => zero_bubble::stage_stream(stage, stages, m),
+    }
 }
 
 /// The 1F1B instruction stream of stage `stage` of `stages`, for `m` microbatches.
@@ -99,9 +135,10 @@ pub struct DeviceInstruction {
     pub peers: Vec<PeerRows>,
 }
 
-/// The stream of device `device` of stage `stage`, with device counts `devices[i]` per stage
-/// and `b` samples per microbatch.
+/// The stream of device `device` of stage `stage` under `schedule`, with device counts
+/// `devices[i]` per stage and `b` samples per microbatch.
 pub fn device_stream(
+    schedule: Schedule,
     stage: usize,
     devices: &[u32],
     device: u32,
@@ -124,7 +161,7 @@ pub fn device_stream(
             })
             .collect()
     };
-    stage_stream(stage, devices.len(), m)
+    schedule_stream(schedule, stage, devices.len(), m)
         .into_iter()
         .map(|ins| {
             let peers = match ins {
@@ -199,6 +236,9 @@ pub fn simulate(stages: &[StageTimes], p2p_ns: &[Nanos], m: u32) -> Simulation {
                     }
                     Instruction::Forward { .. } => clock[i] += stages[i].forward_ns,
                     Instruction::Backward { .. } => clock[i] += stages[i].backward_ns,
+                    Instruction::BackwardInput { .. } | Instruction::BackwardWeight { .. } => {
+                        unreachable!("1F1B streams only: ZB-H1 is zero_bubble::simulate's")
+                    }
                     Instruction::SendActivation { mb } => {
                         act[i + 1][mb as usize] = Some(clock[i] + p2p_ns[i]);
                     }
@@ -267,7 +307,7 @@ mod tests {
 
     #[test]
     fn rows_recut_between_stages_of_different_width() {
-        let ds = device_stream(0, &[2, 4], 1, 8, 1);
+        let ds = device_stream(Schedule::OneFOneB, 0, &[2, 4], 1, 8, 1);
         let send = ds
             .iter()
             .find(|d| matches!(d.instruction, Instruction::SendActivation { .. }))

@@ -13,22 +13,57 @@
 //! [`simulate`] decides each stage's next pass as the clock reaches it and returns the streams
 //! it ran, so the ZB-H1 order of a pipeline is the order simulated with its profiled times.
 //! Sends are buffered and receives blocking, as in `schedule::simulate`, whose 1F1B makespan
-//! this one equals with B + W as the fused backward (a test holds them together). Nothing
-//! trains with ZB-H1 yet: its B/W split of the layers' backward is issue 38's next part.
+//! this one equals with B + W as the fused backward (a test holds them together).
+//! [`stage_stream`] turns the simulated order into the instruction stream a stage runs, whose
+//! B and W are `model::weight_grads`' split of the layers' backward.
 
 use serde::{Deserialize, Serialize};
 
+use super::Instruction;
 use crate::planning::Nanos;
 
 /// A pipeline schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Schedule {
     /// One forward, one backward (B and W together).
+    #[default]
     #[serde(rename = "1f1b")]
     OneFOneB,
     /// Zero-bubble H1: W deferred into the bubbles, at 1F1B's activation memory.
     ZbH1,
+}
+
+impl Schedule {
+    /// Every schedule, by the name flags and files give it.
+    pub const ALL: [(Schedule, &'static str); 2] =
+        [(Schedule::OneFOneB, "1f1b"), (Schedule::ZbH1, "zb-h1")];
+
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(s, _)| *s == self)
+            .map(|(_, n)| *n)
+            .expect("every schedule has a name")
+    }
+}
+
+impl std::fmt::Display for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .iter()
+            .find(|(_, n)| n.eq_ignore_ascii_case(s))
+            .map(|(s, _)| *s)
+            .ok_or_else(|| format!("no schedule {s:?}: 1f1b or zb-h1"))
+    }
 }
 
 /// One pass of a microbatch on a stage.
@@ -72,6 +107,44 @@ pub fn closed_form(schedule: Schedule, s: u32, m: u32, t: PassTimes) -> Nanos {
         Schedule::OneFOneB => (m + s - 1) * (t.f + t.b + t.w),
         Schedule::ZbH1 => m * (t.f + t.b + t.w) + (s - 1) * (t.f + t.b).saturating_sub(t.w),
     }
+}
+
+/// Stage `stage`'s ZB-H1 instruction stream of `stages` for `m` microbatches: the pass order
+/// [`simulate`] runs with equal pass times and free messages (Qi et al.'s ZB-H1), each F with
+/// its receive and send, each B a `BackwardInput` with its receive and the send of its
+/// gradient, each W a `BackwardWeight`. Any order the simulator ran is deadlock-free on the
+/// real data plane: sends are buffered there too, and every receive's send comes earlier in
+/// the order of its sender.
+pub fn stage_stream(stage: usize, stages: usize, m: u32) -> Vec<Instruction> {
+    assert!(stage < stages, "stage {stage} out of {stages}");
+    let unit = PassTimes { f: 1, b: 1, w: 1 };
+    let sim = simulate(Schedule::ZbH1, &vec![unit; stages], &vec![0; stages - 1], m);
+    let (first, last) = (stage == 0, stage + 1 == stages);
+    let mut out = Vec::with_capacity(5 * m as usize);
+    for &(pass, mb) in &sim.streams[stage] {
+        match pass {
+            Pass::F => {
+                if !first {
+                    out.push(Instruction::RecvActivation { mb });
+                }
+                out.push(Instruction::Forward { mb });
+                if !last {
+                    out.push(Instruction::SendActivation { mb });
+                }
+            }
+            Pass::B => {
+                if !last {
+                    out.push(Instruction::RecvGradient { mb });
+                }
+                out.push(Instruction::BackwardInput { mb });
+                if !first {
+                    out.push(Instruction::SendGradient { mb });
+                }
+            }
+            Pass::W => out.push(Instruction::BackwardWeight { mb }),
+        }
+    }
+    out
 }
 
 /// One stage's progress in [`simulate`].
@@ -148,8 +221,8 @@ impl<'a> Run<'a> {
                 super::stage_stream(i, s, m)
                     .into_iter()
                     .filter_map(|ins| match ins {
-                        super::Instruction::Forward { mb } => Some((Pass::F, mb)),
-                        super::Instruction::Backward { mb } => Some((Pass::B, mb)),
+                        Instruction::Forward { mb } => Some((Pass::F, mb)),
+                        Instruction::Backward { mb } => Some((Pass::B, mb)),
                         _ => None,
                     })
                     .collect()

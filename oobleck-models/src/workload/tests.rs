@@ -45,6 +45,7 @@ fn job() -> TrainingSpec {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        schedule: Default::default(),
         device_memory_bytes: None,
     }
 }

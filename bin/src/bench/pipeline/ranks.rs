@@ -155,6 +155,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
         bucket_elems: BUCKET_ELEMS,
         dtype: candle_core::DType::F32,
         recompute: false,
+        schedule: Default::default(),
     };
     let w = StageRunner::new(
         setup.model,

@@ -1,5 +1,5 @@
 //! One iteration of a [`StageRunner`]: the call's state ([`Iteration`]) and one handler per
-//! instruction of its 1F1B stream, with the overlapped last backward, whose bucket
+//! instruction of its stream (1F1B, or ZB-H1 with its B and W), with the overlapped last backward, whose bucket
 //! all-reduces run on a scoped background thread (`reduce_buckets`).
 
 use std::collections::HashMap;
@@ -16,8 +16,9 @@ use crate::execution::progress::Doing;
 use crate::execution::sync::{
     all_reduce_named, sync_buckets, IterationOutput, OverlapStats, SyncBucket,
 };
+use crate::model::weight_grads::PendingWeights;
 use crate::model::{accumulate, DropoutKey, ForwardCtx, RowSlice, StageForward};
-use crate::schedule::{rows, DeviceInstruction, Instruction, PeerRows};
+use crate::schedule::{rows, DeviceInstruction, Instruction, PeerRows, Schedule};
 use crate::{Error, Result};
 
 /// A bucket handed to the background thread, with its gradients by name.
@@ -31,14 +32,13 @@ fn tag(iteration: u64, mb: u32, gradient: bool) -> u64 {
 }
 
 impl StageRunner {
-    /// The layer-by-layer backward of the iteration's last microbatch: accumulates each
-    /// layer's gradients into `grads` and hands every bucket of `buckets` (descending first
-    /// layer) to `tx` as soon as no layer still to run touches its parameters. Returns the
-    /// stage input's gradient.
+    /// The layer-by-layer backward of the iteration's last microbatch (its fused backward, or
+    /// its W under ZB-H1): accumulates each layer's gradients into `grads` and hands every
+    /// bucket of `buckets` (descending first layer) to `tx` as soon as no layer still to run
+    /// touches its parameters. Returns the stage input's gradient (None from a W).
     fn backward_overlapped(
         &self,
-        fwd: StageForward,
-        upstream: Option<&Tensor>,
+        work: LastBackward,
         buckets: &[SyncBucket],
         grads: &mut HashMap<String, Tensor>,
         tx: &mpsc::Sender<BucketJob>,
@@ -61,7 +61,7 @@ impl StageRunner {
             })
             .collect();
         let mut next = 0;
-        let input = self.stage.backward_layers(fwd, upstream, &mut |layer, g| {
+        let mut on_layer = |layer: usize, g: HashMap<String, Tensor>| -> Result<()> {
             accumulate(grads, g)?;
             while next < buckets.len() && ready_at[next] >= layer {
                 let bucket = &buckets[next];
@@ -78,7 +78,17 @@ impl StageRunner {
                 next += 1;
             }
             Ok(())
-        })?;
+        };
+        let input = match work {
+            LastBackward::Fused { fwd, upstream } => {
+                self.stage
+                    .backward_layers(fwd, upstream.as_ref(), &mut on_layer)?
+            }
+            LastBackward::Weights(pending) => {
+                self.stage.backward_weights(pending, &mut on_layer)?;
+                None
+            }
+        };
         if next != buckets.len() {
             return Err(self.broken(format!(
                 "{} gradient buckets were never final in the backward (a broken layout)",
@@ -87,6 +97,17 @@ impl StageRunner {
         }
         Ok(input)
     }
+}
+
+/// The work of the iteration's last backward, which runs layer by layer.
+enum LastBackward {
+    /// 1F1B's backward (B and W at once) of the last microbatch.
+    Fused {
+        fwd: StageForward,
+        upstream: Option<Tensor>,
+    },
+    /// ZB-H1's last W.
+    Weights(PendingWeights),
 }
 
 /// The state of one [`StageRunner::run_iteration`] call, which its instruction handlers share.
@@ -108,6 +129,8 @@ pub(super) struct Iteration<'scope, 'env> {
     stash: HashMap<u32, StageForward>,
     /// Received output gradients, until their backward.
     upstream: HashMap<u32, Tensor>,
+    /// ZB-H1: what each microbatch's B left for its W.
+    pending: HashMap<u32, PendingWeights>,
     /// Input gradients, until they are sent.
     to_send: HashMap<u32, Tensor>,
     /// Parameter gradients summed over the microbatches so far.
@@ -116,10 +139,12 @@ pub(super) struct Iteration<'scope, 'env> {
     loss: f64,
     /// This rank's buckets that have an all-reduce, in the global order.
     buckets: Vec<SyncBucket>,
-    /// Where in the stream the last backward is.
+    /// Where in the stream the last backward is (under ZB-H1: the last W).
     last_bwd: Option<usize>,
     /// The microbatch of that backward when it runs layer by layer (there are buckets).
     layered_mb: Option<u32>,
+    /// ZB-H1: every backward is split, so every forward keeps its graph cut per layer.
+    split: bool,
     /// The bucket all-reduce thread, once the last backward started it.
     background: Option<ScopedJoinHandle<'scope, Result<Vec<BucketDone>>>>,
 }
@@ -147,11 +172,18 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
             .into_iter()
             .filter(|b| b.needs_collective())
             .collect();
-        let last_bwd = stream
-            .iter()
-            .rposition(|di| matches!(di.instruction, Instruction::Backward { .. }));
+        let last_bwd = stream.iter().rposition(|di| {
+            matches!(
+                di.instruction,
+                Instruction::Backward { .. } | Instruction::BackwardWeight { .. }
+            )
+        });
         let layered_mb = match last_bwd.map(|i| &stream[i].instruction) {
-            Some(Instruction::Backward { mb }) if !buckets.is_empty() => Some(*mb),
+            Some(Instruction::Backward { mb } | Instruction::BackwardWeight { mb })
+                if !buckets.is_empty() =>
+            {
+                Some(*mb)
+            }
             _ => None,
         };
         Self {
@@ -165,12 +197,14 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
             inputs: HashMap::new(),
             stash: HashMap::new(),
             upstream: HashMap::new(),
+            pending: HashMap::new(),
             to_send: HashMap::new(),
             grads: HashMap::new(),
             loss: 0.0,
             buckets,
             last_bwd,
             layered_mb,
+            split: runner.cfg.schedule == Schedule::ZbH1,
             background: None,
         }
     }
@@ -217,7 +251,7 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
         // Both backward paths take any of the three passes.
         let fwd = if r.cfg.recompute {
             r.stage.forward_recompute(&x, &ctx)?
-        } else if self.layered_mb == Some(mb) {
+        } else if self.split || self.layered_mb == Some(mb) {
             r.stage.forward_layered(&x, &ctx)?
         } else {
             r.stage.forward(&x, &ctx)?
@@ -283,6 +317,24 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
         let _mark = r.mark(Doing::Backward {
             mb: r.first_mb + mb,
         });
+        let (fwd, up) = self.take_for_backward(mb)?;
+        let gi = if self.layered_mb == Some(mb) && Some(at) == self.last_bwd {
+            let work = LastBackward::Fused { fwd, upstream: up };
+            self.backward_last(scope, work)?
+        } else {
+            let g = r.stage.backward(fwd, up.as_ref())?;
+            accumulate(&mut self.grads, g.params)?;
+            g.input
+        };
+        if let Some(gi) = gi {
+            self.to_send.insert(mb, gi);
+        }
+        Ok(())
+    }
+
+    /// Microbatch `mb`'s forward pass and (not on the last stage) its output's gradient.
+    fn take_for_backward(&mut self, mb: u32) -> Result<(StageForward, Option<Tensor>)> {
+        let r = self.runner;
         let fwd = self
             .stash
             .remove(&mb)
@@ -296,17 +348,49 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
                     .ok_or_else(|| r.missing("gradient", mb))?,
             )
         };
-        let gi = if self.layered_mb == Some(mb) && Some(at) == self.last_bwd {
-            self.backward_last(scope, fwd, up.as_ref())?
-        } else {
-            let g = r.stage.backward(fwd, up.as_ref())?;
-            accumulate(&mut self.grads, g.params)?;
-            g.input
-        };
+        Ok((fwd, up))
+    }
+
+    /// ZB-H1's B of microbatch `mb`: its input gradient, kept for `send_gradient`, and what
+    /// its W has to do.
+    pub(super) fn backward_input(&mut self, mb: u32) -> Result<()> {
+        let r = self.runner;
+        let _mark = r.mark(Doing::Backward {
+            mb: r.first_mb + mb,
+        });
+        let (fwd, up) = self.take_for_backward(mb)?;
+        let (gi, pending) = r.stage.backward_inputs(fwd, up.as_ref())?;
         if let Some(gi) = gi {
             self.to_send.insert(mb, gi);
         }
+        self.pending.insert(mb, pending);
         Ok(())
+    }
+
+    /// ZB-H1's W of microbatch `mb`, instruction `at` of the stream: adds the weight gradients
+    /// its B left to `grads`; the stream's last W, when there are buckets, goes through
+    /// [`Self::backward_last`].
+    pub(super) fn backward_weight(
+        &mut self,
+        scope: &'scope Scope<'scope, 'env>,
+        at: usize,
+        mb: u32,
+    ) -> Result<()> {
+        let r = self.runner;
+        let _mark = r.mark(Doing::Backward {
+            mb: r.first_mb + mb,
+        });
+        let pending = self
+            .pending
+            .remove(&mb)
+            .ok_or_else(|| r.missing("input gradient pass (B)", mb))?;
+        if self.layered_mb == Some(mb) && Some(at) == self.last_bwd {
+            self.backward_last(scope, LastBackward::Weights(pending))?;
+            return Ok(());
+        }
+        let grads = &mut self.grads;
+        r.stage
+            .backward_weights(pending, &mut |_, g| accumulate(grads, g))
     }
 
     /// The last backward, layer by layer: starts the background thread, which all-reduces the
@@ -315,14 +399,13 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
     fn backward_last(
         &mut self,
         scope: &'scope Scope<'scope, 'env>,
-        fwd: StageForward,
-        upstream: Option<&Tensor>,
+        work: LastBackward,
     ) -> Result<Option<Tensor>> {
         let (tx, rx) = mpsc::channel::<BucketJob>();
         let (comm, timeout) = (self.comm, self.runner.cfg.timeout);
         self.background = Some(scope.spawn(move || reduce_buckets(comm, rx, timeout)));
         let r = self.runner;
-        match r.backward_overlapped(fwd, upstream, &self.buckets, &mut self.grads, &tx) {
+        match r.backward_overlapped(work, &self.buckets, &mut self.grads, &tx) {
             Ok(gi) => Ok(gi),
             Err(e) => {
                 // A failed all-reduce stops the thread, then the hand-over fails: report the

@@ -304,6 +304,7 @@ impl<'a> Generation<'a> {
                 bucket_elems: BUCKET_ELEMS,
                 dtype: training.compute_dtype(),
                 recompute: training.recompute,
+                schedule: training.schedule,
             },
         )?;
         runner.watch(progress.clone());

@@ -85,6 +85,7 @@ fn training() -> TrainingSpec {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        schedule: Default::default(),
         device_memory_bytes: None,
     }
 }

@@ -171,3 +171,84 @@ fn every_pass_runs_once_after_its_inputs_and_zb_h1_holds_no_more_than_1f1b() {
         }
     }
 }
+
+/// Runs every stage's instruction stream with buffered sends and blocking receives, as the
+/// data plane does, until no stage can go on. Returns how many instructions each stage ran
+/// and how many messages were sent but never received.
+fn run_streams(streams: &[Vec<Instruction>]) -> (Vec<usize>, usize) {
+    use std::collections::HashSet;
+    let s = streams.len();
+    let mut sent: HashSet<(usize, u32, bool)> = HashSet::new(); // (to stage, mb, gradient)
+    let mut pc = vec![0usize; s];
+    let mut progressed = true;
+    while progressed {
+        progressed = false;
+        for i in 0..s {
+            while let Some(&ins) = streams[i].get(pc[i]) {
+                match ins {
+                    Instruction::RecvActivation { mb } if !sent.remove(&(i, mb, false)) => break,
+                    Instruction::RecvGradient { mb } if !sent.remove(&(i, mb, true)) => break,
+                    Instruction::SendActivation { mb } => assert!(sent.insert((i + 1, mb, false))),
+                    Instruction::SendGradient { mb } => assert!(sent.insert((i - 1, mb, true))),
+                    _ => {}
+                }
+                pc[i] += 1;
+                progressed = true;
+            }
+        }
+    }
+    (pc, sent.len())
+}
+
+/// ZB-H1's instruction streams, also with fewer microbatches than stages: every F, B and W of
+/// every microbatch exactly once per stage, each W after its B, each B's gradient sent right
+/// after it, and the stages run to the end with blocking receives (no deadlock).
+#[test]
+fn zb_h1_instruction_streams_are_complete_and_run_to_the_end() {
+    for s in 1..=6usize {
+        for m in 1..=9u32 {
+            let streams: Vec<_> = (0..s).map(|i| stage_stream(i, s, m)).collect();
+            for (i, st) in streams.iter().enumerate() {
+                for mb in 0..m {
+                    let at = |want: Instruction| {
+                        let hits: Vec<_> = (0..st.len()).filter(|&k| st[k] == want).collect();
+                        assert_eq!(hits.len(), 1, "S={s} m={m} stage {i}: {want:?} in {st:?}");
+                        hits[0]
+                    };
+                    let f = at(Instruction::Forward { mb });
+                    let b = at(Instruction::BackwardInput { mb });
+                    let w = at(Instruction::BackwardWeight { mb });
+                    assert!(f < b && b < w, "S={s} m={m} stage {i} mb {mb}");
+                    if i > 0 {
+                        assert_eq!(st[b + 1], Instruction::SendGradient { mb });
+                    }
+                }
+                let fused = st
+                    .iter()
+                    .filter(|x| matches!(x, Instruction::Backward { .. }));
+                assert_eq!(fused.count(), 0, "ZB-H1 runs no fused backward");
+            }
+            let (ran, unread) = run_streams(&streams);
+            assert_eq!(unread, 0, "S={s} m={m}: messages nobody received");
+            for (i, st) in streams.iter().enumerate() {
+                assert_eq!(ran[i], st.len(), "S={s} m={m}: stage {i} stopped early");
+            }
+        }
+    }
+}
+
+/// 1F1B through the same runner, so the runner is no rubber stamp: its streams run too, and
+/// a stream whose receive comes before the matching send deadlocks.
+#[test]
+fn the_stream_runner_finds_a_deadlock() {
+    let streams: Vec<_> = (0..3)
+        .map(|i| crate::schedule::stage_stream(i, 3, 4))
+        .collect();
+    let lengths: Vec<usize> = streams.iter().map(Vec::len).collect();
+    assert_eq!(run_streams(&streams), (lengths, 0));
+    let mut broken = streams.clone();
+    // Stage 1 waits for microbatch 1's gradient before it forwarded microbatch 0.
+    broken[1].insert(0, Instruction::RecvGradient { mb: 1 });
+    let (ran, _) = run_streams(&broken);
+    assert_eq!(ran[1], 0, "{ran:?}");
+}

@@ -36,6 +36,7 @@ pub(super) fn spec(nodes: u32, f: u32, steps: u64) -> TrainingSpec {
         compute: Default::default(),
         precision: Default::default(),
         recompute: false,
+        schedule: Default::default(),
         device_memory_bytes: None,
     }
 }
