@@ -40,6 +40,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use oobleck_core::schedule::Schedule;
 use serde::Serialize;
 
 mod comm;
@@ -79,6 +80,10 @@ pub struct BenchPipelineArgs {
     /// cross pipelines), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "2x1,2x2")]
     pub configs: Vec<String>,
+    /// Pipeline schedules to run each configuration under, on the same stages, side by side:
+    /// 1f1b, zb-h1, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1f1b")]
+    pub schedules: Vec<Schedule>,
     /// Untimed iterations first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
@@ -144,6 +149,9 @@ pub struct StageProfile {
     pub layers: (usize, usize),
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// The backward split as ZB-H1 runs it: B (input gradient) and W (weight gradients).
+    pub split_b_ms: f64,
+    pub split_w_ms: f64,
     /// The planner's forward + backward + p2p of the stage per microbatch, from the per-layer
     /// profile.
     pub planned_ms: f64,
@@ -168,6 +176,7 @@ pub struct ControlPlane {
 /// One row of the table: everything measured for one configuration.
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
+    pub schedule: Schedule,
     pub stages: usize,
     pub pipelines: usize,
     pub ranks: usize,
@@ -256,6 +265,9 @@ pub fn measure(args: &BenchPipelineArgs) -> Result<(Vec<Row>, Vec<ControlPlane>,
     if args.microbatch_size == 0 {
         bail!("--microbatch-size must be at least 1");
     }
+    if args.schedules.is_empty() {
+        bail!("--schedules names no schedule: give 1f1b, zb-h1 or both");
+    }
     let configs = args
         .configs
         .iter()
@@ -272,21 +284,23 @@ pub fn measure(args: &BenchPipelineArgs) -> Result<(Vec<Row>, Vec<ControlPlane>,
     let mut rows = Vec::with_capacity(configs.len());
     let mut cps: Vec<ControlPlane> = Vec::new();
     for c in configs {
-        let mut row = run_config(args, model.as_ref(), data, c)
+        let measured = run_config(args, model.as_ref(), data, c)
             .with_context(|| format!("configuration {}x{}", c.stages, c.pipelines))?;
-        let cp = match cps.iter().find(|cp| cp.agents == row.ranks) {
-            Some(cp) => cp.clone(),
-            None => {
-                let cp = control_plane(row.ranks, args.cp_steps, timeout)
-                    .context("control-plane measurement")?;
-                cps.push(cp.clone());
-                cp
-            }
-        };
-        row.control_plane_ms = cp.round_trip_ms;
-        row.control_plane_pct = 100.0 * cp.round_trip_ms / row.step_ms;
-        row.control_plane_within_2pct = row.control_plane_pct < 2.0;
-        rows.push(row);
+        for mut row in measured {
+            let cp = match cps.iter().find(|cp| cp.agents == row.ranks) {
+                Some(cp) => cp.clone(),
+                None => {
+                    let cp = control_plane(row.ranks, args.cp_steps, timeout)
+                        .context("control-plane measurement")?;
+                    cps.push(cp.clone());
+                    cp
+                }
+            };
+            row.control_plane_ms = cp.round_trip_ms;
+            row.control_plane_pct = 100.0 * cp.round_trip_ms / row.step_ms;
+            row.control_plane_within_2pct = row.control_plane_pct < 2.0;
+            rows.push(row);
+        }
     }
     Ok((rows, cps, vocab))
 }
@@ -348,6 +362,7 @@ mod tests {
             microbatch_size: 2,
             microbatches: 3,
             configs: vec!["2x2".into()],
+            schedules: vec![Schedule::OneFOneB, Schedule::ZbH1],
             warmup: 0,
             iters: 1,
             profile_reps: 1,
@@ -359,8 +374,16 @@ mod tests {
             json: false,
         };
         let (rows, cps, _) = measure(&args).unwrap();
-        assert_eq!(rows.len(), 1);
+        assert_eq!(rows.len(), 2, "one row per schedule");
         assert_eq!(cps.len(), 1);
+        assert_eq!(
+            (rows[0].schedule, rows[1].schedule),
+            (Schedule::OneFOneB, Schedule::ZbH1)
+        );
+        for r in &rows[1].stage_profile {
+            assert!(r.split_b_ms > 0.0 && r.split_w_ms > 0.0, "{r:?}");
+        }
+        assert!(rows[1].loss.is_finite() && rows[1].simulated_iter_ms > 0.0);
         let r = &rows[0];
         assert_eq!((r.stages, r.pipelines, r.ranks), (2, 2, 4));
         for (name, v) in [
@@ -414,6 +437,7 @@ mod tests {
         };
         let t = table(&report);
         assert!(t.contains("2x2"), "{t}");
+        assert!(t.contains("zb-h1/1f1b measured step ratio: "), "{t}");
         serde_json::to_string(&report).unwrap();
     }
 }

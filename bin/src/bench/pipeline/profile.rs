@@ -13,6 +13,7 @@ use oobleck_core::model::{accumulate, DropoutKey, ForwardCtx, LayeredModel, Para
 use oobleck_core::planning::template::best_template;
 use oobleck_core::planning::{DeviceSpec, JobSpec, ModelProfile, Template, TemplateMicrobatches};
 use oobleck_core::profiler::ProfileRequest;
+use oobleck_core::schedule::zero_bubble::PassTimes;
 use oobleck_core::schedule::StageTimes;
 use oobleck_models::ModelConfig;
 use rand::{Rng, SeedableRng};
@@ -83,14 +84,15 @@ fn train_ctx(targets: Option<&Tensor>, seed: u64, mb: u64, loss_scale: f64) -> F
 }
 
 /// Forward and backward times of layers `range` on one microbatch, medians of `reps`, as the
-/// worker runs them: the last stage reads its loss, backward accumulates into a gradient sum.
+/// worker runs them: the last stage reads its loss, backward accumulates into a gradient sum;
+/// and the backward's B and W as ZB-H1 runs them.
 fn profile_range(
     model: &dyn LayeredModel,
     range: std::ops::Range<usize>,
     data: &Data,
     reps: usize,
     seed: u64,
-) -> Result<(StageTimes, Vec<usize>)> {
+) -> Result<(StageTimes, PassTimes, Vec<usize>)> {
     let l = model.num_layers();
     let (ids, tg) = data.get(0, 0)?;
     let x = if range.start == 0 {
@@ -138,13 +140,50 @@ fn profile_range(
             b.push((t2 - t1).as_nanos() as f64);
         }
     }
+    let (split_b, split_w) = profile_split(&stage, &x, targets, upstream.as_ref(), reps, seed)?;
+    let forward_ns = median(&f) as u64;
     Ok((
         StageTimes {
-            forward_ns: median(&f) as u64,
+            forward_ns,
             backward_ns: median(&b) as u64,
+        },
+        PassTimes {
+            f: forward_ns,
+            b: split_b,
+            w: split_w,
         },
         out_dims,
     ))
+}
+
+/// The backward of `stage` split as ZB-H1 runs it (`model::weight_grads`): B, the input
+/// gradient with its host copy for the send, then W; medians of `reps` after an untimed one.
+fn profile_split(
+    stage: &Stage,
+    x: &Tensor,
+    targets: Option<&Tensor>,
+    upstream: Option<&Tensor>,
+    reps: usize,
+    seed: u64,
+) -> Result<(u64, u64)> {
+    let (mut b, mut w) = (Vec::new(), Vec::new());
+    let mut acc = HashMap::new();
+    for rep in 0..=reps {
+        let fwd = stage.forward_layered(x, &train_ctx(targets, seed, rep as u64, 1.0))?;
+        let t0 = Instant::now();
+        let (gi, pending) = stage.backward_inputs(fwd, upstream)?;
+        if let Some(gi) = &gi {
+            tensor_to_buf(gi)?;
+        }
+        let t1 = Instant::now();
+        stage.backward_weights(pending, &mut |_, g| accumulate(&mut acc, g))?;
+        let t2 = Instant::now();
+        if rep > 0 {
+            b.push((t1 - t0).as_nanos() as f64);
+            w.push((t2 - t1).as_nanos() as f64);
+        }
+    }
+    Ok((median(&b) as u64, median(&w) as u64))
 }
 
 /// The stages of one run: the planner's template for them (cut from the measured per-layer
@@ -153,6 +192,8 @@ fn profile_range(
 pub(super) struct ProfiledStages {
     pub(super) ranges: Vec<std::ops::Range<usize>>,
     pub(super) times: Vec<StageTimes>,
+    /// The same stages' F, B and W (`profile_split`), for ZB-H1's simulation.
+    pub(super) passes: Vec<PassTimes>,
     pub(super) act_dims: Vec<usize>,
     pub(super) template: Template,
 }
@@ -176,19 +217,22 @@ pub(super) fn profile_stages(
     let template = plan_stages(&profile, s, m)?;
     let ranges: Vec<_> = template.stages.iter().map(|st| st.layers()).collect();
     let mut times = Vec::with_capacity(s);
+    let mut passes = Vec::with_capacity(s);
     let mut act_dims = Vec::new();
     for r in &ranges {
-        let (t, dims) = in_pool(threads, || {
+        let (t, p, dims) = in_pool(threads, || {
             profile_range(model, r.clone(), data, reps, seed)
         })??;
         if act_dims.is_empty() {
             act_dims = dims;
         }
         times.push(t);
+        passes.push(p);
     }
     Ok(ProfiledStages {
         ranges,
         times,
+        passes,
         act_dims,
         template,
     })

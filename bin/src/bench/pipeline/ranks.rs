@@ -12,6 +12,7 @@ use oobleck_core::execution::{
 };
 use oobleck_core::model::{LayeredModel, ParamSource};
 use oobleck_core::optim::{AdamW, AdamWConfig};
+use oobleck_core::schedule::Schedule;
 
 use super::comm::{connect_tcp, TimedComm};
 use super::profile::{profile_stages, Data};
@@ -58,17 +59,19 @@ struct RunSetup<'a> {
     layout: &'a Layout,
     data: Data,
     args: &'a BenchPipelineArgs,
+    schedule: Schedule,
     act_dims: &'a [usize],
     epoch: Instant,
 }
 
-/// Runs one configuration and measures it (without the control plane, added by the caller).
+/// Runs one configuration under each of `args.schedules` on the same stages and measures it:
+/// one row per schedule (without the control plane, added by the caller).
 pub(super) fn run_config(
     args: &BenchPipelineArgs,
     model: &dyn LayeredModel,
     data: Data,
     c: Config,
-) -> Result<Row> {
+) -> Result<Vec<Row>> {
     let s = c.stages;
     let m = args.microbatches;
     let world = s * c.pipelines;
@@ -76,20 +79,25 @@ pub(super) fn run_config(
     let prof = profile_stages(model, &data, (s, m), copies, args.profile_reps, args.seed)?;
     let layout = layout_of(model.num_layers(), &prof.ranges, c, m)?;
     let timeout = Duration::from_secs(args.timeout_s);
-    let comms: Vec<TimedComm<TcpCommunicator>> = connect_tcp(world, timeout)?
-        .into_iter()
-        .map(TimedComm::new)
-        .collect();
-    let setup = RunSetup {
-        model,
-        layout: &layout,
-        data,
-        args,
-        act_dims: &prof.act_dims,
-        epoch: Instant::now(),
-    };
-    let results = run_ranks(&setup, comms)?;
-    Ok(summarise(args, c, &prof, &results))
+    let mut rows = Vec::with_capacity(args.schedules.len());
+    for &schedule in &args.schedules {
+        let comms: Vec<TimedComm<TcpCommunicator>> = connect_tcp(world, timeout)?
+            .into_iter()
+            .map(TimedComm::new)
+            .collect();
+        let setup = RunSetup {
+            model,
+            layout: &layout,
+            data,
+            args,
+            schedule,
+            act_dims: &prof.act_dims,
+            epoch: Instant::now(),
+        };
+        let results = run_ranks(&setup, comms).with_context(|| format!("under {schedule}"))?;
+        rows.push(summarise(args, c, schedule, &prof, &results));
+    }
+    Ok(rows)
 }
 
 /// `c.pipelines` copies of the stages `ranges`, each with its own `m` microbatches; pipeline
@@ -155,7 +163,7 @@ fn run_rank(setup: &RunSetup<'_>, comm: &TimedComm<TcpCommunicator>) -> Result<R
         bucket_elems: BUCKET_ELEMS,
         dtype: candle_core::DType::F32,
         recompute: false,
-        schedule: Default::default(),
+        schedule: setup.schedule,
     };
     let w = StageRunner::new(
         setup.model,

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use oobleck_core::planning::profile::ns_to_ms;
-use oobleck_core::schedule::{simulate, StageTimes};
+use oobleck_core::schedule::zero_bubble::{self, closed_form, PassTimes};
+use oobleck_core::schedule::{simulate, Schedule, StageTimes};
 
 use super::profile::{imbalance, ProfiledStages};
 use super::ranks::{IterRecord, RankResult};
@@ -18,11 +19,48 @@ pub fn theoretical_bubble(stages: usize, m: u32) -> f64 {
     (s - 1.0) / (f64::from(m) + s - 1.0)
 }
 
+/// The idle fraction of a balanced pipeline under `schedule` with equal F, B and W times:
+/// 1F1B's `(S-1)/(m+S-1)`, ZB-H1's `(S-1)/(3m+S-1)` (Qi et al.'s closed forms).
+pub fn theoretical_bubble_of(schedule: Schedule, stages: usize, m: u32) -> f64 {
+    let unit = PassTimes { f: 1, b: 1, w: 1 };
+    let span = closed_form(schedule, stages as u32, m, unit) as f64;
+    1.0 - 3.0 * f64::from(m) / span
+}
+
+/// The simulated makespan of `stages` under `schedule` and each stage's bubble
+/// (`1 - busy / makespan`): 1F1B from the fused forward and backward times, ZB-H1 from the
+/// split F, B and W.
+fn simulated(
+    schedule: Schedule,
+    fused: &[StageTimes],
+    passes: &[PassTimes],
+    p2p_ns: u64,
+    m: u32,
+) -> (u64, Vec<f64>) {
+    let links = vec![p2p_ns; fused.len() - 1];
+    let (makespan, work): (u64, Vec<u64>) = match schedule {
+        Schedule::OneFOneB => (
+            simulate(fused, &links, m).makespan_ns,
+            fused.iter().map(|t| t.forward_ns + t.backward_ns).collect(),
+        ),
+        Schedule::ZbH1 => (
+            zero_bubble::simulate(schedule, passes, &links, m).makespan_ns,
+            passes.iter().map(|t| t.f + t.b + t.w).collect(),
+        ),
+    };
+    let bubbles = work
+        .iter()
+        .map(|w| 1.0 - f64::from(m) * *w as f64 / makespan as f64)
+        .collect();
+    (makespan, bubbles)
+}
+
 /// One row from the profiles and every rank's records (control plane left NaN, filled in by
 /// the caller).
 pub(super) fn summarise(
     args: &BenchPipelineArgs,
     c: Config,
+    schedule: Schedule,
     prof: &ProfiledStages,
     results: &[RankResult],
 ) -> Row {
@@ -36,20 +74,15 @@ pub(super) fn summarise(
     } else {
         0.0
     };
-    let sim = simulate(stage_times, &vec![p2p_ns as u64; s - 1], m);
-    let sim_ms = sim.makespan_ns as f64 / 1e6;
-    let sim_bubbles: Vec<f64> = stage_times
-        .iter()
-        .map(|t| {
-            1.0 - f64::from(m) * (t.forward_ns + t.backward_ns) as f64 / sim.makespan_ns as f64
-        })
-        .collect();
+    let (sim_ns, sim_bubbles) = simulated(schedule, stage_times, &prof.passes, p2p_ns as u64, m);
+    let sim_ms = sim_ns as f64 / 1e6;
     let samples = Samples::of(results, c, m, args.iters);
     let measured = median(&samples.iter_ms);
     let ratio = measured / sim_ms;
-    let busy_times = busy_stage_times(stage_times, &samples.busy_per_mb);
-    let sim_busy_ms =
-        simulate(&busy_times, &vec![p2p_ns as u64; s - 1], m).makespan_ns as f64 / 1e6;
+    let (busy_fused, busy_passes) =
+        busy_stage_times(stage_times, &prof.passes, &samples.busy_per_mb);
+    let (busy_ns, _) = simulated(schedule, &busy_fused, &busy_passes, p2p_ns as u64, m);
+    let sim_busy_ms = busy_ns as f64 / 1e6;
     let planner_ms = ns_to_ms(prof.template.iteration_ns_for(u64::from(m)));
     let planned: Vec<f64> = prof
         .template
@@ -61,6 +94,7 @@ pub(super) fn summarise(
     let sync = median(&samples.sync_ms);
     let overlap = median(&samples.overlap_ms);
     Row {
+        schedule,
         stages: s,
         pipelines: c.pipelines,
         ranks: world,
@@ -69,12 +103,14 @@ pub(super) fn summarise(
         m,
         stage_profile: ranges
             .iter()
-            .zip(stage_times)
+            .zip(stage_times.iter().zip(&prof.passes))
             .zip(busy.iter().zip(&planned))
-            .map(|((r, t), (&busy, &planned_ms))| StageProfile {
+            .map(|((r, (t, p)), (&busy, &planned_ms))| StageProfile {
                 layers: (r.start, r.end),
                 forward_ms: t.forward_ns as f64 / 1e6,
                 backward_ms: t.backward_ns as f64 / 1e6,
+                split_b_ms: p.b as f64 / 1e6,
+                split_w_ms: p.w as f64 / 1e6,
                 planned_ms,
                 pipeline_busy_ms: busy,
             })
@@ -94,7 +130,7 @@ pub(super) fn summarise(
         bubble_measured_mean: median(&samples.bub_mean),
         bubble_measured_worst: median(&samples.bub_worst),
         bubble_simulated_mean: sim_bubbles.iter().sum::<f64>() / s as f64,
-        bubble_theory: theoretical_bubble(s, m),
+        bubble_theory: theoretical_bubble_of(schedule, s, m),
         sync_ms: sync,
         sync_overlap_backward_ms: overlap,
         sync_overlap_pct: if sync > 0.0 {
@@ -112,21 +148,32 @@ pub(super) fn summarise(
 }
 
 /// The split of each stage's in-pipeline busy time per microbatch (median) into forward and
-/// backward in the proportions of its isolated profile: what the post hoc simulation is fed.
-fn busy_stage_times(stage_times: &[StageTimes], busy_per_mb: &[Vec<f64>]) -> Vec<StageTimes> {
-    stage_times
-        .iter()
-        .zip(busy_per_mb)
-        .map(|(t, busy)| {
-            let total = (t.forward_ns + t.backward_ns).max(1) as f64;
-            let busy_ns = median(busy) * 1e6;
-            let f = busy_ns * t.forward_ns as f64 / total;
-            StageTimes {
-                forward_ns: f as u64,
-                backward_ns: (busy_ns - f).max(0.0) as u64,
-            }
-        })
-        .collect()
+/// backward, and into F, B and W, in the proportions of its isolated profiles: what the post
+/// hoc simulation is fed.
+fn busy_stage_times(
+    stage_times: &[StageTimes],
+    passes: &[PassTimes],
+    busy_per_mb: &[Vec<f64>],
+) -> (Vec<StageTimes>, Vec<PassTimes>) {
+    let mut fused = Vec::with_capacity(stage_times.len());
+    let mut split = Vec::with_capacity(stage_times.len());
+    for ((t, p), busy) in stage_times.iter().zip(passes).zip(busy_per_mb) {
+        let busy_ns = median(busy) * 1e6;
+        let total = (t.forward_ns + t.backward_ns).max(1) as f64;
+        let f = busy_ns * t.forward_ns as f64 / total;
+        fused.push(StageTimes {
+            forward_ns: f as u64,
+            backward_ns: (busy_ns - f).max(0.0) as u64,
+        });
+        let total = (p.f + p.b + p.w).max(1) as f64;
+        let share = |x: u64| (busy_ns * x as f64 / total) as u64;
+        split.push(PassTimes {
+            f: share(p.f),
+            b: share(p.b),
+            w: share(p.w),
+        });
+    }
+    (fused, split)
 }
 
 /// Per timed iteration, ms unless named otherwise: what the row's medians are taken over.
@@ -216,5 +263,12 @@ mod tests {
         assert_eq!(theoretical_bubble(1, 8), 0.0);
         assert!((theoretical_bubble(2, 8) - 1.0 / 9.0).abs() < 1e-12);
         assert!((theoretical_bubble(4, 4) - 3.0 / 7.0).abs() < 1e-12);
+        for (s, m) in [(1, 8), (2, 8), (4, 4), (5, 3)] {
+            let one = theoretical_bubble_of(Schedule::OneFOneB, s, m);
+            assert!((one - theoretical_bubble(s, m)).abs() < 1e-12, "{s} {m}");
+        }
+        // ZB-H1: (S-1)/(3m+S-1).
+        let zb = theoretical_bubble_of(Schedule::ZbH1, 4, 8);
+        assert!((zb - 3.0 / 27.0).abs() < 1e-12, "{zb}");
     }
 }

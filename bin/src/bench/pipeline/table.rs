@@ -3,7 +3,10 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::Report;
+use oobleck_core::schedule::zero_bubble::{self, closed_form, PassTimes};
+use oobleck_core::schedule::Schedule;
+
+use super::{Report, Row};
 
 pub(super) fn percentile(xs: &[f64], q: f64) -> f64 {
     if xs.is_empty() {
@@ -31,7 +34,70 @@ pub(super) fn table(r: &Report) -> String {
     header(&mut o, r);
     columns(&mut o, r);
     notes(&mut o, r);
+    schedules(&mut o, r);
     o
+}
+
+/// Where a configuration ran under both schedules: their iteration, step and bubble side by
+/// side with the simulator's, the closed form's ratio at S = 4, m = 8 with equal F, B and W,
+/// and last the line `zb-h1/1f1b measured step ratio: X` of the first such configuration.
+fn schedules(o: &mut String, r: &Report) {
+    let pairs: Vec<(&Row, &Row)> = r
+        .rows
+        .iter()
+        .filter(|a| a.schedule == Schedule::OneFOneB)
+        .filter_map(|a| {
+            let same = |b: &&Row| (b.stages, b.pipelines) == (a.stages, a.pipelines);
+            let zb = r
+                .rows
+                .iter()
+                .filter(same)
+                .find(|b| b.schedule == Schedule::ZbH1)?;
+            Some((a, zb))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "schedules side by side (same stages, same data):");
+    for (a, z) in &pairs {
+        let _ = writeln!(
+            o,
+            "  {}x{}, m = {}: iteration 1f1b {:.1} ms, zb-h1 {:.1} ms (ratio {:.3}); step {:.1} \
+             vs {:.1} ms (ratio {:.3}); bubble {:.3} vs {:.3}; simulated {:.1} vs {:.1} ms \
+             (ratio {:.3})",
+            a.stages,
+            a.pipelines,
+            a.m,
+            a.measured_iter_ms,
+            z.measured_iter_ms,
+            z.measured_iter_ms / a.measured_iter_ms,
+            a.step_ms,
+            z.step_ms,
+            z.step_ms / a.step_ms,
+            a.bubble_measured_mean,
+            z.bubble_measured_mean,
+            a.simulated_iter_ms,
+            z.simulated_iter_ms,
+            z.simulated_iter_ms / a.simulated_iter_ms,
+        );
+    }
+    let unit = PassTimes { f: 1, b: 1, w: 1 };
+    let closed =
+        |s| closed_form(Schedule::ZbH1, 4, 8, unit) as f64 / closed_form(s, 4, 8, unit) as f64;
+    let sim = |s| zero_bubble::simulate(s, &[unit; 4], &[0; 3], 8).makespan_ns as f64;
+    let _ = writeln!(
+        o,
+        "simulator, S = 4, m = 8, F = B = W: zb-h1/1f1b {:.3} (closed form {:.3})",
+        sim(Schedule::ZbH1) / sim(Schedule::OneFOneB),
+        closed(Schedule::OneFOneB)
+    );
+    let (a, z) = pairs[0];
+    let _ = writeln!(
+        o,
+        "zb-h1/1f1b measured step ratio: {:.3}",
+        z.step_ms / a.step_ms
+    );
 }
 
 /// The run's settings and load, then each configuration's stage profiles.
@@ -61,21 +127,25 @@ fn header(o: &mut String, r: &Report) {
             .iter()
             .map(|p| {
                 format!(
-                    "L{}..{} planned {:.1}, alone f {:.1} + b {:.1}, in pipeline {:.1}",
+                    "L{}..{} planned {:.1}, alone f {:.1} + b {:.1} (split B {:.1} + W {:.1}), \
+                     in pipeline {:.1}",
                     p.layers.0,
                     p.layers.1,
                     p.planned_ms,
                     p.forward_ms,
                     p.backward_ms,
+                    p.split_b_ms,
+                    p.split_w_ms,
                     p.pipeline_busy_ms
                 )
             })
             .collect();
         let _ = writeln!(
             o,
-            "  {}x{} stages, ms/microbatch: {}; p2p {:.2} ms",
+            "  {}x{} {} stages, ms/microbatch: {}; p2p {:.2} ms",
             row.stages,
             row.pipelines,
+            row.schedule,
             stages.join(" | "),
             row.p2p_ms
         );
@@ -103,15 +173,15 @@ fn header(o: &mut String, r: &Report) {
 fn columns(o: &mut String, r: &Report) {
     let _ = writeln!(
         o,
-        "{:<5} {:>5} {:>3} {:>9} {:>9} {:>6} {:>5} {:>14} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9} {:>4}",
-        "SxP", "ranks", "m", "iter ms", "sim ms", "ratio", "<15%", "bubble m/worst", "sim", "theory",
+        "{:<11} {:>5} {:>3} {:>9} {:>9} {:>6} {:>5} {:>14} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9} {:>4}",
+        "SxP sched", "ranks", "m", "iter ms", "sim ms", "ratio", "<15%", "bubble m/worst", "sim", "theory",
         "sync ms", "overlap", "peer wait", "step ms", "ctl ms", "ctl %", "<2%"
     );
     for row in &r.rows {
         let _ = writeln!(
             o,
-            "{:<5} {:>5} {:>3} {:>9.1} {:>9.1} {:>6.3} {:>5} {:>6.3}/{:<7.3} {:>7.3} {:>7.3} {:>8.2} {:>7.0}% {:>9.2} {:>8.1} {:>8.3} {:>8.3}% {:>4}",
-            format!("{}x{}", row.stages, row.pipelines),
+            "{:<11} {:>5} {:>3} {:>9.1} {:>9.1} {:>6.3} {:>5} {:>6.3}/{:<7.3} {:>7.3} {:>7.3} {:>8.2} {:>7.0}% {:>9.2} {:>8.1} {:>8.3} {:>8.3}% {:>4}",
+            format!("{}x{} {}", row.stages, row.pipelines, row.schedule),
             format!("{}{}", row.ranks, if row.oversubscribed { "*" } else { "" }),
             row.m,
             row.measured_iter_ms,
@@ -138,8 +208,9 @@ fn notes(o: &mut String, r: &Report) {
     let _ = writeln!(
         o,
         "iter = makespan of run_iteration (slowest pipeline); sim = schedule::simulate from the \
-         isolated stage profiles and p2p; bubble = 1 - busy/iter per rank (busy = time outside \
-         communicator calls), mean/worst; theory = (S-1)/(m+S-1); sync = gradient sync of the \
+         isolated stage profiles and p2p (zb-h1: zero_bubble::simulate from the stages' F, B \
+         and W, profiled split); bubble = 1 - busy/iter per rank (busy = time outside \
+         communicator calls), mean/worst; theory = (S-1)/(m+S-1) (zb-h1: (S-1)/(3m+S-1)); sync = gradient sync of the \
          slowest rank (bucket all-reduces started during its last backward + sync_gradients), \
          overlap = its share run while its main thread was still in the iteration, peer wait = \
          time in sync_gradients while another rank was still in its iteration; step = iteration + sync + AdamW; ctl = control-plane commit round trip."
