@@ -12,16 +12,17 @@
 //! where the deferred closure runs the same arithmetic as the fused backward (it does for
 //! every op here); only where the work happens differs.
 //!
-//! [`Stage::backward_inputs`] is B for a whole stage, layer by layer (it needs a
-//! [`Stage::forward_layered`] or [`Stage::forward_recompute`] pass); [`Stage::backward_weights`]
-//! is its W, reporting each layer's gradients like [`Stage::backward_layers`] does, so a
-//! bucket's all-reduce can start once its layers' W are done. Layer 0 takes token ids, has no
-//! input gradient, and so runs its whole backward in W.
+//! [`Stage::backward_inputs`] is B for a whole stage: one backward of a one-graph
+//! [`Stage::forward`] pass, or layer by layer after a [`Stage::forward_layered`] or
+//! [`Stage::forward_recompute`] one (where layer 0, which takes token ids and has no input
+//! gradient, runs its whole backward in W). [`Stage::backward_weights`] is its W, reporting each
+//! layer's gradients like [`Stage::backward_layers`] does, so a bucket's all-reduce can start
+//! once its layers' W are done.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use candle_core::Tensor;
+use candle_core::{Tensor, TensorId};
 
 use super::{backward_cut, chain_root, cut_layer, Layer, LayerCut, Stage, StageForward};
 use crate::{Error, Result};
@@ -87,35 +88,83 @@ enum LayerWeights {
     },
 }
 
-/// What W of one microbatch on one stage still has to do, per layer, last layer first.
+/// What W of one microbatch on one stage still has to do.
 pub struct PendingWeights {
-    layers: Vec<(usize, LayerWeights)>,
+    work: Pending,
+}
+
+enum Pending {
+    /// From a layered or recomputed pass: per layer, last layer first.
+    Layers(Vec<(usize, LayerWeights)>),
+    /// From a one-graph pass: the stage's gradients B computed, by name, and the work left.
+    Stage {
+        done: HashMap<String, Tensor>,
+        deferred: Vec<Deferred>,
+    },
 }
 
 impl PendingWeights {
     /// How many closures the ops left (0 when no op could split: everything ran in B).
     pub fn deferred(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|(_, l)| match l {
-                LayerWeights::Split { deferred, .. } => deferred.len(),
-                LayerWeights::Whole { .. } => 1,
-            })
-            .sum()
+        match &self.work {
+            Pending::Layers(layers) => layers
+                .iter()
+                .map(|(_, l)| match l {
+                    LayerWeights::Split { deferred, .. } => deferred.len(),
+                    LayerWeights::Whole { .. } => 1,
+                })
+                .sum(),
+            Pending::Stage { deferred, .. } => deferred.len(),
+        }
     }
+}
+
+/// Runs `deferred` and sums its gradients by parameter.
+fn run_deferred(deferred: Vec<Deferred>) -> Result<HashMap<TensorId, Tensor>> {
+    let mut by_id: HashMap<TensorId, Tensor> = HashMap::new();
+    for work in deferred {
+        for (param, g) in work()? {
+            let g = match by_id.remove(&param.id()) {
+                Some(acc) => acc.add(&g)?,
+                None => g,
+            };
+            by_id.insert(param.id(), g);
+        }
+    }
+    Ok(by_id)
+}
+
+/// The gradient of parameter `name` (`var`): what B computed plus what W did, or zeros where
+/// the loss reaches it neither way.
+fn gradient_of(
+    name: &str,
+    var: &candle_core::Var,
+    done: &mut HashMap<String, Tensor>,
+    by_id: &mut HashMap<TensorId, Tensor>,
+) -> Result<Tensor> {
+    Ok(
+        match (done.remove(name), by_id.remove(&var.as_tensor().id())) {
+            (Some(a), Some(b)) => a.add(&b)?,
+            (Some(g), None) | (None, Some(g)) => g,
+            (None, None) => var.as_tensor().zeros_like()?,
+        },
+    )
 }
 
 impl Stage {
     /// B: back-propagates `upstream` (None: the stage outputs the loss) to the stage input,
     /// last layer first, leaving the weight gradients to [`Stage::backward_weights`]. Returns
-    /// the stage input's gradient (None for the first stage) and what W has to do. `fwd` must
-    /// be a [`Stage::forward_layered`] or [`Stage::forward_recompute`] pass.
+    /// the stage input's gradient (None for the first stage) and what W has to do. `fwd` is a
+    /// pass of any of the three forwards.
     pub fn backward_inputs(
         &self,
         fwd: StageForward,
         upstream: Option<&Tensor>,
     ) -> Result<(Option<Tensor>, PendingWeights)> {
         let n = self.layers.len();
+        if fwd.cuts.is_empty() && fwd.replay.is_none() {
+            return self.split_stage(fwd, upstream);
+        }
         let mut g: Option<Tensor> = upstream.cloned();
         let mut layers = Vec::with_capacity(n);
         if let Some(replay) = fwd.replay {
@@ -137,7 +186,34 @@ impl Stage {
                 layers.push(split_layer(layer.as_ref(), cut, &mut g)?);
             }
         }
-        Ok((g, PendingWeights { layers }))
+        let work = Pending::Layers(layers);
+        Ok((g, PendingWeights { work }))
+    }
+
+    /// B of a one-graph pass: one backward of the whole stage, the ops' weight work left.
+    fn split_stage(
+        &self,
+        fwd: StageForward,
+        upstream: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, PendingWeights)> {
+        let root = chain_root(&fwd.output, upstream)?;
+        let (store, deferred) = collecting(|| root.backward());
+        let store = store?;
+        let input = match &fwd.input {
+            Some(v) => Some(match store.get(v.as_tensor()) {
+                Some(g) => g.clone(),
+                None => v.as_tensor().zeros_like()?,
+            }),
+            None => None,
+        };
+        let mut done = HashMap::new();
+        for (name, var) in self.params() {
+            if let Some(g) = store.get(var.as_tensor()) {
+                done.insert(name, g.clone());
+            }
+        }
+        let work = Pending::Stage { done, deferred };
+        Ok((input, PendingWeights { work }))
     }
 
     /// W: the weight gradients `pending` left, layer by layer from the last one, each handed
@@ -148,7 +224,13 @@ impl Stage {
         pending: PendingWeights,
         on_layer: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<()>,
     ) -> Result<()> {
-        for (index, work) in pending.layers {
+        let layers = match pending.work {
+            Pending::Layers(layers) => layers,
+            Pending::Stage { done, deferred } => {
+                return self.stage_weights(done, deferred, on_layer)
+            }
+        };
+        for (index, work) in layers {
             let layer = self
                 .layers
                 .iter()
@@ -162,28 +244,43 @@ impl Stage {
                     backward_cut(layer.as_ref(), cut, upstream.as_ref())?.0
                 }
                 LayerWeights::Split { mut done, deferred } => {
-                    let mut by_id: HashMap<_, Tensor> = HashMap::new();
-                    for work in deferred {
-                        for (param, g) in work()? {
-                            match by_id.remove(&param.id()) {
-                                Some(acc) => by_id.insert(param.id(), acc.add(&g)?),
-                                None => by_id.insert(param.id(), g),
-                            };
-                        }
-                    }
+                    let mut by_id = run_deferred(deferred)?;
                     let mut grads = HashMap::new();
                     for (name, var) in layer.params() {
-                        let g = match (done.remove(&name), by_id.remove(&var.as_tensor().id())) {
-                            (Some(a), Some(b)) => a.add(&b)?,
-                            (Some(g), None) | (None, Some(g)) => g,
-                            (None, None) => var.as_tensor().zeros_like()?,
-                        };
+                        let g = gradient_of(&name, &var, &mut done, &mut by_id)?;
                         grads.insert(name, g);
                     }
                     grads
                 }
             };
             on_layer(index, grads)?;
+        }
+        Ok(())
+    }
+
+    /// W of a one-graph pass, reported layer by layer from the last: a parameter listed by
+    /// several layers of the stage (a tied one) goes whole with the lowest of them, where the
+    /// layer-by-layer backward would have finished it.
+    fn stage_weights(
+        &self,
+        mut done: HashMap<String, Tensor>,
+        deferred: Vec<Deferred>,
+        on_layer: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<()>,
+    ) -> Result<()> {
+        let mut by_id = run_deferred(deferred)?;
+        for (k, layer) in self.layers.iter().enumerate().rev() {
+            let lower: std::collections::HashSet<String> = self.layers[..k]
+                .iter()
+                .flat_map(|l| l.params().into_iter().map(|(n, _)| n))
+                .collect();
+            let mut grads = HashMap::new();
+            for (name, var) in layer.params() {
+                if !lower.contains(&name) {
+                    let g = gradient_of(&name, &var, &mut done, &mut by_id)?;
+                    grads.insert(name, g);
+                }
+            }
+            on_layer(layer.index(), grads)?;
         }
         Ok(())
     }

@@ -169,7 +169,7 @@ fn profile_split(
     let (mut b, mut w) = (Vec::new(), Vec::new());
     let mut acc = HashMap::new();
     for rep in 0..=reps {
-        let fwd = stage.forward_layered(x, &train_ctx(targets, seed, rep as u64, 1.0))?;
+        let fwd = stage.forward(x, &train_ctx(targets, seed, rep as u64, 1.0))?;
         let t0 = Instant::now();
         let (gi, pending) = stage.backward_inputs(fwd, upstream)?;
         if let Some(gi) = &gi {

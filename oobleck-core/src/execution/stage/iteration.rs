@@ -143,7 +143,8 @@ pub(super) struct Iteration<'scope, 'env> {
     last_bwd: Option<usize>,
     /// The microbatch of that backward when it runs layer by layer (there are buckets).
     layered_mb: Option<u32>,
-    /// ZB-H1: every backward is split, so every forward keeps its graph cut per layer.
+    /// ZB-H1: every backward is split into B and W; W reports layer by layer from a one-graph
+    /// pass too, so no forward needs its graph cut per layer.
     split: bool,
     /// The bucket all-reduce thread, once the last backward started it.
     background: Option<ScopedJoinHandle<'scope, Result<Vec<BucketDone>>>>,
@@ -251,7 +252,7 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
         // Both backward paths take any of the three passes.
         let fwd = if r.cfg.recompute {
             r.stage.forward_recompute(&x, &ctx)?
-        } else if self.split || self.layered_mb == Some(mb) {
+        } else if self.layered_mb == Some(mb) && !self.split {
             r.stage.forward_layered(&x, &ctx)?
         } else {
             r.stage.forward(&x, &ctx)?
