@@ -1,5 +1,6 @@
 //! 1F1B instruction streams and an exact event simulator of one pipeline iteration; the
-//! zero-bubble schedule ZB-H1 beside 1F1B at the level of passes ([`zero_bubble`]).
+//! zero-bubble schedule ZB-H1 beside 1F1B at the level of passes, and its streams
+//! ([`zero_bubble`]); [`schedule_stream`] gives a stage its stream under either.
 //!
 //! Stage `i` of `S` runs `min(S - i - 1, m)` warm-up forwards, then alternates one forward and
 //! one backward, then drains the remaining backwards (the DeepSpeed `TrainSchedule` order).
