@@ -248,6 +248,28 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Every rank's losses and parameters within 1e-5 of the single process's (`what` names the
+/// run in a failure).
+fn assert_like_single(
+    ranks: &[(Vec<f64>, Params)],
+    want_losses: &[f64],
+    want: &Params,
+    what: &str,
+) {
+    for (rank, (losses, params)) in ranks.iter().enumerate() {
+        for (a, b) in losses.iter().zip(want_losses) {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "rank {rank} ({what}): loss {a} vs {b}"
+            );
+        }
+        for (name, v) in params {
+            let d = max_diff(v, &want[name]);
+            assert!(d <= 1e-5, "rank {rank} ({what}): `{name}` differs by {d}");
+        }
+    }
+}
+
 #[test]
 fn heterogeneous_pipelines_match_the_single_process_step() {
     let model = Toy { layers: 6, seed: 3 };
@@ -330,24 +352,8 @@ fn a_single_stage_pipeline_holds_the_tied_parameter_once() {
     .unwrap();
     // Under both schedules: the same values.
     for schedule in [Schedule::OneFOneB, Schedule::ZbH1] {
-        for (rank, (losses, params)) in distributed(&model, layout.clone(), false, schedule)
-            .into_iter()
-            .enumerate()
-        {
-            for (a, b) in losses.iter().zip(&want_losses) {
-                assert!(
-                    (a - b).abs() <= 1e-5,
-                    "rank {rank} ({schedule}): loss {a} vs {b}"
-                );
-            }
-            for (name, v) in &params {
-                let d = max_diff(v, &want[name]);
-                assert!(
-                    d <= 1e-5,
-                    "rank {rank} ({schedule}): `{name}` differs by {d}"
-                );
-            }
-        }
+        let ranks = distributed(&model, layout.clone(), false, schedule);
+        assert_like_single(&ranks, &want_losses, &want, &schedule.to_string());
     }
 }
 
@@ -448,24 +454,8 @@ fn multi_device_stages_recut_rows_and_match_the_single_process_step() {
     assert_eq!(layout.holders(0), vec![0, 1, 3]);
     // Under both schedules: the same values.
     for schedule in [Schedule::OneFOneB, Schedule::ZbH1] {
-        for (rank, (losses, params)) in distributed(&model, layout.clone(), false, schedule)
-            .into_iter()
-            .enumerate()
-        {
-            for (a, b) in losses.iter().zip(&want_losses) {
-                assert!(
-                    (a - b).abs() <= 1e-5,
-                    "rank {rank} ({schedule}): loss {a} vs {b}"
-                );
-            }
-            for (name, v) in &params {
-                let d = max_diff(v, &want[name]);
-                assert!(
-                    d <= 1e-5,
-                    "rank {rank} ({schedule}): `{name}` differs by {d}"
-                );
-            }
-        }
+        let ranks = distributed(&model, layout.clone(), false, schedule);
+        assert_like_single(&ranks, &want_losses, &want, &schedule.to_string());
     }
 }
 
@@ -605,24 +595,8 @@ fn a_plan_of_heterogeneous_multi_device_pipelines_trains_like_one_process() {
     let (want_losses, want) = single(&model);
     // Under both schedules: the same values.
     for schedule in [Schedule::OneFOneB, Schedule::ZbH1] {
-        for (rank, (losses, params)) in distributed(&model, layout.clone(), false, schedule)
-            .into_iter()
-            .enumerate()
-        {
-            for (a, b) in losses.iter().zip(&want_losses) {
-                assert!(
-                    (a - b).abs() <= 1e-5,
-                    "rank {rank} ({schedule}): loss {a} vs {b}"
-                );
-            }
-            for (name, v) in &params {
-                let d = max_diff(v, &want[name]);
-                assert!(
-                    d <= 1e-5,
-                    "rank {rank} ({schedule}): `{name}` differs by {d}"
-                );
-            }
-        }
+        let ranks = distributed(&model, layout.clone(), false, schedule);
+        assert_like_single(&ranks, &want_losses, &want, &schedule.to_string());
     }
 }
 

@@ -76,35 +76,51 @@ pub fn stage_stream(stage: usize, stages: usize, m: u32) -> Vec<Instruction> {
     let last = stage + 1 == stages;
     let warmup = ((stages - stage - 1) as u32).min(m);
     let mut out = Vec::with_capacity(6 * m as usize);
-    let fwd = |out: &mut Vec<Instruction>, mb| {
-        if !first {
-            out.push(Instruction::RecvActivation { mb });
-        }
-        out.push(Instruction::Forward { mb });
-        if !last {
-            out.push(Instruction::SendActivation { mb });
-        }
-    };
+    let ends = (first, last);
     let bwd = |out: &mut Vec<Instruction>, mb| {
-        if !last {
-            out.push(Instruction::RecvGradient { mb });
-        }
-        out.push(Instruction::Backward { mb });
-        if !first {
-            out.push(Instruction::SendGradient { mb });
-        }
+        push_backward(out, Instruction::Backward { mb }, mb, ends);
     };
     for mb in 0..warmup {
-        fwd(&mut out, mb);
+        push_forward(&mut out, mb, ends);
     }
     for j in 0..(m - warmup) {
-        fwd(&mut out, warmup + j);
+        push_forward(&mut out, warmup + j, ends);
         bwd(&mut out, j);
     }
     for mb in (m - warmup)..m {
         bwd(&mut out, mb);
     }
     out
+}
+
+/// Microbatch `mb`'s forward with its receive (not on the first stage) and send (not on the
+/// last); `(first, last)` says which ends the stage is.
+pub(crate) fn push_forward(out: &mut Vec<Instruction>, mb: u32, (first, last): (bool, bool)) {
+    if !first {
+        out.push(Instruction::RecvActivation { mb });
+    }
+    out.push(Instruction::Forward { mb });
+    if !last {
+        out.push(Instruction::SendActivation { mb });
+    }
+}
+
+/// Microbatch `mb`'s backward pass `pass` (1F1B's `Backward`, ZB-H1's `BackwardInput`) with
+/// the receive of its output's gradient (not on the last stage) and the send of its input's
+/// (not on the first).
+pub(crate) fn push_backward(
+    out: &mut Vec<Instruction>,
+    pass: Instruction,
+    mb: u32,
+    (first, last): (bool, bool),
+) {
+    if !last {
+        out.push(Instruction::RecvGradient { mb });
+    }
+    out.push(pass);
+    if !first {
+        out.push(Instruction::SendGradient { mb });
+    }
 }
 
 /// Rows `[start, end)` of a microbatch of `b` samples that device `d` of `g` handles (the

@@ -119,28 +119,12 @@ pub fn stage_stream(stage: usize, stages: usize, m: u32) -> Vec<Instruction> {
     assert!(stage < stages, "stage {stage} out of {stages}");
     let unit = PassTimes { f: 1, b: 1, w: 1 };
     let sim = simulate(Schedule::ZbH1, &vec![unit; stages], &vec![0; stages - 1], m);
-    let (first, last) = (stage == 0, stage + 1 == stages);
+    let ends = (stage == 0, stage + 1 == stages);
     let mut out = Vec::with_capacity(5 * m as usize);
     for &(pass, mb) in &sim.streams[stage] {
         match pass {
-            Pass::F => {
-                if !first {
-                    out.push(Instruction::RecvActivation { mb });
-                }
-                out.push(Instruction::Forward { mb });
-                if !last {
-                    out.push(Instruction::SendActivation { mb });
-                }
-            }
-            Pass::B => {
-                if !last {
-                    out.push(Instruction::RecvGradient { mb });
-                }
-                out.push(Instruction::BackwardInput { mb });
-                if !first {
-                    out.push(Instruction::SendGradient { mb });
-                }
-            }
+            Pass::F => super::push_forward(&mut out, mb, ends),
+            Pass::B => super::push_backward(&mut out, Instruction::BackwardInput { mb }, mb, ends),
             Pass::W => out.push(Instruction::BackwardWeight { mb }),
         }
     }
