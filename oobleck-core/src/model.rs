@@ -414,20 +414,13 @@ impl Stage {
         let store = root.backward()?;
         let mut params = HashMap::new();
         for (name, var) in self.params() {
-            let g = match store.get(var.as_tensor()) {
-                Some(g) => g.clone(),
-                // A parameter the loss does not reach (possible for unused positions) gets zeros.
-                None => var.as_tensor().zeros_like()?,
-            };
-            params.insert(name, g);
+            params.insert(name, grad_or_zeros(&store, &var)?);
         }
-        let input = match &fwd.input {
-            Some(v) => Some(match store.get(v.as_tensor()) {
-                Some(g) => g.clone(),
-                None => v.as_tensor().zeros_like()?,
-            }),
-            None => None,
-        };
+        let input = fwd
+            .input
+            .as_ref()
+            .map(|v| grad_or_zeros(&store, v))
+            .transpose()?;
         Ok(StageGrads { params, input })
     }
 }
@@ -458,20 +451,23 @@ fn backward_cut(
     let store = chain_root(&cut.output, g)?.backward()?;
     let mut grads = HashMap::new();
     for (name, var) in layer.params() {
-        let gp = match store.get(var.as_tensor()) {
-            Some(gp) => gp.clone(),
-            None => var.as_tensor().zeros_like()?,
-        };
-        grads.insert(name, gp);
+        grads.insert(name, grad_or_zeros(&store, &var)?);
     }
-    let input = match &cut.input {
-        Some(v) => Some(match store.get(v.as_tensor()) {
-            Some(gi) => gi.clone(),
-            None => v.as_tensor().zeros_like()?,
-        }),
-        None => None,
-    };
+    let input = cut
+        .input
+        .as_ref()
+        .map(|v| grad_or_zeros(&store, v))
+        .transpose()?;
     Ok((grads, input))
+}
+
+/// The gradient `store` holds for `var`, or zeros where the loss does not reach it (a
+/// parameter of unused positions, say).
+fn grad_or_zeros(store: &candle_core::backprop::GradStore, var: &Var) -> Result<Tensor> {
+    Ok(match store.get(var.as_tensor()) {
+        Some(g) => g.clone(),
+        None => var.as_tensor().zeros_like()?,
+    })
 }
 
 /// The scalar whose backward gives the gradients of a (stage or layer) output `out`: `out`

@@ -24,7 +24,7 @@ use super::sync::{sync_with, IterationOutput, SyncCtx, SyncReport};
 use super::{buf_to_tensor, tensor_to_buf};
 use crate::model::{LayeredModel, ParamSource, Stage, TiedParam};
 use crate::optim::AdamW;
-use crate::schedule::{device_stream, Instruction, PeerRows, Schedule};
+use crate::schedule::{device_stream, DeviceInstruction, Instruction, PeerRows, Schedule};
 use crate::{Error, Result};
 
 mod iteration;
@@ -78,10 +78,11 @@ pub struct StageRunner {
     tied: Vec<TiedParam>,
     /// Devices per stage of this pipeline, for `schedule::device_stream`.
     devices: Vec<u32>,
+    /// This device's instruction stream, the same every iteration (`schedule::device_stream`).
+    stream: Vec<DeviceInstruction>,
     prev: Vec<Rank>,
     next: Vec<Rank>,
     first_mb: u32,
-    num_mb: u32,
     total_mb: u32,
     device: Device,
     cfg: StageConfig,
@@ -121,6 +122,15 @@ impl StageRunner {
         let spec = layout.stage(pos);
         let stage = Stage::new(model.build_layers(spec.layers.clone(), device, source)?)?;
         let num_stages = pipe.stages.len();
+        let num_mb = pipe.microbatches.end - pipe.microbatches.start;
+        let stream = device_stream(
+            cfg.schedule,
+            pos.stage,
+            &devices,
+            pos.device as u32,
+            cfg.microbatch_size,
+            num_mb,
+        );
         Ok(Self {
             stage,
             rank,
@@ -128,6 +138,7 @@ impl StageRunner {
             layout: layout.clone(),
             tied: model.tied_params(),
             devices,
+            stream,
             prev: if pos.stage > 0 {
                 pipe.stages[pos.stage - 1].ranks.clone()
             } else {
@@ -139,7 +150,6 @@ impl StageRunner {
                 Vec::new()
             },
             first_mb: pipe.microbatches.start,
-            num_mb: pipe.microbatches.end - pipe.microbatches.start,
             total_mb: layout.total_microbatches(),
             device: device.clone(),
             cfg,
@@ -215,16 +225,9 @@ impl StageRunner {
             device = self.pos.device
         )
         .entered();
-        let stream = device_stream(
-            self.cfg.schedule,
-            self.pos.stage,
-            &self.devices,
-            self.pos.device as u32,
-            self.cfg.microbatch_size,
-            self.num_mb,
-        );
+        let stream = &self.stream;
         std::thread::scope(|scope| -> Result<IterationOutput> {
-            let mut it = Iteration::new(self, comm, iteration, &stream);
+            let mut it = Iteration::new(self, comm, iteration, stream);
             for (at, di) in stream.iter().enumerate() {
                 let peers = di.peers.as_slice();
                 match di.instruction {

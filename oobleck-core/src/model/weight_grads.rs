@@ -24,7 +24,9 @@ use std::collections::HashMap;
 
 use candle_core::{Tensor, TensorId};
 
-use super::{backward_cut, chain_root, cut_layer, Layer, LayerCut, Stage, StageForward};
+use super::{
+    backward_cut, chain_root, cut_layer, grad_or_zeros, Layer, LayerCut, Stage, StageForward,
+};
 use crate::{Error, Result};
 
 /// Weight gradients an op left for W: `(the parameter tensor the op was given, its gradient)`.
@@ -53,24 +55,20 @@ pub fn defer(params: &[&Tensor], work: Deferred) -> Option<Deferred> {
 
 /// Runs `f` (a backward) with deferral on, and returns its result and the work the ops left.
 pub fn collecting<T>(f: impl FnOnce() -> T) -> (T, Vec<Deferred>) {
-    let outer = COLLECTING.with(|c| c.borrow_mut().replace(Vec::new()));
-    // Put the outer list back even if `f` panics, so a caught panic leaves no deferral on.
-    struct Restore(Option<Option<Vec<Deferred>>>);
+    // Puts the outer list back when done, also if `f` panics, so a caught panic leaves no
+    // deferral on.
+    struct Restore(Option<Vec<Deferred>>);
     impl Drop for Restore {
         fn drop(&mut self) {
-            if let Some(outer) = self.0.take() {
-                COLLECTING.with(|c| *c.borrow_mut() = outer);
-            }
+            let outer = self.0.take();
+            COLLECTING.with(|c| *c.borrow_mut() = outer);
         }
     }
-    let mut restore = Restore(Some(outer));
+    let _restore = Restore(COLLECTING.with(|c| c.borrow_mut().replace(Vec::new())));
     let out = f();
     let mine = COLLECTING
         .with(|c| c.borrow_mut().take())
         .unwrap_or_default();
-    if let Some(outer) = restore.0.take() {
-        COLLECTING.with(|c| *c.borrow_mut() = outer);
-    }
     (out, mine)
 }
 
@@ -199,13 +197,11 @@ impl Stage {
         let root = chain_root(&fwd.output, upstream)?;
         let (store, deferred) = collecting(|| root.backward());
         let store = store?;
-        let input = match &fwd.input {
-            Some(v) => Some(match store.get(v.as_tensor()) {
-                Some(g) => g.clone(),
-                None => v.as_tensor().zeros_like()?,
-            }),
-            None => None,
-        };
+        let input = fwd
+            .input
+            .as_ref()
+            .map(|v| grad_or_zeros(&store, v))
+            .transpose()?;
         let mut done = HashMap::new();
         for (name, var) in self.params() {
             if let Some(g) = store.get(var.as_tensor()) {
@@ -311,10 +307,7 @@ fn split_layer(
     let root = chain_root(&cut.output, g.as_ref())?;
     let (store, deferred) = collecting(|| root.backward());
     let store = store?;
-    *g = Some(match store.get(input.as_tensor()) {
-        Some(gi) => gi.clone(),
-        None => input.as_tensor().zeros_like()?,
-    });
+    *g = Some(grad_or_zeros(&store, &input)?);
     // Whatever the graph's ops computed for a parameter: its gradient, or B's part of it.
     let mut done = HashMap::new();
     for (name, var) in layer.params() {

@@ -319,7 +319,7 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
             mb: r.first_mb + mb,
         });
         let (fwd, up) = self.take_for_backward(mb)?;
-        let gi = if self.layered_mb == Some(mb) && Some(at) == self.last_bwd {
+        let gi = if self.is_last_layered(at, mb) {
             let work = LastBackward::Fused { fwd, upstream: up };
             self.backward_last(scope, work)?
         } else {
@@ -331,6 +331,12 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
             self.to_send.insert(mb, gi);
         }
         Ok(())
+    }
+
+    /// Whether instruction `at`, of microbatch `mb`, is the last backward (1F1B) or W (ZB-H1),
+    /// run layer by layer with the bucket all-reduces beside it.
+    fn is_last_layered(&self, at: usize, mb: u32) -> bool {
+        self.layered_mb == Some(mb) && Some(at) == self.last_bwd
     }
 
     /// Microbatch `mb`'s forward pass and (not on the last stage) its output's gradient.
@@ -385,7 +391,7 @@ impl<'scope, 'env> Iteration<'scope, 'env> {
             .pending
             .remove(&mb)
             .ok_or_else(|| r.missing("input gradient pass (B)", mb))?;
-        if self.layered_mb == Some(mb) && Some(at) == self.last_bwd {
+        if self.is_last_layered(at, mb) {
             self.backward_last(scope, LastBackward::Weights(pending))?;
             return Ok(());
         }
